@@ -1,0 +1,46 @@
+"""AsyncGRPOConfig carries the spec's defaults and rejects bad combinations with a fix."""
+import pytest
+
+from grpo_agent import AsyncGRPOConfig
+
+
+def test_spec_defaults(tmp_path):
+    c = AsyncGRPOConfig(output_dir=str(tmp_path))
+    assert c.learning_rate == 1e-6
+    assert str(c.lr_scheduler_type.value) == "constant"
+    assert c.logging_steps == 1
+    assert c.gradient_checkpointing is True
+    assert c.ignore_data_skip is True and c.remove_unused_columns is False
+    assert (c.num_generations, c.max_completion_length, c.temperature) == (8, 2048, 1.0)
+    assert (c.top_p, c.top_k, c.min_p) == (1.0, 0, None)
+    assert c.vllm_server_base_url == "http://localhost:8000" and c.vllm_server_timeout == 1800.0
+    assert (c.epsilon, c.epsilon_high, c.effective_epsilon_high) == (0.2, None, 0.2)
+    assert c.score_centering is True
+    assert (c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max) == (0.5, 5.0)
+    assert (c.num_sampler_logprobs, c.token_budget) == (8, None)
+    assert (c.max_concurrent_rollouts, c.max_staleness, c.weight_sync_steps) == (512, 4, 1)
+    assert c.rollout_worker_timeout == 300.0
+    assert c.dtype == "float32"
+
+
+def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert c.bf16 is False
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), fp16=False, bf16=False).bf16 is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_generations": 1}, "num_generations >= 2"),
+        ({"top_p": 0.9}, "requires top_k > 0"),
+        ({"min_p": 0.1}, "requires top_k > 0"),
+        ({"ignore_data_skip": False}, "rollout_state.json"),
+        ({"remove_unused_columns": True}, "reward functions"),
+        ({"dtype": "fp8"}, "choose one of"),
+        ({"vllm_importance_sampling_clip_min": 6.0}, "must be below"),
+    ],
+)
+def test_bad_combinations_name_the_rule_and_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(output_dir=str(tmp_path), **kwargs)
