@@ -173,3 +173,30 @@ def _bf16_supported(args: AsyncGRPOConfig) -> bool:
         return True
     logger.info("No bf16-capable GPU found: training in full precision (bf16=False).")
     return False
+
+
+def config_reference_markdown() -> str:
+    """The fields AsyncGRPOConfig adds or re-defaults, as a markdown table (docs/config.md)."""
+    from dataclasses import MISSING, fields
+
+    own = AsyncGRPOConfig.__annotations__  # fields declared (or re-defaulted) here
+    lines = [
+        "# AsyncGRPOConfig reference",
+        "",
+        "Generated from `grpo_agent.config` (`python -m grpo_agent.config > docs/config.md`).",
+        "Fields not listed behave as in `transformers.TrainingArguments`.",
+        "",
+        "| field | default | meaning |",
+        "|---|---|---|",
+    ]
+    for f in fields(AsyncGRPOConfig):
+        if f.name not in own:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        text = f.metadata.get("help", "").replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{default!r}` | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown(), end="")

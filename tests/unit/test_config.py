@@ -44,3 +44,14 @@ def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
 def test_bad_combinations_name_the_rule_and_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         AsyncGRPOConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def test_docs_config_md_is_current():
+    from pathlib import Path
+
+    from grpo_agent.config import config_reference_markdown
+
+    doc = Path(__file__).parents[2] / "docs" / "config.md"
+    assert doc.read_text() == config_reference_markdown(), (
+        "docs/config.md is stale: run `python -m grpo_agent.config > docs/config.md`"
+    )
