@@ -1,0 +1,121 @@
+"""Build a tiny random Qwen3 model and its tokenizer locally, with no network access.
+
+Design decision: tests and demos must never download anything, yet they must exercise the
+real stack (transformers, vLLM, chat templates with tools). So we train a byte-level BPE
+tokenizer on a corpus shipped in `testing/data/`, attach a Qwen3-style ChatML template
+(tools, `<tool_call>`, `<tool_response>`, `<think>`), and save a seeded random
+`Qwen3ForCausalLM` of about 0.8M parameters in float32 with `save_pretrained`. The result is
+cached under a versioned folder and built behind a file lock, so concurrent test sessions
+build it once and never see a half-written folder. Bump `KIT_VERSION` whenever the output
+changes.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+KIT_VERSION = 1
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>",
+]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+_COMPLETE_MARKER = ".complete"
+
+
+def default_cache_dir() -> Path:
+    """`$GRPO_AGENT_CACHE` or `~/.cache/grpo-agent`: where built artefacts are kept."""
+    root = os.environ.get("GRPO_AGENT_CACHE") or Path.home() / ".cache" / "grpo-agent"
+    return Path(root)
+
+
+def build_tiny_model(out_dir: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """Return a folder holding the tiny model and tokenizer, building it if needed.
+
+    Without `out_dir` the shared cache folder `tiny-qwen3-v<KIT_VERSION>` is used. An existing
+    complete build is reused unless `force`. The build is deterministic: the same files come
+    out on every machine.
+    """
+    target = Path(out_dir) if out_dir is not None else default_cache_dir() / f"tiny-qwen3-v{KIT_VERSION}"
+    target = target.expanduser().resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _COMPLETE_MARKER).exists() and not force:
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        staging.chmod(0o755)
+        try:
+            _write_model(staging)
+            (staging / _COMPLETE_MARKER).write_text(f"{KIT_VERSION}\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_model(folder: Path) -> None:
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    model = build_random_qwen3(tokenizer)
+    model.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+
+
+def _data_text(name: str) -> str:
+    return resources.files("grpo_agent.testing").joinpath("data", name).read_text("utf-8")
+
+
+def build_tokenizer():
+    """Train the byte-level BPE tokenizer on the shipped corpus and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_data_text("corpus.txt").splitlines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=None,
+        unk_token=None, additional_special_tokens=SPECIAL_TOKENS[1:],
+        clean_up_tokenization_spaces=False, model_max_length=2048,
+    )
+    tokenizer.chat_template = _data_text("chat_template.jinja")
+    return tokenizer
+
+
+def build_random_qwen3(tokenizer):
+    """A seeded random Qwen3 (2 layers, hidden 128, ~0.8M parameters) in float32.
+
+    The untied `lm_head` is drawn with std 0.2 so logits have std ~2: sampled text is varied
+    but the distribution is not flat, which makes logprob comparisons meaningful.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 0.2)
+    return model.to(torch.float32)
