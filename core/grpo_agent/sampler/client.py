@@ -1,0 +1,306 @@
+"""Async token-in/token-out client for a vLLM server.
+
+Design decision: the rollout worker speaks token ids only, so it trains on exactly what the
+server sampled. `generate` uses vLLM's `/inference/v1/generate` (ids in, ids + logprobs +
+per-token weight versions out) and falls back to `/v1/completions` with token-id prompts when
+the server was started without `--enable-scale-out`. Retries are bounded and limited to what
+can succeed (connection errors, timeouts, 5xx); a 4xx fails at once with the server's message,
+because retrying a prompt longer than `max_model_len` only stalls the worker. Pooled
+connections expire before vLLM's keep-alive timeout (5 s by default) closes them under us.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from grpo_agent.sampler.errors import (
+    RequestRejectedError,
+    SamplerError,
+    ServerUnreachableError,
+)
+from grpo_agent.sampler.prometheus import ServerMetrics, parse_server_metrics
+from grpo_agent.types import TurnRecord
+
+logger = logging.getLogger(__name__)
+
+# Below vLLM's default 5 s keep-alive, so we never reuse a connection the server just closed.
+KEEPALIVE_EXPIRY_S = 3.0
+CONTROL_TIMEOUT_S = 120.0
+_RETRYABLE_STATUS = range(500, 600)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM's names and meanings)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 8  # size of the top-k kept per position (0 = sampled token only)
+    seed: int | None = None  # never on a CPU server: preempted seeded requests crash it
+    stop_token_ids: list[int] | None = None
+    return_sampling_mask: bool = False  # keep the server's sampling mask when it sends one
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    max_model_len: int
+
+
+class SamplerClient:
+    """One pooled HTTP client per process; safe to share between many concurrent tasks."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 1800.0,
+        max_retries: int = 5,
+        max_connections: int = 512,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_count = 0
+        self._model_info: ModelInfo | None = None
+        self._use_completions = False
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
+        )
+
+    async def __aenter__(self) -> SamplerClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:
+        """Sample one completion for `prompt_ids`; the record holds ids, logprobs and top-k."""
+        if not self._use_completions:
+            try:
+                return await self._generate_tokens(prompt_ids, params)
+            except RequestRejectedError as error:
+                if error.status_code not in (403, 404):
+                    raise
+                logger.warning(
+                    "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
+                    "falling back to /v1/completions without per-token weight versions.",
+                    self.base_url,
+                )
+                self._use_completions = True
+        return await self._generate_completions(prompt_ids, params)
+
+    async def _generate_tokens(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:
+        model = (await self.model_info()).id
+        body = {"model": model, "token_ids": list(prompt_ids),
+                "sampling_params": _sampling_body(params)}
+        data = await self._request_json("POST", "/inference/v1/generate", json=body)
+        return _turn_from_generate(prompt_ids, data["choices"][0], params)
+
+    async def _generate_completions(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> TurnRecord:
+        model = (await self.model_info()).id
+        body = {"model": model, "prompt": list(prompt_ids), "return_token_ids": True,
+                "return_tokens_as_token_ids": True, **_sampling_body(params)}
+        data = await self._request_json("POST", "/v1/completions", json=body)
+        return _turn_from_completion(prompt_ids, data["choices"][0], params)
+
+    # ------------------------------------------------------------------ server state
+
+    async def model_info(self) -> ModelInfo:
+        """The served model's id and `max_model_len` (fetched once, then cached)."""
+        if self._model_info is None:
+            data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
+            first = data["data"][0]
+            self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
+        return self._model_info
+
+    async def metrics(self) -> ServerMetrics | None:
+        """Scheduler gauges from `/metrics`; None when the server does not expose them."""
+        response = await self._request("GET", "/metrics", timeout=CONTROL_TIMEOUT_S,
+                                       allow_status=(404,))
+        if response.status_code == 404:
+            return None
+        return parse_server_metrics(response.text)
+
+    async def server_info(self) -> dict:
+        """The server's resolved configuration (`GET /server_info?config_format=json`)."""
+        return await self._request_json("GET", "/server_info", params={"config_format": "json"},
+                                        timeout=CONTROL_TIMEOUT_S)
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Stop scheduling; `keep` freezes running requests in place (needs dev mode)."""
+        await self._request("POST", "/pause", timeout=CONTROL_TIMEOUT_S,
+                            params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume", timeout=CONTROL_TIMEOUT_S)
+
+    async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """Drop cached KV blocks; False when running requests still hold blocks."""
+        data = await self._request_json(
+            "POST", "/reset_prefix_cache", timeout=CONTROL_TIMEOUT_S,
+            params={"reset_running_requests": str(reset_running_requests).lower()},
+        )
+        return bool(data.get("success"))
+
+    # ------------------------------------------------------------------ transport
+
+    async def _request_json(self, method: str, path: str, **kwargs) -> Any:
+        return (await self._request(method, path, **kwargs)).json()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        timeout: float | None = None,
+        allow_status: tuple[int, ...] = (),
+    ) -> httpx.Response:
+        """Send with bounded retries on connection errors, timeouts and 5xx responses."""
+        last_problem = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.retry_count += 1
+                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+            try:
+                response = await self._http.request(
+                    method, path, json=json, params=params,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except httpx.TransportError as error:
+                last_problem = f"{type(error).__name__}: {error or 'connection failed'}"
+                continue
+            if response.status_code in _RETRYABLE_STATUS:
+                last_problem = f"HTTP {response.status_code}: {_server_message(response)}"
+                continue
+            if response.status_code >= 400 and response.status_code not in allow_status:
+                raise RequestRejectedError(
+                    f"{method} {self.base_url}{path} was rejected with HTTP "
+                    f"{response.status_code}: {_server_message(response)}",
+                    status_code=response.status_code,
+                )
+            return response
+        raise self._exhausted_error(method, path, last_problem)
+
+    def _exhausted_error(self, method: str, path: str, problem: str) -> SamplerError:
+        where = f"{method} {self.base_url}{path}"
+        if problem.startswith(("ConnectError", "ConnectTimeout")):
+            return ServerUnreachableError(
+                f"No vLLM server answered at {self.base_url} ({problem}) after "
+                f"{self.max_retries + 1} attempts. Start one (e.g. `vllm serve MODEL "
+                f"--enable-scale-out`) or pass the right URL."
+            )
+        return SamplerError(f"{where} failed after {self.max_retries + 1} attempts: {problem}")
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:2000] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error", data)
+        if isinstance(error, dict):
+            return str(error.get("message") or error.get("detail") or error)
+        return str(data.get("detail") or error)
+    return str(data)
+
+
+def _sampling_body(params: SamplingParams) -> dict[str, Any]:
+    """vLLM sampling fields; asks for k+1 logprobs so a full top-k survives (see module doc)."""
+    body: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "repetition_penalty": params.repetition_penalty,
+        "logprobs": params.num_logprobs + 1 if params.num_logprobs > 0 else 0,
+    }
+    if params.min_p is not None:
+        body["min_p"] = params.min_p
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def _turn_from_generate(prompt_ids: list[int], choice: dict, params: SamplingParams) -> TurnRecord:
+    output_ids = [int(t) for t in choice["token_ids"]]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    top_k = params.num_logprobs
+    sampler_logprobs = [
+        {int(e["token_id"]): float(e["logprob"]) for e in entry.get("top_logprobs", [])
+         if e.get("rank") is not None and e["rank"] <= top_k}
+        for entry in content
+    ] if top_k > 0 else None
+    mask = choice.get("sampling_mask") if params.return_sampling_mask else None
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_log_probs=[float(entry["logprob"]) for entry in content],
+        output_sampler_logprobs=sampler_logprobs,
+        output_sampling_mask=mask,
+        finish_reason=choice.get("finish_reason"),
+        weight_versions=_expand_weight_versions(choice.get("weight_versions"), len(output_ids)),
+    )
+
+
+def _expand_weight_versions(spans: list[dict] | None, num_tokens: int) -> list[str] | None:
+    """Turn vLLM's `[{version, start, end}]` spans into one version string per token."""
+    if not spans:
+        return None
+    versions = [""] * num_tokens
+    for span in spans:
+        for index in range(int(span["start"]), min(int(span["end"]), num_tokens)):
+            versions[index] = str(span["version"])
+    return versions
+
+
+def _turn_from_completion(
+    prompt_ids: list[int], choice: dict, params: SamplingParams
+) -> TurnRecord:
+    logprobs = choice.get("logprobs") or {}
+    top_k = params.num_logprobs
+    sampler_logprobs = None
+    if top_k > 0:
+        sampler_logprobs = []
+        for position in logprobs.get("top_logprobs") or []:
+            ranked = sorted(position.items(), key=lambda item: item[1], reverse=True)[:top_k]
+            sampler_logprobs.append({_completion_token_id(k): float(v) for k, v in ranked})
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=[int(t) for t in choice["token_ids"]],
+        output_log_probs=[float(v) for v in logprobs.get("token_logprobs") or []],
+        output_sampler_logprobs=sampler_logprobs,
+        finish_reason=choice.get("finish_reason"),
+        weight_versions=None,
+    )
+
+
+def _completion_token_id(token: str) -> int:
+    """`/v1/completions` keys logprobs as "token_id:123" with `return_tokens_as_token_ids`."""
+    return int(token.rsplit(":", 1)[1])

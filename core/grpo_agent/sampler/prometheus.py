@@ -1,0 +1,50 @@
+"""A minimal parser for the Prometheus text format that vLLM serves on `/metrics`.
+
+We only need a handful of gauges and counters (KV-cache usage, running/waiting requests,
+preemptions), summed or maxed over engines, so a line parser beats a client dependency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerMetrics:
+    """The scheduler state the rollout loop's concurrency control reacts to."""
+
+    kv_cache_usage: float  # fraction in [0, 1], the fullest engine
+    running: int
+    waiting: int
+    preemptions: int  # cumulative since the server started
+
+
+def parse_samples(text: str) -> dict[str, list[float]]:
+    """Map each metric name (labels dropped) to the values of all its label sets."""
+    samples: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name = line.split("{", 1)[0]
+            value = line.rsplit("}", 1)[1].split()[0]
+        else:
+            name, value = line.split()[:2]
+        try:
+            samples.setdefault(name, []).append(float(value))
+        except ValueError:
+            continue
+    return samples
+
+
+def parse_server_metrics(text: str) -> ServerMetrics | None:
+    """Extract `ServerMetrics`, or None when the text holds no vLLM scheduler metrics."""
+    samples = parse_samples(text)
+    if "vllm:num_requests_running" not in samples:
+        return None
+    return ServerMetrics(
+        kv_cache_usage=max(samples.get("vllm:kv_cache_usage_perc", [0.0])),
+        running=int(sum(samples["vllm:num_requests_running"])),
+        waiting=int(sum(samples.get("vllm:num_requests_waiting", [0.0]))),
+        preemptions=int(sum(samples.get("vllm:num_preemptions_total", [0.0]))),
+    )
