@@ -1,0 +1,100 @@
+"""Which prompts are trained, and `rollout_state.json`: resume without losing or repeating one.
+
+The worker runs ahead of training by the queue depth, so the generator's position is useless
+for resume. The trainer keeps a ledger of prompt indices instead: a prompt is *consumed* once all
+of its kept group's samples were trained, or once the worker reports it consumed without
+samples (filtered, zero-std or stale-dropped group). The first index not consumed is the resume
+point; indices above it that were already consumed are saved too, and on resume their samples
+are discarded at pull time, so nothing trains twice even though prompts finish out of order.
+
+A prompt whose samples were partly trained when the checkpoint was written is not consumed:
+after resume it is generated and trained again as a whole (its partial update lives in the
+restored weights; that is the documented buffer).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_agent.types import PromptConsumed, TrainingSample
+
+ROLLOUT_STATE_NAME = "rollout_state.json"
+LEDGER_NAME = "prompt_ledger.jsonl"
+
+
+@dataclass
+class RolloutState:
+    """What `rollout_state.json` holds."""
+
+    first_untrained_prompt_index: int = 0
+    consumed_after_first: list[int] = field(default_factory=list)
+    model_version: int = 0
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
+        path.write_text(json.dumps(self.__dict__, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> RolloutState:
+        path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: this checkpoint was not written by AsyncGRPOTrainer, so the "
+                "rollout position is unknown. Resume from a checkpoint-N folder of an async run."
+            )
+        data = json.loads(path.read_text())
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class PromptLedger:
+    """Counts trained samples per prompt and tracks the first prompt not yet consumed."""
+
+    def __init__(self, state: RolloutState | None = None) -> None:
+        state = state or RolloutState()
+        self.frontier = state.first_untrained_prompt_index
+        self._consumed_ahead: set[int] = set(state.consumed_after_first)
+        self._skip: frozenset[int] = frozenset(state.consumed_after_first)
+        self._trained_counts: dict[int, int] = {}
+        self._advance()
+
+    def already_consumed(self, prompt_index: int) -> bool:
+        """True for samples of a prompt consumed before the checkpoint we resumed from."""
+        return prompt_index in self._skip
+
+    def record_trained(self, samples: list[TrainingSample]) -> list[int]:
+        """Count samples of one optimizer step; returns the prompts this step completed."""
+        completed = []
+        for sample in samples:
+            count = self._trained_counts.get(sample.prompt_index, 0) + 1
+            self._trained_counts[sample.prompt_index] = count
+            if count >= sample.group_num_samples:
+                completed.append(sample.prompt_index)
+        for index in completed:
+            self._consume(index)
+        return completed
+
+    def record_consumed(self, notice: PromptConsumed) -> None:
+        self._consume(notice.prompt_index)
+
+    def state(self, model_version: int) -> RolloutState:
+        return RolloutState(self.frontier, sorted(self._consumed_ahead), model_version)
+
+    def _consume(self, index: int) -> None:
+        self._trained_counts.pop(index, None)
+        if index >= self.frontier:
+            self._consumed_ahead.add(index)
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.frontier in self._consumed_ahead:
+            self._consumed_ahead.remove(self.frontier)
+            self.frontier += 1
+
+
+def append_ledger_line(output_dir: str | Path, step: int, completed: list[int]) -> None:
+    """One JSON line per step with the prompts it completed (the resume test reads these)."""
+    path = Path(output_dir) / LEDGER_NAME
+    with path.open("a") as fh:
+        fh.write(json.dumps({"step": step, "completed": sorted(completed)}) + "\n")

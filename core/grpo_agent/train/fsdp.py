@@ -1,0 +1,47 @@
+"""FSDP2 for several trainer processes: `fully_shard` each decoder block, then the root.
+
+We shard the model ourselves instead of through accelerate's FSDP plugin because the same code
+must run under `torchrun` on CPU with gloo (CI) and on GPUs with NCCL; transformers refuses its
+FSDP path on CPU. Blocks are the unit of all-gather (torchtitan's layout); the mixed-precision
+policy is explicit: parameters compute in the training precision, gradients reduce in fp32.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the `ModuleList` with the most children)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks to shard; FSDP2 here needs a "
+            "decoder-only transformer (model.model.layers)."
+        )
+    return list(max(lists, key=len))
+
+
+def apply_fsdp2(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard `model` in place across the default process group; returns it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in decoder_blocks(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    logger.info("FSDP2: sharded %s over %d processes", type(model).__name__, world_size())
+    return model

@@ -1,0 +1,82 @@
+"""The weights the trainer pushes to vLLM: full tensors under the server's (Hugging Face) names.
+
+Three things stand between a training model and the names a vLLM model loads:
+- FSDP2 shards parameters as DTensors: every rank must take part in `full_tensor()` for every
+  parameter, in the same order, even though only rank 0 sends. So the generator runs on every
+  rank and the caller drains it on the others.
+- PEFT wraps names (`base_model.model.` prefix, `.base_layer.` infix, `lora_*` leaves): for a
+  merged push the adapters are merged into the base weights for the duration of the push and the
+  wrapper parts of the names are removed.
+- A vision-language model's vision tower is frozen here, so the server's copy never goes stale
+  and pushing it would only cost time.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+VISION_TOWER_MARKERS = ("visual.", "vision_tower.", "vision_model.", "vision_encoder.")
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_adapter")
+
+
+def is_vision_tower_param(name: str) -> bool:
+    return any(marker in name for marker in VISION_TOWER_MARKERS)
+
+
+def server_name(name: str) -> str:
+    """The Hugging Face name of a parameter of a (possibly PEFT-wrapped) model."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def _is_adapter_param(name: str) -> bool:
+    return ".lora_" in name or ".original_module." in name
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module) -> Iterator[None]:
+    """Merge LoRA adapters into the base weights for the block, then unmerge them."""
+    if not is_peft_model(model):
+        yield
+        return
+    with torch.no_grad():
+        model.merge_adapter()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            model.unmerge_adapter()
+
+
+def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (server name, full tensor) for every weight the server must receive.
+
+    Tied parameters appear once (`named_parameters` de-duplicates); buffers such as rotary
+    frequencies are not weights and are skipped. Call inside `merged_adapters(model)`.
+    """
+    for name, param in model.named_parameters():
+        if _is_adapter_param(name) or is_vision_tower_param(name):
+            continue
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: a collective on every rank
+            tensor = tensor.full_tensor()
+        yield server_name(name), tensor
+
+
+def lora_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors alone, under PEFT's saved names (for a server with --enable-lora)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    return {
+        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+        for name, t in state.items()
+    }
