@@ -1,0 +1,232 @@
+"""Tree packing: a row is a prefix trie of its samples, laid out depth-first.
+
+Design decision: a trie node is one forwarded token, and a node may carry at most ONE trained
+target. Samples share a node when their paths are identical up to and including it and at
+most one of them trains the token that follows it. This is the spec's rule ("a position
+predicts one token"): two rollouts of one prompt share the prompt except its last token,
+because that position predicts a different trained token in each; a fork that only re-reads
+another sample's completion as context shares it fully. Each trained token keeps its own
+target, advantage and sampler log-probs, read at the index of the token before it.
+
+Segments are maximal chains of the trie without branches. Attention only needs, for each
+segment, which segments lie on its path (`ancestors`): a query attends to keys of ancestor
+segments and to earlier keys of its own segment. Only torch is imported here, no model code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_agent.types import TrainingSample
+
+NO_TARGET = -1
+
+
+@dataclass
+class _Node:
+    token: int
+    depth: int
+    target_owner: int = NO_TARGET  # index (in the row) of the sample that trains the next token
+    children: list[_Node] = field(default_factory=list)
+    index: int = -1  # position in the depth-first layout
+
+
+class PrefixTrie:
+    """Incremental trie over token sequences; `added_tokens` previews the cost of an insert."""
+
+    def __init__(self) -> None:
+        self.root = _Node(token=NO_TARGET, depth=-1)
+        self.num_nodes = 0
+        self.attention_cost = 0  # sum over nodes of the keys they attend to (depth + 1)
+        self.paths: list[list[_Node]] = []
+
+    def _child(self, node: _Node, token: int, claims_target: bool) -> _Node | None:
+        for child in node.children:
+            if child.token == token and not (claims_target and child.target_owner != NO_TARGET):
+                return child
+        return None
+
+    def added_tokens(self, token_ids: list[int], predicts_trained: list[bool]) -> tuple[int, int]:
+        """(new nodes, added attention cost) if this sequence were inserted."""
+        node, depth = self.root, 0
+        for depth, (token, claims) in enumerate(zip(token_ids, predicts_trained)):
+            child = self._child(node, token, claims)
+            if child is None:
+                new = len(token_ids) - depth
+                cost = sum(d + 1 for d in range(depth, len(token_ids)))
+                return new, cost
+            node = child
+        return 0, 0
+
+    def insert(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
+        """Insert one sample; returns its path (one node per token)."""
+        owner = len(self.paths)
+        node, path = self.root, []
+        for depth, (token, claims) in enumerate(zip(token_ids, predicts_trained)):
+            child = self._child(node, token, claims)
+            if child is None:
+                child = _Node(token=token, depth=depth)
+                node.children.append(child)
+                self.num_nodes += 1
+                self.attention_cost += depth + 1
+            if claims:
+                child.target_owner = owner
+            path.append(child)
+            node = child
+        self.paths.append(path)
+        return path
+
+
+def predicts_trained(sample: TrainingSample) -> list[bool]:
+    """Per position: does this position predict a trained token of the sample?"""
+    mask = sample.sequence.trained_mask
+    return [bool(m) for m in mask[1:]] + [False]
+
+
+@dataclass
+class PackedRow:
+    """One packed row: forwarded tokens plus one entry per trained token (its loss inputs)."""
+
+    input_ids: torch.Tensor  # [N] long
+    position_ids: torch.Tensor  # [N] long, depth of the token in its sample
+    segment_ids: torch.Tensor  # [N] long
+    segment_paths: list[list[int]]  # per segment: token indices of its path (ancestors + itself)
+    segment_ancestors: torch.Tensor  # [S, S] bool: [s, a] = a is s or an ancestor of s
+    # Per trained token (T entries):
+    pred_index: torch.Tensor  # [T] index of the token before it in its sample
+    targets: torch.Tensor  # [T] the trained token id
+    advantages: torch.Tensor  # [T] float
+    sampler_logprobs: torch.Tensor  # [T] float
+    token_sample: torch.Tensor  # [T] which sample of the row (per-completion metrics)
+    sampler_topk_ids: torch.Tensor | None  # [T, K] long, -1 padding
+    sampler_topk_logprobs: torch.Tensor | None  # [T, K] float, -inf padding
+    sampling_mask: torch.Tensor | None  # [T, M] long candidate ids, -1 padding
+    num_samples: int
+    unpacked_tokens: int  # tokens the samples would forward one by one
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.targets.numel())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0
+
+
+def pack_row(samples: list[TrainingSample]) -> PackedRow:
+    """Build the tree-packed row of `samples` (order decides which sample owns shared nodes)."""
+    trie = PrefixTrie()
+    paths = [trie.insert(s.sequence.token_ids, predicts_trained(s)) for s in samples]
+    input_ids, positions, segments, seg_paths, seg_parent = _layout(trie)
+    ancestors = _ancestor_matrix(seg_parent)
+    trained = _trained_entries(samples, paths)
+    return PackedRow(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+        segment_ids=torch.tensor(segments, dtype=torch.long),
+        segment_paths=seg_paths,
+        segment_ancestors=ancestors,
+        num_samples=len(samples),
+        unpacked_tokens=sum(s.num_tokens for s in samples),
+        **trained,
+    )
+
+
+def _layout(trie: PrefixTrie):
+    """Depth-first layout; a new segment starts at every child of a branching node."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    seg_paths: list[list[int]] = []
+    seg_parent: list[int] = []
+    # stack of (node, parent segment, starts a new segment)
+    stack = [(c, -1) for c in reversed(trie.root.children)]
+    while stack:
+        node, parent_seg = stack.pop()
+        seg = len(seg_paths)
+        seg_parent.append(parent_seg)
+        seg_paths.append(list(seg_paths[parent_seg]) if parent_seg >= 0 else [])
+        while True:
+            node.index = len(input_ids)
+            input_ids.append(node.token)
+            positions.append(node.depth)
+            segments.append(seg)
+            seg_paths[seg].append(node.index)
+            if len(node.children) != 1:
+                break
+            node = node.children[0]
+        stack.extend((c, seg) for c in reversed(node.children))
+    return input_ids, positions, segments, seg_paths, seg_parent
+
+
+def _ancestor_matrix(seg_parent: list[int]) -> torch.Tensor:
+    n = len(seg_parent)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for s in range(n):
+        a = s
+        while a >= 0:
+            anc[s, a] = True
+            a = seg_parent[a]
+    return anc
+
+
+def _trained_entries(samples: list[TrainingSample], paths: list[list[_Node]]) -> dict:
+    pred, targets, adv, lps, owner = [], [], [], [], []
+    topk: list[dict[int, float] | None] = []
+    masks: list[list[int] | None] = []
+    for i, (sample, path) in enumerate(zip(samples, paths)):
+        seq = sample.sequence
+        for t in range(1, len(seq.token_ids)):
+            if not seq.trained_mask[t]:
+                continue
+            pred.append(path[t - 1].index)
+            targets.append(seq.token_ids[t])
+            adv.append(sample.advantage)
+            lps.append(seq.sampler_logprobs[t])
+            owner.append(i)
+            topk.append(seq.sampler_top_logprobs[t] if seq.sampler_top_logprobs else None)
+            masks.append(seq.sampling_mask[t] if seq.sampling_mask else None)
+    topk_ids, topk_lps = _pad_topk(topk)
+    return dict(
+        pred_index=torch.tensor(pred, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        sampler_logprobs=torch.tensor(lps, dtype=torch.float32),
+        token_sample=torch.tensor(owner, dtype=torch.long),
+        sampler_topk_ids=topk_ids,
+        sampler_topk_logprobs=topk_lps,
+        sampling_mask=_pad_ids(masks),
+    )
+
+
+def _pad_topk(topk: list[dict[int, float] | None]):
+    if not any(topk):
+        return None, None
+    width = max(len(d) for d in topk if d)
+    ids = torch.full((len(topk), width), -1, dtype=torch.long)
+    lps = torch.full((len(topk), width), float("-inf"), dtype=torch.float32)
+    for row, d in enumerate(topk):
+        for col, (tok, lp) in enumerate((d or {}).items()):
+            ids[row, col] = int(tok)
+            lps[row, col] = float(lp)
+    return ids, lps
+
+
+def _pad_ids(lists: list[list[int] | None]) -> torch.Tensor | None:
+    if not any(lists):
+        return None
+    if not all(lists):
+        raise ValueError(
+            "sampling_mask is set for some trained tokens but not others; the rollout side must "
+            "give every trained token its candidate set (or none at all)."
+        )
+    width = max(len(x) for x in lists)
+    out = torch.full((len(lists), width), -1, dtype=torch.long)
+    for row, ids in enumerate(lists):
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out

@@ -1,0 +1,153 @@
+"""Tree attention: a transformers attention backend for tree-packed rows.
+
+Design decision: the trie's visibility rule is one predicate, "key j is visible to query i iff
+j's segment is on i's path and j <= i" (ancestor segments precede their descendants in the
+depth-first layout, so `j <= i` is also the causal rule inside a segment). We build it once
+per row (`TreeMask`) and hand it to every layer through the model's forward kwargs, under
+the attention implementation name `grpo_tree` registered with `AttentionInterface`. Because
+that name has no mask function in transformers, the model builds no mask of its own.
+
+Kernels: on CUDA, FlexAttention with a block mask built from the predicate (sparse blocks are
+skipped); on CPU, where FlexAttention has no backward, SDPA with the dense boolean mask.
+Rotary positions come from `position_ids` (the token's depth), so they match unpacked
+forwards; grouped-query attention uses the kernels' GQA support. Attention sinks change the
+softmax denominator and are rejected.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from grpo_agent.train.packing import PackedRow
+
+ATTN_IMPLEMENTATION = "grpo_tree"
+FLEX_BLOCK_SIZE = 128
+
+
+@dataclass
+class TreeMask:
+    """The visibility structure of one packed row, in the layout the kernel wants."""
+
+    segment_ids: torch.Tensor  # [N]
+    ancestors: torch.Tensor  # [S, S] bool
+    position_ids: torch.Tensor  # [N]
+    backend: str  # "flex" or "sdpa"
+    block_mask: Any = None  # FlexAttention BlockMask (flex)
+    dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
+
+    @classmethod
+    def build(cls, row: PackedRow, device: torch.device | str, backend: str = "auto") -> TreeMask:
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" else "sdpa"
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"tree attention backend {backend!r}: choose 'auto', 'flex' or 'sdpa'.")
+        mask = cls(
+            segment_ids=row.segment_ids.to(device),
+            ancestors=row.segment_ancestors.to(device),
+            position_ids=row.position_ids.to(device),
+            backend=backend,
+        )
+        if backend == "flex":
+            mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
+        else:
+            mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
+        return mask
+
+
+def dense_tree_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool: query i sees key j iff seg(j) is on seg(i)'s path and j <= i."""
+    n = segment_ids.numel()
+    idx = torch.arange(n, device=segment_ids.device)
+    on_path = ancestors[segment_ids[:, None], segment_ids[None, :]]
+    return on_path & (idx[None, :] <= idx[:, None])
+
+
+def _flex_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def tree_mask_mod(b, h, q_idx, kv_idx):
+        return ancestors[segment_ids[q_idx], segment_ids[kv_idx]] & (kv_idx <= q_idx)
+
+    n = segment_ids.numel()
+    return create_block_mask(
+        tree_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=segment_ids.device,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+    )
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _window_mask(tree: TreeMask, window: int) -> torch.Tensor:
+    pos = tree.position_ids
+    return tree.dense & ((pos[:, None] - pos[None, :]) < window)
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tree_mask: TreeMask | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over one packed row; inputs [1, heads, N, dim], output [1, N, heads, dim]."""
+    if tree_mask is None:
+        raise ValueError(
+            f"The model uses attn_implementation={ATTN_IMPLEMENTATION!r} but was called without a "
+            "packed row: call grpo_agent.train.forward.forward_hidden(model, row), or switch the "
+            "model back with model.set_attn_implementation('sdpa') for ordinary inputs."
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"tree attention takes one packed row per forward, got batch {query.shape[0]}.")
+    if getattr(module, "sinks", None) is not None:
+        raise ValueError(_SINKS_ERROR)
+    gqa = query.shape[1] != key.shape[1]
+    if tree_mask.backend == "flex":
+        if sliding_window:
+            raise NotImplementedError("sliding-window layers are not supported by the flex tree path yet.")
+        out = _compiled_flex_attention()(
+            query, key, value, block_mask=tree_mask.block_mask, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=dense, scale=scaling,
+            dropout_p=dropout if module.training else 0.0, enable_gqa=gqa,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+_SINKS_ERROR = (
+    "This model uses attention sinks (e.g. gpt-oss), which add a learned term to every softmax "
+    "denominator; tree attention does not implement them. Train it without tree packing."
+)
+
+
+def register_tree_attention() -> None:
+    """Make `grpo_tree` a known attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
+
+
+def enable_tree_attention(model: torch.nn.Module) -> None:
+    """Switch a transformers model to tree attention; reject models with attention sinks."""
+    for name, sub in model.named_modules():
+        if getattr(sub, "sinks", None) is not None:
+            raise ValueError(f"{_SINKS_ERROR} (found at module {name!r})")
+    register_tree_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
