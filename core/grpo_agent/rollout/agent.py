@@ -1,0 +1,210 @@
+"""The default multi-turn tool loop (`AsyncRolloutLoop.generate_one` with tools).
+
+Each turn renders the whole conversation with the (training) chat template, samples one
+assistant turn, parses its tool calls, runs them in the order emitted and appends their
+results as tool messages, until a turn calls no tool, `max_tool_calling_iterations` rounds
+have run, the completion budget is spent or the sampler stops on length.
+
+Design decisions: everything the policy gets wrong (unknown tool, unreadable call JSON, a
+tool that raises or times out) becomes a tool message the model sees and a counted failure,
+never an exception; results are rendered as JSON, never Python `repr`. Sync tools run in the
+worker's thread pool (`max_concurrent_rollouts` threads), async tools are awaited, and
+template rendering also runs off the event loop. The `TurnRecord`s are returned untouched:
+fork reconciliation builds training sequences from them later.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_agent.rollout.chat_template import training_template_for
+from grpo_agent.rollout.tool_calls import MalformedCall, ToolCall, parser_for_template
+from grpo_agent.types import Rollout, TurnRecord
+
+DEFAULT_TOOL_TIMEOUT_S = 300.0
+
+
+def render_tool_result(result: Any) -> str:
+    """Strings go through as they are; anything else as JSON (never Python repr)."""
+    if isinstance(result, str):
+        return result
+    return json.dumps(result, ensure_ascii=False, default=str)
+
+
+def render_tool_error(message: str) -> str:
+    return json.dumps({"error": message}, ensure_ascii=False)
+
+
+@dataclass
+class ToolOutcome:
+    """One executed (or refused) call: the tool message content and how it went."""
+
+    name: str | None
+    content: str
+    failed: bool
+    unknown_name: bool = False
+    latency_s: float = 0.0
+
+
+@dataclass
+class _ToolStats:
+    """Per-rollout `tools/*` observations, in the shape `Rollout.metrics` carries."""
+
+    observations: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    per_tool_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    per_tool_failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: int = 0
+    failures: int = 0
+    unknown: int = 0
+    malformed: int = 0
+
+    def record(self, outcome: ToolOutcome) -> None:
+        self.calls += 1
+        self.failures += outcome.failed
+        self.observations["tools/failure_frequency"].append(float(outcome.failed))
+        if outcome.unknown_name:
+            self.unknown += 1
+        elif outcome.name is None:
+            self.malformed += 1
+        else:
+            self.per_tool_calls[outcome.name] += 1
+            self.per_tool_failures[outcome.name] += outcome.failed
+            self.observations["tools/latency_s"].append(outcome.latency_s)
+            self.observations[f"tools/{outcome.name}/latency_s"].append(outcome.latency_s)
+
+    def as_metrics(self, exhausted: bool) -> dict[str, list[float]]:
+        metrics = dict(self.observations)
+        metrics["tools/call_frequency"] = [float(self.calls)]
+        metrics["tools/unknown_name_count"] = [float(self.unknown)]
+        metrics["tools/malformed_call_count"] = [float(self.malformed)]
+        metrics["tools/loop_exhausted_frac"] = [float(exhausted)]
+        for name, count in self.per_tool_calls.items():
+            metrics[f"tools/{name}/call_count"] = [float(count)]
+            metrics[f"tools/{name}/failure_count"] = [float(self.per_tool_failures[name])]
+        return metrics
+
+
+async def execute_tool_call(
+    call: ToolCall | MalformedCall,
+    tools_by_name: dict[str, Callable],
+    executor,
+    timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+) -> ToolOutcome:
+    """Run one call; every policy or tool error comes back as a failed outcome, not a raise."""
+    if isinstance(call, MalformedCall):
+        return ToolOutcome(None, render_tool_error(f"Malformed tool call: {call.error}."), True)
+    tool = tools_by_name.get(call.name)
+    if tool is None:
+        known = ", ".join(sorted(tools_by_name)) or "none"
+        message = f"Unknown tool {call.name!r}. Available tools: {known}."
+        return ToolOutcome(call.name, render_tool_error(message), True, unknown_name=True)
+    started = time.perf_counter()
+    try:
+        if inspect.iscoroutinefunction(tool):
+            result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
+        else:
+            pending = asyncio.get_running_loop().run_in_executor(
+                executor, functools.partial(tool, **call.arguments)
+            )
+            result = await asyncio.wait_for(pending, timeout_s)
+        content, failed = render_tool_result(result), False
+    except asyncio.TimeoutError:
+        content, failed = render_tool_error(f"Tool {call.name!r} timed out after {timeout_s:g} s."), True
+    except Exception as exc:  # the tool's own bug or bad arguments: the model sees it
+        content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
+    return ToolOutcome(call.name, content, failed, latency_s=time.perf_counter() - started)
+
+
+def _strip_stop_tokens(text: str, tokenizer) -> str:
+    for stop in (tokenizer.eos_token, tokenizer.pad_token):
+        if stop and text.endswith(stop):
+            return text[: -len(stop)]
+    return text
+
+
+class ConversationRenderer:
+    """Renders messages to prompt ids with the training template (off the event loop)."""
+
+    def __init__(self, tokenizer, tools: list[Callable], template_kwargs: dict | None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.template_kwargs = dict(template_kwargs or {})
+        chosen = training_template_for(tokenizer, self.template_kwargs) if tools else None
+        self.template = chosen.template if chosen else None
+        self.parser = parser_for_template(self.template or tokenizer.chat_template)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, chat_template=self.template, tokenize=False,
+            add_generation_prompt=True, **self.template_kwargs,
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_kwargs(config) -> dict:
+    kwargs = getattr(config, "chat_template_kwargs", None) or {}
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    return kwargs
+
+
+async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_id: int) -> Rollout:
+    """Sample one multi-turn rollout; see the module docstring for the stopping rules."""
+    config = loop.config
+    executor = loop.tool_executor
+    aio = asyncio.get_running_loop()
+    renderer = await aio.run_in_executor(
+        executor, ConversationRenderer, loop.tokenizer, tools, _template_kwargs(config)
+    )
+    tools_by_name = {tool.__name__: tool for tool in tools}
+    max_rounds = getattr(config, "max_tool_calling_iterations", None)
+    budget = getattr(config, "max_completion_length", None)
+    timeout_s = getattr(config, "tool_timeout_s", DEFAULT_TOOL_TIMEOUT_S)
+    messages = [dict(m) for m in prompt]
+    completion: list[dict] = []
+    turns: list[TurnRecord] = []
+    stats = _ToolStats()
+    rounds, exhausted, generated = 0, False, 0
+    while True:
+        prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
+        turn = await loop.generate_one_turn(prompt_ids)
+        turns.append(turn)
+        generated += len(turn.output_ids)
+        text = _strip_stop_tokens(loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False), loop.tokenizer)
+        parsed = renderer.parser.parse(text)
+        assistant = {"role": "assistant", "content": parsed.content}
+        well_formed = [c for c in parsed.calls if isinstance(c, ToolCall)]
+        if well_formed:
+            assistant["tool_calls"] = [c.as_message_entry() for c in well_formed]
+        messages.append(assistant)
+        completion.append(assistant)
+        if not parsed.calls or turn.finish_reason == "length":
+            break
+        if max_rounds is not None and rounds >= max_rounds:
+            exhausted = True
+            break
+        if budget and generated >= budget:
+            break
+        stats.observations["tools/parallel_calls_mean"].append(float(len(parsed.calls)))
+        for call in parsed.calls:  # in the order the model emitted them
+            outcome = await execute_tool_call(call, tools_by_name, executor, timeout_s)
+            stats.record(outcome)
+            tool_message = {"role": "tool", "name": outcome.name or "invalid", "content": outcome.content}
+            messages.append(tool_message)
+            completion.append(tool_message)
+        rounds += 1
+    return Rollout(
+        completion=completion,
+        completion_ids=[t for turn in turns for t in turn.output_ids],
+        turns=turns,
+        tool_call_count=stats.calls,
+        tool_failure_count=stats.failures,
+        metrics=stats.as_metrics(exhausted),
+    )

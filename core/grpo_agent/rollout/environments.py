@@ -1,0 +1,172 @@
+"""Environments for agent rollouts: pooling, routing, reset and reward off the event loop.
+
+Design decision: an environment instance is expensive to build and cheap to reset, so the
+runner keeps a pool per factory and hands one instance to each in-flight rollout (at most
+`max_concurrent_rollouts` exist). `reset(**row)` and `get_reward()` are user code that may
+block, so both run in the worker's thread pool: a slow environment delays only its own
+rollout. With a dict of factories the dataset's `environment` column picks one; that column
+is consumed here and never forwarded to `reset`. Public methods other than the reserved
+`reset` / `get_reward` become the rollout's tools, so each rollout sees only its own
+environment's tools.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVED_METHODS = frozenset({"reset", "get_reward"})
+ROUTING_COLUMN = "environment"
+
+
+@dataclass
+class EnvEpisode:
+    """One rollout's environment: the instance, its prompt, its tools and timings."""
+
+    env: Any
+    prompt: list[dict[str, Any]]
+    tools: list[Callable]
+    reset_s: float
+    pool_key: str
+    reward_s: float | None = None
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+
+def environment_tools(env: Any) -> list[Callable]:
+    """The env's public methods (not `reset` / `get_reward`), bound, in definition order."""
+    return [getattr(env, name) for name, _ in _public_methods(type(env))]
+
+
+def _public_methods(cls: type) -> list[tuple[str, Callable]]:
+    """Public functions defined on the class or its bases (subclass definitions first)."""
+    seen: dict[str, Callable] = {}
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for name, member in vars(klass).items():
+            if name.startswith("_") or name in RESERVED_METHODS or name in seen:
+                continue
+            if inspect.isfunction(member):
+                seen[name] = member
+    return list(seen.items())
+
+
+def build_prompt(row: dict[str, Any], reset_text: str | None) -> list[dict[str, Any]]:
+    """Combine the row's prompt and reset()'s text the way the spec describes.
+
+    With a prompt in the row, reset's text is appended to the last user message; without
+    one, reset's text becomes the user prompt.
+    """
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if prompt is None:
+        if reset_text is None:
+            raise ValueError(
+                "The environment's reset() returned None and the dataset row has no 'prompt' "
+                "column: return the task text from reset() or add a 'prompt' column."
+            )
+        return [{"role": "user", "content": reset_text}]
+    messages = copy.deepcopy(list(prompt))
+    if reset_text is not None:
+        user_turns = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not user_turns:
+            messages.append({"role": "user", "content": reset_text})
+        else:
+            last = messages[user_turns[-1]]
+            last["content"] = f"{last['content']}\n\n{reset_text}" if last["content"] else reset_text
+    return messages
+
+
+class EnvironmentRunner:
+    """Hands out pooled environment instances per rollout and collects their rewards."""
+
+    def __init__(self, factory: Callable | dict[str, Callable], executor: ThreadPoolExecutor):
+        if isinstance(factory, dict):
+            if not factory:
+                raise ValueError("environment_factory is an empty dict: map at least one name to a factory.")
+            self._factories = dict(factory)
+            self._routed = True
+        else:
+            if not callable(factory):
+                raise TypeError(
+                    f"environment_factory must be a class/callable or a dict of them, got {factory!r}."
+                )
+            self._factories = {getattr(factory, "__name__", "environment"): factory}
+            self._routed = False
+        self._executor = executor
+        self._idle: dict[str, list[Any]] = {key: [] for key in self._factories}
+
+    def _route(self, row: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Pick the factory key for a row and the keyword arguments for reset()."""
+        if not self._routed:
+            return next(iter(self._factories)), dict(row)
+        kwargs = {k: v for k, v in row.items() if k != ROUTING_COLUMN}
+        name = row.get(ROUTING_COLUMN)
+        if name is None:
+            raise KeyError(
+                f"environment_factory is a dict ({sorted(self._factories)}) but the dataset row "
+                f"has no '{ROUTING_COLUMN}' column: add one naming the environment for each row."
+            )
+        if name not in self._factories:
+            raise KeyError(
+                f"Row asks for environment {name!r}, which is not in environment_factory "
+                f"(known: {sorted(self._factories)})."
+            )
+        return name, kwargs
+
+    async def _run(self, fn: Callable, *args, **kwargs) -> Any:
+        """Await `fn` when it is a coroutine function, else run it in the worker's thread pool."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def start(self, row: dict[str, Any]) -> EnvEpisode:
+        """Take (or build) an instance, reset it with the row and build the rollout's prompt."""
+        key, kwargs = self._route(row)
+        env = self._idle[key].pop() if self._idle[key] else await self._run(self._factories[key])
+        started = time.perf_counter()
+        try:
+            reset_text = await self._run(env.reset, **kwargs)
+        except BaseException:
+            self._idle[key].append(env)
+            raise
+        reset_s = time.perf_counter() - started
+        prompt = build_prompt(row, reset_text)
+        return EnvEpisode(
+            env=env, prompt=prompt, tools=environment_tools(env), reset_s=reset_s, pool_key=key,
+            metrics={"env/reset_s": [reset_s]},
+        )
+
+    async def finish(self, episode: EnvEpisode) -> tuple[type, float] | None:
+        """Score the episode with `get_reward()` (if defined) and return the env to its pool.
+
+        Returns `(env class, reward)`; the class names the reward source. An exception from
+        `get_reward` propagates after the instance has gone back to the pool.
+        """
+        get_reward = getattr(episode.env, "get_reward", None)
+        try:
+            if get_reward is None:
+                return None
+            started = time.perf_counter()
+            reward = await self._run(get_reward)
+            episode.reward_s = time.perf_counter() - started
+            episode.metrics["env/reward_s"] = [episode.reward_s]
+            return type(episode.env), (float("nan") if reward is None else float(reward))
+        finally:
+            self._idle[episode.pool_key].append(episode.env)
+
+
+def check_environment_data(has_train_dataset: bool, max_steps: int) -> None:
+    """Environment-owned data has no length: training then needs `max_steps`."""
+    if not has_train_dataset and (max_steps is None or max_steps <= 0):
+        raise ValueError(
+            "environment_factory without a train_dataset means the environment owns the data, "
+            "so training has no natural length: set AsyncGRPOConfig(max_steps=N)."
+        )

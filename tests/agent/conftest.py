@@ -1,0 +1,53 @@
+"""Shared helpers for agent tests: the tiny model's tokenizer and a scripted turn sampler."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_agent.types import TurnRecord
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    from grpo_agent.testing import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model())
+
+
+class ScriptedLoop:
+    """The seam `run_tool_loop` talks to, with `generate_one_turn` replaying queued texts.
+
+    The texts are tokenized with the real tokenizer, so rendering, parsing and tool execution
+    are the real code; only the sampler is scripted.
+    """
+
+    def __init__(self, tokenizer, texts: list[str], **config):
+        self.tokenizer = tokenizer
+        defaults = dict(chat_template_kwargs=None, max_tool_calling_iterations=None, max_completion_length=512)
+        self.config = SimpleNamespace(**{**defaults, **config})
+        self.tool_executor = ThreadPoolExecutor(4)
+        self._texts = list(texts)
+        self.prompts: list[list[int]] = []
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        self.prompts.append(prompt_ids)
+        output = self.tokenizer.encode(self._texts.pop(0) + self.tokenizer.eos_token, add_special_tokens=False)
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+
+
+@pytest.fixture
+def scripted_loop(tiny_tokenizer):
+    loops = []
+
+    def make(texts, **config):
+        loop = ScriptedLoop(tiny_tokenizer, texts, **config)
+        loops.append(loop)
+        return loop
+
+    yield make
+    for loop in loops:
+        loop.tool_executor.shutdown(wait=False)

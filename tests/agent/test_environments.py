@@ -1,0 +1,174 @@
+"""EnvironmentRunner with the spec's environments: pooling, routing, prompts, tools, rewards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.environments import EnvironmentRunner, build_prompt, check_environment_data
+
+
+class IncrementEnv:  # the spec's example, as written
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+class CodingEnv:
+    def reset(self, **kwargs) -> str:
+        self.kwargs = kwargs
+        return "Compute the 5th Fibonacci number."
+
+    def run_code(self, code: str) -> str:
+        """Run the given Python code and return its stdout.
+
+        Args:
+            code: The Python source to execute.
+
+        Returns:
+            The captured standard output.
+        """
+        return "5"
+
+
+class GameEnv:
+    def reset(self, **kwargs) -> str:
+        return "Reach the goal tile."
+
+    def move(self, action: str) -> str:
+        """Apply an action to the game and return the new observation.
+
+        Args:
+            action: One of "up", "down", "left", "right".
+
+        Returns:
+            The observation after the move.
+        """
+        return f"moved {action}"
+
+
+class SlowEnv:
+    def reset(self, **kwargs) -> None:
+        time.sleep(0.3)
+
+    async def get_reward(self) -> float:
+        return 0.5
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(4) as pool:
+        yield pool
+
+
+def test_increment_env_prompt_tools_reward_and_pool_reuse(executor):
+    runner = EnvironmentRunner(IncrementEnv, executor)
+
+    async def two_rollouts():
+        episode = await runner.start({})
+        assert episode.prompt == [{"role": "user", "content": f"Increment the counter by {episode.env.target}."}]
+        assert [t.__name__ for t in episode.tools] == ["increment"]
+        episode.tools[0](episode.env.target)
+        first = await runner.finish(episode)
+        second_episode = await runner.start({})
+        return episode, first, second_episode
+
+    episode, reward, again = asyncio.run(two_rollouts())
+    assert reward == (IncrementEnv, 1.0)
+    assert again.env is episode.env and again.env.counter == 0  # reused, reset in between
+    assert episode.metrics["env/reset_s"][0] >= 0 and "env/reward_s" in episode.metrics
+
+
+def test_dict_factory_routes_by_environment_column_without_forwarding_it(executor):
+    runner = EnvironmentRunner({"coding": CodingEnv, "game": GameEnv}, executor)
+
+    async def start_both():
+        return await runner.start({"environment": "coding", "level": 2}), await runner.start({"environment": "game"})
+
+    coding, game = asyncio.run(start_both())
+    assert [t.__name__ for t in coding.tools] == ["run_code"]
+    assert [t.__name__ for t in game.tools] == ["move"]
+    assert coding.env.kwargs == {"level": 2}
+    assert asyncio.run(runner.finish(game)) is None  # GameEnv has no get_reward
+    with pytest.raises(KeyError, match="'chess', which is not in environment_factory"):
+        asyncio.run(runner.start({"environment": "chess"}))
+    with pytest.raises(KeyError, match="no 'environment' column"):
+        asyncio.run(runner.start({}))
+
+
+def test_reset_text_is_appended_to_the_last_user_message_or_becomes_the_prompt():
+    row = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Hi."}]}
+    assert build_prompt(row, "Target 3.")[-1] == {"role": "user", "content": "Hi.\n\nTarget 3."}
+    assert row["prompt"][-1]["content"] == "Hi."  # the dataset row is not mutated
+    assert build_prompt({"prompt": "Plain"}, None) == [{"role": "user", "content": "Plain"}]
+    with pytest.raises(ValueError, match="reset\\(\\) returned None"):
+        build_prompt({}, None)
+
+
+def test_slow_reset_runs_in_the_thread_pool_and_does_not_block_other_rollouts(executor):
+    runner = EnvironmentRunner(SlowEnv, executor)
+
+    async def concurrently():
+        ticks = []
+
+        async def ticker():
+            for _ in range(5):
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.02)
+
+        started = time.perf_counter()
+        episodes = await asyncio.gather(*(runner.start({"prompt": "p"}) for _ in range(3)), ticker())
+        return episodes[:3], ticks, time.perf_counter() - started
+
+    episodes, ticks, elapsed = asyncio.run(concurrently())
+    assert elapsed < 0.8  # three 0.3 s resets overlapped
+    assert ticks[-1] - ticks[0] < 0.25  # the event loop kept running meanwhile
+    assert asyncio.run(runner.finish(episodes[0])) == (SlowEnv, 0.5)  # async get_reward
+
+
+def test_environment_owned_data_requires_max_steps():
+    with pytest.raises(ValueError, match="set AsyncGRPOConfig\\(max_steps=N\\)"):
+        check_environment_data(has_train_dataset=False, max_steps=-1)
+    check_environment_data(has_train_dataset=False, max_steps=10)
+    check_environment_data(has_train_dataset=True, max_steps=-1)
+
+
+def test_environment_tools_work_through_the_tool_loop(scripted_loop):
+    call = '<tool_call>\n{"name": "increment", "arguments": {"step": %d}}\n</tool_call>'
+
+    async def rollout():
+        runner = EnvironmentRunner(IncrementEnv, loop.tool_executor)
+        episode = await runner.start({})
+        target = episode.env.target
+        loop._texts = [call % target, "Done."]
+        result = await run_tool_loop(loop, episode.prompt, episode.tools, group_id=0)
+        return result, await runner.finish(episode), target
+
+    loop = scripted_loop([])
+    result, reward, target = asyncio.run(rollout())
+    assert json.loads(result.completion[1]["content"]) == target
+    assert reward == (IncrementEnv, 1.0)
+    assert "increment" in loop.tokenizer.decode(loop.prompts[0])  # schema rendered in the system turn

@@ -1,0 +1,53 @@
+"""The Hermes/Qwen tool-call parser and the parser registry."""
+from __future__ import annotations
+
+import pytest
+
+from grpo_agent.rollout.tool_calls import (
+    HermesToolCallParser,
+    MalformedCall,
+    ParsedTurn,
+    ToolCall,
+    get_tool_call_parser,
+    parser_for_template,
+    register_tool_call_parser,
+)
+
+
+def test_content_and_calls_are_split_in_order():
+    text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    parsed = HermesToolCallParser().parse(text)
+    assert parsed.content == "Let me check."
+    assert parsed.calls == [ToolCall("a", {"x": 1}), ToolCall("b", {"y": 2})]
+
+
+@pytest.mark.parametrize(
+    "block, problem",
+    [
+        ('<tool_call>{"name": "a", "arguments": {</tool_call>', "not valid JSON"),
+        ('<tool_call>["a"]</tool_call>', 'string "name"'),
+        ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "must be a JSON object"),
+        ('<tool_call>{"name": "a", "arguments": {}}', "not closed"),
+    ],
+)
+def test_unreadable_calls_are_kept_with_the_reason(block, problem):
+    (call,) = HermesToolCallParser().parse(block).calls
+    assert isinstance(call, MalformedCall) and problem in call.error
+
+
+def test_text_without_calls_has_no_calls():
+    assert HermesToolCallParser().parse("<think>\nhm\n</think>\n\n42") == ParsedTurn("<think>\nhm\n</think>\n\n42")
+
+
+def test_plugins_can_register_a_parser_selected_by_template_marker():
+    class BracketParser:
+        def parse(self, text):
+            return ParsedTurn(text, [])
+
+    register_tool_call_parser("bracket-test", BracketParser, template_marker="[TOOL_CALLS]")
+    assert isinstance(parser_for_template("... [TOOL_CALLS] ..."), BracketParser)
+    assert isinstance(parser_for_template("<tool_call>"), HermesToolCallParser)
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool_call_parser("bracket-test", HermesToolCallParser)
+    with pytest.raises(KeyError, match="Unknown tool-call parser 'x'"):
+        get_tool_call_parser("x")

@@ -1,0 +1,143 @@
+"""The tool loop with the real tokenizer, template, parser and tools; only sampling is scripted."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.reconcile import reconcile_turns
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+
+def lookup(key: str) -> dict:
+    """
+    Looks a key up.
+
+    Args:
+        key: The key.
+
+    Returns:
+        A record.
+    """
+    if key == "boom":
+        raise RuntimeError("lookup table is on fire")
+    return {"key": key, "thread": threading.current_thread().name, "ok": True}
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def run(loop, prompt="What is 3 times 4?", tools=(multiply, async_add, lookup)):
+    return asyncio.run(run_tool_loop(loop, [{"role": "user", "content": prompt}], list(tools), group_id=0))
+
+
+def test_sync_and_async_tools_run_and_results_feed_the_next_turn(scripted_loop):
+    loop = scripted_loop([call("multiply", a=3, b=4), call("async_add", a=12, b=1), "It is 13."])
+    rollout = run(loop)
+    roles = [m["role"] for m in rollout.completion]
+    assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["content"] for m in rollout.completion if m["role"] == "tool"] == ["12", "13"]
+    assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 3, "b": 4}}
+    assert rollout.tool_call_count == 2 and rollout.tool_failure_count == 0
+    assert len(rollout.turns) == 3
+    assert rollout.completion_ids == [t for turn in rollout.turns for t in turn.output_ids]
+    second_prompt = loop.tokenizer.decode(loop.prompts[1])
+    assert "<tool_response>\n12\n</tool_response>" in second_prompt
+    assert rollout.metrics["tools/multiply/call_count"] == [1.0]
+    assert rollout.metrics["tools/async_add/failure_count"] == [0.0]
+    assert rollout.metrics["tools/loop_exhausted_frac"] == [0.0]
+    assert len(rollout.metrics["tools/latency_s"]) == 2
+
+
+def test_tool_results_are_json_and_sync_tools_run_off_the_event_loop(scripted_loop):
+    loop = scripted_loop([call("lookup", key="x"), "done"])
+    rollout = run(loop)
+    result = json.loads(rollout.completion[1]["content"])  # JSON, not a Python repr
+    assert result["ok"] is True and result["key"] == "x"
+    assert result["thread"] != threading.main_thread().name
+
+
+def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
+    bad_json = "<tool_call>\n{\"name\": \"multiply\", \"arguments\": {\"a\": 3,\n</tool_call>"
+    turn = call("nope", x=1) + "\n" + bad_json + "\n" + call("lookup", key="boom") + "\n" + call("multiply", a=2, b=2)
+    loop = scripted_loop([turn, "ok"])
+    rollout = run(loop)
+    tool_messages = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert len(tool_messages) == 4  # in the order emitted
+    assert "Unknown tool 'nope'" in tool_messages[0] and "multiply" in tool_messages[0]
+    assert "not valid JSON" in tool_messages[1]
+    assert "lookup table is on fire" in tool_messages[2]
+    assert tool_messages[3] == "4"
+    assert rollout.tool_call_count == 4 and rollout.tool_failure_count == 3
+    assert rollout.metrics["tools/unknown_name_count"] == [1.0]
+    assert rollout.metrics["tools/malformed_call_count"] == [1.0]
+    assert rollout.metrics["tools/lookup/failure_count"] == [1.0]
+    assert rollout.metrics["tools/parallel_calls_mean"] == [4.0]
+    assert rollout.metrics["tools/failure_frequency"] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_calls_in_one_turn_run_in_order(scripted_loop):
+    seen = []
+
+    def record(tag: str) -> str:
+        """
+        Records a tag.
+
+        Args:
+            tag: The tag.
+        """
+        seen.append(tag)
+        return tag
+
+    loop = scripted_loop(["".join(call("record", tag=str(i)) for i in range(5)), "end"])
+    run(loop, tools=[record])
+    assert seen == ["0", "1", "2", "3", "4"]
+
+
+def test_max_tool_calling_iterations_truncates_and_is_reported(scripted_loop):
+    loop = scripted_loop([call("multiply", a=1, b=1)] * 5, max_tool_calling_iterations=2)
+    rollout = run(loop)
+    assert len(rollout.turns) == 3  # two executed rounds, then a turn still calling
+    assert rollout.tool_call_count == 2
+    assert rollout.metrics["tools/loop_exhausted_frac"] == [1.0]
+
+
+def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_loop):
+    thinking_call = "<think>\nUse the tool.\n</think>\n\n" + call("multiply", a=3, b=4)
+    empty_think = "<think>\n\n</think>\n\n"  # a thinking model may think nothing
+    loop = scripted_loop([thinking_call, empty_think + call("multiply", a=12, b=5), "<think>\nDone.\n</think>\n\n60"])
+    rollout = run(loop)
+    sequences, stats = reconcile_turns(rollout.turns)
+    assert stats.num_transitions == 2
+    assert stats.num_forks == 0, stats
+    assert len(sequences) == 1
+    assert sequences[0].num_trained == len(rollout.completion_ids)
