@@ -104,6 +104,7 @@ class PackedRow:
     sampling_mask: torch.Tensor | None  # [T, M] long candidate ids, -1 padding
     num_samples: int
     unpacked_tokens: int  # tokens the samples would forward one by one
+    group_ids: list[int] = field(default_factory=list)  # group of each sample, in row order
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +134,7 @@ def pack_row(samples: list[TrainingSample]) -> PackedRow:
         segment_ancestors=ancestors,
         num_samples=len(samples),
         unpacked_tokens=sum(s.num_tokens for s in samples),
+        group_ids=[s.group_id for s in samples],
         **trained,
     )
 

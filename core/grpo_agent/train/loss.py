@@ -1,0 +1,190 @@
+"""GRPO losses for the async trainer: masked importance sampling with score centering
+(default) or the clipped surrogate, as pure functions over per-token tensors.
+
+Design decision: the losses return token SUMS; the caller divides by the number of trained
+tokens of the whole micro-batch across processes (the spec's normalisation), which is the only
+way rows on different processes add up to one token mean. `row_loss` does that division and
+is the trainer's single entry point per packed row.
+
+Score centering (spec, "Compute the loss"): with r_v = pi(v)/mu(v) and f(r) = r inside
+[C_min, C_max] and 0 outside (no gradient through f), the surrogate
+
+    L_t = -A * ( f(r_o) * log pi(o) - sum_{v in S_t} mu(v) * f(r_v) * log pi(v) )
+
+has the spec's gradient. S_t is the sampler's top `num_sampler_logprobs` ids at position t,
+and mu(v) is the sampler's probability, NOT renormalised over S_t: the sum is the part of
+the expectation the sampler reported (its mass is logged as `sampling/sampler_mass`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_agent.train.forward import forward_hidden, forward_row, is_moe
+from grpo_agent.train.packing import PackedRow, pack_row
+from grpo_agent.types import TrainingSample, TrainingSequence
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    temperature: float = 1.0
+    score_centering: bool = True
+    clip_min: float = 0.5
+    clip_max: float = 5.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    router_aux_loss_coef: float = 0.0
+
+
+def build_loss_config(config, model=None) -> LossConfig:
+    """LossConfig from an AsyncGRPOConfig; a None aux coefficient takes the model config's."""
+    coef = config.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0) or 0.0
+    return LossConfig(
+        temperature=config.temperature,
+        score_centering=config.score_centering,
+        clip_min=config.vllm_importance_sampling_clip_min,
+        clip_max=config.vllm_importance_sampling_clip_max,
+        epsilon=config.epsilon,
+        epsilon_high=config.effective_epsilon_high,
+        router_aux_loss_coef=float(coef),
+    )
+
+
+@dataclass
+class LossInputs:
+    """Per trained token (T of them); top-k tensors are [T, K] with -inf sampler padding."""
+
+    logprobs: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    token_sample: torch.Tensor
+    topk_logprobs: torch.Tensor | None = None
+    sampler_topk_logprobs: torch.Tensor | None = None
+
+
+def importance_ratio(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.exp(logprobs - sampler_logprobs)
+
+
+def in_clip_range(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    ratio = ratio.detach()
+    return (ratio >= cfg.clip_min) & (ratio <= cfg.clip_max)
+
+
+def _masked_ratio_weight(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """f(r) = r inside [C_min, C_max], 0 outside; a constant (no gradient)."""
+    ratio = ratio.detach()
+    return torch.where(in_clip_range(ratio, cfg), ratio, torch.zeros_like(ratio))
+
+
+def score_centering_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """Sum over tokens of the score-centred surrogate (see the module docstring)."""
+    f_o = _masked_ratio_weight(importance_ratio(inp.logprobs, inp.sampler_logprobs), cfg)
+    per_token = f_o * inp.logprobs
+    if inp.topk_logprobs is not None:
+        present = torch.isfinite(inp.sampler_topk_logprobs)
+        mu = torch.exp(inp.sampler_topk_logprobs).masked_fill(~present, 0.0)
+        sampler_lp = inp.sampler_topk_logprobs.masked_fill(~present, 0.0)
+        f_v = _masked_ratio_weight(importance_ratio(inp.topk_logprobs, sampler_lp), cfg)
+        f_v = f_v.masked_fill(~present, 0.0)
+        per_token = per_token - (mu * f_v * inp.topk_logprobs).sum(-1)
+    return -(inp.advantages * per_token).sum()
+
+
+def clipped_surrogate_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """Sum over tokens of the masked, clipped GRPO surrogate (score_centering=False)."""
+    ratio = importance_ratio(inp.logprobs, inp.sampler_logprobs)
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+    surrogate = torch.minimum(ratio * inp.advantages, clipped * inp.advantages)
+    return -(surrogate * in_clip_range(ratio, cfg)).sum()
+
+
+def policy_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    return score_centering_loss(inp, cfg) if cfg.score_centering else clipped_surrogate_loss(inp, cfg)
+
+
+def loss_metrics(inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor) -> dict[str, float]:
+    """The spec's sampling/*, clip_ratio/* and entropy metrics over one row's trained tokens."""
+    if inp.logprobs.numel() == 0:
+        return {}
+    with torch.no_grad():
+        logp, adv = inp.logprobs.detach(), inp.advantages
+        ratio = importance_ratio(logp, inp.sampler_logprobs)
+        diff = (logp - inp.sampler_logprobs).abs()
+        low = ratio < 1 - cfg.epsilon
+        high = ratio > 1 + cfg.epsilon_high
+        if not cfg.score_centering:  # where the surrogate's clip actually binds
+            low, high = low & (adv < 0), high & (adv > 0)
+        metrics = {
+            "sampling/sampling_logp_difference/mean": diff.mean().item(),
+            "sampling/sampling_logp_difference/max": diff.max().item(),
+            "sampling/importance_sampling_ratio/min": ratio.min().item(),
+            "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
+            "sampling/importance_sampling_ratio/max": ratio.max().item(),
+            "sampling/masked_mean": (~in_clip_range(ratio, cfg)).float().mean().item(),
+            "entropy": entropy.mean().item(),
+            "clip_ratio/low_mean": low.float().mean().item(),
+            "clip_ratio/high_mean": high.float().mean().item(),
+            "clip_ratio/region_mean": (low | high).float().mean().item(),
+            "clip_ratio/low_min": _per_sample_fraction(low, inp.token_sample).min().item(),
+            "clip_ratio/high_max": _per_sample_fraction(high, inp.token_sample).max().item(),
+        }
+        if cfg.score_centering and inp.sampler_topk_logprobs is not None:
+            mass = torch.exp(inp.sampler_topk_logprobs).sum(-1)  # exp(-inf) = 0 at padding
+            metrics["sampling/sampler_mass"] = mass.mean().item()
+    return metrics
+
+
+def _per_sample_fraction(flags: torch.Tensor, token_sample: torch.Tensor) -> torch.Tensor:
+    n = int(token_sample.max()) + 1
+    hits = torch.zeros(n).index_add_(0, token_sample, flags.float().cpu())
+    counts = torch.zeros(n).index_add_(0, token_sample, torch.ones(flags.shape[0]))
+    return hits[counts > 0] / counts[counts > 0]
+
+
+def row_loss(
+    model, row: PackedRow, cfg: LossConfig, num_trained_tokens_global: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one packed row, normalised by the micro-batch's trained tokens on all processes.
+
+    Backward this (divided by gradient_accumulation_steps, and multiplied by the number of
+    processes when the gradient all-reduce averages) and sum over rows. An empty row still
+    runs the model on one token, so every process joins the same collectives.
+    """
+    if num_trained_tokens_global <= 0:
+        raise ValueError("num_trained_tokens_global must be positive (the micro-batch trains nothing).")
+    if row.num_trained == 0:
+        return _zero_loss(model, row), {}
+    with_aux = bool(cfg.router_aux_loss_coef) and bool(is_moe(model))
+    fwd = forward_row(model, row, temperature=cfg.temperature, with_aux_loss=with_aux)
+    device = fwd.token.logprobs.device
+    inp = LossInputs(
+        logprobs=fwd.token.logprobs,
+        sampler_logprobs=row.sampler_logprobs.to(device),
+        advantages=row.advantages.to(device),
+        token_sample=row.token_sample,
+        topk_logprobs=fwd.token.topk_logprobs,
+        sampler_topk_logprobs=(
+            None if row.sampler_topk_logprobs is None else row.sampler_topk_logprobs.to(device)
+        ),
+    )
+    loss = policy_loss(inp, cfg) / num_trained_tokens_global
+    metrics = loss_metrics(inp, cfg, fwd.token.entropy)
+    if fwd.aux_loss is not None:
+        share = row.num_trained / num_trained_tokens_global
+        loss = loss + cfg.router_aux_loss_coef * fwd.aux_loss * share
+        metrics["aux_loss"] = float(fwd.aux_loss.detach())
+    return loss, metrics
+
+
+def _zero_loss(model, row: PackedRow) -> torch.Tensor:
+    """A zero that depends on every forward collective (FSDP) but changes no gradient."""
+    if row.is_empty:
+        filler = TrainingSequence(token_ids=[0], trained_mask=[0], sampler_logprobs=[0.0])
+        sample = TrainingSample(sequence=filler, advantage=0.0, model_version=0, group_id=-1, row_index=-1)
+        row = pack_row([sample])
+    hidden, _ = forward_hidden(model, row)
+    return hidden.sum() * 0.0 + model.get_output_embeddings().weight.sum() * 0.0

@@ -1,0 +1,92 @@
+"""Step planning: token budget, group affinity, balancing, closing micro-batches, oversize
+drops, leftovers and the batch/* metrics."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from grpo_agent.train.batching import StepPlanner, attention_cost, plan_step
+
+
+def _group(factory, group_id, prompt_len=8, completion_lens=(4, 4, 4)):
+    prompt = [10 + group_id] + list(range(20, 20 + prompt_len - 1))
+    out = []
+    for i, n in enumerate(completion_lens):
+        comp = [50 + i] * n
+        out.append(factory(prompt + comp, [0] * prompt_len + [1] * n, group_id=group_id, seed=i))
+    return out
+
+
+def test_group_stays_in_one_row_and_shares_its_prompt(sample_factory):
+    samples = _group(sample_factory, 0) + _group(sample_factory, 1)
+    plan = plan_step(samples, token_budget=100, num_processes=2, grad_accum_steps=1)
+    (mb,) = plan.microbatches
+    assert sorted(r.group_ids for r in mb) == [[0, 0, 0], [1, 1, 1]]
+    # 8-token prompt minus its last token shared by 3 samples of 12 tokens each
+    assert [r.num_tokens for r in mb] == [7 + 3 * 5] * 2
+    m = plan.metrics
+    assert m["batch/packing_ratio"] == pytest.approx(72 / 44)
+    assert m["batch/samples_per_step"] == 6 and m["batch/groups_per_step"] == 2
+    assert m["batch/samples_per_row"] == 3 and m["batch/row_imbalance"] == pytest.approx(1.0)
+    assert m["batch/row_fill_frac"] == pytest.approx(22 / 100)
+    assert m["batch/trained_tokens_per_step"] == 24
+    assert m["batch/masked_token_frac"] == pytest.approx((44 - 24) / 44)
+    assert m["batch/pad_frac"] == 0.0 and m["batch/dropped_oversize_count"] == 0
+
+
+def test_full_row_spills_to_an_empty_row_then_closes_the_microbatch(sample_factory):
+    # each sample 12 tokens; budget 17 fits one sample plus the 5 new tokens of a sibling
+    samples = _group(sample_factory, 0, completion_lens=(4, 4, 4, 4, 4))
+    plan = plan_step(samples, token_budget=17, num_processes=2, grad_accum_steps=2)
+    # row 0 full -> sample 3 opens the empty row 1 (which then holds the group too) ->
+    # sample 5 fits nowhere and no row is empty -> micro-batch 2
+    assert [[r.num_samples for r in mb] for mb in plan.microbatches] == [[2, 2], [1, 0]]
+    assert plan.metrics["batch/microbatches_per_step"] == 2
+    assert plan.metrics["batch/pad_frac"] > 0  # the empty row of micro-batch 2
+    assert plan.trained_tokens(0) == 16 and plan.leftover == []
+
+
+def test_step_full_returns_leftovers_in_order(sample_factory):
+    samples = [sample_factory(list(range(1, 11)), [0] * 5 + [1] * 5, group_id=g) for g in range(5)]
+    plan = plan_step(samples, token_budget=10, num_processes=1, grad_accum_steps=3)
+    assert [mb[0].group_ids for mb in plan.microbatches] == [[0], [1], [2]]
+    assert [s.group_id for s in plan.leftover] == [3, 4]
+
+
+def test_oversize_samples_are_dropped_counted_and_warned(sample_factory, caplog):
+    ok = sample_factory(list(range(1, 9)), [0] * 4 + [1] * 4, group_id=0)
+    big = sample_factory(list(range(1, 40)), [0] * 4 + [1] * 35, group_id=1)
+    with caplog.at_level(logging.WARNING):
+        plan = plan_step([ok, big], token_budget=16, num_processes=1, grad_accum_steps=1)
+    assert plan.dropped == [big] and plan.metrics["batch/dropped_oversize_count"] == 1
+    assert "longer than token_budget=16" in caplog.text
+    assert plan.samples == 1
+
+
+def test_new_groups_balance_attention_cost_across_processes(sample_factory):
+    lengths = [40, 10, 10, 10, 10, 30]
+    samples = [sample_factory(list(range(1, n + 1)), [0] * 2 + [1] * (n - 2), group_id=g)
+               for g, n in enumerate(lengths)]
+    # distinct first tokens so nothing is shared
+    for g, s in enumerate(samples):
+        s.sequence.token_ids[0] = 1000 + g
+    plan = plan_step(samples, token_budget=200, num_processes=2, grad_accum_steps=1)
+    costs = sorted(attention_cost(r) for r in plan.microbatches[0])
+    naive_split = sorted([sum(n * (n + 1) // 2 for n in lengths[:3]), sum(n * (n + 1) // 2 for n in lengths[3:])])
+    assert costs[1] / sum(costs) < naive_split[1] / sum(naive_split)
+    assert plan.metrics["batch/row_imbalance"] < 1.2
+
+
+def test_streaming_planner_says_when_full(sample_factory):
+    planner = StepPlanner(token_budget=10, num_processes=1, grad_accum_steps=1)
+    first = sample_factory(list(range(1, 9)), [0] * 4 + [1] * 4, group_id=0)
+    second = sample_factory(list(range(11, 19)), [0] * 4 + [1] * 4, group_id=1)
+    assert planner.add(first) is True
+    assert planner.add(second) is False and planner.full
+    assert planner.plan().samples == 1
+
+
+def test_bad_arguments_are_named(sample_factory):
+    with pytest.raises(ValueError, match="token_budget=0"):
+        StepPlanner(token_budget=0, num_processes=1, grad_accum_steps=1)

@@ -1,0 +1,164 @@
+"""Losses: score-centering gradient vs its closed form, the clipped surrogate vs a direct
+implementation of the spec's formula, metrics, and row_loss on a real tiny model."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train.loss import (
+    LossConfig, LossInputs, build_loss_config, clipped_surrogate_loss, loss_metrics, row_loss,
+    score_centering_loss,
+)
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.tree_attention import enable_tree_attention
+
+P, V, K = 6, 10, 4
+
+
+def _toy(cfg: LossConfig):
+    """A categorical policy per position (logits theta) and a sampler mu near it."""
+    theta = torch.randn(P, V, dtype=torch.float64, requires_grad=True)
+    mu_logits = theta.detach() + torch.randn(P, V, dtype=torch.float64) * 0.8
+    log_mu = torch.log_softmax(mu_logits, -1)
+    sampled = torch.multinomial(log_mu.exp(), 1).squeeze(1)
+    top_ids = log_mu.topk(K, dim=-1).indices
+    adv = torch.randn(P, dtype=torch.float64)
+    return theta, log_mu, sampled, top_ids, adv
+
+
+def _inputs(theta, log_mu, sampled, top_ids, adv):
+    logp = torch.log_softmax(theta, -1)
+    return LossInputs(
+        logprobs=logp.gather(1, sampled[:, None]).squeeze(1),
+        sampler_logprobs=log_mu.gather(1, sampled[:, None]).squeeze(1),
+        advantages=adv,
+        token_sample=torch.arange(P) // 2,
+        topk_logprobs=logp.gather(1, top_ids),
+        sampler_topk_logprobs=log_mu.gather(1, top_ids),
+    )
+
+
+def test_score_centering_gradient_is_the_closed_form():
+    cfg = LossConfig(clip_min=0.7, clip_max=1.6)
+    theta, log_mu, sampled, top_ids, adv = _toy(cfg)
+    loss = score_centering_loss(_inputs(theta, log_mu, sampled, top_ids, adv), cfg)
+    (grad,) = torch.autograd.grad(loss, theta)
+
+    pi = torch.softmax(theta.detach(), -1)
+    ratio = pi / log_mu.exp()
+    f = torch.where((ratio >= cfg.clip_min) & (ratio <= cfg.clip_max), ratio, torch.zeros_like(ratio))
+    assert 0 < (f == 0).sum() < f.numel()  # both branches of f are exercised
+    eye = torch.eye(V, dtype=torch.float64)
+    expected = torch.zeros(P, V, dtype=torch.float64)
+    for t in range(P):
+        o = sampled[t]
+        term = f[t, o] * (eye[o] - pi[t])
+        for v in top_ids[t]:
+            term = term - log_mu[t, v].exp() * f[t, v] * (eye[v] - pi[t])
+        expected[t] = -adv[t] * term
+    torch.testing.assert_close(grad, expected, atol=1e-10, rtol=1e-8)
+
+
+def test_clipped_surrogate_equals_the_spec_formula():
+    cfg = LossConfig(score_centering=False, clip_min=0.6, clip_max=1.8, epsilon=0.2, epsilon_high=0.28)
+    theta, log_mu, sampled, top_ids, adv = _toy(cfg)
+    inp = _inputs(theta, log_mu, sampled, top_ids, adv)
+    got = clipped_surrogate_loss(inp, cfg) / P
+
+    terms = []
+    for t in range(P):
+        r = torch.exp(inp.logprobs[t] - inp.sampler_logprobs[t])
+        inside = cfg.clip_min <= r.item() <= cfg.clip_max
+        clip = torch.clamp(r, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+        terms.append(float(inside) * torch.minimum(r * adv[t], clip * adv[t]))
+    expected = -torch.stack(terms).sum() / P
+    torch.testing.assert_close(got, expected)
+    g_got = torch.autograd.grad(got, theta, retain_graph=True)[0]
+    g_ref = torch.autograd.grad(expected, theta)[0]
+    torch.testing.assert_close(g_got, g_ref)
+
+
+def test_metrics_names_and_values():
+    cfg = LossConfig()
+    inp = LossInputs(
+        logprobs=torch.log(torch.tensor([0.5, 0.2, 0.9, 0.1])),
+        sampler_logprobs=torch.log(torch.tensor([0.5, 0.5, 0.3, 0.5])),
+        advantages=torch.tensor([1.0, -1.0, 1.0, 1.0]),
+        token_sample=torch.tensor([0, 0, 1, 1]),
+        topk_logprobs=torch.zeros(4, 2),
+        sampler_topk_logprobs=torch.log(torch.tensor([[0.5, 0.2]] * 4)),
+    )
+    m = loss_metrics(inp, cfg, entropy=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    # ratios 1.0, 0.4, 3.0, 0.2 -> 0.4 and 0.2 are below clip_min 0.5
+    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(0.2)
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)
+    assert m["sampling/masked_mean"] == pytest.approx(0.5)
+    assert m["sampling/sampler_mass"] == pytest.approx(0.7)
+    assert m["entropy"] == pytest.approx(2.5)
+    assert m["clip_ratio/low_mean"] == pytest.approx(0.5)
+    assert m["clip_ratio/high_mean"] == pytest.approx(0.25)
+    assert m["clip_ratio/low_min"] == pytest.approx(0.5)  # each sample has one low token of 2
+    assert m["clip_ratio/high_max"] == pytest.approx(0.5)
+    assert m["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(5.0))  # ratio 0.2
+
+
+def test_build_loss_config_from_async_grpo_config():
+    args = AsyncGRPOConfig(output_dir="/tmp/unused", temperature=0.7, epsilon=0.1, epsilon_high=0.3,
+                           score_centering=False, use_cpu=True)
+    cfg = build_loss_config(args)
+    assert cfg == LossConfig(temperature=0.7, score_centering=False, clip_min=0.5, clip_max=5.0,
+                             epsilon=0.1, epsilon_high=0.3, router_aux_loss_coef=0.0)
+
+
+@pytest.mark.parametrize("score_centering", [True, False])
+def test_row_loss_on_a_packed_row(tiny_qwen3, shared_samples, score_centering):
+    enable_tree_attention(tiny_qwen3)
+    row = pack_row(shared_samples)
+    cfg = LossConfig(score_centering=score_centering)
+    loss, metrics = row_loss(tiny_qwen3, row, cfg, num_trained_tokens_global=2 * row.num_trained)
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in tiny_qwen3.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    assert ("sampling/sampler_mass" in metrics) == score_centering
+    assert 0 <= metrics["sampling/masked_mean"] <= 1 and metrics["entropy"] > 0
+
+
+def test_empty_row_gives_a_zero_loss_that_still_runs_the_model(tiny_qwen3):
+    enable_tree_attention(tiny_qwen3)
+    loss, metrics = row_loss(tiny_qwen3, pack_row([]), LossConfig(), num_trained_tokens_global=5)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics == {}
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in tiny_qwen3.parameters())
+
+
+def test_gradient_accumulation_invariance(tiny_qwen3, sample_factory):
+    """1 micro-batch of 8 samples == 8 micro-batches of 1 (equal trained tokens per sample)."""
+    import random
+
+    gen = random.Random(3)
+    prompt = [gen.randrange(1, 90) for _ in range(7)]
+    samples = [
+        sample_factory(prompt + [gen.randrange(1, 90) for _ in range(5)], [0] * 7 + [1] * 5,
+                       advantage=gen.uniform(-1, 1), group_id=0, topk=3, seed=i)
+        for i in range(8)
+    ]
+    cfg = LossConfig()
+    one = copy.deepcopy(tiny_qwen3)
+    enable_tree_attention(one)
+    row = pack_row(samples)
+    loss, _ = row_loss(one, row, cfg, num_trained_tokens_global=row.num_trained)
+    loss.backward()
+
+    eight = copy.deepcopy(tiny_qwen3)
+    enable_tree_attention(eight)
+    for s in samples:
+        r = pack_row([s])
+        loss_i, _ = row_loss(eight, r, cfg, num_trained_tokens_global=r.num_trained)
+        (loss_i / len(samples)).backward()
+    for (name, a), (_, b) in zip(one.named_parameters(), eight.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
