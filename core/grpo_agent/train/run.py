@@ -1,0 +1,103 @@
+"""`run_training`: what `grpo-agent train --env NAME` does after parsing its flags.
+
+Embedded by default: with no server URL it starts a managed vLLM server on this machine for the
+run's model (and stops it, by PID, when the run ends), and with no model it trains the built-in
+tiny model, so the command works on a laptop with nothing else running. The output directory
+receives the resolved config, `metrics.jsonl`, `prompt_ledger.jsonl`, checkpoints and, at the
+end, `reward.png`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from grpo_agent.config import AsyncGRPOConfig
+
+logger = logging.getLogger(__name__)
+
+# The managed server for the built-in tiny model: fp32 so trainer and sampler log-probs agree.
+MANAGED_MAX_MODEL_LEN = 1024
+
+
+def run_training(
+    env: str,
+    config: AsyncGRPOConfig,
+    model: str | None = None,
+    vllm_url: str | None = None,
+    resume_from_checkpoint: str | bool | None = None,
+) -> Path:
+    """Train on a registered environment; returns the output directory."""
+    from grpo_agent.train.reporting import (
+        METRICS_NAME,
+        PLOT_NAME,
+        JsonlMetricsCallback,
+        ProgressCallback,
+        plot_reward_and_length,
+    )
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+    task = resolve_env_task(env)
+    model_path = model or _tiny_model_path()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with _server(model_path, vllm_url) as base_url:
+        config.vllm_server_base_url = base_url
+        (output_dir / "config.json").write_text(config.to_json_string())
+        trainer = AsyncGRPOTrainer(
+            model=model_path,
+            reward_funcs=task["reward_funcs"],
+            args=config,
+            train_dataset=task["dataset"],
+            tools=task["tools"],
+            environment_factory=task["environment_factory"],
+            callbacks=[JsonlMetricsCallback(), ProgressCallback()],
+        )
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        trainer.save_model(str(output_dir / "final"))
+    metrics = output_dir / METRICS_NAME
+    if metrics.is_file():
+        plot_reward_and_length(metrics, output_dir / PLOT_NAME)
+    return output_dir
+
+
+def resolve_env_task(name: str) -> dict[str, Any]:
+    """The env's dataset, rewards, tools and environment factory, through the plugin host."""
+    from grpo_agent.plugins import load_registry
+
+    registry = load_registry()
+    spec = registry.resolve_environment(name)
+    return {
+        "dataset": spec.load_dataset(),
+        "reward_funcs": list(spec.rewards),
+        "tools": list(getattr(spec, "tools", ()) or ()),
+        "environment_factory": getattr(spec, "environment_factory", None),
+    }
+
+
+def _tiny_model_path() -> str:
+    from grpo_agent.testing import build_tiny_model
+
+    return str(build_tiny_model())
+
+
+@contextlib.contextmanager
+def _server(model_path: str, vllm_url: str | None) -> Iterator[str]:
+    if vllm_url:
+        yield vllm_url
+        return
+    from grpo_agent.sampler.server import ManagedVLLMServer
+
+    logger.info("No --vllm-url: starting a vLLM server for %s on this machine.", model_path)
+    with ManagedVLLMServer(
+        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN
+    ) as server:
+        logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
+        yield server.base_url
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,167 @@
+"""What the trainer does before its first step: load the model and check the vLLM server.
+
+Every mismatch between trainer and server that would otherwise surface as a silent wrong
+gradient or a stall many minutes later is checked here, once, with a message that names the fix:
+wrong server, wrong model, a completion length the server cannot serve, a dtype difference.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train.weights import is_vision_tower_param
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_model(model: str | nn.Module, args: AsyncGRPOConfig) -> nn.Module:
+    """A causal LM, or an image-text-to-text model with its vision tower frozen."""
+    if isinstance(model, nn.Module):
+        return model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("dtype", _DTYPES.get(args.dtype, "auto"))
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    if getattr(config, "vision_config", None) is not None:
+        loaded = AutoModelForImageTextToText.from_pretrained(model, **kwargs)
+        freeze_vision_tower(loaded)
+        return loaded
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Freeze the vision tower (it is neither trained nor pushed); returns the frozen count."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if is_vision_tower_param(name):
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def load_processing_class(model: nn.Module, processing_class: Any) -> Any:
+    """The spec's rule: left padding, and the EOS token as pad token when none is set."""
+    if processing_class is None:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return processing_class
+
+
+@dataclass
+class ServerFacts:
+    """What the trainer learned from the server at start."""
+
+    model_id: str
+    max_model_len: int
+    dtype: str | None
+    lora_enabled: bool
+
+
+def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
+    """Reachable, serving this model, long enough for `max_completion_length`; warn on dtype."""
+    facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout))
+    expected = str(model.config._name_or_path)
+    if not same_model(expected, facts.model_id):
+        raise ValueError(
+            f"The vLLM server at {args.vllm_server_base_url} serves {facts.model_id!r} but the "
+            f"trainer trains {expected!r}. Start the server with the trainer's model "
+            f"(vllm serve {expected}) or pass that model to the trainer."
+        )
+    if args.max_completion_length >= facts.max_model_len:
+        raise ValueError(
+            f"max_completion_length={args.max_completion_length} leaves no room for a prompt: the "
+            f"server's max_model_len is {facts.max_model_len}. Lower max_completion_length or "
+            "restart the server with a larger --max-model-len."
+        )
+    if args.token_budget is not None and args.token_budget < facts.max_model_len:
+        logger.warning(
+            "token_budget=%d is below the server's max_model_len=%d: samples longer than the "
+            "budget will be dropped (batch/dropped_oversize_count).",
+            args.token_budget, facts.max_model_len,
+        )
+    trainer_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if facts.dtype and facts.dtype != trainer_dtype:
+        logger.warning(
+            "The server runs in %s but the trainer's weights are %s: their log-probs differ, which "
+            "shows up as importance ratios away from 1.0 at zero staleness. Serve with "
+            "--dtype %s to close the gap.", facts.dtype, trainer_dtype, trainer_dtype,
+        )
+    return facts
+
+
+def same_model(trainer_name: str, served_id: str) -> bool:
+    """Paths compare resolved; hub ids compare exactly (a server may add a local path)."""
+    if trainer_name == served_id:
+        return True
+    if os.path.exists(trainer_name) and os.path.exists(served_id):
+        return Path(trainer_name).resolve() == Path(served_id).resolve()
+    return trainer_name.rstrip("/").split("/")[-1] == served_id.rstrip("/").split("/")[-1]
+
+
+async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
+    from grpo_agent.sampler.client import SamplerClient
+
+    async with SamplerClient(base_url, timeout=timeout) as client:
+        info = await client.model_info()
+        try:
+            server_info = await client.server_info()
+        except Exception as error:  # noqa: BLE001 - older servers lack /server_info; dtype is optional
+            logger.info("No /server_info on %s (%s): skipping the dtype check.", base_url, error)
+            server_info = {}
+    return ServerFacts(
+        model_id=info.id,
+        max_model_len=info.max_model_len,
+        dtype=_server_dtype(server_info),
+        lora_enabled=bool(_find_key(server_info, "enable_lora")),
+    )
+
+
+def _server_dtype(server_info: dict) -> str | None:
+    value = _find_key(server_info, "dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+def _find_key(data: Any, key: str) -> Any:
+    """Depth-first lookup of `key` in the nested JSON of /server_info."""
+    if isinstance(data, dict):
+        if key in data:
+            return data[key]
+        data = list(data.values())
+    if isinstance(data, list):
+        for item in data:
+            found = _find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def is_local_server(base_url: str) -> bool:
+    return urlparse(base_url).hostname in ("localhost", "127.0.0.1", "::1")
+
+
+def set_trainer_threads(args: AsyncGRPOConfig) -> int | None:
+    """On CPU beside a local server, leave the server its core (DESIGN.md 6: 5x slower if not)."""
+    if torch.cuda.is_available() and not args.use_cpu:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores - 1) if is_local_server(args.vllm_server_base_url) else cores
+    torch.set_num_threads(threads)
+    return threads

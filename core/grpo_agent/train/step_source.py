@@ -1,0 +1,106 @@
+"""The trainer's side of the sample queue: one optimizer step's samples at a time.
+
+A step is filled by tokens, not by a sample count (the spec: kept groups fill the step, so
+the more groups are dropped, the more generation a step needs). We block until the first sample
+arrives, then keep taking what is already queued until the step planner says the step's rows
+are full; the sample that did not fit is carried to the next step, never dropped. Prompt notices update the ledger
+here, and samples of prompts trained before a resume are discarded here.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from grpo_agent.metrics import MetricWindow
+from grpo_agent.train.batching import StepPlanner
+from grpo_agent.types import PromptConsumed, TrainingSample
+
+if TYPE_CHECKING:
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+PULL_POLL_S = 1.0
+
+
+class StepSource:
+    """Wraps the rollout worker (rank 0 only)."""
+
+    def __init__(self, worker: Any, trainer: AsyncGRPOTrainer) -> None:
+        self.worker = worker
+        self.trainer = trainer
+        self._carry: list[TrainingSample] = []
+
+    @classmethod
+    def start(cls, trainer: AsyncGRPOTrainer, model_name: str, start_index: int) -> StepSource:
+        from grpo_agent.rollout.worker import RolloutWorker
+
+        worker = RolloutWorker(
+            trainer.loop_cls,
+            config=trainer.args,
+            model_name=model_name,
+            dataset=trainer.train_dataset,
+            reward_funcs=trainer.reward_funcs,
+            processing_class=trainer.processing_class,
+            tools=trainer.tools,
+            environment_factory=trainer.environment_factory,
+            dataset_start_index=start_index,
+        )
+        worker.set_model_version(trainer.model_version)
+        worker.start()
+        return cls(worker, trainer)
+
+    def next_step(self, planner: StepPlanner) -> list[TrainingSample]:
+        """Fill `planner` with one step: wait for the first sample, then take what is queued."""
+        taken: list[TrainingSample] = []
+        pending, self._carry = self._carry, []
+        waited = 0.0
+        while True:
+            if not pending:
+                block = not taken
+                started = time.perf_counter()
+                items = self.worker.pull(timeout=PULL_POLL_S if block else 0.0)
+                if block:
+                    waited += time.perf_counter() - started
+                pending = self._accept(items)
+                if not pending and not block:
+                    break
+                continue
+            sample = pending.pop(0)
+            if not planner.add(sample):
+                self._carry = [sample, *pending]
+                break
+            taken.append(sample)
+        self._record_pull_metrics(taken, waited)
+        return taken
+
+    def _record_pull_metrics(self, samples: list[TrainingSample], waited: float) -> None:
+        window = self.trainer.window
+        now = time.time()
+        for sample in samples:
+            staleness = self.trainer.model_version - sample.model_version
+            window.add("sample/staleness_mean", staleness)
+            window.add("sample/staleness_max", staleness)
+            if sample.queued_at:
+                window.add("sample/time_in_queue_s", now - sample.queued_at)
+        window.add("perf/rollout_wait_s", waited)
+        window.add("rollout/queue_size", self.worker.queue_size + len(self._carry))
+
+    def _accept(self, items: list[TrainingSample | PromptConsumed]) -> list[TrainingSample]:
+        ledger = self.trainer.ledger
+        fresh = []
+        for item in items:
+            if isinstance(item, PromptConsumed):
+                ledger.record_consumed(item)
+            elif not ledger.already_consumed(item.prompt_index):
+                fresh.append(item)
+        return fresh
+
+    def set_model_version(self, version: int) -> None:
+        self.worker.set_model_version(version)
+
+    def finish_step(self, samples: list[TrainingSample], window: MetricWindow) -> None:
+        """Tell the worker how many tokens a step uses (its staleness allowance); take its metrics."""
+        self.worker.report_step_tokens(sum(s.num_tokens for s in samples))
+        window.extend(self.worker.drain_metrics())
+
+    def stop(self) -> None:
+        self.worker.stop()

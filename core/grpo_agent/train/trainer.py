@@ -1,0 +1,373 @@
+"""`AsyncGRPOTrainer`: a `transformers.Trainer` whose batches come from a live rollout queue.
+
+Design decision: keep `transformers.Trainer` in charge of what it already does well (optimizer,
+scheduler, gradient accumulation, clipping, checkpoints with RNG state, callbacks, `report_to`,
+`save_model`, `push_to_hub`) and replace only the data side. `get_batch_samples` pulls one
+step's samples from the rollout worker and plans them into `gradient_accumulation_steps`
+packed micro-batches; `compute_loss` is the packed row loss; `_AsyncStepCallback` does what
+happens between steps (prompt ledger, weight push, epoch accounting in prompts, metrics).
+The worker starts at train begin (after a resumed checkpoint is loaded, so its position and
+the pushed weights match the restored model) and always stops when `train()` returns or raises.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.metrics import MetricWindow
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.train import fsdp, perf, setup
+from grpo_agent.train.checkpoint import PromptLedger, RolloutState, append_ledger_line
+from grpo_agent.train.batching import StepPlan, StepPlanner
+from grpo_agent.train.packing import PackedRow, pack_row
+from grpo_agent.train.step_source import StepSource
+from grpo_agent.train.sync import WeightPusher
+from grpo_agent.types import TrainingSample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Microbatch:
+    """One process's row of one micro-batch, plus the micro-batch's trained tokens (all ranks)."""
+
+    row: PackedRow
+    num_trained_global: int
+
+
+class _NoBatches:
+    """The Trainer's "dataloader": batches come from the queue in `get_batch_samples`."""
+
+    def __iter__(self):
+        return iter(())
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO: a rollout worker generates while this trainer trains (see the spec)."""
+
+    loop_cls = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: str | nn.Module,
+        reward_funcs: Callable | str | list[Callable | str] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: Any = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Any = None,
+    ) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
+        model = setup.load_model(model, args)
+        processing_class = setup.load_processing_class(model, processing_class)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        from grpo_agent.train.tree_attention import enable_tree_attention
+
+        enable_tree_attention(model)
+        self.reward_funcs, self.tools, self.environment_factory = _resolve_plugins(
+            reward_funcs, tools, environment_factory
+        )
+        _check_dataset(train_dataset, environment_factory, args)
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        if fsdp.world_size() > 1:
+            fsdp.apply_fsdp2(model, param_dtype=torch.bfloat16 if args.bf16 else None)
+            # The model now owns its sharding and gradient reduction: no DDP wrap by accelerate.
+            self.is_distributed_loading_by_transformers = True
+        self.window = MetricWindow()
+        self.ledger = PromptLedger()
+        self.model_version = 0
+        self.source: StepSource | None = None
+        self.pusher: WeightPusher | None = None
+        self._step_samples: list[TrainingSample] = []
+        self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
+        self.add_callback(_AsyncStepCallback(self))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N "
+                    "folder. Pass a checkpoint path or train without resuming."
+                )
+        self.ledger = PromptLedger(self._restored_rollout_state(resume_from_checkpoint))
+        threads = setup.set_trainer_threads(self.args)
+        if threads is not None:
+            logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._stop_pipeline()
+
+    def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
+        if checkpoint is None:
+            return RolloutState()
+        state = RolloutState.load(checkpoint)
+        if _is_streaming(self.train_dataset):
+            logger.warning(
+                "Streaming datasets cannot be repositioned: the rollout worker restarts from "
+                "the first prompt (rollout_state.json had %d).", state.first_untrained_prompt_index,
+            )
+            return RolloutState(model_version=state.model_version)
+        return state
+
+    def start_pipeline(self) -> None:
+        """Check the server, push restored weights if resuming, start the rollout worker."""
+        facts = setup.check_server(self.args, self.model)
+        self.token_budget = self.args.token_budget or facts.max_model_len
+        self.model_version = self.ledger.state(0).model_version if self.state.global_step else 0
+        self.pusher = WeightPusher(self.args, lora_enabled=facts.lora_enabled)
+        if self.state.global_step > 0:  # resumed: the server still holds other weights
+            self.model_version = max(self.model_version, 1)
+            self.window.update(self.pusher.push(self.model, self.model_version))
+        if fsdp.is_main_process():
+            self.source = StepSource.start(self, facts.model_id, self.ledger.frontier)
+
+    def _stop_pipeline(self) -> None:
+        if self.source is not None:
+            self.source.stop()
+            self.source = None
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
+
+    # ------------------------------------------------------------------ batches and loss
+
+    def get_train_dataloader(self) -> Any:
+        return _NoBatches()
+
+    def set_initial_training_values(self, args, dataloader):
+        """Steps are not known in advance: `max_steps`, or until the prompt epochs are done."""
+        max_steps = args.max_steps if args.max_steps > 0 else 10**9
+        total_batch = self.get_total_train_batch_size(args)
+        return 1, max_steps, total_batch * max_steps, total_batch * max_steps, total_batch, (
+            max_steps * args.gradient_accumulation_steps
+        ), max_steps
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """One step's micro-batches for this process, planned from the queue on rank 0."""
+        plan = self._next_step_plan()
+        self.window.update(plan.metrics)
+        rank = torch.distributed.get_rank() if fsdp.world_size() > 1 else 0
+        batches = [
+            Microbatch(rows[rank], plan.trained_tokens(i)) for i, rows in enumerate(plan.microbatches)
+        ]
+        # The Trainer steps the optimizer after exactly gradient_accumulation_steps micro-batches;
+        # a step the queue could not fill is padded with empty rows (they contribute zero).
+        padding = Microbatch(pack_row([]), 1)
+        batches += [padding] * (self.args.gradient_accumulation_steps - len(batches))
+        return batches, None
+
+    def _next_step_plan(self) -> StepPlan:
+        """Rank 0 pulls and plans; the other ranks receive the same plan."""
+        plan = None
+        if self.source is not None:
+            planner = StepPlanner(
+                token_budget=self.token_budget,
+                num_processes=fsdp.world_size(),
+                grad_accum_steps=self.args.gradient_accumulation_steps,
+            )
+            self._step_samples = self.source.next_step(planner)
+            plan = planner.plan()
+        if fsdp.world_size() > 1:
+            box = [(plan, self._step_samples)]
+            torch.distributed.broadcast_object_list(box, src=0)
+            plan, self._step_samples = box[0]
+        return plan
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        return inputs  # rows move to the device inside the forward
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        started = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_timings["fwd_bwd"] += time.perf_counter() - started
+        return loss
+
+    def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
+        from grpo_agent.train.loss import build_loss_config, row_loss
+
+        if not hasattr(self, "_loss_config"):
+            self._loss_config = build_loss_config(self.args)
+        started = time.perf_counter()
+        loss, metrics = row_loss(model, inputs.row, self._loss_config, inputs.num_trained_global)
+        self.step_timings["fwd"] += time.perf_counter() - started
+        self.window.update(metrics)
+        # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
+        loss = loss * fsdp.world_size()
+        return (loss, None) if return_outputs else loss
+
+    def floating_point_ops(self, inputs: Microbatch) -> int:
+        row = inputs.row
+        flops = perf.training_flops(self.model.config, row.num_tokens, row.num_tokens / 2)
+        return int(flops or 0)
+
+    # ------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs.update(self.window_summary())
+        super().log(logs, start_time)
+
+    def window_summary(self) -> dict[str, float]:
+        """The window's metrics; perf/* that no step measured (e.g. MFU on CPU) are left out."""
+        summary = self.window.summarize()
+        return {k: v for k, v in summary.items() if not (k.startswith("perf/") and math.isnan(v))}
+
+
+class _AsyncStepCallback(TrainerCallback):
+    """Between optimizer steps: ledger, weight push, prompt epochs, step metrics."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+        self._step_started = time.perf_counter()
+        self._optimizer_started = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.start_pipeline()
+        self._step_started = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._optimizer_started = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.window.add("perf/optimizer_s", time.perf_counter() - self._optimizer_started)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        samples = trainer._step_samples
+        completed = trainer.ledger.record_trained(samples)
+        if fsdp.is_main_process():
+            append_ledger_line(args.output_dir, state.global_step, completed)
+        if state.global_step % args.weight_sync_steps == 0:
+            trainer.model_version += 1
+            trainer.window.update(trainer.pusher.push(trainer.model, trainer.model_version))
+            if trainer.source is not None:
+                trainer.source.set_model_version(trainer.model_version)
+        if trainer.source is not None:
+            trainer.source.finish_step(samples, trainer.window)
+        self._record_step_metrics(samples)
+        self._count_prompt_epochs(args, state, control)
+
+    def _record_step_metrics(self, samples: list[TrainingSample]) -> None:
+        trainer = self.trainer
+        now = time.perf_counter()
+        step_s = now - self._step_started
+        self._step_started = now
+        fwd_bwd_s, fwd_s = trainer.step_timings["fwd_bwd"], trainer.step_timings["fwd"]
+        trainer.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
+        forwarded = sum(s.num_tokens for s in samples)
+        trained = sum(s.sequence.num_trained for s in samples)
+        window = trainer.window
+        window.add("perf/step_s", step_s)
+        window.add("perf/fwd_bwd_s", fwd_bwd_s)
+        window.add("perf/fwd_s", fwd_s)
+        window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
+        window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        peak = _device_peak(trainer.args)
+        mean_len = forwarded / max(len(samples), 1)
+        flops = perf.training_flops(trainer.model.config, forwarded, mean_len / 2)
+        for name, seconds in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
+            value = perf.mfu(flops, seconds, peak, fsdp.world_size())
+            if value is not None:
+                window.add(name, value)
+
+    def _count_prompt_epochs(self, args, state, control) -> None:
+        size = _dataset_size(self.trainer.train_dataset)
+        if size is None:
+            return
+        state.epoch = self.trainer.ledger.frontier / size
+        if args.max_steps <= 0 and self.trainer.ledger.frontier >= args.num_train_epochs * size:
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        if fsdp.is_main_process():
+            folder = f"{args.output_dir}/checkpoint-{state.global_step}"
+            self.trainer.ledger.state(self.trainer.model_version).save(folder)
+
+
+def _device_peak(args: AsyncGRPOConfig) -> float | None:
+    if not torch.cuda.is_available() or args.use_cpu:
+        return None
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return perf.peak_flops_per_s(torch.cuda.get_device_name(), precision)
+
+
+def _dataset_size(dataset: Any) -> int | None:
+    if dataset is None or _is_streaming(dataset):
+        return None
+    return len(dataset)
+
+
+def _is_streaming(dataset: Any) -> bool:
+    return dataset is not None and not hasattr(dataset, "__len__")
+
+
+def _check_dataset(dataset: Any, environment_factory: Any, args: AsyncGRPOConfig) -> None:
+    if dataset is None:
+        if environment_factory is None:
+            raise ValueError(
+                "train_dataset is required unless environment_factory provides the prompts "
+                "from reset(); pass a dataset with a conversational 'prompt' column."
+            )
+        if args.max_steps <= 0:
+            raise ValueError(
+                "Without a train_dataset the run length is unknown: set max_steps > 0."
+            )
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns and environment_factory is None:
+        raise ValueError(
+            f"train_dataset has columns {columns} but no 'prompt' column. Rename the column with "
+            "the conversational prompt to 'prompt' (a list of {'role', 'content'} messages)."
+        )
+
+
+def _resolve_plugins(reward_funcs, tools, environment_factory):
+    """Turn registered names into objects and check everything pickles (the worker is spawned)."""
+    from grpo_agent.plugins import check_picklable, load_registry
+
+    if reward_funcs is None:
+        reward_funcs = []
+    elif not isinstance(reward_funcs, (list, tuple)):
+        reward_funcs = [reward_funcs]
+    needs_registry = any(isinstance(f, str) for f in reward_funcs) or isinstance(
+        environment_factory, str
+    )
+    if needs_registry:
+        registry = load_registry()
+        reward_funcs = [registry.resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
+        if isinstance(environment_factory, str):
+            environment_factory = registry.resolve_environment(environment_factory)
+    check_picklable(
+        {"reward_funcs": reward_funcs, "tools": tools or [], "environment_factory": environment_factory}
+    )
+    return list(reward_funcs), list(tools or []), environment_factory

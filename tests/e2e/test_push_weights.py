@@ -1,0 +1,60 @@
+"""What the trainer pushes: HF names, merged LoRA under base names, no vision tower; MFU maths."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_agent.testing import build_tiny_model
+from grpo_agent.train import perf
+from grpo_agent.train.weights import full_weights, is_vision_tower_param, merged_adapters
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return build_tiny_model()
+
+
+def test_full_weights_are_the_model_parameters_under_their_hugging_face_names(tiny_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    pushed = dict(full_weights(model))
+    assert pushed.keys() == dict(model.named_parameters()).keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in pushed
+
+
+def test_lora_push_sends_merged_weights_under_base_names_and_unmerges_after(tiny_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    names = set(dict(base.named_parameters()))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # non-zero so merging changes the weights
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    before = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
+    with merged_adapters(model):
+        pushed = {k: v.clone() for k, v in full_weights(model)}
+    assert set(pushed) == names
+    lora = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (lora.lora_B["default"].weight @ lora.lora_A["default"].weight) * lora.scaling["default"]
+    torch.testing.assert_close(pushed[q_name], before + delta)
+    torch.testing.assert_close(lora.base_layer.weight, before)  # unmerged again
+
+
+def test_vision_tower_names_are_recognised():
+    assert is_vision_tower_param("model.visual.blocks.0.attn.qkv.weight")
+    assert not is_vision_tower_param("model.language_model.layers.0.mlp.up_proj.weight")
+
+
+def test_mfu_is_known_only_for_a_known_device_and_architecture(tiny_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    flops = perf.training_flops(model.config, num_tokens=1000, mean_context_len=0)
+    matmul_params = sum(p.numel() for n, p in model.named_parameters()
+                        if p.dim() == 2 and "embed_tokens" not in n)
+    assert flops == pytest.approx(6 * matmul_params * 1000, rel=1e-6)
+    peak = perf.peak_flops_per_s("NVIDIA H200", "bf16")
+    assert peak == 989.4e12
+    assert perf.mfu(flops, 1.0, peak) == pytest.approx(flops / 989.4e12)
+    assert perf.peak_flops_per_s(None, "fp32") is None  # CPU: omitted
+    assert perf.mfu(flops, 1.0, None) is None
+    model.config.model_type = "gpt2"
+    assert perf.training_flops(model.config, 10, 0) is None

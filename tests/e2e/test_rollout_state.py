@@ -1,0 +1,42 @@
+"""The prompt ledger behind rollout_state.json: nothing lost, nothing trained twice."""
+from grpo_agent.train.checkpoint import PromptLedger, RolloutState
+from grpo_agent.types import PromptConsumed, TrainingSample, TrainingSequence
+
+
+def sample(prompt_index: int, group_size: int) -> TrainingSample:
+    seq = TrainingSequence(token_ids=[1, 2, 3], trained_mask=[0, 1, 1], sampler_logprobs=[0.0] * 3)
+    return TrainingSample(seq, advantage=1.0, model_version=0, group_id=prompt_index,
+                          row_index=prompt_index, prompt_index=prompt_index,
+                          group_num_samples=group_size)
+
+
+def test_frontier_waits_for_every_sample_of_a_prompt_and_skips_consumed_notices():
+    ledger = PromptLedger()
+    assert ledger.record_trained([sample(0, 2), sample(1, 1)]) == [1]
+    assert ledger.frontier == 0  # prompt 0 has one of its two samples trained
+    ledger.record_consumed(PromptConsumed(prompt_index=2, row_index=2, reason="zero_std"))
+    assert ledger.record_trained([sample(0, 2)]) == [0]
+    assert ledger.frontier == 3
+
+
+def test_resume_skips_prompts_finished_out_of_order_and_only_those(tmp_path):
+    ledger = PromptLedger()
+    ledger.record_trained([sample(0, 1), sample(2, 1), sample(4, 1)])
+    state = ledger.state(model_version=7)
+    assert state == RolloutState(1, [2, 4], 7)
+    state.save(tmp_path)
+
+    resumed = PromptLedger(RolloutState.load(tmp_path))
+    assert resumed.frontier == 1
+    assert [i for i in range(6) if resumed.already_consumed(i)] == [2, 4]
+    resumed.record_trained([sample(1, 1)])
+    assert resumed.frontier == 3  # 2 was consumed before the checkpoint
+    resumed.record_trained([sample(3, 1)])
+    assert resumed.frontier == 5
+
+
+def test_loading_a_checkpoint_without_rollout_state_says_what_is_wrong(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="not written by AsyncGRPOTrainer"):
+        RolloutState.load(tmp_path)
