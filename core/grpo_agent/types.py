@@ -90,6 +90,8 @@ class RolloutGroup:
     queued_at: float = 0.0
     rewards: Any = None  # np.ndarray of summed rewards (NaN = unscored), set before advantages
     rollouts: list[Rollout] = field(default_factory=list)
+    # Position of the prompt in the worker's prompt stream (see `TrainingSample.prompt_index`).
+    prompt_index: int = 0
 
 
 @dataclass

@@ -1,0 +1,274 @@
+"""`RolloutWorker`: the trainer's handle on the spawned rollout process.
+
+Design decision: the worker is *spawned* (never forked: the trainer holds CUDA and threads)
+with `CUDA_VISIBLE_DEVICES=""`, and shares only small things with the trainer: the sample
+queue, the model version, a cumulative token allowance, a heartbeat timestamp and a failure
+channel carrying the child's traceback. Staleness lives here, at pull time: samples more than
+`max_staleness` versions old are dropped and counted. Every wait is bounded, and each `pull`
+checks the child's health first, so a crashed, killed or hung worker surfaces in the trainer
+within `rollout_worker_timeout` with the reason. `stop` is idempotent and leaves no process.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+from grpo_agent.metrics import Observation
+from grpo_agent.types import PromptConsumed, TrainingSample
+
+STOP_GRACE_S = 15.0
+PULL_POLL_S = 0.25
+MAX_ITEMS_PER_PULL = 4096
+_ENV_LOCK = threading.Lock()
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed, died or hung; the message carries the reason."""
+
+
+def _child_main(loop_cls, loop_kwargs: dict[str, Any], stop_event) -> None:
+    """Entry of the spawned process: build the loop, run it, report any failure."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        loop = loop_cls(**loop_kwargs)
+        loop.stop_event = stop_event
+        loop.run()
+    except BaseException:  # noqa: BLE001 - everything goes back to the trainer
+        loop_kwargs["exception_info_queue"].put(traceback.format_exc())
+        loop_kwargs["failed_event"].set()
+        raise SystemExit(1)
+    finally:
+        # Unread samples must not keep this process alive after a stop.
+        loop_kwargs["rollout_buffer"].cancel_join_thread()
+        loop_kwargs["metrics_queue"].cancel_join_thread()
+
+
+class RolloutWorker:
+    """Starts, feeds, watches and stops one rollout worker process."""
+
+    def __init__(self, loop_cls, *, config, model_name, dataset, reward_funcs, processing_class,
+                 tools=None, environment_factory=None, dataset_start_index=0, lora_name=None):
+        self.config = config
+        self._context = mp.get_context("spawn")
+        self._buffer = self._context.Queue()
+        self._metrics_queue = self._context.Queue()
+        self._exception_queue = self._context.Queue()
+        self._failed = self._context.Event()
+        self._stop_event = self._context.Event()
+        self._model_version = self._context.Value("q", 0)
+        self._token_allowance = self._context.Value("d", 0.0)
+        self._heartbeat = self._context.Value("d", 0.0)
+        self._consumed_tokens = 0
+        self._window_tokens = max(config.max_staleness, 1) * _full_step_tokens(config)
+        self._publish_allowance()
+        self._trainer_observations: list[Observation] = []
+        self._stale_groups: set[int] = set()
+        self._process = None
+        self._stopped = False
+        eos = getattr(processing_class, "eos_token_id", None)
+        self._loop_kwargs = dict(
+            config=config, model_name=model_name, dataset=dataset, reward_funcs=reward_funcs,
+            processing_class=processing_class, eos_token_ids=[] if eos is None else [eos],
+            rollout_buffer=self._buffer, model_version_value=self._model_version,
+            token_allowance=self._token_allowance, heartbeat_value=self._heartbeat,
+            failed_event=self._failed, exception_info_queue=self._exception_queue,
+            metrics_queue=self._metrics_queue, tools=tools,
+            environment_factory=environment_factory, lora_name=lora_name,
+            dataset_start_index=dataset_start_index)
+        self._loop_cls = loop_cls
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Spawn the worker and wait for its first heartbeat; raises if it dies first."""
+        self._process = self._context.Process(
+            target=_child_main, args=(self._loop_cls, self._loop_kwargs, self._stop_event),
+            name="grpo-agent-rollout", daemon=True)
+        with _ENV_LOCK:  # the child must never see the trainer's GPUs, even while importing
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            try:
+                self._process.start()
+            finally:
+                _restore_env("CUDA_VISIBLE_DEVICES", saved)
+        deadline = time.monotonic() + self.config.rollout_worker_timeout
+        while self._heartbeat.value == 0.0:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutWorkerError(
+                    f"The rollout worker did not start within rollout_worker_timeout="
+                    f"{self.config.rollout_worker_timeout} s.")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Ask the worker to stop, then terminate/kill it if it does not; idempotent."""
+        if self._stopped or self._process is None:
+            self._stopped = True
+            return
+        self._stopped = True
+        self._stop_event.set()
+        process = self._process
+        process.join(STOP_GRACE_S)
+        if process.is_alive():
+            process.terminate()
+            process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
+        for channel in (self._buffer, self._metrics_queue, self._exception_queue):
+            channel.cancel_join_thread()
+            channel.close()
+
+    def __enter__(self) -> RolloutWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # ------------------------------------------------------------------ trainer side
+
+    def set_model_version(self, version: int) -> None:
+        self._model_version.value = int(version)
+
+    @property
+    def model_version(self) -> int:
+        return int(self._model_version.value)
+
+    def report_step_tokens(self, tokens: int) -> None:
+        """The forwarded tokens the last optimizer step used: the allowance window follows it."""
+        self._window_tokens = max(self.config.max_staleness, 1) * max(int(tokens), 1)
+        self._publish_allowance()
+
+    @property
+    def queue_size(self) -> int:
+        try:
+            return self._buffer.qsize()
+        except NotImplementedError:  # macOS has no sem_getvalue
+            return -1
+
+    def pull(self, timeout: float) -> list[TrainingSample | PromptConsumed]:
+        """Up to `timeout` s for at least one item; returns [] on timeout. Stale samples drop."""
+        deadline = time.monotonic() + timeout
+        items: list = []
+        while not items:
+            self._check_health()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            try:
+                items.append(self._buffer.get(timeout=min(PULL_POLL_S, remaining)))
+            except queue.Empty:
+                continue
+        while len(items) < MAX_ITEMS_PER_PULL:
+            try:
+                items.append(self._buffer.get_nowait())
+            except queue.Empty:
+                break
+        self._trainer_observations.append(("rollout/queue_size", float(self.queue_size)))
+        return self._drop_stale(items)
+
+    def drain_metrics(self) -> list[Observation]:
+        """Everything observed since the last call, for `grpo_agent.metrics.MetricWindow.extend`."""
+        observations, self._trainer_observations = self._trainer_observations, []
+        while True:
+            try:
+                observations.extend(self._metrics_queue.get_nowait())
+            except queue.Empty:
+                return observations
+
+    # ------------------------------------------------------------------ internals
+
+    def _publish_allowance(self) -> None:
+        self._token_allowance.value = float(self._consumed_tokens + self._window_tokens)
+
+    def _drop_stale(self, items: list) -> list:
+        now, version = time.time(), self.model_version
+        kept: list = []
+        dropped = 0
+        for item in items:
+            if not isinstance(item, TrainingSample):
+                kept.append(item)
+                continue
+            self._consumed_tokens += item.num_tokens
+            staleness = version - item.model_version
+            if staleness > self.config.max_staleness:
+                dropped += 1
+                if item.group_id not in self._stale_groups:  # the prompt is consumed, untrained
+                    self._stale_groups.add(item.group_id)
+                    kept.append(PromptConsumed(item.prompt_index, item.row_index, "stale"))
+                continue
+            self._trainer_observations += [
+                ("sample/staleness_mean", float(staleness)), ("sample/staleness_max", float(staleness)),
+                ("sample/time_in_queue_s", now - item.queued_at)]
+            kept.append(item)
+        self._trainer_observations.append(("sample/dropped_stale_count", float(dropped)))
+        self._publish_allowance()
+        return kept
+
+    def _check_health(self) -> None:
+        self._check_alive()
+        age = time.time() - self._heartbeat.value
+        if age > self.config.rollout_worker_timeout:
+            self.stop()
+            raise RolloutWorkerError(
+                f"The rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout="
+                f"{self.config.rollout_worker_timeout} s): it is hung. Check the vLLM server and "
+                "any blocking reward/tool/environment code, or raise rollout_worker_timeout.")
+
+    def _check_alive(self) -> None:
+        if self._process is None:
+            raise RolloutWorkerError("The rollout worker was never started: call start() first.")
+        if self._failed.is_set():
+            self.stop()
+            raise RolloutWorkerError(f"The rollout worker failed:\n{self._child_traceback()}")
+        if not self._process.is_alive() and not self._stopped:
+            code = self._process.exitcode
+            self.stop()
+            reason = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+                      else f"exited with code {code}")
+            raise RolloutWorkerError(
+                f"The rollout worker {reason} without reporting an error (out of memory, or "
+                "killed from outside?).")
+
+    def _child_traceback(self) -> str:
+        try:
+            return self._exception_queue.get(timeout=5.0)
+        except (queue.Empty, OSError, ValueError):
+            return "(the worker's traceback was lost)"
+
+
+def _full_step_tokens(config) -> int:
+    """Tokens of one step of full rows, assumed until the trainer reports a real step."""
+    row_tokens = config.token_budget or _server_max_model_len(config)
+    return row_tokens * config.gradient_accumulation_steps * max(getattr(config, "world_size", 1), 1)
+
+
+def _server_max_model_len(config) -> int:
+    import httpx
+
+    url = config.vllm_server_base_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, timeout=30.0)
+        return int(response.json()["data"][0]["max_model_len"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        # The worker reports the unreachable server properly; size the window generously.
+        return config.max_completion_length * config.num_generations
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
