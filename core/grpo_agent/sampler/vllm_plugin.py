@@ -1,5 +1,15 @@
-"""vLLM general plugin entry point (placeholder until the gloo engine lands)."""
+"""vLLM general plugin (entry point `vllm.general_plugins`): registers the `gloo` backend.
+
+vLLM imports this in every one of its processes, so `--weight-transfer-config
+'{"backend": "gloo"}'` resolves on CPU workers. Registration is lazy (module path + class
+name) and idempotent, as vLLM's plugin docs require.
+"""
 
 
 def register() -> None:
-    return None
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            "gloo", "grpo_agent.sampler.gloo_engine", "GlooWeightTransferEngine"
+        )

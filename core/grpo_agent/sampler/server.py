@@ -1,0 +1,246 @@
+"""Start and stop a real `vllm serve` process that this Python process owns.
+
+Design decision: tests, benchmarks and the CLI's embedded default all need a real server with
+the spec's flags, and must never touch servers they did not start. So the server runs in its
+own session (process group) started by us, we remember its PID, and `stop()` signals that
+group only. Every failure to come up (bad model path, crash, timeout) raises with the tail of
+the server's log, because vLLM explains its own failures there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from grpo_agent.sampler.errors import ServerStartupError
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
+_HEALTH_POLL_S = 0.5
+_STOP_GRACE_S = 20.0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free right now (the usual bind-to-0 trick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last lines, preceded by its first error line (vLLM's root cause is often
+    far above the final "Engine core initialization failed")."""
+    try:
+        all_lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log written)"
+    tail = all_lines[-lines:]
+    causes = [line for line in all_lines[:-lines] if _ERROR_LINE.search(line)]
+    return "\n".join(([f"first error: {causes[0]}", "..."] if causes else []) + tail)
+
+
+class ManagedVLLMServer:
+    """A `vllm serve` child process: `with ManagedVLLMServer(path) as server: server.base_url`."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_model_len: int = 1024,
+        dtype: str | None = None,
+        max_logprobs: int = 20,
+        weight_transfer_backend: str | None = "gloo",
+        enable_lora: bool = False,
+        max_lora_rank: int | None = None,
+        max_loras: int | None = None,
+        kv_cache_gib: float = 1.0,
+        enforce_eager: bool = False,
+        extra_args: Sequence[str] = (),
+        log_path: str | os.PathLike | None = None,
+        startup_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+    ):
+        self.model = str(model)
+        self.model_path = Path(model)
+        self.host = host
+        self.port = port
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.max_logprobs = max_logprobs
+        self.weight_transfer_backend = weight_transfer_backend
+        self.enable_lora = enable_lora
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.kv_cache_gib = kv_cache_gib
+        self.enforce_eager = enforce_eager
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path else _new_log_path()
+        self.startup_timeout = startup_timeout
+        self.extra_env = dict(env or {})
+        self.pid: int | None = None
+        self.startup_s: float | None = None
+        self._process: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> ManagedVLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def command(self) -> list[str]:
+        """The full command line (also shown in docs/vllm.md)."""
+        args = [
+            sys.executable, "-m", "grpo_agent.sampler.vllm_entry", "serve", self.model,
+            "--host", self.host, "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", str(self.max_logprobs),
+            "--enable-scale-out", "--api-server-count", "1",
+        ]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.enforce_eager:  # no torch.compile: starts faster, tiny models run faster too
+            args.append("--enforce-eager")
+        if self.weight_transfer_backend and self.weight_transfer_backend != "disk":
+            args += ["--weight-transfer-config",
+                     json.dumps({"backend": self.weight_transfer_backend})]
+        if self.enable_lora:
+            args.append("--enable-lora")
+            if self.max_lora_rank is not None:
+                args += ["--max-lora-rank", str(self.max_lora_rank)]
+            if self.max_loras is not None:
+                args += ["--max-loras", str(self.max_loras)]
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "VLLM_SERVER_DEV_MODE": "1",  # pause/resume, collective_rpc, reset_prefix_cache
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600",  # pooled client connections stay usable
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(self.kv_cache_gib))),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> ManagedVLLMServer:
+        """Launch the server and block until `/health` answers (or raise with the log tail)."""
+        if self._process is not None:
+            raise RuntimeError(f"server already started (pid {self.pid})")
+        self._check_model_exists()
+        if self.port is None:
+            self.port = find_free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True,
+            )
+        self.pid = self._process.pid
+        self._finalizer = weakref.finalize(self, _stop_process_group, self._process)
+        logger.info("vLLM server pid %s starting on %s (log: %s)", self.pid, self.base_url,
+                    self.log_path)
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        """Stop our own process group (SIGTERM, then SIGKILL after a grace period)."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop_process_group once
+            self._finalizer = None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _check_model_exists(self) -> None:
+        # "org/name" may be a Hugging Face id; anything else with a slash or dot prefix is a path.
+        looks_like_path = self.model.startswith(("/", ".", "~")) or self.model.count("/") > 1
+        if looks_like_path and not self.model_path.expanduser().exists():
+            raise FileNotFoundError(
+                f"Model folder {self.model!r} does not exist. Pass a folder written by "
+                f"save_pretrained (build a test model with `grpo-agent tiny-model DIR`) or a "
+                f"Hugging Face model id."
+            )
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise ServerStartupError(
+                        f"vLLM server (pid {self.pid}) exited with code "
+                        f"{self._process.returncode} before becoming ready. Last lines of "
+                        f"{self.log_path}:\n{read_log_tail(self.log_path)}"
+                    )
+                try:
+                    if http.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(_HEALTH_POLL_S)
+        raise ServerStartupError(
+            f"vLLM server (pid {self.pid}) was not healthy after {self.startup_timeout:.0f} s. "
+            f"Raise startup_timeout if the machine is busy. Last lines of {self.log_path}:\n"
+            f"{read_log_tail(self.log_path)}"
+        )
+
+
+def _new_log_path() -> Path:
+    handle, name = tempfile.mkstemp(prefix="grpo-agent-vllm-", suffix=".log")
+    os.close(handle)
+    return Path(name)
+
+
+def _stop_process_group(process: subprocess.Popen) -> None:
+    """Signal the session we created for `process` (its PID is the group id)."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _reap_group_leftovers(process.pid)
+
+
+def _reap_group_leftovers(group_id: int) -> None:
+    """vLLM's engine/worker children may outlive the API process briefly; kill our group's."""
+    try:
+        os.killpg(group_id, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
