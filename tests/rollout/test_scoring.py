@@ -1,0 +1,141 @@
+"""Scoring a group: concurrent reward functions, None handling, contract errors, isolation."""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from grpo_agent.rollout.scoring import (
+    RewardFailureTracker,
+    RewardFunctionError,
+    add_rollout_sources,
+    group_norm_advantages,
+    has_signal,
+    run_reward_functions,
+)
+from grpo_agent.types import RolloutGroup
+
+
+class Arena:
+    pass
+
+
+def _group(size: int = 4, **columns) -> RolloutGroup:
+    return RolloutGroup(
+        prompts=[[{"role": "user", "content": "q"}]] * size,
+        reward_kwargs={k: [v] * size for k, v in columns.items()},
+        completions=[[{"role": "assistant", "content": "a" * (i + 1)}] for i in range(size)],
+        completions_ids=[[7] * (i + 1) for i in range(size)], completions_sequences=[[]] * size,
+        tool_call_counts=[0] * size, tool_failure_counts=[0] * size, model_version=0, group_id=0,
+        row_index=0, env_rewards=[None] * size, rollout_rewards=[None] * size)
+
+
+def _score(funcs, group):
+    async def go():
+        with ThreadPoolExecutor(4) as executor:
+            return await run_reward_functions(funcs, group, executor)
+    return asyncio.run(go())
+
+
+def test_reward_functions_get_prompts_completions_ids_and_every_column_but_prompt():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        seen.update(kwargs, prompts=prompts, ids=completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+
+    scores, failure = _score({"spy": spy}, _group(3, answer="42"))
+    assert failure is None
+    assert seen["answer"] == ["42"] * 3 and "prompt" not in seen and len(seen["prompts"]) == 3
+    assert scores.by_source["spy"].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_sync_and_async_rewards_run_concurrently():
+    async_started = threading.Event()
+
+    async def slow_async(completions, **kwargs):
+        async_started.set()
+        await asyncio.sleep(0.2)
+        return [1.0] * len(completions)
+
+    def waits_for_async(completions, **kwargs):
+        # Deadlocks (and fails) if the sync function ran before or after the async one.
+        assert async_started.wait(timeout=5), "the async reward was not running concurrently"
+        return [0.5] * len(completions)
+
+    scores, failure = _score({"a": slow_async, "s": waits_for_async}, _group(2))
+    assert failure is None
+    assert scores.total(2).tolist() == [1.5, 1.5]
+
+
+def test_none_drops_out_of_one_source_and_an_unscored_rollout_is_nan():
+    def math_reward(completions, **kwargs):
+        return [1.0, None, None, 0.0]
+
+    def code_reward(completions, **kwargs):
+        return [None, 2.0, None, None]
+
+    scores, _ = _score({"math": math_reward, "code": code_reward}, _group(4))
+    total = scores.total(4)
+    assert total[[0, 1, 3]].tolist() == [1.0, 2.0, 0.0] and math.isnan(total[2])
+    advantages = group_norm_advantages(total)
+    assert advantages[2] == 0.0
+    assert abs(advantages.sum()) < 1e-9
+    scored = total[~np.isnan(total)]
+    assert np.allclose(advantages[[0, 1, 3]], (scored - scored.mean()) / scored.std())
+
+
+@pytest.mark.parametrize("result, problem", [
+    ([1.0, 2.0], "returned 2 rewards for 4 completions"),
+    ("1111", "returned str"),
+    ([1.0, "x", 0.0, 0.0], "returned a str"),
+    ([True, 1.0, 0.0, 0.0], "returned a bool"),
+])
+def test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it(result, problem):
+    def broken(**kwargs):
+        return result
+
+    with pytest.raises(RewardFunctionError, match=f"'broken' {problem}"):
+        _score({"broken": broken}, _group(4))
+
+
+def test_a_raising_reward_costs_its_group_and_stops_only_when_it_keeps_failing(caplog):
+    def flaky(**kwargs):
+        raise ConnectionError("judge unavailable")
+
+    def fine(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    scores, failure = _score({"flaky": flaky, "fine": fine}, _group(2))
+    assert failure.name == "flaky" and "ConnectionError: judge unavailable" in failure.traceback
+    tracker = RewardFailureTracker(window=3)
+    tracker.record(["flaky", "fine"], failure)
+    tracker.record(["flaky", "fine"], None)  # a success resets the streak
+    tracker.record(["flaky", "fine"], failure)
+    tracker.record(["flaky", "fine"], failure)
+    assert caplog.text.count("Reward function 'flaky' raised") == 1, "only the first traceback is logged"
+    with pytest.raises(RewardFunctionError, match="'flaky' raised on 3 groups in a row"):
+        tracker.record(["flaky", "fine"], failure)
+
+
+def test_environment_and_rollout_rewards_are_summed_in_as_their_own_sources():
+    group = _group(3)
+    group.env_rewards = [(Arena, 1.0), (Arena, 0.0), None]
+    group.rollout_rewards = [0.5, None, None]
+    scores, _ = _score({}, group)
+    add_rollout_sources(scores, group)
+    assert set(scores.by_source) == {"Arena", "rollout"}
+    total = scores.total(3)
+    assert total[:2].tolist() == [1.5, 0.0] and math.isnan(total[2])
+
+
+def test_groups_without_signal_are_recognised():
+    assert not has_signal(np.array([1.0, 1.0, 1.0]))
+    assert not has_signal(np.array([1.0, np.nan, np.nan]))
+    assert not has_signal(np.array([np.nan, np.nan]))
+    assert has_signal(np.array([1.0, np.nan, 0.0]))
+    assert group_norm_advantages(np.array([2.0, 2.0])).tolist() == [0.0, 0.0]
