@@ -57,6 +57,8 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 class ManagedVLLMServer:
     """A `vllm serve` child process: `with ManagedVLLMServer(path) as server: server.base_url`."""
 
+    owned = True  # started by this process, so tests may push weights to it
+
     def __init__(
         self,
         model: str | os.PathLike,

@@ -1,0 +1,60 @@
+"""Session fixtures shared by every test package: the tiny model and one real vLLM server.
+
+The server is started at most once per session, only when a test asks for it, and stopped by
+its own PID at the end. Set GRPO_AGENT_TEST_VLLM_URL (and GRPO_AGENT_TEST_MODEL_PATH) to run
+against a server you already started; such a server is marked `owned = False` and tests that
+push weights skip it, so a shared dev server is never modified.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class ExternalServer:
+    base_url: str
+    model_path: Path
+    owned: bool = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests on machines without CUDA, so CPU CI stays green."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from grpo_agent.testing import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_path, tmp_path_factory):
+    """A real vLLM server on the tiny model (float32, gloo weight transfer, dev mode)."""
+    url = os.environ.get("GRPO_AGENT_TEST_VLLM_URL")
+    if url:
+        model = os.environ.get("GRPO_AGENT_TEST_MODEL_PATH") or tiny_model_path
+        yield ExternalServer(base_url=url.rstrip("/"), model_path=Path(model))
+        return
+    from grpo_agent.sampler.server import ManagedVLLMServer
+
+    server = ManagedVLLMServer(
+        tiny_model_path, dtype="float32", weight_transfer_backend="gloo", max_model_len=1024,
+        enforce_eager=True, log_path=tmp_path_factory.mktemp("vllm") / "server.log",
+    )
+    with server:
+        yield server
