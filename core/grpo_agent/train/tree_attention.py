@@ -84,7 +84,7 @@ def _flex_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor):
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def _window_mask(tree: TreeMask, window: int) -> torch.Tensor:
