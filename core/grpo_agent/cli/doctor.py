@@ -1,0 +1,58 @@
+"""`grpo-agent doctor`: diagnose a model's setup for agent training before a run.
+
+`doctor template` renders a scripted multi-turn tool conversation with the model's chat
+template, reports whether every render extends the previous one (prefix-preserving), where
+it first diverges, and which template the tool loop would train with. Heavy imports stay
+inside the command so `grpo-agent --help` is fast.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Diagnose a model's setup for agent training.", no_args_is_help=True)
+
+
+@app.callback()
+def doctor() -> None:
+    """Diagnose a model's setup for agent training."""
+
+
+@app.command("template")
+def template(
+    model: Annotated[str, typer.Argument(help="Model id or local folder holding the tokenizer.")],
+    template_kwargs: Annotated[
+        Optional[str],
+        typer.Option("--chat-template-kwargs", help='JSON passed to the template, e.g. \'{"enable_thinking": false}\'.'),
+    ] = None,
+) -> None:
+    """Check whether MODEL's chat template is prefix-preserving in a tool conversation.
+
+    Example: grpo-agent doctor template ~/.cache/grpo-agent/tiny-qwen3-v1
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_agent.rollout.chat_template import check_prefix_preserving, choose_training_template
+    from grpo_agent.rollout.tool_calls import parser_for_template
+
+    try:
+        kwargs = json.loads(template_kwargs) if template_kwargs else {}
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--chat-template-kwargs is not valid JSON: {exc}") from exc
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if not tokenizer.chat_template:
+        typer.echo(f"{model}: the tokenizer has no chat template; set one before agent training.", err=True)
+        raise typer.Exit(1)
+    chosen = choose_training_template(tokenizer, kwargs)
+    original = check_prefix_preserving(tokenizer, None, kwargs)
+    parser = parser_for_template(chosen.template or tokenizer.chat_template)
+    typer.echo(f"model:             {model}")
+    typer.echo(f"model template:    {original.describe()}")
+    typer.echo(f"training template: {chosen.note}")
+    if chosen.family:
+        typer.echo(f"patched template:  {chosen.report.describe()}")
+    typer.echo(f"tool-call parser:  {type(parser).__name__}")
+    if not chosen.report.preserving:  # usable, but forks will cost forward-pass tokens
+        raise typer.Exit(2)

@@ -1,0 +1,36 @@
+"""`grpo-agent doctor template` on the tiny model's real tokenizer folder."""
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from grpo_agent.cli.doctor import app
+from grpo_agent.rollout.chat_template import choose_training_template
+
+runner = CliRunner()
+
+
+def test_reports_divergence_and_the_patched_training_template(tiny_tokenizer):
+    result = runner.invoke(app, ["template", tiny_tokenizer.name_or_path])
+    assert result.exit_code == 0, result.output
+    assert "not prefix-preserving: adding message 5" in result.output
+    assert "patched qwen3 training template" in result.output
+    assert "HermesToolCallParser" in result.output
+
+
+def test_a_prefix_preserving_template_is_kept(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(choose_training_template(tiny_tokenizer).template)
+    result = runner.invoke(app, ["template", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "model template:    prefix-preserving" in result.output
+
+
+def test_an_unfixable_template_exits_2_and_a_missing_one_exits_1(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save_pretrained(tmp_path)
+    drops_history = "{% for m in messages %}{% if loop.last %}{{ m.role }}:{{ m.content }}\n{% endif %}{% endfor %}"
+    (tmp_path / "chat_template.jinja").write_text(drops_history)
+    result = runner.invoke(app, ["template", str(tmp_path)])
+    assert result.exit_code == 2 and "no patched template for this family" in result.output
+    (tmp_path / "chat_template.jinja").unlink()
+    result = runner.invoke(app, ["template", str(tmp_path)])
+    assert result.exit_code == 1
