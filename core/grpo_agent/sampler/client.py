@@ -65,13 +65,20 @@ class SamplerClient:
         timeout: float = 1800.0,
         max_retries: int = 5,
         max_connections: int = 512,
+        endpoint: str = "auto",
     ):
+        """`endpoint`: "generate" (`/inference/v1/generate`), "completions" (`/v1/completions`)
+        or "auto" (generate, switching to completions when the server lacks it)."""
+        if endpoint not in ("auto", "generate", "completions"):
+            raise ValueError(
+                f"endpoint must be 'auto', 'generate' or 'completions', not {endpoint!r}"
+            )
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_count = 0
         self._model_info: ModelInfo | None = None
-        self._use_completions = False
+        self._endpoint = endpoint
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
@@ -95,18 +102,18 @@ class SamplerClient:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:
         """Sample one completion for `prompt_ids`; the record holds ids, logprobs and top-k."""
-        if not self._use_completions:
+        if self._endpoint != "completions":
             try:
                 return await self._generate_tokens(prompt_ids, params)
             except RequestRejectedError as error:
-                if error.status_code not in (403, 404):
+                if self._endpoint == "generate" or error.status_code not in (403, 404):
                     raise
                 logger.warning(
                     "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
                     "falling back to /v1/completions without per-token weight versions.",
                     self.base_url,
                 )
-                self._use_completions = True
+                self._endpoint = "completions"
         return await self._generate_completions(prompt_ids, params)
 
     async def _generate_tokens(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:

@@ -1,0 +1,150 @@
+"""The client's failure modes against small real HTTP servers (no vLLM needed).
+
+Each server is a real socket on localhost, scripted to answer the way a broken or strict vLLM
+would: refuse connections, answer 4xx, answer 5xx then recover, or die mid-request.
+"""
+import asyncio
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo_agent.sampler import (
+    RequestRejectedError,
+    SamplerClient,
+    SamplingParams,
+    ServerUnreachableError,
+)
+
+MODELS = {"object": "list", "data": [{"id": "tiny", "max_model_len": 64}]}
+
+
+class ScriptedServer:
+    """Answers POSTs from a queue of (status, body) pairs; GET /v1/models always works."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.posts = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._reply(200, MODELS)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.posts += 1
+                self._reply(*outer.replies.pop(0))
+
+            def _reply(self, status, body):
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+GENERATED = {"choices": [{"token_ids": [7, 8], "finish_reason": "length",
+                          "weight_versions": [{"version": "3", "start": 0, "end": 2}],
+                          "logprobs": {"content": [
+                              {"token_id": 7, "logprob": -0.5, "top_logprobs": [
+                                  {"token_id": 7, "logprob": -0.5, "rank": 2},
+                                  {"token_id": 9, "logprob": -0.2, "rank": 1},
+                                  {"token_id": 4, "logprob": -3.0, "rank": 3}]},
+                              {"token_id": 8, "logprob": -0.1, "top_logprobs": [
+                                  {"token_id": 8, "logprob": -0.1, "rank": 1},
+                                  {"token_id": 5, "logprob": -2.5, "rank": 2},
+                                  {"token_id": 6, "logprob": -2.7, "rank": 3}]}]}}]}
+
+
+def _generate(url, **client_kwargs):
+    async def run():
+        async with SamplerClient(url, **client_kwargs) as client:
+            turn = await client.generate([1, 2, 3], SamplingParams(max_tokens=2, num_logprobs=2))
+            return turn, client.retry_count
+    return asyncio.run(run())
+
+
+def test_generate_parses_ids_logprobs_top_k_and_weight_versions():
+    server = ScriptedServer([(200, GENERATED)])
+    try:
+        turn, retries = _generate(server.url)
+    finally:
+        server.close()
+    assert turn.output_ids == [7, 8] and turn.output_log_probs == [-0.5, -0.1]
+    # k+1 were asked for; only the true top-2 survive, sampled or not.
+    assert turn.output_sampler_logprobs == [{9: -0.2, 7: -0.5}, {8: -0.1, 5: -2.5}]
+    assert turn.weight_versions == ["3", "3"] and turn.finish_reason == "length"
+    assert retries == 0
+
+
+def test_5xx_is_retried_and_counted_then_succeeds():
+    server = ScriptedServer([(503, {"error": "busy"}), (500, {"error": "oops"}), (200, GENERATED)])
+    try:
+        turn, retries = _generate(server.url)
+    finally:
+        server.close()
+    assert turn.output_ids == [7, 8] and retries == 2 and server.posts == 3
+
+
+def test_4xx_fails_at_once_with_the_servers_message():
+    message = "The decoder prompt (length 100) is longer than the maximum model length of 64."
+    server = ScriptedServer([(400, {"error": {"message": message}})] * 5)
+    try:
+        with pytest.raises(RequestRejectedError, match="longer than the maximum model length"):
+            _generate(server.url)
+    finally:
+        server.close()
+    assert server.posts == 1
+
+
+def test_nothing_listening_raises_unreachable_quickly():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    began = time.monotonic()
+    with pytest.raises(ServerUnreachableError, match=f"127.0.0.1:{port}.*Start one"):
+        _generate(f"http://127.0.0.1:{port}", max_retries=2)
+    assert time.monotonic() - began < 10
+
+
+def test_server_dying_mid_request_gives_a_clear_error():
+    """The server accepts the request, then its process goes away: socket closed, port dead."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def die_on_first_request():
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        connection.close()
+        listener.close()
+
+    threading.Thread(target=die_on_first_request, daemon=True).start()
+
+    async def run():
+        async with SamplerClient(url, max_retries=2) as client:
+            await client.server_info()
+    with pytest.raises(ServerUnreachableError, match=url):
+        asyncio.run(run())
+
+
+def test_unknown_endpoint_choice_is_rejected():
+    with pytest.raises(ValueError, match="endpoint must be"):
+        SamplerClient("http://127.0.0.1:1", endpoint="chat")
