@@ -1,0 +1,221 @@
+"""The pluggy plugin manager: load built-ins and installed entry points, resolve all hooks.
+
+Design decision: plugins are discovered once per process through the `grpo_agent` entry-point
+group (as llm and datasette do) and every registration hook is called once, per plugin, with
+a `register` callable bound to that plugin's distribution; the result is a plain `Registry`.
+A plugin that fails to import stops start-up with its distribution's name (warning and going
+on would silently change what a run trains on). `GRPO_AGENT_LOAD_PLUGINS=a,b` loads only
+those entry points or distributions (empty = none); `GRPO_AGENT_TRACE_PLUGINS=1` traces hooks.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from grpo_agent.plugins import hookspecs
+from grpo_agent.plugins.errors import DuplicateNameError, PluginError, PluginImportError
+from grpo_agent.plugins.registry import Registry
+
+BUILTIN_DISTRIBUTION = "grpo-agent (built-in)"
+BUILTIN_MODULES = ("grpo_agent.plugins.builtins",)
+LOAD_ENV = "GRPO_AGENT_LOAD_PLUGINS"
+TRACE_ENV = "GRPO_AGENT_TRACE_PLUGINS"
+
+_HOOK_KINDS = {
+    "register_environments": "environment",
+    "register_tools": "tool",
+    "register_rewards": "reward",
+    "register_advantage_estimators": "advantage_estimator",
+    "register_prompt_filters": "prompt_filter",
+}
+
+_cache: dict[tuple, Registry] = {}
+_manager_cache: dict[tuple, PluginManager] = {}
+
+
+def _allowed_names() -> set[str] | None:
+    """Names from GRPO_AGENT_LOAD_PLUGINS, or None when the variable is unset (load all)."""
+    raw = os.environ.get(LOAD_ENV)
+    if raw is None:
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _distribution(ep: EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    return (dist.name, dist.version) if dist is not None else ("unknown distribution", "")
+
+
+def installed_entry_points() -> list[EntryPoint]:
+    """Entry points of the `grpo_agent` group that GRPO_AGENT_LOAD_PLUGINS lets through."""
+    allowed = _allowed_names()
+    found = sorted(entry_points(group=hookspecs.PROJECT_NAME), key=lambda ep: ep.name)
+    if allowed is None:
+        return found
+    return [ep for ep in found if ep.name in allowed or _distribution(ep)[0] in allowed]
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager plus the distribution (name, version) of every registered plugin."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.distributions: dict[str, tuple[str, str]] = {}
+
+    def distribution_of(self, plugin: Any) -> tuple[str, str]:
+        return self.distributions.get(self.get_name(plugin), ("unknown distribution", ""))
+
+
+def _new_manager() -> PluginManager:
+    pm = PluginManager()
+    pm.add_hookspecs(hookspecs)
+    if os.environ.get(TRACE_ENV):
+        pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
+        pm.enable_tracing()
+    return pm
+
+
+def _register(pm: PluginManager, plugin: Any, name: str, dist: str, version: str) -> None:
+    if pm.has_plugin(name):
+        other = pm.get_plugin(name)
+        raise DuplicateNameError(
+            f"Plugin name {name!r} is used twice: by {_plugin_dist(pm, other)} and by {dist}. "
+            "Uninstall one of them."
+        )
+    pm.register(plugin, name=name)
+    pm.distributions[name] = (dist, version)
+
+
+def _plugin_dist(pm: PluginManager, plugin: Any) -> str:
+    return pm.distribution_of(plugin)[0]
+
+
+def build_plugin_manager(
+    *, load_entry_points: bool = True, plugins: list[Any] | tuple = ()
+) -> PluginManager:
+    """A manager with the built-ins, the allowed entry points and any given plugin objects."""
+    import importlib
+
+    from grpo_agent import __version__
+
+    pm = _new_manager()
+    for module_name in BUILTIN_MODULES:
+        _register(pm, importlib.import_module(module_name), module_name, BUILTIN_DISTRIBUTION, __version__)
+    if load_entry_points:
+        for ep in installed_entry_points():
+            dist, version = _distribution(ep)
+            _register(pm, _load(ep, dist, version), ep.name, dist, version)
+    for plugin in plugins:
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+        _register(pm, plugin, name, f"test plugin {name}", "")
+    _check_pending(pm)
+    return pm
+
+
+def _load(ep: EntryPoint, dist: str, version: str) -> ModuleType:
+    try:
+        return ep.load()
+    except Exception as err:  # any import-time failure of third-party code
+        raise PluginImportError(
+            f"Plugin {ep.name!r} from distribution {dist} {version} failed to import "
+            f"({ep.value}): {type(err).__name__}: {err}. Fix or uninstall it "
+            f"(pip uninstall {dist}), or skip it with {LOAD_ENV}."
+        ) from err
+
+
+def _check_pending(pm: PluginManager) -> None:
+    """Fail on hook implementations whose name matches no hookspec (usually a typo)."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        plugin = err.plugin
+        hooks = [name for name in dir(pm.hook) if not name.startswith("_")]
+        bad = [
+            name for name in dir(plugin)
+            if name not in hooks and pm.parse_hookimpl_opts(plugin, name) is not None
+        ]
+        suggestions = {name: difflib.get_close_matches(name, hooks, n=1) for name in bad}
+        detail = "; ".join(
+            f"{name!r} (did you mean {match[0]!r}?)" if match else repr(name)
+            for name, match in suggestions.items()
+        )
+        raise PluginError(
+            f"Plugin {pm.get_name(plugin)!r} from {_plugin_dist(pm, plugin)} implements unknown "
+            f"hooks: {detail}. Known hooks: {', '.join(sorted(hooks))}."
+        ) from err
+
+
+def plugin_manager(*, load_entry_points: bool = True) -> PluginManager:
+    """The process-wide manager (cached per GRPO_AGENT_LOAD_PLUGINS value)."""
+    key = (load_entry_points, os.environ.get(LOAD_ENV))
+    if key not in _manager_cache:
+        _manager_cache[key] = build_plugin_manager(load_entry_points=load_entry_points)
+    return _manager_cache[key]
+
+
+def resolve_hooks(pm: PluginManager) -> Registry:
+    """Call every registration hook once per plugin into a fresh `Registry`."""
+    registry = Registry()
+    for plugin_name, plugin in pm.list_name_plugin():
+        dist, version = pm.distribution_of(plugin)
+        before = _counts(registry)
+        for hook_name, kind in _HOOK_KINDS.items():
+            impl = _impl_of(pm, plugin, hook_name)
+            if impl is None:
+                continue
+            if kind == "environment":
+                register = registry.register_environment_callable(dist)
+            else:
+                register = registry.register_callable(kind, dist)
+            impl.function(**{arg: register for arg in impl.argnames})
+        registry.plugins.append(
+            {
+                "name": plugin_name,
+                "distribution": dist,
+                "version": version,
+                "registered": _added(before, _counts(registry)),
+                "hooks": [hook.name for hook in pm.get_hookcallers(plugin) or []],
+            }
+        )
+    return registry
+
+
+def _impl_of(pm: PluginManager, plugin: Any, hook_name: str):
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        if impl.plugin is plugin:
+            return impl
+    return None
+
+
+def _counts(registry: Registry) -> dict[str, set[str]]:
+    return {kind: set(table) for kind, table in registry.entries.items()}
+
+
+def _added(before: dict[str, set[str]], after: dict[str, set[str]]) -> dict[str, list[str]]:
+    return {kind: sorted(after[kind] - before[kind]) for kind in after if after[kind] - before[kind]}
+
+
+def load_registry(*, load_entry_points: bool = True) -> Registry:
+    """Built-ins plus installed plugins, resolved once per process (and GRPO_AGENT_LOAD_PLUGINS)."""
+    key = (load_entry_points, os.environ.get(LOAD_ENV))
+    if key not in _cache:
+        _cache[key] = resolve_hooks(plugin_manager(load_entry_points=load_entry_points))
+    return _cache[key]
+
+
+def build_registry(*plugins: Any, load_entry_points: bool = False) -> Registry:
+    """A fresh, uncached registry of the built-ins plus the given plugin objects (for tests)."""
+    return resolve_hooks(build_plugin_manager(load_entry_points=load_entry_points, plugins=plugins))
+
+
+def clear_cache() -> None:
+    """Forget cached managers and registries (after installing a plugin in-process)."""
+    _cache.clear()
+    _manager_cache.clear()
+

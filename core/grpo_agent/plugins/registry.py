@@ -1,0 +1,235 @@
+"""Plain registries that the plugin hooks resolve into, and name -> object resolution.
+
+Design decision: the registry is a dumb set of dictionaries filled once at start-up; the
+rollout and training code only look names up. Each entry remembers the distribution that
+registered it, so a duplicate name is an error naming both distributions (a run must never
+change meaning with install order). Wherever a name is accepted, an import path
+`package.module:attr` works too, and callables pass through unchanged.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_agent.plugins.decorators import get_marker
+from grpo_agent.plugins.errors import (
+    DuplicateNameError,
+    PluginError,
+    UnknownNameError,
+    unknown_name_message,
+)
+from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, tool_schema
+
+KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter")
+
+
+@dataclass
+class EnvironmentSpec:
+    """A registered environment: the class plus the data and rewards it declares."""
+
+    name: str
+    factory: type
+    version: int | None = None
+    distribution: str = ""
+    dataset: Callable[[], Any] | None = None
+    rewards: list[str | Callable] = field(default_factory=list)
+    description: str = ""
+    tool_examples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gold: Callable[[Any, dict], str | None] | None = None
+
+    @property
+    def id(self) -> str:
+        """The versioned id (`counter-v1`), or the bare name for unversioned envs."""
+        return f"{self.name}-v{self.version}" if self.version is not None else self.name
+
+    @property
+    def environment_factory(self) -> type:
+        return self.factory
+
+    @property
+    def tools(self) -> list[Callable]:
+        """Stand-alone tools to pass besides the env (its own tools are its methods)."""
+        return []
+
+    @property
+    def tool_names(self) -> list[str]:
+        return public_tool_names(self.factory)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [method_tool_schema(self.factory, name) for name in self.tool_names]
+
+    def load_dataset(self) -> Any:
+        """The env's `datasets.Dataset`, or None when `reset` samples its own tasks."""
+        return None if self.dataset is None else self.dataset()
+
+
+@dataclass
+class Entry:
+    """One registered object and the distribution that registered it."""
+
+    obj: Any
+    distribution: str
+
+
+def _describe(obj: Any) -> str:
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+class Registry:
+    """Everything the installed plugins registered, by kind and name."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+        self.aliases: dict[str, str] = {}  # unversioned env name -> latest versioned id
+        self.plugins: list[dict[str, Any]] = []  # what `plugins list` shows
+
+    # ---- plain views --------------------------------------------------------------------
+
+    @property
+    def environments(self) -> dict[str, EnvironmentSpec]:
+        return {name: e.obj for name, e in self.entries["environment"].items()}
+
+    @property
+    def tools(self) -> dict[str, Callable]:
+        return {name: e.obj for name, e in self.entries["tool"].items()}
+
+    @property
+    def rewards(self) -> dict[str, Callable]:
+        return {name: e.obj for name, e in self.entries["reward"].items()}
+
+    @property
+    def advantage_estimators(self) -> dict[str, Callable]:
+        return {name: e.obj for name, e in self.entries["advantage_estimator"].items()}
+
+    @property
+    def prompt_filters(self) -> dict[str, Callable]:
+        return {name: e.obj for name, e in self.entries["prompt_filter"].items()}
+
+    def distribution_of(self, kind: str, name: str) -> str:
+        return self.entries[kind][self._canonical(kind, name)].distribution
+
+    # ---- registration (called through the hooks) ----------------------------------------
+
+    def add(self, kind: str, name: str, obj: Any, distribution: str) -> None:
+        """Add one object; a name already taken raises, naming both distributions."""
+        table = self.entries[kind]
+        if name in table:
+            other = table[name].distribution
+            raise DuplicateNameError(
+                f"The {kind} name {name!r} is registered twice: by {other} and by {distribution}. "
+                f"Uninstall one of them, or limit loading with GRPO_AGENT_LOAD_PLUGINS."
+            )
+        table[name] = Entry(obj, distribution)
+
+    def register_callable(self, kind: str, distribution: str) -> Callable[..., None]:
+        """The `register(obj, name=None)` callable a hook receives for one kind."""
+
+        def register(obj: Any, name: str | None = None) -> None:
+            marker = get_marker(obj)
+            resolved = name or (marker.name if marker else None) or getattr(obj, "__name__", None)
+            if not resolved:
+                raise PluginError(f"{distribution} registered a {kind} without a name: {obj!r}.")
+            if kind == "tool":
+                tool_schema(obj)  # a tool without hints/docstring fails here, by name
+            self.add(kind, resolved, obj, distribution)
+
+        return register
+
+    def register_environment_callable(self, distribution: str) -> Callable[..., None]:
+        """`register(EnvClass, name=None)` for `register_environments`."""
+
+        def register(cls: type, name: str | None = None) -> None:
+            spec = environment_spec_from_class(cls, name, distribution)
+            spec.tool_schemas()  # every tool method must have a schema
+            self.add("environment", spec.id, spec, distribution)
+            if spec.version is not None:
+                latest = self.aliases.get(spec.name)
+                if latest is None or self.environments[latest].version < spec.version:
+                    self.aliases[spec.name] = spec.id
+
+        return register
+
+    # ---- resolution ---------------------------------------------------------------------
+
+    def _canonical(self, kind: str, name: str) -> str:
+        table = self.entries[kind]
+        if name in table:
+            return name
+        if kind == "environment" and name in self.aliases:
+            return self.aliases[name]
+        known = list(table) + (list(self.aliases) if kind == "environment" else [])
+        raise UnknownNameError(unknown_name_message(kind.replace("_", " "), name, known))
+
+    def _lookup(self, kind: str, ref: Any) -> Any:
+        if not isinstance(ref, str):
+            return ref
+        if ":" in ref:
+            return import_object(ref)
+        return self.entries[kind][self._canonical(kind, ref)].obj
+
+    def resolve_reward(self, ref: str | Callable) -> Callable:
+        return self._lookup("reward", ref)
+
+    def resolve_tool(self, ref: str | Callable) -> Callable:
+        return self._lookup("tool", ref)
+
+    def resolve_advantage_estimator(self, ref: str | Callable) -> Callable:
+        return self._lookup("advantage_estimator", ref)
+
+    def resolve_prompt_filter(self, ref: str | Callable) -> Callable:
+        return self._lookup("prompt_filter", ref)
+
+    def environment_spec(self, name: str) -> EnvironmentSpec:
+        """The full spec (class, dataset, rewards) of a registered environment name or alias."""
+        if ":" in name:
+            cls = import_object(name)
+            return environment_spec_from_class(cls, None, cls.__module__)
+        return self.entries["environment"][self._canonical("environment", name)].obj
+
+    def resolve_environment(self, ref: Any) -> Callable | dict[str, Callable]:
+        """A name, import path, class, or dict of those -> the factory (or dict of factories)."""
+        if isinstance(ref, dict):
+            return {key: self.resolve_environment(value) for key, value in ref.items()}
+        if isinstance(ref, str):
+            return self.environment_spec(ref).factory
+        return ref
+
+
+def environment_spec_from_class(cls: type, name: str | None, distribution: str) -> EnvironmentSpec:
+    """Read the `@environment` marker (if any) of a class into an `EnvironmentSpec`."""
+    if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+        raise PluginError(
+            f"{distribution} registered {cls!r} as an environment, but an environment must be a "
+            "class with a reset(**row) method."
+        )
+    marker = get_marker(cls)
+    options = dict(marker.options) if marker and marker.kind == "environment" else {}
+    return EnvironmentSpec(
+        name=name or (marker.name if marker else None) or cls.__name__,
+        factory=cls,
+        version=options.get("version"),
+        distribution=distribution,
+        dataset=options.get("dataset"),
+        rewards=list(options.get("rewards", ())),
+        description=options.get("description") or _describe(cls),
+        tool_examples=dict(options.get("tool_examples", {})),
+        gold=options.get("gold"),
+    )
+
+
+def import_object(path: str) -> Any:
+    """Import `package.module:attr` (the escape hatch wherever a name is accepted)."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise PluginError(f"Cannot import {module_name!r} from {path!r}: {err}.") from err
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"Module {module_name!r} has no attribute {attr!r} (from {path!r}).")
+        obj = getattr(obj, part)
+    return obj
