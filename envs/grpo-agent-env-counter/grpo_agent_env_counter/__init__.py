@@ -1,0 +1,54 @@
+"""The spec's IncrementEnv as a plugin: reach a self-sampled target with an `increment` tool.
+
+Design decision: the env owns its data (no dataset): `reset` samples a target and returns the
+prompt, so `max_steps` sets the run length, and `get_reward` scores the counter's final state.
+"""
+from __future__ import annotations
+
+import random
+
+from grpo_agent import environment, hookimpl
+
+MAX_TARGET = 6
+
+
+def solve(env: CounterEnv, row: dict) -> None:
+    """Gold solution for `grpo-agent env check`: one increment by the whole target."""
+    env.increment(env.target)
+
+
+@environment(
+    "counter",
+    version=1,
+    tool_examples={"increment": {"step": 1}},
+    gold=solve,
+    description="Reach a self-sampled target (1-6) by calling increment(step).",
+)
+class CounterEnv:
+    """Increment a counter until it equals the target."""
+
+    def reset(self, **row) -> str:
+        self.counter = 0
+        self.target = random.randint(1, MAX_TARGET)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+@hookimpl
+def register_environments(register):
+    register(CounterEnv)
