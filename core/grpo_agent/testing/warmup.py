@@ -1,0 +1,172 @@
+"""A tool-calling warm-up of the tiny model, so real-server agent tests see real tool calls.
+
+Design decision: the random tiny model never emits `<tool_call>` on its own, and tests of the
+tool loop against a real vLLM server need it to. A short supervised pass on synthetic,
+template-rendered tool-call transcripts (the spec's IncrementEnv, coding and game tasks)
+teaches it the format: assistant tokens only, fixed seed, a few hundred tiny steps (well
+under a minute on CPU). The result is cached next to the base model, built behind a file
+lock like `build_tiny_model`; bump `WARMUP_VERSION` when the recipe changes.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from grpo_agent.testing.tiny_model import KIT_VERSION, build_tiny_model, default_cache_dir
+
+WARMUP_VERSION = 1
+_COMPLETE_MARKER = ".complete"
+
+
+def increment(step: int) -> int:
+    """
+    Increment the internal counter.
+
+    Args:
+        step: Value to add to the counter.
+
+    Returns:
+        The updated counter value.
+    """
+    return step
+
+
+def run_code(code: str) -> str:
+    """Run the given Python code and return its stdout.
+
+    Args:
+        code: The Python source to execute.
+
+    Returns:
+        The captured standard output.
+    """
+    return code
+
+
+def move(action: str) -> str:
+    """Apply an action to the game and return the new observation.
+
+    Args:
+        action: One of "up", "down", "left", "right".
+
+    Returns:
+        The observation after the move.
+    """
+    return action
+
+
+def _call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def synthetic_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], list]]:
+    """(messages, tools) pairs: a task, one matching tool call, its result, a short answer."""
+    rng = random.Random(seed)
+    transcripts = []
+    for _ in range(count):
+        kind = rng.choice(["increment", "coding", "game"])
+        if kind == "increment":
+            target = rng.randint(1, 6)
+            prompt, tools = f"Increment the counter by {target}.", [increment]
+            call, result = _call("increment", {"step": target}), str(target)
+        elif kind == "coding":
+            n = rng.randint(1, 20)
+            prompt, tools = f"Compute the {n}th Fibonacci number.", [run_code]
+            call, result = _call("run_code", {"code": f"print({n})"}), str(n)
+        else:
+            action = rng.choice(["up", "down", "left", "right"])
+            prompt, tools = "Reach the goal tile.", [move]
+            call, result = _call("move", {"action": action}), f"moved {action}"
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": "<think>\n\n</think>\n\n" + call},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": "<think>\n\n</think>\n\nDone."},
+        ]
+        transcripts.append((messages, tools))
+    return transcripts
+
+
+def _assistant_masked_example(tokenizer, template: str, messages: list[dict], tools: list):
+    """Token ids and labels (-100 outside assistant turns) of one transcript."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for end in range(1, len(messages) + 1):
+        is_assistant = messages[end - 1]["role"] == "assistant"
+        if is_assistant:
+            prompt = tokenizer.apply_chat_template(
+                messages[: end - 1], tools=tools, chat_template=template, tokenize=False,
+                add_generation_prompt=True,
+            )
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            new = prompt_ids[len(ids):]
+            ids, labels = ids + new, labels + [-100] * len(new)
+            turn = messages[end - 1]["content"][len("<think>\n\n</think>\n\n"):] + tokenizer.eos_token
+            turn_ids = tokenizer.encode(turn, add_special_tokens=False)
+            ids, labels = ids + turn_ids, labels + turn_ids
+        else:
+            text = tokenizer.apply_chat_template(
+                messages[:end], tools=tools, chat_template=template, tokenize=False,
+            )
+            new = tokenizer.encode(text, add_special_tokens=False)[len(ids):]
+            ids, labels = ids + new, labels + [-100] * len(new)
+    return ids, labels
+
+
+def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_agent.rollout.chat_template import choose_training_template
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    template = choose_training_template(tokenizer).template or tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    examples = [
+        _assistant_masked_example(tokenizer, template, messages, tools)
+        for messages, tools in synthetic_transcripts(steps * batch_size // 4, seed)
+    ]
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    rng = random.Random(seed)
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(examples, batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
+        attention = (torch.arange(width)[None, :] < torch.tensor([len(i) for i, _ in batch])[:, None]).long()
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+
+
+def build_tool_warmed_model(steps: int = 80, batch_size: int = 8, seed: int = 0) -> Path:
+    """The tiny model after a tool-calling warm-up (cached; built once per machine)."""
+    base = build_tiny_model()
+    name = f"tiny-qwen3-v{KIT_VERSION}-tools-v{WARMUP_VERSION}-s{steps}"
+    target = default_cache_dir() / name
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _COMPLETE_MARKER).exists():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        try:
+            shutil.copytree(base, staging, dirs_exist_ok=True)
+            (staging / ".complete").unlink(missing_ok=True)
+            staging.chmod(0o755)
+            _train(staging, steps, batch_size, seed)
+            (staging / _COMPLETE_MARKER).write_text(f"{WARMUP_VERSION}\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,169 @@
+"""Agent rollouts against a real vLLM server on the tool-warmed tiny model.
+
+The loop object is the seam `run_tool_loop` needs (tokenizer, config, thread pool and an
+async `generate_one_turn`), backed by the real `SamplerClient`; environments are the spec's
+examples as written. One server on the warmed model is started for this module.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.environments import EnvironmentRunner
+from grpo_agent.rollout.reconcile import reconcile_turns
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+class IncrementEnv:  # spec: "环境" example, as written
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+class CodingEnv:  # spec: "多个环境" example, as written
+    def reset(self, **kwargs) -> str:
+        n = random.randint(1, 20)
+        return f"Compute the {n}th Fibonacci number."
+
+    def run_code(self, code: str) -> str:
+        """Run the given Python code and return its stdout.
+
+        Args:
+            code: The Python source to execute.
+
+        Returns:
+            The captured standard output.
+        """
+        ...
+
+
+class GameEnv:
+    def reset(self, **kwargs) -> str:
+        return "Reach the goal tile."
+
+    def move(self, action: str) -> str:
+        """Apply an action to the game and return the new observation.
+
+        Args:
+            action: One of "up", "down", "left", "right".
+
+        Returns:
+            The observation after the move.
+        """
+        ...
+
+
+@pytest.fixture(scope="module")
+def warm_server(tmp_path_factory):
+    from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.testing.warmup import build_tool_warmed_model
+
+    server = ManagedVLLMServer(
+        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
+        log_path=tmp_path_factory.mktemp("vllm-agent") / "server.log",
+    )
+    with server:
+        yield server
+
+
+class ServerLoop:
+    """What `run_tool_loop` needs from `AsyncRolloutLoop`, with the real sampler client."""
+
+    def __init__(self, server, **config):
+        from transformers import AutoTokenizer
+
+        from grpo_agent.sampler.client import SamplerClient, SamplingParams
+
+        self.tokenizer = AutoTokenizer.from_pretrained(server.model_path)
+        defaults = dict(chat_template_kwargs=None, max_tool_calling_iterations=3, max_completion_length=256)
+        self.config = SimpleNamespace(**{**defaults, **config})
+        self.tool_executor = ThreadPoolExecutor(8)
+        self.sampler = SamplerClient(server.base_url, timeout=120.0)
+        self.params = SamplingParams(
+            max_tokens=96, temperature=0.7, num_logprobs=4,
+            stop_token_ids=[self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)],
+        )
+
+    async def generate_one_turn(self, prompt_ids):
+        return await self.sampler.generate(prompt_ids, self.params)
+
+
+async def _rollouts(loop, factory, rows):
+    runner = EnvironmentRunner(factory, loop.tool_executor)
+
+    async def one(row):
+        episode = await runner.start(row)
+        rollout = await run_tool_loop(loop, episode.prompt, episode.tools, group_id=0)
+        return episode, rollout, await runner.finish(episode)
+
+    try:
+        return await asyncio.gather(*(one(row) for row in rows))
+    finally:
+        await loop.sampler.aclose()
+
+
+def _check_training_sequences(rollout):
+    sequences, stats = reconcile_turns(rollout.turns)
+    trained = [t for s in sequences for t, m in zip(s.token_ids, s.trained_mask) if m]
+    assert trained == rollout.completion_ids  # every generated token trained exactly once
+    assert stats.num_transitions == len(rollout.turns) - 1
+    for seq in sequences:
+        assert all(top is not None for top, m in zip(seq.sampler_top_logprobs, seq.trained_mask) if m)
+    return stats
+
+
+def test_increment_env_rollouts_call_the_tool_and_score_themselves(warm_server):
+    loop = ServerLoop(warm_server)
+    results = asyncio.run(_rollouts(loop, IncrementEnv, [{}] * 8))
+    with_calls = [(episode, rollout, reward) for episode, rollout, reward in results if rollout.tool_call_count]
+    assert len(with_calls) >= 4, [r.completion for _, r, _ in results]
+    for episode, rollout, reward in with_calls:
+        assert len(rollout.turns) >= 2
+        assert rollout.completion[1]["role"] == "tool"
+        assert reward[0] is IncrementEnv and reward[1] == float(episode.env.counter == episode.env.target)
+        assert "tools/increment/latency_s" in rollout.metrics
+        _check_training_sequences(rollout)
+    assert sum(reward for _, _, (_, reward) in results) >= 1  # the warm-up copies the target
+    assert all(episode.reset_s >= 0 and episode.reward_s is not None for episode, _, _ in results)
+
+
+def test_dataset_column_routes_each_rollout_to_its_environment_and_tools(warm_server):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"environment": ["coding", "game"] * 4})
+    loop = ServerLoop(warm_server)
+    results = asyncio.run(_rollouts(loop, {"coding": CodingEnv, "game": GameEnv}, list(dataset)))
+    for (episode, rollout, reward), row in zip(results, dataset):
+        own_tool = {"coding": "run_code", "game": "move"}[row["environment"]]
+        assert [t.__name__ for t in episode.tools] == [own_tool]
+        assert reward is None  # neither env defines get_reward
+        for message in rollout.completion:
+            for call in message.get("tool_calls", []):
+                if call["function"]["name"] != own_tool:  # the other env's tool is not exposed
+                    assert rollout.metrics["tools/unknown_name_count"][0] >= 1
+        _check_training_sequences(rollout)
+    calls = [c["function"]["name"] for _, r, _ in results for m in r.completion for c in m.get("tool_calls", [])]
+    assert "run_code" in calls and "move" in calls
