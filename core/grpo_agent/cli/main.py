@@ -1,5 +1,115 @@
-"""Entry point of the `grpo-agent` console script (filled in by the CLI module)."""
+"""Entry point of the `grpo-agent` console script: one typer app, thin command modules.
+
+Design decision: heavy libraries (torch, transformers, vLLM, datasets) are imported inside
+command bodies only, so `grpo-agent --help` stays well under a second. Known user mistakes
+(`CLI_ERRORS`) print one line and exit 1; `--debug` or `GRPO_AGENT_DEBUG=1` shows the full
+traceback instead. Plugins add commands through the `register_commands` hook.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Annotated
+
+import click
+import typer
+
+from grpo_agent.cli import config_cmd, env, plugins_cmd, train
+
+DEBUG_ENV = "GRPO_AGENT_DEBUG"
+
+app = typer.Typer(
+    name="grpo-agent",
+    help="Asynchronous GRPO for LLM agents: train, inspect environments and plugins.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(plugins_cmd.app, name="plugins")
+app.add_typer(env.app, name="env")
+app.add_typer(config_cmd.app, name="config")
+app.command("train")(train.train)
 
 
-def main() -> None:
-    raise SystemExit("grpo-agent CLI is not built yet")
+def _version(value: bool) -> None:
+    if value:
+        from grpo_agent import __version__
+
+        typer.echo(f"grpo-agent {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")
+    ] = False,
+) -> None:
+    """Asynchronous GRPO for LLM agents."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out_dir: Annotated[str, typer.Argument(help="Folder to write the model and tokenizer to.")],
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if it exists.")] = False,
+) -> None:
+    """Build the deterministic tiny Qwen3 test model (no download) into OUT_DIR.
+
+    Example: grpo-agent tiny-model /tmp/tiny
+    """
+    from grpo_agent.testing import build_tiny_model
+
+    typer.echo(str(build_tiny_model(out_dir, force=force)))
+
+
+def _add_optional_commands() -> None:
+    """The doctor group (if present) and commands contributed by installed plugins."""
+    if importlib.util.find_spec("grpo_agent.cli.doctor") is not None:
+        from grpo_agent.cli import doctor
+
+        app.add_typer(doctor.app, name="doctor")
+    from grpo_agent.plugins.errors import PluginError
+    from grpo_agent.plugins.manager import plugin_manager
+
+    try:
+        plugin_manager().hook.register_commands(app=app)
+    except PluginError as err:  # the CLI must still start so `plugins list` can report it
+        typer.echo(f"Warning: plugin commands not loaded: {err}", err=True)
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from grpo_agent.cli.errors import CLI_ERRORS
+
+    return CLI_ERRORS
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; known errors become one line on stderr and exit code 1."""
+    _add_optional_commands()
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
+    try:
+        app(args=args, prog_name="grpo-agent", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as usage:
+        usage.show()
+        sys.exit(usage.exit_code)
+    except click.exceptions.Abort:
+        typer.echo("Aborted.", err=True)
+        sys.exit(1)
+    except _known_errors() as err:
+        if debug:
+            raise
+        typer.echo(f"Error: {err} (run with --debug for the traceback)", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

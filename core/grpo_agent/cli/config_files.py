@@ -1,0 +1,72 @@
+"""Run files (TOML/YAML) plus `--set key=value` overrides -> `AsyncGRPOConfig`.
+
+Design decision: the config dataclass is the only source of truth; the CLI adds no knobs of
+its own. Values given with `--set` are read as JSON when they parse (`3`, `1e-6`, `true`,
+`["a"]`) and as plain strings otherwise; unknown keys fail with close matches.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from grpo_agent.cli.errors import CliError
+
+
+def read_run_file(path: Path) -> dict[str, Any]:
+    """The key/value table of a `.toml`, `.yaml` or `.yml` run file."""
+    if not path.is_file():
+        raise CliError(f"Config file {path} does not exist.")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        raise CliError(f"Config file {path}: use a .toml, .yaml or .yml file.")
+    if not isinstance(data, dict):
+        raise CliError(f"Config file {path} must hold a table of key = value pairs.")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`["lr=1e-6", "num_generations=4"]` -> `{"lr": 1e-06, "num_generations": 4}`."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"--set {pair!r}: write it as key=value, e.g. --set max_steps=10.")
+        values[key.strip()] = parse_value(value.strip())
+    return values
+
+
+def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
+    """Merge run file < --set < explicit flags (None = not given) into an `AsyncGRPOConfig`."""
+    from dataclasses import fields
+
+    from grpo_agent.config import AsyncGRPOConfig
+
+    data = read_run_file(config_file) if config_file else {}
+    data.update(parse_sets(sets))
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    known = {f.name for f in fields(AsyncGRPOConfig) if f.init}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise CliError(f"Unknown config field {key!r}.{hint} See docs/config.md for all fields.")
+    return AsyncGRPOConfig(**data)

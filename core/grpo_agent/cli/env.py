@@ -1,0 +1,78 @@
+"""`grpo-agent env list | show NAME | check NAME`: inspect registered environments."""
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from grpo_agent.cli.errors import CliError
+
+app = typer.Typer(help="Inspect and check registered environments.", no_args_is_help=True)
+
+
+@app.callback()
+def env() -> None:
+    """Inspect and check registered environments."""
+
+
+@app.command("list")
+def list_envs() -> None:
+    """List environments: id, alias, distribution and description.
+
+    Example: grpo-agent env list
+    """
+    from grpo_agent.plugins import load_registry
+
+    registry = load_registry()
+    aliases = {target: alias for alias, target in registry.aliases.items()}
+    for env_id, spec in sorted(registry.environments.items()):
+        alias = f" (alias {aliases[env_id]})" if env_id in aliases else ""
+        typer.echo(f"{env_id}{alias}  [{spec.distribution}]  {spec.description}")
+
+
+@app.command("show")
+def show(name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")]) -> None:
+    """Show an environment's tools with JSON schemas, reward sources and dataset columns.
+
+    Example: grpo-agent env show counter
+    """
+    from grpo_agent.plugins import load_registry
+
+    spec = load_registry().environment_spec(name)
+    typer.echo(f"{spec.id}  [{spec.distribution}]  {spec.factory.__module__}:{spec.factory.__qualname__}")
+    typer.echo(f"description: {spec.description}")
+    sources = [r if isinstance(r, str) else getattr(r, "__name__", repr(r)) for r in spec.rewards]
+    if callable(getattr(spec.factory, "get_reward", None)):
+        sources.append("get_reward (env)")
+    typer.echo(f"reward sources: {', '.join(sources) or '(none)'}")
+    dataset = spec.load_dataset()
+    if dataset is None:
+        typer.echo("dataset: none (reset() samples its own tasks; set max_steps)")
+    else:
+        typer.echo(f"dataset: {len(dataset)} rows, columns: {', '.join(dataset.column_names)}")
+    typer.echo("tools:")
+    for schema in spec.tool_schemas():
+        typer.echo(json.dumps(schema, indent=2))
+
+
+@app.command("check")
+def check(
+    name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")],
+    rows: Annotated[int, typer.Option("--rows", help="Sample rows to reset on.")] = 2,
+) -> None:
+    """Instantiate the env, reset it on sample rows, call its tools, score its gold answer.
+
+    Example: grpo-agent env check math
+    """
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.plugins.check import check_environment
+
+    registry = load_registry()
+    steps = check_environment(registry.environment_spec(name), registry, num_rows=rows)
+    for step in steps:
+        typer.echo(f"{'ok ' if step.ok else 'FAIL'} {step.name}: {step.detail}")
+    failed = [step.name for step in steps if not step.ok]
+    if failed:
+        raise CliError(f"env check {name}: {len(failed)} step(s) failed: {', '.join(failed)}")
+    typer.echo(f"env check {name}: all {len(steps)} steps passed")

@@ -1,0 +1,110 @@
+"""`check_environment`: what `grpo-agent env check NAME` runs against a registered env.
+
+Design decision: a checker reports every step instead of stopping at the first failure, so it
+catches the env's own exceptions per step and records them as failed steps. It instantiates
+the env, resets it on sample rows, calls each tool with the env's example arguments, and
+scores the env's gold answer with the same reward sources a training run would sum.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_agent.plugins.registry import EnvironmentSpec, Registry
+
+
+@dataclass
+class CheckStep:
+    """One check: what was checked, whether it passed, and what was seen."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def _run_step(steps: list[CheckStep], name: str, action: Callable[[], str]) -> Any:
+    try:
+        steps.append(CheckStep(name, True, action()))
+    except Exception as err:  # the checker reports env failures instead of raising them
+        steps.append(CheckStep(name, False, f"{type(err).__name__}: {err}"))
+
+
+def _await(value: Any) -> Any:
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def sample_rows(spec: EnvironmentSpec, num_rows: int) -> list[dict[str, Any]]:
+    """The first rows of the env's dataset, or empty rows for a self-sampling env."""
+    dataset = spec.load_dataset()
+    if dataset is None:
+        return [{} for _ in range(num_rows)]
+    return [dict(dataset[i]) for i in range(min(num_rows, len(dataset)))]
+
+
+def score_gold(spec: EnvironmentSpec, registry: Registry, row: dict[str, Any]) -> float:
+    """Total reward of the env's gold answer on one row (rewards + `get_reward`)."""
+    env = spec.factory()
+    env.reset(**row)
+    completion = spec.gold(env, row)
+    total = 0.0
+    if completion is not None:
+        columns = {key: [value] for key, value in row.items() if key != "prompt"}
+        for ref in spec.rewards:
+            fn = registry.resolve_reward(ref)
+            scores = _await(fn(prompts=[row.get("prompt")],
+                               completions=[[{"role": "assistant", "content": completion}]],
+                               completion_ids=[[]], **columns))
+            total += scores[0] or 0.0
+    if callable(getattr(env, "get_reward", None)):
+        total += float(_await(env.get_reward()))
+    return total
+
+
+def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int = 2) -> list[CheckStep]:
+    """Run every check on `spec`; the env passes when all steps are ok."""
+    steps: list[CheckStep] = []
+    rows: list[dict[str, Any]] = []
+
+    def load() -> str:
+        rows.extend(sample_rows(spec, num_rows))
+        return f"{len(rows)} sample row(s)" + ("" if spec.dataset else " (self-sampled in reset)")
+
+    _run_step(steps, "dataset", load)
+    _run_step(steps, "tool schemas", lambda: _schema_names(spec))
+    _run_step(steps, "rewards", lambda: ", ".join(
+        getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards) or "get_reward only")
+    for i, row in enumerate(rows):
+        _run_step(steps, f"reset row {i}", lambda row=row: _check_reset(spec, row))
+        for tool, args in spec.tool_examples.items():
+            _run_step(steps, f"tool {tool}({args}) row {i}",
+                      lambda row=row, tool=tool, args=args: _call_tool(spec, row, tool, args))
+        if spec.gold is not None:
+            _run_step(steps, f"gold answer row {i}", lambda row=row: _check_gold(spec, registry, row))
+    return steps
+
+
+def _schema_names(spec: EnvironmentSpec) -> str:
+    return ", ".join(schema["function"]["name"] for schema in spec.tool_schemas()) or "no tools"
+
+
+def _check_reset(spec: EnvironmentSpec, row: dict[str, Any]) -> str:
+    prompt = spec.factory().reset(**row)
+    if prompt is None and "prompt" not in row:
+        raise ValueError("reset() returned None and the row has no 'prompt' column: no prompt.")
+    return repr(prompt if prompt is not None else row["prompt"])[:100]
+
+
+def _call_tool(spec: EnvironmentSpec, row: dict[str, Any], tool: str, args: dict) -> str:
+    env = spec.factory()
+    env.reset(**row)
+    return f"returned {_await(getattr(env, tool)(**args))!r}"[:100]
+
+
+def _check_gold(spec: EnvironmentSpec, registry: Registry, row: dict[str, Any]) -> str:
+    total = score_gold(spec, registry, row)
+    if total <= 0:
+        raise ValueError(f"the gold answer scored {total}; expected a positive reward.")
+    return f"reward {total}"
