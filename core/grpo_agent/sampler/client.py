@@ -46,6 +46,7 @@ class SamplingParams:
     num_logprobs: int = 8  # size of the top-k kept per position (0 = sampled token only)
     seed: int | None = None  # never on a CPU server: preempted seeded requests crash it
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # fixed-length outputs (benchmarks, tests)
     return_sampling_mask: bool = False  # keep the server's sampling mask when it sends one
 
 
@@ -250,6 +251,8 @@ def _sampling_body(params: SamplingParams) -> dict[str, Any]:
         body["min_p"] = params.min_p
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.ignore_eos:
+        body["ignore_eos"] = True
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     return body

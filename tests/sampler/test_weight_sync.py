@@ -1,0 +1,118 @@
+"""Weight pushes into the session's real vLLM server (gloo and disk backends).
+
+Each test perturbs a transformers copy of the tiny model, pushes it, and checks that the
+server now scores tokens like the new weights (float32, within 1e-3) and no longer like the
+old ones. The original weights are pushed back at the end so later tests see the model they
+expect.
+"""
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_agent.sampler import SamplerClient, SamplingParams
+from grpo_agent.sampler.weight_sync import build_weight_sync, detect_backend
+
+from .hf_reference import max_gap, token_logprobs
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = list(range(100, 160))
+
+
+@pytest.fixture(scope="module")
+def pushable_server(vllm_server):
+    if not getattr(vllm_server, "owned", False):
+        pytest.skip("never push weights to a server this session did not start")
+    return vllm_server
+
+
+@pytest.fixture
+def models(pushable_server):
+    """(original, perturbed) transformers models; the server is restored afterwards."""
+    original = AutoModelForCausalLM.from_pretrained(pushable_server.model_path,
+                                                    dtype=torch.float32)
+    perturbed = AutoModelForCausalLM.from_pretrained(pushable_server.model_path,
+                                                     dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in perturbed.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    yield original, perturbed
+    restore = build_weight_sync(pushable_server.base_url, backend="disk")
+    try:
+        restore.push(original.named_parameters(), version=0)
+    finally:
+        restore.close()
+
+
+def sample(base_url, prompt, num_tokens=32):
+    async def main():
+        async with SamplerClient(base_url, timeout=300) as client:
+            return await client.generate(prompt, SamplingParams(max_tokens=num_tokens))
+    return asyncio.run(main())
+
+
+def test_backend_is_detected_from_the_servers_config(pushable_server):
+    sync = build_weight_sync(pushable_server.base_url)
+    try:
+        assert type(sync).__name__ == "GlooWeightSync"
+    finally:
+        sync.close()
+    assert detect_backend({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}) \
+        == "nccl"
+    assert detect_backend({"vllm_config": {"weight_transfer_config": None}}) == "disk"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "disk"])
+def test_pushed_weights_are_what_the_server_samples_with(pushable_server, models, backend):
+    original, perturbed = models
+    base_url = pushable_server.base_url
+    # Warm the prefix cache with the prompt under the old weights: the push must drop it.
+    before = sample(base_url, PROMPT)
+    assert max_gap(before.output_log_probs,
+                   token_logprobs(original, PROMPT, before.output_ids)) < 1e-3
+
+    sync = build_weight_sync(base_url, backend=backend)
+    try:
+        timings = sync.push(perturbed.named_parameters(), version=7)
+    finally:
+        sync.close()
+    assert timings.num_bytes == sum(p.numel() * 4 for p in perturbed.parameters())
+    assert 0 < timings.transfer_s <= timings.total_s
+
+    after = sample(base_url, PROMPT)
+    assert max_gap(after.output_log_probs,
+                   token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
+    assert max_gap(after.output_log_probs,
+                   token_logprobs(original, PROMPT, after.output_ids)) > 0.1
+    assert after.weight_versions == ["7"] * len(after.output_ids)
+
+
+def test_gloo_push_while_requests_run_keeps_the_server_alive(pushable_server, models):
+    _, perturbed = models
+    base_url = pushable_server.base_url
+    sync = build_weight_sync(base_url, backend="gloo")
+
+    async def main():
+        async with SamplerClient(base_url, timeout=300) as client:
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            tasks = [asyncio.create_task(client.generate(PROMPT[: 10 + i], params))
+                     for i in range(16)]
+            await asyncio.sleep(0.5)
+            timings = await asyncio.to_thread(sync.push, perturbed.named_parameters(), 11)
+            return timings, await asyncio.gather(*tasks)
+
+    try:
+        timings, turns = asyncio.run(main())
+    finally:
+        sync.close()
+    assert timings.total_s > 0
+    assert all(len(turn.output_ids) == 200 for turn in turns)
+    # Every request finished; those running at push time switched versions mid-way.
+    switched = [t for t in turns if t.weight_versions[0] != "11" and t.weight_versions[-1] == "11"]
+    assert switched, [sorted(set(t.weight_versions)) for t in turns]
+    after = sample(base_url, PROMPT)
+    assert max_gap(after.output_log_probs,
+                   token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
