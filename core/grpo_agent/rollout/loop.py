@@ -158,6 +158,7 @@ class AsyncRolloutLoop:
         self._queued_tokens = 0
         self._completed_rollouts = 0
         self._generated_tokens = 0
+        self._progress_mark = (time.perf_counter(), 0, 0)
 
     async def _run_pipeline(self) -> None:
         tasks = [asyncio.create_task(coro) for coro in (
@@ -371,15 +372,18 @@ class AsyncRolloutLoop:
             await asyncio.sleep(0.1)
 
     async def _flush_metrics(self) -> None:
-        last_flush, last_retries, last_tokens = time.perf_counter(), 0, 0
         while True:
             await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
-            now = time.perf_counter()
-            self._observe_rate("rollout/generated_tokens_per_s",
-                               self._generated_tokens - last_tokens, now - last_flush)
-            self._observe("rollout/vllm_retry_count", self.sampler.retry_count - last_retries)
-            last_flush, last_retries, last_tokens = now, self.sampler.retry_count, self._generated_tokens
             self._send_observations()
+
+    def _record_progress(self) -> None:
+        """Throughput and retries since the last flush."""
+        now = time.perf_counter()
+        last_time, last_retries, last_tokens = self._progress_mark
+        self._observe_rate("rollout/generated_tokens_per_s", self._generated_tokens - last_tokens,
+                           now - last_time)
+        self._observe("rollout/vllm_retry_count", self.sampler.retry_count - last_retries)
+        self._progress_mark = (now, self.sampler.retry_count, self._generated_tokens)
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.append((name, float(value)))
@@ -388,6 +392,7 @@ class AsyncRolloutLoop:
         self._observations.append((name, (float(amount), float(seconds))))
 
     def _send_observations(self) -> None:
+        self._record_progress()
         if self._observations:
             batch, self._observations = self._observations, []
             self.metrics_queue.put(batch)

@@ -42,11 +42,11 @@ def _child_main(loop_cls, loop_kwargs: dict[str, Any], stop_event) -> None:
     except BaseException:  # noqa: BLE001 - everything goes back to the trainer
         loop_kwargs["exception_info_queue"].put(traceback.format_exc())
         loop_kwargs["failed_event"].set()
-        raise SystemExit(1)
-    finally:
-        # Unread samples must not keep this process alive after a stop.
         loop_kwargs["rollout_buffer"].cancel_join_thread()
-        loop_kwargs["metrics_queue"].cancel_join_thread()
+        raise SystemExit(1)
+    # Unread samples and metrics must not keep this process alive after a stop.
+    loop_kwargs["rollout_buffer"].cancel_join_thread()
+    loop_kwargs["metrics_queue"].cancel_join_thread()
 
 
 class RolloutWorker:
@@ -107,7 +107,7 @@ class RolloutWorker:
                     f"{self.config.rollout_worker_timeout} s.")
             time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Ask the worker to stop, then terminate/kill it if it does not; idempotent."""
         if self._stopped or self._process is None:
             self._stopped = True
@@ -115,13 +115,14 @@ class RolloutWorker:
         self._stopped = True
         self._stop_event.set()
         process = self._process
-        process.join(STOP_GRACE_S)
+        process.join(grace_s)
         if process.is_alive():
             process.terminate()
             process.join(5.0)
         if process.is_alive():
             process.kill()
             process.join(5.0)
+        self._trainer_observations += self._read_metrics_queue()  # keep them for drain_metrics
         for channel in (self._buffer, self._metrics_queue, self._exception_queue):
             channel.cancel_join_thread()
             channel.close()
@@ -182,10 +183,14 @@ class RolloutWorker:
     def drain_metrics(self) -> list[Observation]:
         """Everything observed since the last call, for `grpo_agent.metrics.MetricWindow.extend`."""
         observations, self._trainer_observations = self._trainer_observations, []
+        return observations if self._stopped else observations + self._read_metrics_queue()
+
+    def _read_metrics_queue(self) -> list[Observation]:
+        observations: list[Observation] = []
         while True:
             try:
                 observations.extend(self._metrics_queue.get_nowait())
-            except queue.Empty:
+            except (queue.Empty, OSError, EOFError):
                 return observations
 
     # ------------------------------------------------------------------ internals
@@ -221,7 +226,7 @@ class RolloutWorker:
         self._check_alive()
         age = time.time() - self._heartbeat.value
         if age > self.config.rollout_worker_timeout:
-            self.stop()
+            self.stop(grace_s=0.0)  # a hung worker will not stop politely
             raise RolloutWorkerError(
                 f"The rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout="
                 f"{self.config.rollout_worker_timeout} s): it is hung. Check the vLLM server and "
@@ -231,8 +236,9 @@ class RolloutWorker:
         if self._process is None:
             raise RolloutWorkerError("The rollout worker was never started: call start() first.")
         if self._failed.is_set():
+            child_traceback = self._child_traceback()
             self.stop()
-            raise RolloutWorkerError(f"The rollout worker failed:\n{self._child_traceback()}")
+            raise RolloutWorkerError(f"The rollout worker failed:\n{child_traceback}")
         if not self._process.is_alive() and not self._stopped:
             code = self._process.exitcode
             self.stop()

@@ -1,0 +1,73 @@
+"""Module-level rewards and loops for the worker tests (the spawned worker imports them by name).
+
+`tests/rollout/conftest.py` puts this folder on `sys.path`; spawned children inherit it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    """A policy-independent but varied score: 1 when the token ids sum to a multiple of 3."""
+    return [float(sum(ids) % 3 == 0) for ids in completion_ids]
+
+
+def easy_or_token_reward(prompts, completion_ids, **kwargs):
+    """Every rollout of an 'easy' prompt passes; others pass rarely."""
+    easy = ["easy" in prompt[-1]["content"] for prompt in prompts]
+    return [1.0 if is_easy else float(sum(ids) % 4 == 0) for is_easy, ids in zip(easy, completion_ids)]
+
+
+def fails_on_some_rows(completion_ids, row_id, **kwargs):
+    """Raises for rows whose id is a multiple of 4 (a flaky remote judge)."""
+    if row_id[0] % 4 == 0:
+        raise ConnectionError(f"judge unavailable for row {row_id[0]}")
+    return [0.0] * len(completion_ids)
+
+
+def always_fails(completion_ids, **kwargs):
+    raise RuntimeError("this reward function is broken")
+
+
+def wrong_length(completion_ids, **kwargs):
+    return [1.0]
+
+
+class HangingLoop(AsyncRolloutLoop):
+    """Blocks its event loop (and so its heartbeat) after setup, like a deadlocked worker."""
+
+    async def setup(self):
+        import time
+        time.sleep(3600)
+
+
+# --- the spec's CurriculumRolloutLoop example, with only the import lines changed -------------
+
+@dataclass
+class CurriculumConfig(AsyncGRPOConfig):
+    pass_rate_cap: float = 0.9
+
+
+class CurriculumRolloutLoop(AsyncRolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+
+    async def setup(self):
+        self.pass_rates = {}
+
+    def compute_advantages(self, group):
+        scored = group.rewards[~np.isnan(group.rewards)]
+        if len(scored):
+            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+        return super().compute_advantages(group)
+
+
+def child_cuda_visible_devices_reward(completion_ids, **kwargs):
+    """Scores 1 only when the worker process hides every GPU."""
+    return [float(os.environ.get("CUDA_VISIBLE_DEVICES") == "")] * len(completion_ids)

