@@ -12,7 +12,6 @@ import os
 import sys
 from typing import Annotated
 
-import click
 import typer
 
 from grpo_agent.cli import config_cmd, env, plugins_cmd, train
@@ -95,15 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     try:
-        app(args=args, prog_name="grpo-agent", standalone_mode=False)
-    except click.exceptions.Exit as done:
-        sys.exit(done.exit_code)
-    except click.ClickException as usage:
-        usage.show()
-        sys.exit(usage.exit_code)
-    except click.exceptions.Abort:
-        typer.echo("Aborted.", err=True)
-        sys.exit(1)
+        app(args=args, prog_name="grpo-agent")  # typer reports usage errors and exits itself
     except _known_errors() as err:
         if debug:
             raise

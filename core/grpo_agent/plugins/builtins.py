@@ -1,13 +1,12 @@
 """The built-in rewards, advantage estimator and prompt filter, registered as a plugin.
 
 Design decision: core registers its defaults through the same hooks third-party plugins use
-(llm's default plugins), which keeps the hook API honest.
+(llm's default plugins), which keeps the hook API honest. Heavy imports stay inside the
+functions: the CLI loads plugins at start-up to collect their commands.
 """
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from grpo_agent.plugins.decorators import advantage_estimator, prompt_filter, reward
 from grpo_agent.plugins.hookspecs import hookimpl
@@ -15,8 +14,10 @@ from grpo_agent.rewards import accuracy_reward, format_reward
 
 
 @advantage_estimator("group_norm")
-def group_norm(group: Any) -> np.ndarray:
+def group_norm(group: Any) -> Any:
     """(r - mean) / std within the group over non-NaN rewards; NaN rewards and std=0 give 0."""
+    import numpy as np  # lazily: plugins load at CLI start-up, which must stay fast
+
     rewards = np.asarray(group.rewards, dtype=float)
     advantages = np.zeros(len(rewards))
     scored = ~np.isnan(rewards)

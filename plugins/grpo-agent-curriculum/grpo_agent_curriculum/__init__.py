@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from grpo_agent import advantage_estimator, hookimpl, prompt_filter
 from grpo_agent.plugins.builtins import group_norm
 
@@ -34,8 +32,10 @@ def below_pass_rate_cap(row_index: int, row: dict, epoch: int) -> bool:
 
 
 @advantage_estimator("curriculum")
-def record_pass_rate(group) -> np.ndarray:
+def record_pass_rate(group):
     """Record the group's pass rate for its prompt, then group-normalise as usual."""
+    import numpy as np  # lazily: the CLI imports plugins at start-up
+
     rewards = np.asarray(group.rewards, dtype=float)
     scored = rewards[~np.isnan(rewards)]
     if len(scored):
