@@ -34,3 +34,18 @@ def test_an_unfixable_template_exits_2_and_a_missing_one_exits_1(tiny_tokenizer,
     (tmp_path / "chat_template.jinja").unlink()
     result = runner.invoke(app, ["template", str(tmp_path)])
     assert result.exit_code == 1
+
+
+def test_the_console_script_exposes_doctor_template(tiny_tokenizer):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("grpo-agent")
+    result = subprocess.run(
+        [str(script), "doctor", "template", tiny_tokenizer.name_or_path,
+         "--chat-template-kwargs", '{"enable_thinking": false}'],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "patched qwen3 training template" in result.stdout
