@@ -135,7 +135,10 @@ def _check_pending(pm: PluginManager) -> None:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
         plugin = err.plugin
-        hooks = [name for name in dir(pm.hook) if not name.startswith("_")]
+        hooks = [
+            name for name in dir(pm.hook)
+            if not name.startswith("_") and getattr(pm.hook, name).spec is not None
+        ]
         bad = [
             name for name in dir(plugin)
             if name not in hooks and pm.parse_hookimpl_opts(plugin, name) is not None

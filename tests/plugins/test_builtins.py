@@ -1,0 +1,62 @@
+"""Built-in rewards, advantage estimator, prompt filter and the curriculum plugin."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from grpo_agent.plugins import build_registry
+from grpo_agent.rewards import accuracy_reward, format_reward
+
+
+def _completions(*texts):
+    return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def test_accuracy_reward_matches_boxed_answers_and_returns_none_for_unparseable_gold():
+    rewards = accuracy_reward(
+        _completions("so \\boxed{12}", "it is \\boxed{13}", "\\boxed{\\frac{1}{2}}", "\\boxed{1}"),
+        solution=["12", "12", "0.5", "not a number at all"],
+    )
+    assert rewards == [1.0, 0.0, 1.0, None]
+
+
+def test_accuracy_reward_scores_the_last_assistant_message_of_a_tool_conversation():
+    completion = [
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "\\boxed{7}"},
+        {"role": "assistant", "content": "Done: \\boxed{8}"},
+    ]
+    assert accuracy_reward([completion], solution=["8"]) == [1.0]
+
+
+def test_format_reward_wants_one_leading_think_block():
+    assert format_reward(_completions("<think>a</think> b", "b", "<think>a<think></think>")) == [
+        1.0, 0.0, 0.0]
+
+
+def test_group_norm_normalises_scored_rewards_and_zeroes_nan_and_flat_groups():
+    group_norm = build_registry().resolve_advantage_estimator("group_norm")
+    advantages = group_norm(SimpleNamespace(rewards=np.array([1.0, 0.0, np.nan, 1.0, 0.0])))
+    np.testing.assert_allclose(advantages, [1.0, -1.0, 0.0, 1.0, -1.0])
+    assert not group_norm(SimpleNamespace(rewards=np.array([1.0, 1.0]))).any()
+    assert not group_norm(SimpleNamespace(rewards=np.array([np.nan, 2.0]))).any()
+
+
+def test_all_prompt_filter_accepts_everything():
+    assert build_registry().resolve_prompt_filter("all")(3, {"prompt": "x"}, 7) is True
+
+
+def test_curriculum_records_pass_rates_and_filters_solved_prompts(monkeypatch):
+    import grpo_agent_curriculum as curriculum
+
+    monkeypatch.setattr(curriculum, "PASS_RATES", {})
+    monkeypatch.setenv(curriculum.CAP_ENV, "0.75")
+    solved = SimpleNamespace(rewards=np.array([1.0, 1.0, 1.0, 0.0]), row_index=4)
+    hard = SimpleNamespace(rewards=np.array([1.0, 0.0, np.nan, 0.0]), row_index=5)
+    np.testing.assert_allclose(curriculum.record_pass_rate(solved), [0.57735, 0.57735, 0.57735, -1.73205], atol=1e-5)
+    curriculum.record_pass_rate(hard)
+    assert curriculum.PASS_RATES == {4: 0.75, 5: 1 / 3}
+    assert curriculum.below_pass_rate_cap(4, {}, 1) is False
+    assert curriculum.below_pass_rate_cap(5, {}, 1) is True
+    assert curriculum.below_pass_rate_cap(6, {}, 1) is True

@@ -1,0 +1,49 @@
+"""Entry-point loading: GRPO_AGENT_LOAD_PLUGINS and plugins that fail to import."""
+from __future__ import annotations
+
+from importlib.metadata import PathDistribution
+
+import pytest
+
+from grpo_agent.plugins import PluginImportError, manager
+
+
+def _fake_distribution(tmp_path, module: str):
+    """A real on-disk dist-info whose entry point names a module that cannot be imported."""
+    info = tmp_path / "grpo_agent_broken-9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: grpo-agent-broken\nVersion: 9.9\n")
+    (info / "entry_points.txt").write_text(f"[grpo_agent]\nbroken = {module}\n")
+    return PathDistribution(info)
+
+
+def test_plugin_that_fails_to_import_names_its_distribution_and_error(tmp_path, monkeypatch):
+    dist = _fake_distribution(tmp_path, "grpo_agent_no_such_module_xyz")
+    monkeypatch.setattr(manager, "entry_points", lambda group: list(dist.entry_points))
+    monkeypatch.delenv(manager.LOAD_ENV, raising=False)
+    with pytest.raises(PluginImportError) as err:
+        manager.build_plugin_manager()
+    message = str(err.value)
+    assert "Plugin 'broken' from distribution grpo-agent-broken 9.9 failed to import" in message
+    assert "ModuleNotFoundError: No module named 'grpo_agent_no_such_module_xyz'" in message
+    assert "pip uninstall grpo-agent-broken" in message
+
+
+def test_load_plugins_variable_limits_what_loads(tmp_path, monkeypatch):
+    dist = _fake_distribution(tmp_path, "grpo_agent_no_such_module_xyz")
+    monkeypatch.setattr(manager, "entry_points", lambda group: list(dist.entry_points))
+    monkeypatch.setenv(manager.LOAD_ENV, "")
+    pm = manager.build_plugin_manager()  # the broken plugin is not even imported
+    assert [name for name, _ in pm.list_name_plugin()] == ["grpo_agent.plugins.builtins"]
+    monkeypatch.setenv(manager.LOAD_ENV, "grpo-agent-broken")
+    with pytest.raises(PluginImportError):
+        manager.build_plugin_manager()
+
+
+def test_installed_first_party_plugins_are_discovered(monkeypatch):
+    monkeypatch.setenv(manager.LOAD_ENV, "counter,math,curriculum")
+    registry = manager.load_registry()
+    assert {"counter-v1", "math-v1"} <= set(registry.environments)
+    assert registry.distribution_of("environment", "counter") == "grpo-agent-env-counter"
+    assert "curriculum" in registry.prompt_filters
+    assert manager.load_registry() is registry  # cached per process

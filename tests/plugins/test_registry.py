@@ -1,0 +1,202 @@
+"""The plugin host on plugin objects registered in-process (no installed entry points)."""
+from __future__ import annotations
+
+import pytest
+
+from grpo_agent import advantage_estimator, environment, hookimpl, prompt_filter, reward, tool
+from grpo_agent.plugins import (
+    DuplicateNameError,
+    PluginError,
+    ToolSchemaError,
+    UnknownNameError,
+    build_registry,
+)
+from grpo_agent.plugins.decorators import get_marker
+
+
+@reward("length")
+def length_reward(completions, **kwargs):
+    return [float(len(c[-1]["content"])) for c in completions]
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: First number.
+        b: Second number.
+    """
+    return a + b
+
+
+@environment("echo", version=2, rewards=["length"])
+class EchoEnvV2:
+    """Repeat what you are told."""
+
+    def reset(self, **row):
+        return "Say hi."
+
+    def say(self, text: str) -> str:
+        """Say something.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+
+@environment("echo", version=1)
+class EchoEnvV1(EchoEnvV2):
+    """The first version."""
+
+
+class SamplePlugin:
+    __name__ = "sample"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(length_reward)
+
+    @hookimpl
+    def register_tools(self, register):
+        register(add)
+
+    @hookimpl
+    def register_environments(self, register):
+        register(EchoEnvV1)
+        register(EchoEnvV2)
+
+    @hookimpl
+    def register_advantage_estimators(self, register):
+        register(advantage_estimator("zeros")(lambda group: [0.0] * len(group.rewards)))
+
+    @hookimpl
+    def register_prompt_filters(self, register):
+        register(prompt_filter("even")(lambda i, row, epoch: i % 2 == 0))
+
+
+def test_decorators_mark_and_return_the_object_unchanged():
+    assert get_marker(add).kind == "tool" and get_marker(add).name is None
+    assert get_marker(length_reward).name == "length"
+    assert length_reward([[{"content": "abc"}]]) == [3.0]
+    assert get_marker(EchoEnvV2).options["version"] == 2
+
+
+def test_hooks_resolve_into_plain_dicts_with_builtins():
+    registry = build_registry(SamplePlugin())
+    assert {"accuracy", "format", "length"} <= set(registry.rewards)
+    assert registry.tools["add"] is add
+    assert set(registry.environments) == {"echo-v1", "echo-v2"}
+    assert {"group_norm", "zeros"} <= set(registry.advantage_estimators)
+    assert {"all", "even"} <= set(registry.prompt_filters)
+    assert registry.distribution_of("reward", "length") == "test plugin sample"
+
+
+def test_unversioned_env_name_resolves_to_the_latest_version():
+    registry = build_registry(SamplePlugin())
+    assert registry.resolve_environment("echo") is EchoEnvV2
+    assert registry.resolve_environment("echo-v1") is EchoEnvV1
+    assert registry.environment_spec("echo").rewards == ["length"]
+    assert registry.resolve_environment({"a": "echo-v1", "b": EchoEnvV2}) == {
+        "a": EchoEnvV1, "b": EchoEnvV2}
+
+
+def test_names_and_import_paths_resolve_and_callables_pass_through():
+    registry = build_registry(SamplePlugin())
+    assert registry.resolve_reward("length") is length_reward
+    assert registry.resolve_reward("grpo_agent.rewards:accuracy_reward").__name__ == "accuracy_reward"
+    assert registry.resolve_reward(len) is len
+    assert registry.resolve_prompt_filter("even")(2, {}, 0) is True
+    assert registry.resolve_environment(f"{__name__}:EchoEnvV1") is EchoEnvV1
+
+
+def test_unknown_name_lists_close_matches_and_installed_names():
+    registry = build_registry(SamplePlugin())
+    with pytest.raises(UnknownNameError) as err:
+        registry.resolve_reward("accurcy")
+    message = str(err.value)
+    assert "Unknown reward 'accurcy'. Did you mean: accuracy?" in message
+    assert "Installed rewards: accuracy, format, length." in message
+    with pytest.raises(UnknownNameError, match="Unknown environment 'ecko'. Did you mean: echo"):
+        registry.resolve_environment("ecko")
+
+
+def test_bad_import_path_names_module_and_attribute():
+    registry = build_registry()
+    with pytest.raises(PluginError, match="Module 'grpo_agent.rewards' has no attribute 'nope'"):
+        registry.resolve_reward("grpo_agent.rewards:nope")
+
+
+class DuplicatePlugin:
+    __name__ = "duplicate"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(length_reward, name="accuracy")
+
+
+def test_duplicate_name_names_both_distributions():
+    with pytest.raises(DuplicateNameError) as err:
+        build_registry(DuplicatePlugin())
+    assert str(err.value).startswith(
+        "The reward name 'accuracy' is registered twice: by grpo-agent (built-in) and by "
+        "test plugin duplicate."
+    )
+
+
+def undocumented(x):
+    return x
+
+
+class NoSchemaPlugin:
+    __name__ = "noschema"
+
+    @hookimpl
+    def register_tools(self, register):
+        register(undocumented)
+
+
+def test_tool_without_hints_or_docstring_says_what_to_add():
+    with pytest.raises(ToolSchemaError) as err:
+        build_registry(NoSchemaPlugin())
+    message = str(err.value)
+    assert "Tool 'undocumented' has no usable JSON schema" in message
+    assert "Add a type hint to every argument and a Google-style docstring" in message
+
+
+class UndocumentedEnv:
+    def reset(self, **row):
+        return "go"
+
+    def move(self, steps):
+        return steps
+
+
+class BadEnvPlugin:
+    __name__ = "badenv"
+
+    @hookimpl
+    def register_environments(self, register):
+        register(UndocumentedEnv, name="bad")
+
+
+def test_env_tool_method_without_schema_is_reported_by_class_and_method():
+    with pytest.raises(ToolSchemaError, match="Tool 'UndocumentedEnv.move' has no usable JSON schema"):
+        build_registry(BadEnvPlugin())
+
+
+class MisspelledPlugin:
+    __name__ = "misspelled"
+
+    @hookimpl
+    def register_reward(self, register):
+        register(length_reward)
+
+
+def test_misspelled_hook_implementation_is_an_error_with_suggestion():
+    with pytest.raises(PluginError) as err:
+        build_registry(MisspelledPlugin())
+    message = str(err.value)
+    assert "Plugin 'misspelled' from test plugin misspelled implements unknown hooks" in message
+    assert "'register_reward' (did you mean 'register_rewards'?)" in message
