@@ -3,9 +3,9 @@
 Both sides send identical `/inference/v1/generate` requests (fixed-length outputs, top-8
 logprobs) at the same concurrency; the baseline only posts and decodes the JSON, ours also
 builds `TurnRecord`s (top-k selection, weight-version expansion, retry bookkeeping). Rounds
-alternate between the two so drift on a shared machine hits both equally; the summary's `ratio` is
-the median of the per-round ratios. Prints one JSON object per round, the last line is the summary with
-`ratio` (ours / baseline, target >= 0.97).
+alternate between the two so drift on a shared machine hits both equally. Prints one JSON
+object per round; the last line is the summary, whose `ratio` (ours / baseline, target
+>= 0.97) is the median of the per-round ratios.
 
     python bench/sampler_overhead.py [--base-url URL] [--concurrency 32] [--rounds 6]
 
