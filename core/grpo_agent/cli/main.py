@@ -7,6 +7,7 @@ traceback instead. Plugins add commands through the `register_commands` hook.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -67,6 +68,7 @@ def tiny_model(
     typer.echo(str(build_tiny_model(out_dir, force=force)))
 
 
+@functools.cache
 def _add_optional_commands() -> None:
     """The doctor group (if present) and commands contributed by installed plugins."""
     if importlib.util.find_spec("grpo_agent.cli.doctor") is not None:

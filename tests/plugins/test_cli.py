@@ -1,0 +1,117 @@
+"""The `grpo-agent` CLI: commands, config parsing and one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+
+def test_version(cli):
+    from grpo_agent import __version__
+
+    assert cli("--version") == (0, f"grpo-agent {__version__}\n", "")
+
+
+def test_plugins_list_shows_distribution_version_and_registrations(cli):
+    code, out, _ = cli("plugins", "list", "--json")
+    rows = {row["distribution"]: row for row in json.loads(out)}
+    assert code == 0
+    assert rows["grpo-agent (built-in)"]["registered"]["reward"] == ["accuracy", "format"]
+    assert rows["grpo-agent-env-counter"]["registered"] == {"environment": ["counter-v1"]}
+    assert rows["grpo-agent-env-counter"]["version"] == "0.1.0"
+
+
+def test_env_list_and_show(cli):
+    code, out, _ = cli("env", "list")
+    assert code == 0
+    assert "counter-v1 (alias counter)  [grpo-agent-env-counter]" in out
+    code, out, _ = cli("env", "show", "math")
+    assert code == 0
+    assert "reward sources: accuracy" in out
+    assert "dataset: 48 rows, columns: prompt, solution" in out
+    code, out, _ = cli("env", "show", "counter")
+    assert "reward sources: get_reward (env)" in out
+    assert '"name": "increment"' in out and '"description": "Value to add to the counter."' in out
+
+
+@pytest.mark.parametrize("name", ["counter", "math"])
+def test_env_check_passes_for_first_party_envs(cli, name):
+    code, out, _ = cli("env", "check", name)
+    assert code == 0, out
+    assert "gold answer row 0: reward 1.0" in out
+    assert f"env check {name}: all" in out and "FAIL" not in out
+
+
+def test_unknown_env_is_one_line_with_suggestions(cli):
+    code, out, err = cli("env", "show", "countr")
+    assert code == 1
+    assert err.startswith("Error: Unknown environment 'countr'. Did you mean: counter")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_config_show_merges_run_file_then_set_overrides(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('num_generations = 4\nlearning_rate = 1e-5\nprompt_filters = ["all"]\n')
+    code, out, _ = run_in_process(
+        "config", "show", "--config", str(run_file), "--set", "learning_rate=3e-6",
+        "--set", "score_centering=false",
+    )
+    config = json.loads(out)
+    assert code == 0
+    assert config["num_generations"] == 4 and config["learning_rate"] == 3e-6
+    assert config["score_centering"] is False and config["prompt_filters"] == ["all"]
+
+
+def test_yaml_run_file_is_read(cli, tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("max_staleness: 2\n")
+    code, out, _ = cli("config", "show", "--config", str(run_file))
+    assert code == 0 and json.loads(out)["max_staleness"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "num_generatons=4"],
+         "Error: Unknown config field 'num_generatons'. Did you mean: num_generations?"),
+        (["--set", "max_steps"], "Error: --set 'max_steps': write it as key=value"),
+        (["--set", "num_generations=1"], "Error: num_generations=1: group-normalised advantages"),
+        (["--config", "missing.toml"], "Error: Config file missing.toml does not exist."),
+    ],
+)
+def test_config_errors_are_one_line(cli, args, message):
+    code, _, err = cli("config", "show", *args)
+    assert code == 1
+    assert err.startswith(message), err
+
+
+def test_train_dry_run_resolves_env_and_config(cli, tmp_path):
+    code, out, _ = run_in_process(
+        "train", "--env", "counter", "--set", "max_steps=3", "--output-dir",
+        str(tmp_path / "run"), "--dry-run",
+    )
+    assert code == 0
+    assert out.startswith("env: counter-v1 [grpo-agent-env-counter]\n")
+    config = json.loads(out.split("\n", 2)[2])
+    assert config["max_steps"] == 3 and config["output_dir"] == str(tmp_path / "run")
+
+
+def test_debug_flag_shows_the_traceback(cli_script):
+    plain = cli_script("env", "show", "nope")
+    debug = cli_script("--debug", "env", "show", "nope")
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr
+    assert "Unknown environment 'nope'" in plain.stderr
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+    assert "UnknownNameError" in debug.stderr
+
+
+def test_docs_cli_md_is_current():
+    from pathlib import Path
+
+    from grpo_agent.cli.docs import cli_reference
+
+    committed = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    assert committed == cli_reference() + "\n", (
+        "docs/cli.md is out of date: run `python -m grpo_agent.cli.docs > docs/cli.md`."
+    )
