@@ -53,7 +53,7 @@ def test_unknown_env_is_one_line_with_suggestions(cli):
 def test_config_show_merges_run_file_then_set_overrides(cli, tmp_path):
     run_file = tmp_path / "run.toml"
     run_file.write_text('num_generations = 4\nlearning_rate = 1e-5\nprompt_filters = ["all"]\n')
-    code, out, _ = run_in_process(
+    code, out, _ = cli(
         "config", "show", "--config", str(run_file), "--set", "learning_rate=3e-6",
         "--set", "score_centering=false",
     )
@@ -87,7 +87,7 @@ def test_config_errors_are_one_line(cli, args, message):
 
 
 def test_train_dry_run_resolves_env_and_config(cli, tmp_path):
-    code, out, _ = run_in_process(
+    code, out, _ = cli(
         "train", "--env", "counter", "--set", "max_steps=3", "--output-dir",
         str(tmp_path / "run"), "--dry-run",
     )
