@@ -69,7 +69,7 @@ def resolve_env_task(name: str) -> dict[str, Any]:
     from grpo_agent.plugins import load_registry
 
     registry = load_registry()
-    spec = registry.resolve_environment(name)
+    spec = registry.environment_spec(name)
     return {
         "dataset": spec.load_dataset(),
         "reward_funcs": list(spec.rewards),
