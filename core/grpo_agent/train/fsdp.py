@@ -45,3 +45,20 @@ def apply_fsdp2(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.
     fully_shard(model, mp_policy=policy)
     logger.info("FSDP2: sharded %s over %d processes", type(model).__name__, world_size())
     return model
+
+
+def install_forward_method(model: nn.Module, name: str, function) -> None:
+    """Make `model.<name>(...)` call `function(model, ...)` as if it were the model's forward.
+
+    The packed loss runs the decoder and applies the LM head weight itself (no full logits), so
+    the root's `forward` never runs and FSDP2 would neither gather the root's parameters (embed,
+    norm, LM head) nor reduce their gradients. Registering the loss as a forward method gives it
+    the root's pre/post-forward hooks.
+    """
+    import types
+
+    setattr(model, name, types.MethodType(function, model))
+    if hasattr(model, "unshard"):  # an FSDPModule
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, name)

@@ -27,6 +27,7 @@ from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import fsdp, perf, setup
+from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.checkpoint import PromptLedger, RolloutState, append_ledger_line
 from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.packing import PackedRow, pack_row
@@ -98,6 +99,7 @@ class AsyncGRPOTrainer(Trainer):
             fsdp.apply_fsdp2(model, param_dtype=torch.bfloat16 if args.bf16 else None)
             # The model now owns its sharding and gradient reduction: no DDP wrap by accelerate.
             self.is_distributed_loading_by_transformers = True
+        fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
         self.window = MetricWindow()
         self.ledger = PromptLedger()
         self.model_version = 0
@@ -212,12 +214,12 @@ class AsyncGRPOTrainer(Trainer):
         return loss
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
-        from grpo_agent.train.loss import build_loss_config, row_loss
-
         if not hasattr(self, "_loss_config"):
-            self._loss_config = build_loss_config(self.args)
+            self._loss_config = build_loss_config(self.args, self.model)
         started = time.perf_counter()
-        loss, metrics = row_loss(model, inputs.row, self._loss_config, inputs.num_trained_global)
+        loss, metrics = self.model.grpo_row_loss(
+            inputs.row, self._loss_config, inputs.num_trained_global
+        )
         self.step_timings["fwd"] += time.perf_counter() - started
         self.window.update(metrics)
         # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
