@@ -42,8 +42,9 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, *, force: bool = 
     complete build is reused unless `force`. The build is deterministic: the same files come
     out on every machine.
     """
-    target = Path(out_dir) if out_dir is not None else default_cache_dir() / f"tiny-qwen3-v{KIT_VERSION}"
-    target = target.expanduser().resolve()
+    if out_dir is None:
+        out_dir = default_cache_dir() / f"tiny-qwen3-v{KIT_VERSION}"
+    target = Path(out_dir).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
