@@ -49,7 +49,12 @@ BACKENDS = ("gloo", "nccl", "disk")
 
 @dataclass
 class SyncTimings:
-    """Where a push spent its time; `num_bytes` is what crossed the wire (or hit the disk)."""
+    """Where a push spent its time; `num_bytes` is what crossed the wire (or hit the disk).
+
+    `pause_s` is how long generation was paused for the push: 0 for our backends, which load
+    atomically while requests keep running. `total_s` includes the version update and the
+    prefix-cache reset.
+    """
 
     pause_s: float
     transfer_s: float
