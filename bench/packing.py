@@ -110,8 +110,9 @@ def time_fwd_bwd(step, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_case(packed_model, plain_model, shape, group_size, device, repeats):
-    _, _, prompt_len, completion_len, budget = SHAPES[shape]
+def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None):
+    _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
+    budget = budget or default_budget
     vocab = plain_model.config.vocab_size
     samples = make_samples(group_size, prompt_len, completion_len, budget, vocab)
     row = pack_row(samples)
@@ -134,7 +135,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats):
     padded = max(s.num_tokens for s in samples) * len(samples)
     packed_model.zero_grad(set_to_none=True), plain_model.zero_grad(set_to_none=True)
     return {
-        "case": f"{shape}/G={group_size}", "device": device, "dtype": str(SHAPES[shape][1]),
+        "case": f"{shape}/G={group_size}", "device": device, "token_budget": budget, "dtype": str(SHAPES[shape][1]),
         "samples": len(samples), "packed_tokens": row.num_tokens,
         "unpacked_tokens": row.unpacked_tokens, "padded_tokens": padded,
         "packing_ratio": round(row.unpacked_tokens / row.num_tokens, 3),
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default=None,
                         help="model shape (default: qwen3-0.6b on CUDA, tiny on CPU)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--token-budget", type=int, default=None, help="override the shape's budget")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -179,7 +181,7 @@ def main() -> None:
     enable_tree_attention(packed)
     results = []
     for group_size in GROUP_SIZES:
-        results.append(run_case(packed, plain, shape, group_size, device, args.repeats))
+        results.append(run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget))
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":
         del plain, packed

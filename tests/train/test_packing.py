@@ -57,15 +57,15 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_matches_unpacked(tiny_qwen3, shared_samples, temperature):
+@pytest.mark.parametrize("temperature,backend", [(1.0, "gather"), (0.7, "gather"), (1.0, "sdpa")])
+def test_packed_matches_unpacked(tiny_qwen3, shared_samples, temperature, backend):
     packed_model = copy.deepcopy(tiny_qwen3)
     enable_tree_attention(packed_model)
     row = pack_row(shared_samples)
     assert row.num_tokens < row.unpacked_tokens  # prompts and history are shared
 
     ref = _unpacked_logprobs(tiny_qwen3, shared_samples, temperature)
-    got = forward_row(packed_model, row, temperature=temperature).token.logprobs
+    got = forward_row(packed_model, row, temperature=temperature, backend=backend).token.logprobs
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
     weights = torch.randn(ref.shape)

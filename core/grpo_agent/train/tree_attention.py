@@ -8,7 +8,10 @@ the attention implementation name `grpo_tree` registered with `AttentionInterfac
 that name has no mask function in transformers, the model builds no mask of its own.
 
 Kernels: on CUDA, FlexAttention with a block mask built from the predicate (sparse blocks are
-skipped); on CPU, where FlexAttention has no backward, SDPA with the dense boolean mask.
+skipped). On CPU, where FlexAttention has no backward, "gather": each segment's queries run
+SDPA against the keys/values gathered along its path (work and memory grow with the sum of
+segment x path lengths, not N^2); "sdpa" (one SDPA call with the dense [N, N] boolean mask) is
+the simple reference and the fallback for sliding-window layers and attention dropout.
 Rotary positions come from `position_ids` (the token's depth), so they match unpacked
 forwards; grouped-query attention uses the kernels' GQA support. Attention sinks change the
 softmax denominator and are rejected.
@@ -26,6 +29,7 @@ from grpo_agent.train.packing import PackedRow
 
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
+COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
 
 @dataclass
@@ -35,17 +39,20 @@ class TreeMask:
     segment_ids: torch.Tensor  # [N]
     ancestors: torch.Tensor  # [S, S] bool
     position_ids: torch.Tensor  # [N]
-    backend: str  # "flex" or "sdpa"
+    backend: str  # "flex", "gather" or "sdpa"
     block_mask: Any = None  # FlexAttention BlockMask (flex)
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
+    segments: list[_SegmentPlan] | None = None  # (gather)
 
     @classmethod
     def build(cls, row: PackedRow, device: torch.device | str, backend: str = "auto") -> TreeMask:
         device = torch.device(device)
         if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "sdpa"
-        if backend not in ("flex", "sdpa"):
-            raise ValueError(f"tree attention backend {backend!r}: choose 'auto', 'flex' or 'sdpa'.")
+            backend = "flex" if device.type == "cuda" else "gather"
+        if backend not in ("flex", "gather", "sdpa"):
+            raise ValueError(
+                f"tree attention backend {backend!r}: choose 'auto', 'flex', 'gather' or 'sdpa'."
+            )
         mask = cls(
             segment_ids=row.segment_ids.to(device),
             ancestors=row.segment_ancestors.to(device),
@@ -54,9 +61,48 @@ class TreeMask:
         )
         if backend == "flex":
             mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
+        elif backend == "gather":
+            mask.segments = _segment_plans(row, device)
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
+
+
+@dataclass
+class _SegmentPlan:
+    """One segment's queries [start, stop) and the key/value indices of its path."""
+
+    start: int
+    stop: int
+    path: torch.Tensor  # [P] indices, ancestors first, the segment's own tokens last
+    mask: torch.Tensor | None  # [stop - start, P] bool; None = plain causal (no ancestors)
+
+
+def _segment_plans(row: PackedRow, device: torch.device) -> list[_SegmentPlan]:
+    plans = []
+    for path in row.segment_paths:
+        own = int((row.segment_ids[torch.tensor(path)] == row.segment_ids[path[-1]]).sum())
+        start, stop = path[-1] - own + 1, path[-1] + 1
+        mask = None
+        if own != len(path):
+            mask = torch.ones(own, len(path), dtype=torch.bool)
+            mask[:, len(path) - own:] = torch.ones(own, own, dtype=torch.bool).tril()
+            mask = mask.to(device)
+        plans.append(_SegmentPlan(start, stop, torch.tensor(path, device=device), mask))
+    return plans
+
+
+def _gathered_attention(query, key, value, plans, scaling, gqa):
+    """Per segment: its queries attend to the keys/values gathered along its path."""
+    outs = []
+    for plan in plans:
+        q = query[:, :, plan.start:plan.stop]
+        k, v = key.index_select(2, plan.path), value.index_select(2, plan.path)
+        outs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scaling,
+            enable_gqa=gqa,
+        ))
+    return torch.cat(outs, dim=2)
 
 
 def dense_tree_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -76,7 +122,7 @@ def _flex_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor):
     n = segment_ids.numel()
     return create_block_mask(
         tree_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=segment_ids.device,
-        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=COMPILE_BLOCK_MASK,
     )
 
 
@@ -85,6 +131,17 @@ def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
+
+
+@functools.cache
+def _training_kernel_options() -> dict[str, Any]:
+    """Force the full FlexAttention kernel: for rows under 128 tokens the AUTO choice is the
+    decoding kernel, which fails to compile for training (seen on torch 2.11, H200)."""
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if "BACKEND" in getattr(FlexKernelOptions, "__annotations__", {}):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _window_mask(tree: TreeMask, window: int) -> torch.Tensor:
@@ -120,9 +177,14 @@ def tree_attention_forward(
         if sliding_window:
             raise NotImplementedError("sliding-window layers are not supported by the flex tree path yet.")
         out = _compiled_flex_attention()(
-            query, key, value, block_mask=tree_mask.block_mask, scale=scaling, enable_gqa=gqa
+            query, key, value, block_mask=tree_mask.block_mask, scale=scaling, enable_gqa=gqa,
+            kernel_options=_training_kernel_options(),
         )
+    elif tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
+        out = _gathered_attention(query, key, value, tree_mask.segments, scaling, gqa)
     else:
+        if tree_mask.dense is None:
+            tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
         dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=dense, scale=scaling,
