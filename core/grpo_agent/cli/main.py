@@ -24,6 +24,7 @@ app = typer.Typer(
     help="Asynchronous GRPO for LLM agents: train, inspect environments and plugins.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: no rich import, so --help stays fast
     add_completion=False,
 )
 app.add_typer(plugins_cmd.app, name="plugins")
