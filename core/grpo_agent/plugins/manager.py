@@ -23,7 +23,7 @@ from grpo_agent.plugins.errors import DuplicateNameError, PluginError, PluginImp
 from grpo_agent.plugins.registry import Registry
 
 BUILTIN_DISTRIBUTION = "grpo-agent (built-in)"
-BUILTIN_MODULES = ("grpo_agent.plugins.builtins",)
+BUILTIN_MODULES = ("grpo_agent.plugins.builtins", "grpo_agent.demo")
 LOAD_ENV = "GRPO_AGENT_LOAD_PLUGINS"
 TRACE_ENV = "GRPO_AGENT_TRACE_PLUGINS"
 

@@ -9,7 +9,6 @@ end, `reward.png`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ def run_training(
             environment_factory=task["environment_factory"],
             callbacks=[JsonlMetricsCallback(), ProgressCallback()],
         )
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        trainer.train(resume_from_checkpoint=_resume_arg(resume_from_checkpoint, config))
         trainer.save_model(str(output_dir / "final"))
     metrics = output_dir / METRICS_NAME
     if metrics.is_file():
@@ -64,17 +63,25 @@ def run_training(
     return output_dir
 
 
+def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | bool | None:
+    """`--set resume_from_checkpoint=last` (or true) resumes from the newest checkpoint."""
+    value = explicit if explicit is not None else config.resume_from_checkpoint
+    if isinstance(value, str) and value.lower() in ("last", "true"):
+        return True
+    return value
+
+
 def resolve_env_task(name: str) -> dict[str, Any]:
-    """The env's dataset, rewards, tools and environment factory, through the plugin host."""
+    """The env's dataset, rewards and environment factory, through the plugin host."""
     from grpo_agent.plugins import load_registry
 
     registry = load_registry()
     spec = registry.environment_spec(name)
     return {
-        "dataset": spec.load_dataset(),
-        "reward_funcs": list(spec.rewards),
-        "tools": list(getattr(spec, "tools", ()) or ()),
-        "environment_factory": getattr(spec, "environment_factory", None),
+        "dataset": spec.dataset() if spec.dataset is not None else None,
+        "reward_funcs": [registry.resolve_reward(r) for r in spec.rewards],
+        "tools": None,
+        "environment_factory": spec.factory,
     }
 
 
@@ -97,7 +104,3 @@ def _server(model_path: str, vllm_url: str | None) -> Iterator[str]:
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
         yield server.base_url
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -49,7 +49,11 @@ class StepSource:
         return cls(worker, trainer)
 
     def next_step(self, planner: StepPlanner) -> list[TrainingSample]:
-        """Fill `planner` with one step: wait for the first sample, then take what is queued."""
+        """Fill `planner` with one step: wait for the first sample, then take what is queued.
+
+        Returns no samples only when the run's prompt epochs were all consumed without a sample
+        (every group dropped), so a run on a task its model never scores still ends.
+        """
         taken: list[TrainingSample] = []
         pending, self._carry = self._carry, []
         waited = 0.0
@@ -61,8 +65,8 @@ class StepSource:
                 if block:
                     waited += time.perf_counter() - started
                 pending = self._accept(items)
-                if not pending and not block:
-                    break
+                if not pending and (not block or self.trainer.prompt_epochs_done()):
+                    break  # an empty step when every prompt of the run was consumed untrained
                 continue
             sample = pending.pop(0)
             if not planner.add(sample):

@@ -204,6 +204,13 @@ class AsyncGRPOTrainer(Trainer):
             plan, self._step_samples = box[0]
         return plan
 
+    def prompt_epochs_done(self) -> bool:
+        """`num_train_epochs` counted in prompts (without `max_steps`): all consumed."""
+        size = _dataset_size(self.train_dataset)
+        if self.args.max_steps > 0 or size is None:
+            return False
+        return self.ledger.frontier >= self.args.num_train_epochs * size
+
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
 
@@ -304,10 +311,9 @@ class _AsyncStepCallback(TrainerCallback):
 
     def _count_prompt_epochs(self, args, state, control) -> None:
         size = _dataset_size(self.trainer.train_dataset)
-        if size is None:
-            return
-        state.epoch = self.trainer.ledger.frontier / size
-        if args.max_steps <= 0 and self.trainer.ledger.frontier >= args.num_train_epochs * size:
+        if size is not None:
+            state.epoch = self.trainer.ledger.frontier / size
+        if self.trainer.prompt_epochs_done():
             control.should_training_stop = True
 
     def on_save(self, args, state, control, **kwargs):
