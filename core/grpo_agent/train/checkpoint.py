@@ -57,6 +57,7 @@ class PromptLedger:
         self._consumed_ahead: set[int] = set(state.consumed_after_first)
         self._skip: frozenset[int] = frozenset(state.consumed_after_first)
         self._trained_counts: dict[int, int] = {}
+        self._noticed_since_step: list[int] = []
         self._advance()
 
     def already_consumed(self, prompt_index: int) -> bool:
@@ -76,7 +77,13 @@ class PromptLedger:
         return completed
 
     def record_consumed(self, notice: PromptConsumed) -> None:
+        self._noticed_since_step.append(notice.prompt_index)
         self._consume(notice.prompt_index)
+
+    def take_noticed(self) -> list[int]:
+        """Prompts consumed without samples since the last call (for the ledger file)."""
+        noticed, self._noticed_since_step = self._noticed_since_step, []
+        return noticed
 
     def state(self, model_version: int) -> RolloutState:
         return RolloutState(self.frontier, sorted(self._consumed_ahead), model_version)
@@ -93,8 +100,13 @@ class PromptLedger:
             self.frontier += 1
 
 
-def append_ledger_line(output_dir: str | Path, step: int, completed: list[int]) -> None:
-    """One JSON line per step with the prompts it completed (the resume test reads these)."""
+def append_ledger_line(
+    output_dir: str | Path, step: int, completed: list[int], noticed: list[int], frontier: int
+) -> None:
+    """One JSON line per step: prompts it trained to completion, prompts the worker reported
+    consumed without samples, and the resume point after it (the resume test reads these)."""
     path = Path(output_dir) / LEDGER_NAME
+    record = {"step": step, "completed": sorted(completed), "noticed": sorted(noticed),
+              "frontier": frontier}
     with path.open("a") as fh:
-        fh.write(json.dumps({"step": step, "completed": sorted(completed)}) + "\n")
+        fh.write(json.dumps(record) + "\n")

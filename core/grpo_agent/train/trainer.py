@@ -198,10 +198,10 @@ class AsyncGRPOTrainer(Trainer):
             )
             self._step_samples = self.source.next_step(planner)
             plan = planner.plan()
-        if fsdp.world_size() > 1:
-            box = [(plan, self._step_samples)]
+        if fsdp.world_size() > 1:  # the ledger too, so every rank makes the same stop decision
+            box = [(plan, self._step_samples, self.ledger)]
             torch.distributed.broadcast_object_list(box, src=0)
-            plan, self._step_samples = box[0]
+            plan, self._step_samples, self.ledger = box[0]
         return plan
 
     def prompt_epochs_done(self) -> bool:
@@ -274,7 +274,8 @@ class _AsyncStepCallback(TrainerCallback):
         samples = trainer._step_samples
         completed = trainer.ledger.record_trained(samples)
         if fsdp.is_main_process():
-            append_ledger_line(args.output_dir, state.global_step, completed)
+            append_ledger_line(args.output_dir, state.global_step, completed,
+                               trainer.ledger.take_noticed(), trainer.ledger.frontier)
         if state.global_step % args.weight_sync_steps == 0:
             trainer.model_version += 1
             trainer.window.update(trainer.pusher.push(trainer.model, trainer.model_version))
