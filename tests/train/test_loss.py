@@ -162,3 +162,22 @@ def test_gradient_accumulation_invariance(tiny_qwen3, sample_factory):
         (loss_i / len(samples)).backward()
     for (name, a), (_, b) in zip(one.named_parameters(), eight.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_moe_aux_loss_is_added_with_its_coefficient():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+    model = Qwen3MoeForCausalLM(cfg)
+    enable_tree_attention(model)
+    from grpo_agent.types import TrainingSample, TrainingSequence
+
+    seq = TrainingSequence([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 1, 1], [-1.0] * 6)
+    row = pack_row([TrainingSample(seq, advantage=1.0, model_version=0, group_id=0, row_index=0)])
+    plain, m0 = row_loss(model, row, LossConfig(router_aux_loss_coef=0.0), 2 * row.num_trained)
+    with_aux, m1 = row_loss(model, row, LossConfig(router_aux_loss_coef=0.1), 2 * row.num_trained)
+    assert "aux_loss" not in m0 and m1["aux_loss"] > 0
+    # the row holds half the micro-batch's trained tokens -> half of coef * aux
+    assert (with_aux - plain).item() == pytest.approx(0.1 * m1["aux_loss"] * 0.5, rel=1e-5)

@@ -81,3 +81,19 @@ def test_plain_model_call_in_tree_mode_is_a_clear_error(tiny_qwen3):
     enable_tree_attention(tiny_qwen3)
     with pytest.raises(ValueError, match="without a packed row"):
         tiny_qwen3(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_models_with_attention_sinks_are_rejected():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="attention sinks"):
+        enable_tree_attention(GptOssForCausalLM(cfg))
+
+
+def test_linear_attention_hybrids_are_rejected(tiny_qwen3):
+    tiny_qwen3.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        enable_tree_attention(tiny_qwen3)

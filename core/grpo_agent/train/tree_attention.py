@@ -207,9 +207,18 @@ def register_tree_attention() -> None:
 
 
 def enable_tree_attention(model: torch.nn.Module) -> None:
-    """Switch a transformers model to tree attention; reject models with attention sinks."""
+    """Switch a transformers model to tree attention; reject what it cannot pack correctly."""
     for name, sub in model.named_modules():
         if getattr(sub, "sinks", None) is not None:
             raise ValueError(f"{_SINKS_ERROR} (found at module {name!r})")
+    unsupported = sorted(
+        set(getattr(model.config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    )
+    if unsupported:
+        raise NotImplementedError(
+            f"{type(model).__name__} has {unsupported} layers (e.g. Gated DeltaNet hybrids): their "
+            "recurrent state would run across the packed row's segments. Tree packing supports "
+            "attention-only models for now."
+        )
     register_tree_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
