@@ -11,6 +11,7 @@ LM-head memory (tiled vs full logits, CUDA only); the last line is the summary.
     python bench/packing.py                 # CPU: the tiny model
     python bench/packing.py --model qwen3-0.6b   # GPU: a random Qwen3-0.6B-shaped model (bf16)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,21 +22,46 @@ import statistics
 import time
 
 import torch
-
+from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import enable_tree_attention
-from grpo_agent.train.forward import forward_row
 from grpo_agent.types import TrainingSample, TrainingSequence
 
 SHAPES = {
     # name: (config kwargs, dtype, prompt_len, completion_len, token_budget)
-    "tiny": (dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  tie_word_embeddings=False), torch.float32, 192, 48, 1536),
-    "qwen3-0.6b": (dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                        head_dim=128, tie_word_embeddings=True), torch.bfloat16, 1024, 256, 8192),
+    "tiny": (
+        {
+            "vocab_size": 2048,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+        },
+        torch.float32,
+        192,
+        48,
+        1536,
+    ),
+    "qwen3-0.6b": (
+        {
+            "vocab_size": 151936,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "tie_word_embeddings": True,
+        },
+        torch.bfloat16,
+        1024,
+        256,
+        8192,
+    ),
 }
 GROUP_SIZES = (1, 2, 4, 8, 16)
 
@@ -57,8 +83,13 @@ def make_samples(group_size: int, prompt_len: int, completion_len: int, budget: 
     samples, used, group = [], 0, 0
     while True:
         prompt = [gen.randrange(vocab) for _ in range(prompt_len)]
-        comps = [[gen.randrange(vocab) for _ in range(gen.randint(completion_len // 2, completion_len * 3 // 2))]
-                 for _ in range(group_size)]
+        comps = [
+            [
+                gen.randrange(vocab)
+                for _ in range(gen.randint(completion_len // 2, completion_len * 3 // 2))
+            ]
+            for _ in range(group_size)
+        ]
         cost = prompt_len + sum(len(c) + 1 for c in comps)
         if used + cost > budget and samples:
             return samples
@@ -68,8 +99,15 @@ def make_samples(group_size: int, prompt_len: int, completion_len: int, budget: 
             mask = [0] * prompt_len + [1] * len(comp)
             lps = [-gen.uniform(0.1, 3.0) if m else 0.0 for m in mask]
             seq = TrainingSequence(token_ids=ids, trained_mask=mask, sampler_logprobs=lps)
-            samples.append(TrainingSample(seq, advantage=gen.uniform(-1, 1), model_version=0,
-                                          group_id=group, row_index=group))
+            samples.append(
+                TrainingSample(
+                    seq,
+                    advantage=gen.uniform(-1, 1),
+                    model_version=0,
+                    group_id=group,
+                    row_index=group,
+                )
+            )
         group += 1
 
 
@@ -85,8 +123,9 @@ def unpacked_logprobs(model, samples, device):
         for t, m in enumerate(s.sequence.trained_mask):
             if m and t > 0:
                 rows.append(i), cols.append(t - 1), targets.append(s.sequence.token_ids[t])
-    hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 use_cache=False).last_hidden_state
+    hidden = model.get_decoder()(
+        input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+    ).last_hidden_state
     pred = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
     weight = model.get_output_embeddings().weight
     return token_logprobs(pred, weight, torch.tensor(targets, device=device)).logprobs, ids.numel()
@@ -130,18 +169,33 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     packed_s = time_fwd_bwd(packed_step, device, repeats)
     unpacked_s = time_fwd_bwd(unpacked_step, device, repeats)
     with torch.no_grad():
-        diff = (forward_row(packed_model, row, temperature=1.0).token.logprobs
-                - unpacked_logprobs(plain_model, samples, device)[0]).abs().max().item()
+        diff = (
+            (
+                forward_row(packed_model, row, temperature=1.0).token.logprobs
+                - unpacked_logprobs(plain_model, samples, device)[0]
+            )
+            .abs()
+            .max()
+            .item()
+        )
     padded = max(s.num_tokens for s in samples) * len(samples)
     packed_model.zero_grad(set_to_none=True), plain_model.zero_grad(set_to_none=True)
     return {
-        "case": f"{shape}/G={group_size}", "device": device, "token_budget": budget, "dtype": str(SHAPES[shape][1]),
-        "samples": len(samples), "packed_tokens": row.num_tokens,
-        "unpacked_tokens": row.unpacked_tokens, "padded_tokens": padded,
+        "case": f"{shape}/G={group_size}",
+        "device": device,
+        "token_budget": budget,
+        "dtype": str(SHAPES[shape][1]),
+        "samples": len(samples),
+        "packed_tokens": row.num_tokens,
+        "unpacked_tokens": row.unpacked_tokens,
+        "padded_tokens": padded,
         "packing_ratio": round(row.unpacked_tokens / row.num_tokens, 3),
-        "packed_s": round(packed_s, 5), "unpacked_s": round(unpacked_s, 5),
+        "packed_s": round(packed_s, 5),
+        "unpacked_s": round(unpacked_s, 5),
         "speedup": round(unpacked_s / packed_s, 3),
-        "speedup_over_ratio": round(unpacked_s / packed_s / (row.unpacked_tokens / row.num_tokens), 3),
+        "speedup_over_ratio": round(
+            unpacked_s / packed_s / (row.unpacked_tokens / row.num_tokens), 3
+        ),
         "max_logprob_diff": diff,
     }
 
@@ -152,8 +206,10 @@ def lm_head_memory(device: str, tokens: int = 16384, vocab: int = 151936, hidden
     h = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,), device=device)
     out = {"case": "lm_head_memory", "device": device, "tokens": tokens, "vocab": vocab}
-    for name, fn in (("tiled", lambda: token_logprobs(h, weight, targets).logprobs),
-                     ("full_logits", lambda: naive_token_logprobs(h, weight, targets))):
+    for name, fn in (
+        ("tiled", lambda: token_logprobs(h, weight, targets).logprobs),
+        ("full_logits", lambda: naive_token_logprobs(h, weight, targets)),
+    ):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -167,10 +223,16 @@ def lm_head_memory(device: str, tokens: int = 16384, vocab: int = 151936, hidden
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(SHAPES), default=None,
-                        help="model shape (default: qwen3-0.6b on CUDA, tiny on CPU)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(SHAPES),
+        default=None,
+        help="model shape (default: qwen3-0.6b on CUDA, tiny on CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--token-budget", type=int, default=None, help="override the shape's budget")
+    parser.add_argument(
+        "--token-budget", type=int, default=None, help="override the shape's budget"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -181,19 +243,30 @@ def main() -> None:
     enable_tree_attention(packed)
     results = []
     for group_size in GROUP_SIZES:
-        results.append(run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget))
+        results.append(
+            run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget)
+        )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":
         del plain, packed
         torch.cuda.empty_cache()
         print(json.dumps(lm_head_memory(device)), flush=True)
     shared = [r for r in results if r["packing_ratio"] > 1.5]
-    print(json.dumps({
-        "summary": "packing", "device": device, "model": shape,
-        "mean_speedup_over_ratio": round(statistics.mean(r["speedup_over_ratio"] for r in shared), 3),
-        "max_logprob_diff": max(r["max_logprob_diff"] for r in results),
-        "cases": [(r["packing_ratio"], r["speedup"]) for r in results],
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "summary": "packing",
+                "device": device,
+                "model": shape,
+                "mean_speedup_over_ratio": round(
+                    statistics.mean(r["speedup_over_ratio"] for r in shared), 3
+                ),
+                "max_logprob_diff": max(r["max_logprob_diff"] for r in results),
+                "cases": [(r["packing_ratio"], r["speedup"]) for r in results],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

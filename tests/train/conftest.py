@@ -1,12 +1,12 @@
 """Fixtures for trainer-core tests: a tiny random Qwen3 with grouped-query attention and a
 factory of `TrainingSample`s (groups sharing a prompt, multi-turn samples sharing history)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
 from grpo_agent.types import TrainingSample, TrainingSequence
 
 VOCAB = 96
@@ -25,9 +25,16 @@ def tiny_qwen3():
 
     torch.manual_seed(1234)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     model = Qwen3ForCausalLM(cfg).to(torch.float32)
     model.eval()  # no dropout; gradients still flow
@@ -45,7 +52,9 @@ def make_sample(tokens, trained, *, advantage=1.0, group_id=0, topk=0, seed=0) -
             for m in trained
         ]
     seq = TrainingSequence(
-        token_ids=list(tokens), trained_mask=list(trained), sampler_logprobs=lps,
+        token_ids=list(tokens),
+        trained_mask=list(trained),
+        sampler_logprobs=lps,
         sampler_top_logprobs=top,
     )
     return TrainingSample(
@@ -66,23 +75,31 @@ def shared_samples():
         prompt = _rand_tokens(gen, 9)
         for i in range(3):
             comp = _rand_tokens(gen, 4 + i)
-            samples.append(make_sample(
-                prompt + comp, [0] * len(prompt) + [1] * len(comp),
-                advantage=(i - 1) * 0.7 + 0.1, group_id=group, topk=3, seed=10 * group + i,
-            ))
+            samples.append(
+                make_sample(
+                    prompt + comp,
+                    [0] * len(prompt) + [1] * len(comp),
+                    advantage=(i - 1) * 0.7 + 0.1,
+                    group_id=group,
+                    topk=3,
+                    seed=10 * group + i,
+                )
+            )
     history = _rand_tokens(gen, 6)
     turn1 = _rand_tokens(gen, 5)
     tool = _rand_tokens(gen, 3)
     turn2 = _rand_tokens(gen, 4)
     first = history + turn1 + tool + turn2
-    samples.append(make_sample(
-        first, [0] * 6 + [1] * 5 + [0] * 3 + [1] * 4, advantage=0.5, group_id=5, topk=3, seed=50
-    ))
+    samples.append(
+        make_sample(
+            first, [0] * 6 + [1] * 5 + [0] * 3 + [1] * 4, advantage=0.5, group_id=5, topk=3, seed=50
+        )
+    )
     # the fork re-reads turn1 as context and trains its own continuation
     fork = history + turn1 + _rand_tokens(gen, 2) + _rand_tokens(gen, 3)
-    samples.append(make_sample(
-        fork, [0] * 11 + [0] * 2 + [1] * 3, advantage=0.5, group_id=5, topk=3, seed=51
-    ))
+    samples.append(
+        make_sample(fork, [0] * 11 + [0] * 2 + [1] * 3, advantage=0.5, group_id=5, topk=3, seed=51)
+    )
     return samples
 
 

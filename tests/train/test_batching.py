@@ -1,11 +1,11 @@
 """Step planning: token budget, group affinity, balancing, closing micro-batches, oversize
 drops, leftovers and the batch/* metrics."""
+
 from __future__ import annotations
 
 import logging
 
 import pytest
-
 from grpo_agent.train.batching import StepPlanner, attention_cost, plan_step
 
 
@@ -66,14 +66,18 @@ def test_oversize_samples_are_dropped_counted_and_warned(sample_factory, caplog)
 
 def test_new_groups_balance_attention_cost_across_processes(sample_factory):
     lengths = [40, 10, 10, 10, 10, 30]
-    samples = [sample_factory(list(range(1, n + 1)), [0] * 2 + [1] * (n - 2), group_id=g)
-               for g, n in enumerate(lengths)]
+    samples = [
+        sample_factory(list(range(1, n + 1)), [0] * 2 + [1] * (n - 2), group_id=g)
+        for g, n in enumerate(lengths)
+    ]
     # distinct first tokens so nothing is shared
     for g, s in enumerate(samples):
         s.sequence.token_ids[0] = 1000 + g
     plan = plan_step(samples, token_budget=200, num_processes=2, grad_accum_steps=1)
     costs = sorted(attention_cost(r) for r in plan.microbatches[0])
-    naive_split = sorted([sum(n * (n + 1) // 2 for n in lengths[:3]), sum(n * (n + 1) // 2 for n in lengths[3:])])
+    naive_split = sorted(
+        [sum(n * (n + 1) // 2 for n in lengths[:3]), sum(n * (n + 1) // 2 for n in lengths[3:])]
+    )
     assert costs[1] / sum(costs) < naive_split[1] / sum(naive_split)
     assert plan.metrics["batch/row_imbalance"] < 1.2
 

@@ -1,11 +1,11 @@
 """CUDA: the FlexAttention tree path equals unpacked SDPA (log-probs and gradients)."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.loss import LossConfig, row_loss
 from grpo_agent.train.packing import pack_row
@@ -22,7 +22,11 @@ def _unpacked(model, samples):
     for s in samples:
         ids = torch.tensor([s.sequence.token_ids], device="cuda")
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-        out += [logp[t - 1, tok] for t, (tok, m) in enumerate(zip(s.sequence.token_ids, s.sequence.trained_mask)) if m and t > 0]
+        out += [
+            logp[t - 1, tok]
+            for t, (tok, m) in enumerate(zip(s.sequence.token_ids, s.sequence.trained_mask))
+            if m and t > 0
+        ]
     return torch.stack(out)
 
 

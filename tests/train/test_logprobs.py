@@ -1,10 +1,10 @@
 """Tiled log-probs equal the full-logits path in value and gradient, with and without a
 temperature, a sampling mask (renormalisation) and tiles smaller than the vocabulary."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 
 T, H, V = 13, 24, 203  # V not a multiple of the tile
@@ -47,12 +47,15 @@ def test_topk_and_sampling_mask_renormalise():
         allowed[t, ids] = True
     topk_ids = torch.stack([candidates[t, :4] for t in range(T)])
     topk_ids[0, 3] = -1  # padding
-    got = token_logprobs(hidden, weight, targets, temperature=0.8, topk_ids=topk_ids,
-                         candidates=candidates, tile=50)
+    got = token_logprobs(
+        hidden, weight, targets, temperature=0.8, topk_ids=topk_ids, candidates=candidates, tile=50
+    )
 
     logits = ((hidden @ weight.T) / 0.8).masked_fill(~allowed, float("-inf"))
     logp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(got.logprobs.double(), logp.gather(1, targets[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        got.logprobs.double(), logp.gather(1, targets[:, None]).squeeze(1), atol=1e-5, rtol=0
+    )
     ref_topk = logp.gather(1, topk_ids.clamp(min=0)).masked_fill(topk_ids < 0, 0.0)
     torch.testing.assert_close(got.topk_logprobs.double(), ref_topk, atol=1e-5, rtol=0)
     p = torch.softmax(logits, -1)
@@ -60,7 +63,9 @@ def test_topk_and_sampling_mask_renormalise():
     torch.testing.assert_close(got.entropy.double(), ref_entropy, atol=1e-4, rtol=0)
 
     w = torch.randn(T, 4, dtype=torch.float64)
-    g_got = torch.autograd.grad((got.topk_logprobs.double() * w).sum() + got.logprobs.sum(), (hidden, weight))
+    g_got = torch.autograd.grad(
+        (got.topk_logprobs.double() * w).sum() + got.logprobs.sum(), (hidden, weight)
+    )
     ref_loss = (ref_topk * w).sum() + logp.gather(1, targets[:, None]).sum()
     g_ref = torch.autograd.grad(ref_loss, (hidden, weight))
     for a, b in zip(g_got, g_ref):

@@ -1,5 +1,6 @@
 """Losses: score-centering gradient vs its closed form, the clipped surrogate vs a direct
 implementation of the spec's formula, metrics, and row_loss on a real tiny model."""
+
 from __future__ import annotations
 
 import copy
@@ -7,10 +8,14 @@ import math
 
 import pytest
 import torch
-
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train.loss import (
-    LossConfig, LossInputs, build_loss_config, clipped_surrogate_loss, loss_metrics, row_loss,
+    LossConfig,
+    LossInputs,
+    build_loss_config,
+    clipped_surrogate_loss,
+    loss_metrics,
+    row_loss,
     score_centering_loss,
 )
 from grpo_agent.train.packing import pack_row
@@ -50,7 +55,9 @@ def test_score_centering_gradient_is_the_closed_form():
 
     pi = torch.softmax(theta.detach(), -1)
     ratio = pi / log_mu.exp()
-    f = torch.where((ratio >= cfg.clip_min) & (ratio <= cfg.clip_max), ratio, torch.zeros_like(ratio))
+    f = torch.where(
+        (ratio >= cfg.clip_min) & (ratio <= cfg.clip_max), ratio, torch.zeros_like(ratio)
+    )
     assert 0 < (f == 0).sum() < f.numel()  # both branches of f are exercised
     eye = torch.eye(V, dtype=torch.float64)
     expected = torch.zeros(P, V, dtype=torch.float64)
@@ -64,7 +71,9 @@ def test_score_centering_gradient_is_the_closed_form():
 
 
 def test_clipped_surrogate_equals_the_spec_formula():
-    cfg = LossConfig(score_centering=False, clip_min=0.6, clip_max=1.8, epsilon=0.2, epsilon_high=0.28)
+    cfg = LossConfig(
+        score_centering=False, clip_min=0.6, clip_max=1.8, epsilon=0.2, epsilon_high=0.28
+    )
     theta, log_mu, sampled, top_ids, adv = _toy(cfg)
     inp = _inputs(theta, log_mu, sampled, top_ids, adv)
     got = clipped_surrogate_loss(inp, cfg) / P
@@ -107,11 +116,24 @@ def test_metrics_names_and_values():
 
 
 def test_build_loss_config_from_async_grpo_config():
-    args = AsyncGRPOConfig(output_dir="/tmp/unused", temperature=0.7, epsilon=0.1, epsilon_high=0.3,
-                           score_centering=False, use_cpu=True)
+    args = AsyncGRPOConfig(
+        output_dir="/tmp/unused",
+        temperature=0.7,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        score_centering=False,
+        use_cpu=True,
+    )
     cfg = build_loss_config(args)
-    assert cfg == LossConfig(temperature=0.7, score_centering=False, clip_min=0.5, clip_max=5.0,
-                             epsilon=0.1, epsilon_high=0.3, router_aux_loss_coef=0.0)
+    assert cfg == LossConfig(
+        temperature=0.7,
+        score_centering=False,
+        clip_min=0.5,
+        clip_max=5.0,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        router_aux_loss_coef=0.0,
+    )
 
 
 @pytest.mark.parametrize("score_centering", [True, False])
@@ -143,8 +165,14 @@ def test_gradient_accumulation_invariance(tiny_qwen3, sample_factory):
     gen = random.Random(3)
     prompt = [gen.randrange(1, 90) for _ in range(7)]
     samples = [
-        sample_factory(prompt + [gen.randrange(1, 90) for _ in range(5)], [0] * 7 + [1] * 5,
-                       advantage=gen.uniform(-1, 1), group_id=0, topk=3, seed=i)
+        sample_factory(
+            prompt + [gen.randrange(1, 90) for _ in range(5)],
+            [0] * 7 + [1] * 5,
+            advantage=gen.uniform(-1, 1),
+            group_id=0,
+            topk=3,
+            seed=i,
+        )
         for i in range(8)
     ]
     cfg = LossConfig()
@@ -167,9 +195,19 @@ def test_gradient_accumulation_invariance(tiny_qwen3, sample_factory):
 def test_moe_aux_loss_is_added_with_its_coefficient():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    )
     model = Qwen3MoeForCausalLM(cfg)
     enable_tree_attention(model)
     from grpo_agent.types import TrainingSample, TrainingSequence

@@ -1,11 +1,11 @@
 """Tree packing: the spec's five-step example, and packed == unpacked log-probs/gradients."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import dense_tree_mask, enable_tree_attention
@@ -86,9 +86,17 @@ def test_plain_model_call_in_tree_mode_is_a_clear_error(tiny_qwen3):
 def test_models_with_attention_sinks_are_rejected():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       num_local_experts=4, num_experts_per_tok=2)
+    cfg = GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     with pytest.raises(ValueError, match="attention sinks"):
         enable_tree_attention(GptOssForCausalLM(cfg))
 

@@ -16,6 +16,7 @@ Cost is attention cost: the number of keys every forwarded token attends to, sum
 (L(L+1)/2 for an unshared sample: the squared length). Samples longer than the budget are
 dropped with a warning and counted (`batch/dropped_oversize_count`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -93,7 +94,9 @@ class StepPlanner:
             logger.warning(
                 "Dropping a sample of %d tokens: longer than token_budget=%d. Raise token_budget "
                 "(and the server's --max-model-len) or shorten rollouts (max_completion_length, "
-                "max_tool_calling_iterations).", sample.num_tokens, self.token_budget,
+                "max_tool_calling_iterations).",
+                sample.num_tokens,
+                self.token_budget,
             )
             self.dropped.append(sample)
             return True
@@ -157,14 +160,19 @@ def attention_cost(row: PackedRow) -> int:
     return int((row.position_ids + 1).sum())
 
 
-def step_metrics(microbatches: list[list[PackedRow]], token_budget: int, dropped: int) -> dict[str, float]:
+def step_metrics(
+    microbatches: list[list[PackedRow]], token_budget: int, dropped: int
+) -> dict[str, float]:
     """The spec's batch/* metrics for one step."""
     rows = [r for mb in microbatches for r in mb]
     filled = [r for r in rows if not r.is_empty] or rows
     forwarded = sum(r.num_tokens for r in rows)
     trained = sum(r.num_trained for r in rows)
     groups = {g for r in rows for g in r.group_ids}
-    pad = sum(max(r.num_tokens for r in mb) * len(mb) - sum(r.num_tokens for r in mb) for mb in microbatches)
+    pad = sum(
+        max(r.num_tokens for r in mb) * len(mb) - sum(r.num_tokens for r in mb)
+        for mb in microbatches
+    )
     padded = sum(max(r.num_tokens for r in mb) * len(mb) for mb in microbatches)
     return {
         "batch/forwarded_tokens_per_step": float(forwarded),
@@ -178,7 +186,9 @@ def step_metrics(microbatches: list[list[PackedRow]], token_budget: int, dropped
         "batch/row_tokens_max": float(max((r.num_tokens for r in rows), default=0)),
         "batch/row_fill_frac": _mean([r.num_tokens / token_budget for r in rows]),
         "batch/row_imbalance": _mean([_imbalance(mb) for mb in microbatches]),
-        "batch/packing_ratio": sum(r.unpacked_tokens for r in rows) / forwarded if forwarded else 1.0,
+        "batch/packing_ratio": sum(r.unpacked_tokens for r in rows) / forwarded
+        if forwarded
+        else 1.0,
         "batch/pad_frac": pad / padded if padded else 0.0,
         "batch/dropped_oversize_count": float(dropped),
     }

@@ -5,6 +5,7 @@ Design decision: we call the model's decoder (`get_decoder()`), not the LM wrapp
 positions that predict a trained token, through the tiled log-sum-exp of `logprobs.py`.
 The row's `TreeMask` reaches every attention layer through the forward kwargs.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,7 +30,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def forward_hidden(model, row: PackedRow, *, output_router_logits: bool = False, backend: str = "auto"):
+def forward_hidden(
+    model, row: PackedRow, *, output_router_logits: bool = False, backend: str = "auto"
+):
     """Decoder output for the row: (hidden states [N, H], router logits or None)."""
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(
@@ -85,5 +88,5 @@ def _load_balancing_loss(model, router_logits) -> torch.Tensor:
         )
     cfg = model.config
     top_k = getattr(cfg, "num_experts_per_tok", 2)
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     return loss_fn(router_logits, experts, top_k, None)

@@ -8,6 +8,7 @@ an online max/sum, and whose backward recomputes each tile (d lse / dz = softmax
 memory is one [tokens x tile] block instead of [tokens x vocab]. The entropy of the same
 distribution comes out of the forward pass for free (it is a metric: no gradient).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ class TokenLogprobs:
 
     logprobs: torch.Tensor  # [T] log pi(target), with grad
     entropy: torch.Tensor  # [T] no grad
-    topk_logprobs: torch.Tensor | None = None  # [T, K] log pi(sampler top ids), with grad; 0 at padding
+    topk_logprobs: torch.Tensor | None = (
+        None  # [T, K] log pi(sampler top ids), with grad; 0 at padding
+    )
 
 
 def _tile_allowed(candidates: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -53,7 +56,9 @@ class _TiledLogSumExp(torch.autograd.Function):
         run_sum = torch.zeros(rows, device=hidden.device)
         run_sum_z = torch.zeros(rows, device=hidden.device)  # sum exp(z - max) * z, for entropy
         for start in range(0, weight.shape[0], tile):
-            z = _tile_logits(hidden, weight, start, min(start + tile, weight.shape[0]), temperature, candidates)
+            z = _tile_logits(
+                hidden, weight, start, min(start + tile, weight.shape[0]), temperature, candidates
+            )
             new_max = torch.maximum(run_max, z.max(dim=1).values)
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             rescale = torch.exp(run_max - safe_max)
@@ -76,7 +81,7 @@ class _TiledLogSumExp(torch.autograd.Function):
         for start in range(0, weight.shape[0], ctx.tile):
             stop = min(start + ctx.tile, weight.shape[0])
             z = _tile_logits(hidden, weight, start, stop, ctx.temperature, candidates)
-            grad_z = (torch.exp(z - lse[:, None]) * (grad_lse[:, None] / ctx.temperature))
+            grad_z = torch.exp(z - lse[:, None]) * (grad_lse[:, None] / ctx.temperature)
             grad_z = grad_z.to(hidden.dtype)
             grad_hidden += (grad_z @ weight[start:stop]).float()
             if grad_weight is not None:
@@ -97,7 +102,9 @@ def tiled_log_sum_exp(
     return _TiledLogSumExp.apply(hidden, weight, float(temperature), int(tile), candidates)
 
 
-def gathered_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float):
+def gathered_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float
+):
     """z[t, k] = h_t . w_{ids[t, k]} / T for a few ids per row ([T] or [T, K]); -1 ids give 0."""
     safe = ids.clamp(min=0)
     if ids.dim() == 1:

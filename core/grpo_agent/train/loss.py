@@ -15,6 +15,7 @@ has the spec's gradient. S_t is the sampler's top `num_sampler_logprobs` ids at 
 and mu(v) is the sampler's probability, NOT renormalised over S_t: the sum is the part of
 the expectation the sampler reported (its mass is logged as `sampling/sampler_mass`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,7 +104,9 @@ def clipped_surrogate_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
 
 
 def policy_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
-    return score_centering_loss(inp, cfg) if cfg.score_centering else clipped_surrogate_loss(inp, cfg)
+    return (
+        score_centering_loss(inp, cfg) if cfg.score_centering else clipped_surrogate_loss(inp, cfg)
+    )
 
 
 def loss_metrics(inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor) -> dict[str, float]:
@@ -155,7 +158,9 @@ def row_loss(
     runs the model on one token, so every process joins the same collectives.
     """
     if num_trained_tokens_global <= 0:
-        raise ValueError("num_trained_tokens_global must be positive (the micro-batch trains nothing).")
+        raise ValueError(
+            "num_trained_tokens_global must be positive (the micro-batch trains nothing)."
+        )
     if row.num_trained == 0:
         return _zero_loss(model, row), {}
     with_aux = bool(cfg.router_aux_loss_coef) and bool(is_moe(model))
@@ -184,7 +189,9 @@ def _zero_loss(model, row: PackedRow) -> torch.Tensor:
     """A zero that depends on every forward collective (FSDP) but changes no gradient."""
     if row.is_empty:
         filler = TrainingSequence(token_ids=[0], trained_mask=[0], sampler_logprobs=[0.0])
-        sample = TrainingSample(sequence=filler, advantage=0.0, model_version=0, group_id=-1, row_index=-1)
+        sample = TrainingSample(
+            sequence=filler, advantage=0.0, model_version=0, group_id=-1, row_index=-1
+        )
         row = pack_row([sample])
     hidden, _ = forward_hidden(model, row)
     return hidden.sum() * 0.0 + model.get_output_embeddings().weight.sum() * 0.0

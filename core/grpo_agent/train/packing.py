@@ -12,6 +12,7 @@ Segments are maximal chains of the trie without branches. Attention only needs, 
 segment, which segments lie on its path (`ancestors`): a query attends to keys of ancestor
 segments and to earlier keys of its own segment. Only torch is imported here, no model code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -194,16 +195,16 @@ def _trained_entries(samples: list[TrainingSample], paths: list[list[_Node]]) ->
             topk.append(seq.sampler_top_logprobs[t] if seq.sampler_top_logprobs else None)
             masks.append(seq.sampling_mask[t] if seq.sampling_mask else None)
     topk_ids, topk_lps = _pad_topk(topk)
-    return dict(
-        pred_index=torch.tensor(pred, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        sampler_logprobs=torch.tensor(lps, dtype=torch.float32),
-        token_sample=torch.tensor(owner, dtype=torch.long),
-        sampler_topk_ids=topk_ids,
-        sampler_topk_logprobs=topk_lps,
-        sampling_mask=_pad_ids(masks),
-    )
+    return {
+        "pred_index": torch.tensor(pred, dtype=torch.long),
+        "targets": torch.tensor(targets, dtype=torch.long),
+        "advantages": torch.tensor(adv, dtype=torch.float32),
+        "sampler_logprobs": torch.tensor(lps, dtype=torch.float32),
+        "token_sample": torch.tensor(owner, dtype=torch.long),
+        "sampler_topk_ids": topk_ids,
+        "sampler_topk_logprobs": topk_lps,
+        "sampling_mask": _pad_ids(masks),
+    }
 
 
 def _pad_topk(topk: list[dict[int, float] | None]):

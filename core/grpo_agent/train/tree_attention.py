@@ -16,6 +16,7 @@ Rotary positions come from `position_ids` (the token's depth), so they match unp
 forwards; grouped-query attention uses the kernels' GQA support. Attention sinks change the
 softmax denominator and are rejected.
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,7 +87,7 @@ def _segment_plans(row: PackedRow, device: torch.device) -> list[_SegmentPlan]:
         mask = None
         if own != len(path):
             mask = torch.ones(own, len(path), dtype=torch.bool)
-            mask[:, len(path) - own:] = torch.ones(own, own, dtype=torch.bool).tril()
+            mask[:, len(path) - own :] = torch.ones(own, own, dtype=torch.bool).tril()
             mask = mask.to(device)
         plans.append(_SegmentPlan(start, stop, torch.tensor(path, device=device), mask))
     return plans
@@ -96,12 +97,19 @@ def _gathered_attention(query, key, value, plans, scaling, gqa):
     """Per segment: its queries attend to the keys/values gathered along its path."""
     outs = []
     for plan in plans:
-        q = query[:, :, plan.start:plan.stop]
+        q = query[:, :, plan.start : plan.stop]
         k, v = key.index_select(2, plan.path), value.index_select(2, plan.path)
-        outs.append(F.scaled_dot_product_attention(
-            q, k, v, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scaling,
-            enable_gqa=gqa,
-        ))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=plan.mask,
+                is_causal=plan.mask is None,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
@@ -121,8 +129,14 @@ def _flex_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor):
 
     n = segment_ids.numel()
     return create_block_mask(
-        tree_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=segment_ids.device,
-        BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=COMPILE_BLOCK_MASK,
+        tree_mask_mod,
+        B=None,
+        H=None,
+        Q_LEN=n,
+        KV_LEN=n,
+        device=segment_ids.device,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        _compile=COMPILE_BLOCK_MASK,
     )
 
 
@@ -169,15 +183,24 @@ def tree_attention_forward(
             "model back with model.set_attn_implementation('sdpa') for ordinary inputs."
         )
     if query.shape[0] != 1:
-        raise ValueError(f"tree attention takes one packed row per forward, got batch {query.shape[0]}.")
+        raise ValueError(
+            f"tree attention takes one packed row per forward, got batch {query.shape[0]}."
+        )
     if getattr(module, "sinks", None) is not None:
         raise ValueError(_SINKS_ERROR)
     gqa = query.shape[1] != key.shape[1]
     if tree_mask.backend == "flex":
         if sliding_window:
-            raise NotImplementedError("sliding-window layers are not supported by the flex tree path yet.")
+            raise NotImplementedError(
+                "sliding-window layers are not supported by the flex tree path yet."
+            )
         out = _compiled_flex_attention()(
-            query, key, value, block_mask=tree_mask.block_mask, scale=scaling, enable_gqa=gqa,
+            query,
+            key,
+            value,
+            block_mask=tree_mask.block_mask,
+            scale=scaling,
+            enable_gqa=gqa,
             kernel_options=_training_kernel_options(),
         )
     elif tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
@@ -187,8 +210,13 @@ def tree_attention_forward(
             tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
         dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=dense, scale=scaling,
-            dropout_p=dropout if module.training else 0.0, enable_gqa=gqa,
+            query,
+            key,
+            value,
+            attn_mask=dense,
+            scale=scaling,
+            dropout_p=dropout if module.training else 0.0,
+            enable_gqa=gqa,
         )
     return out.transpose(1, 2).contiguous(), None
 
@@ -212,7 +240,8 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
         if getattr(sub, "sinks", None) is not None:
             raise ValueError(f"{_SINKS_ERROR} (found at module {name!r})")
     unsupported = sorted(
-        set(getattr(model.config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+        set(getattr(model.config, "layer_types", None) or [])
+        - {"full_attention", "sliding_attention"}
     )
     if unsupported:
         raise NotImplementedError(
