@@ -22,7 +22,7 @@ def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
 
 def run_script(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(CONSOLE_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+        [str(CONSOLE_SCRIPT), *args], capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, **(env or {})},
     )
 

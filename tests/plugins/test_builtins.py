@@ -4,7 +4,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-
 from grpo_agent.plugins import build_registry
 from grpo_agent.rewards import accuracy_reward, format_reward
 

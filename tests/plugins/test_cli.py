@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
+import typer
+from grpo_agent import hookimpl
 
 
 def test_version(cli):
@@ -15,11 +16,14 @@ def test_version(cli):
 
 def test_plugins_list_shows_distribution_version_and_registrations(cli):
     code, out, _ = cli("plugins", "list", "--json")
-    rows = {row["distribution"]: row for row in json.loads(out)}
+    rows = {row["name"]: row for row in json.loads(out)}
     assert code == 0
-    assert rows["grpo-agent (built-in)"]["registered"]["reward"] == ["accuracy", "format"]
-    assert rows["grpo-agent-env-counter"]["registered"] == {"environment": ["counter-v1"]}
-    assert rows["grpo-agent-env-counter"]["version"] == "0.1.0"
+    builtins = rows["grpo_agent.plugins.builtins"]
+    assert builtins["distribution"] == "grpo-agent (built-in)"
+    assert builtins["registered"]["reward"] == ["accuracy", "format"]
+    assert rows["counter"]["distribution"] == "grpo-agent-env-counter"
+    assert rows["counter"]["registered"] == {"environment": ["counter-v1"]}
+    assert rows["counter"]["version"] == "0.1.0"
 
 
 def test_env_list_and_show(cli):
@@ -44,7 +48,7 @@ def test_env_check_passes_for_first_party_envs(cli, name):
 
 
 def test_unknown_env_is_one_line_with_suggestions(cli):
-    code, out, err = cli("env", "show", "countr")
+    code, _, err = cli("env", "show", "countr")
     assert code == 1
     assert err.startswith("Error: Unknown environment 'countr'. Did you mean: counter")
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -115,3 +119,53 @@ def test_docs_cli_md_is_current():
     assert committed == cli_reference() + "\n", (
         "docs/cli.md is out of date: run `python -m grpo_agent.cli.docs > docs/cli.md`."
     )
+
+
+class CommandPlugin:
+    __name__ = "commands"
+
+    @staticmethod
+    @hookimpl
+    def register_commands(app):
+        @app.command("hello")
+        def hello(name: str = "world") -> None:
+            """Say hello."""
+            typer.echo(f"hello {name}")
+
+
+def test_register_commands_hook_adds_a_command_to_the_app():
+    from grpo_agent.plugins.manager import build_plugin_manager
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:
+        """Root."""
+
+    build_plugin_manager(load_entry_points=False, plugins=[CommandPlugin()]).hook.register_commands(app=app)
+    result = CliRunner().invoke(app, ["hello", "--name", "plugins"])
+    assert result.exit_code == 0 and result.output == "hello plugins\n"
+
+
+def test_train_hands_the_parsed_config_to_run_training(cli, tmp_path, monkeypatch):
+    import grpo_agent.train.run as run_module
+
+    calls = []
+    monkeypatch.setattr(run_module, "run_training", lambda **kw: calls.append(kw) or tmp_path)
+    code, out, _ = cli(
+        "train", "--env", "math", "--model", "/models/m", "--vllm-url", "http://127.0.0.1:9",
+        "--output-dir", str(tmp_path), "--set", "num_generations=4",
+    )
+    assert code == 0 and out == f"Run finished: {tmp_path}\n"
+    (call,) = calls
+    assert call["env"] == "math" and call["model"] == "/models/m"
+    assert call["vllm_url"] == "http://127.0.0.1:9"
+    assert call["config"].num_generations == 4 and call["config"].output_dir == str(tmp_path)
+
+
+def test_tiny_model_command_builds_the_model(cli, tmp_path):
+    code, out, _ = cli("tiny-model", str(tmp_path / "tiny"))
+    assert code == 0 and out.strip() == str(tmp_path / "tiny")
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    assert (tmp_path / "tiny" / "tokenizer.json").is_file()

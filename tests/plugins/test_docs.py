@@ -5,7 +5,6 @@ import inspect
 from pathlib import Path
 
 import pytest
-
 from grpo_agent.plugins import hookspecs
 
 DOC = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()

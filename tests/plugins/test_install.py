@@ -68,7 +68,7 @@ def register_rewards(register):
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False,
                           timeout=300)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 from importlib.metadata import PathDistribution
 
 import pytest
-
 from grpo_agent.plugins import PluginImportError, manager
 
 
@@ -34,7 +33,7 @@ def test_load_plugins_variable_limits_what_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(manager, "entry_points", lambda group: list(dist.entry_points))
     monkeypatch.setenv(manager.LOAD_ENV, "")
     pm = manager.build_plugin_manager()  # the broken plugin is not even imported
-    assert [name for name, _ in pm.list_name_plugin()] == ["grpo_agent.plugins.builtins"]
+    assert [name for name, _ in pm.list_name_plugin()] == list(manager.BUILTIN_MODULES)
     monkeypatch.setenv(manager.LOAD_ENV, "grpo-agent-broken")
     with pytest.raises(PluginImportError):
         manager.build_plugin_manager()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from grpo_agent.plugins import check_picklable
 from grpo_agent.rewards import accuracy_reward
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,10 +17,10 @@ def config() -> None:
 @app.command("show")
 def show(
     config_file: Annotated[
-        Optional[Path], typer.Option("--config", help="Run file (.toml or .yaml).")
+        Path | None, typer.Option("--config", help="Run file (.toml or .yaml).")
     ] = None,
     sets: Annotated[
-        Optional[list[str]], typer.Option("--set", help="Override a field: key=value (repeatable).")
+        list[str] | None, typer.Option("--set", help="Override a field: key=value (repeatable).")
     ] = None,
 ) -> None:
     """Print the config a run would use (run file, then --set overrides) as JSON.

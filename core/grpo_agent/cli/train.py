@@ -6,7 +6,7 @@ The command is thin: it builds the config and hands it to `grpo_agent.train.run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,19 +16,19 @@ from grpo_agent.cli.errors import CliError
 def train(
     env: Annotated[str, typer.Option("--env", help="Registered environment name (see `env list`).")],
     config_file: Annotated[
-        Optional[Path], typer.Option("--config", help="Run file (.toml or .yaml).")
+        Path | None, typer.Option("--config", help="Run file (.toml or .yaml).")
     ] = None,
     sets: Annotated[
-        Optional[list[str]], typer.Option("--set", help="Override a config field: key=value (repeatable).")
+        list[str] | None, typer.Option("--set", help="Override a config field: key=value (repeatable).")
     ] = None,
     model: Annotated[
-        Optional[str], typer.Option("--model", help="Model id or folder (default: the tiny test model).")
+        str | None, typer.Option("--model", help="Model id or folder (default: the tiny test model).")
     ] = None,
     vllm_url: Annotated[
-        Optional[str], typer.Option("--vllm-url", help="Running vLLM server (default: start one here).")
+        str | None, typer.Option("--vllm-url", help="Running vLLM server (default: start one here).")
     ] = None,
     output_dir: Annotated[
-        Optional[str], typer.Option("--output-dir", help="Where checkpoints and metrics go.")
+        str | None, typer.Option("--output-dir", help="Where checkpoints and metrics go.")
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Resolve env and config, print them, do not train.")

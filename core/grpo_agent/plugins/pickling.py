@@ -36,7 +36,7 @@ def check_picklable(named_objects: dict[str, Any]) -> None:
                 continue
             try:
                 pickle.dumps(obj)
-            except Exception as err:  # pickle raises PicklingError, AttributeError, TypeError...
+            except Exception as err:  # noqa: BLE001 -- pickle raises many exception types
                 bad.append(f"{label} = {_label(obj)} ({type(err).__name__}: {err})")
     if bad:
         raise TypeError("Cannot pickle " + "; ".join(bad) + ". " + FIX)

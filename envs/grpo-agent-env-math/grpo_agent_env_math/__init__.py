@@ -49,7 +49,6 @@ class MathEnv:
 
     def reset(self, **row) -> None:
         self.solution = row.get("solution")
-        return None
 
 
 @hookimpl
