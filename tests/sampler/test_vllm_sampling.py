@@ -33,7 +33,7 @@ def test_model_info_reports_the_served_max_model_len(vllm_server):
 
 @pytest.mark.parametrize("endpoint", ["generate", "completions"])
 def test_server_logprobs_match_a_transformers_forward_in_float32(vllm_server, hf_model, endpoint):
-    params = SamplingParams(max_tokens=24, num_logprobs=5)
+    params = SamplingParams(max_tokens=24, num_logprobs=5, ignore_eos=True)
     turn = run(lambda c: c.generate(PROMPT, params), vllm_server.base_url, endpoint=endpoint)
     assert len(turn.output_ids) == 24 and turn.finish_reason == "length"
     reference = token_logprobs(hf_model, PROMPT, turn.output_ids)
@@ -66,7 +66,7 @@ def test_stop_token_ends_generation_with_reason_stop(vllm_server):
 
 
 def test_32_concurrent_generations_complete_while_metrics_are_read(vllm_server):
-    params = SamplingParams(max_tokens=64, num_logprobs=8)
+    params = SamplingParams(max_tokens=64, num_logprobs=8, ignore_eos=True)
 
     async def main(client):
         tasks = [asyncio.create_task(client.generate(PROMPT[: 20 + i], params))
