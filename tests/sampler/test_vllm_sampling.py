@@ -57,8 +57,8 @@ def test_top_k_logprobs_are_the_models_true_top_k(vllm_server, hf_model):
 
 
 def test_stop_token_ends_generation_with_reason_stop(vllm_server):
-    first = run(lambda c: c.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0)),
-                vllm_server.base_url)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = run(lambda c: c.generate(PROMPT, greedy), vllm_server.base_url)
     stop_at = first.output_ids[1]
     params = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[stop_at])
     turn = run(lambda c: c.generate(PROMPT, params), vllm_server.base_url)

@@ -50,7 +50,8 @@ def models(pushable_server):
 def sample(base_url, prompt, num_tokens=32):
     async def main():
         async with SamplerClient(base_url, timeout=300) as client:
-            return await client.generate(prompt, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+            params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+            return await client.generate(prompt, params)
     return asyncio.run(main())
 
 
