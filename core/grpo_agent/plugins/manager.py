@@ -163,20 +163,23 @@ def plugin_manager(*, load_entry_points: bool = True) -> PluginManager:
 
 
 def resolve_hooks(pm: PluginManager) -> Registry:
-    """Call every registration hook once per plugin into a fresh `Registry`."""
+    """Call every registration hook once per plugin into a fresh `Registry`.
+
+    Each plugin's implementation is called through a pluggy subset caller holding only that
+    plugin, so `register` knows which distribution registered what (and tracing still works).
+    """
     registry = Registry()
+    plugins = pm.get_plugins()
     for plugin_name, plugin in pm.list_name_plugin():
         dist, version = pm.distribution_of(plugin)
         before = _counts(registry)
+        others = [other for other in plugins if other is not plugin]
         for hook_name, kind in _HOOK_KINDS.items():
-            impl = _impl_of(pm, plugin, hook_name)
-            if impl is None:
-                continue
             if kind == "environment":
                 register = registry.register_environment_callable(dist)
             else:
                 register = registry.register_callable(kind, dist)
-            impl.function(**{arg: register for arg in impl.argnames})
+            pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
         registry.plugins.append(
             {
                 "name": plugin_name,
@@ -187,13 +190,6 @@ def resolve_hooks(pm: PluginManager) -> Registry:
             }
         )
     return registry
-
-
-def _impl_of(pm: PluginManager, plugin: Any, hook_name: str):
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        if impl.plugin is plugin:
-            return impl
-    return None
 
 
 def _counts(registry: Registry) -> dict[str, set[str]]:
