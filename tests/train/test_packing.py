@@ -105,3 +105,15 @@ def test_linear_attention_hybrids_are_rejected(tiny_qwen3):
     tiny_qwen3.config.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(NotImplementedError, match="linear_attention"):
         enable_tree_attention(tiny_qwen3)
+
+
+def test_gradient_checkpointing_keeps_packed_gradients(tiny_qwen3, shared_samples):
+    enable_tree_attention(tiny_qwen3)
+    checkpointed = copy.deepcopy(tiny_qwen3)
+    checkpointed.gradient_checkpointing_enable({"use_reentrant": False})
+    checkpointed.train()
+    row = pack_row(shared_samples)
+    for model in (tiny_qwen3, checkpointed):
+        forward_row(model, row, temperature=1.0).token.logprobs.sum().backward()
+    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6, msg=name)
