@@ -18,6 +18,7 @@ import logging
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -149,9 +150,29 @@ class GlooWeightSync:
                      "chunk_bytes": self.chunk_bytes, "timeout_s": self.timeout}
         rpc = self._executor.submit(self.control.call, "POST", "/init_weight_transfer_engine",
                                     json_body={"init_info": init_info})
-        self._store, self._group = open_group(self.master_address, init_info["master_port"], 0,
-                                              world_size, self.timeout)
+        opened: dict[str, Any] = {}
+
+        def open_trainer_end() -> None:
+            opened["store"], opened["group"] = open_group(
+                self.master_address, init_info["master_port"], 0, world_size, self.timeout)
+
+        # A daemon thread, so a server that refuses the init cannot leave us (or the
+        # interpreter's exit) waiting out the rendezvous timeout.
+        opener = threading.Thread(target=open_trainer_end, daemon=True)
+        opener.start()
+        while opener.is_alive():
+            if rpc.done() and rpc.exception() is not None:
+                raise WeightSyncError(
+                    f"{self.control.base_url} refused to start gloo weight transfer: "
+                    f"{rpc.exception()}. Start the server with --weight-transfer-config "
+                    f"'{{\"backend\": \"gloo\"}}' or use backend='disk'."
+                ) from rpc.exception()
+            opener.join(0.05)
+        if "group" not in opened:
+            raise WeightSyncError(f"gloo rendezvous with {self.control.base_url} failed; "
+                                  f"see the server log.")
         rpc.result(timeout=self.timeout)
+        self._store, self._group = opened["store"], opened["group"]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
         began = time.perf_counter()
@@ -242,7 +263,8 @@ def build_weight_sync(base_url: str, *, backend: str | None = None,
         backend = detect_backend(control.server_info())
         logger.info("weight sync backend for %s: %s", base_url, backend)
     if backend == "gloo":
-        return GlooWeightSync(control, timeout=timeout)
+        # A chunk is at most 256 MiB over local TCP: minutes mean the other side is gone.
+        return GlooWeightSync(control, timeout=min(timeout, 300.0))
     if backend == "disk":
         return DiskWeightSync(control, work_dir)
     if backend == "nccl":
