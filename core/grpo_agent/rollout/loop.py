@@ -228,10 +228,11 @@ class AsyncRolloutLoop:
         started = time.perf_counter()
         try:
             episode = None
-            prompt, tools = _row_prompt(slot.row), self.tools
-            if self._env_runner is not None:
+            if self._env_runner is not None:  # the env builds the prompt (the row may have none)
                 episode = await self._env_runner.start(slot.row)
                 prompt, tools = episode.prompt, [*self.tools, *episode.tools]
+            else:
+                prompt, tools = _row_prompt(slot.row), self.tools
             rollout = await self.generate_one(prompt, tools, group_id)
             env_reward = await self._env_runner.finish(episode) if episode is not None else None
         finally:
