@@ -1,12 +1,17 @@
 """Shared helpers for agent tests: the tiny model's tokenizer and a scripted turn sampler."""
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from grpo_agent.types import TurnRecord
+
+# The spawned rollout worker imports the spec examples by module name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")

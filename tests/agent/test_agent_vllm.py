@@ -7,7 +7,6 @@ examples as written. One server on the warmed model is started for this module.
 from __future__ import annotations
 
 import asyncio
-import random
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -16,64 +15,9 @@ import pytest
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.reconcile import reconcile_turns
+from spec_agent_examples import CodingEnv, GameEnv, IncrementEnv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-class IncrementEnv:  # spec: "环境" example, as written
-    def reset(self, **kwargs) -> str | None:
-        self.counter = 0
-        self.target = random.randint(1, 6)
-        return f"Increment the counter by {self.target}."
-
-    def get_reward(self) -> float:
-        return float(self.counter == self.target)
-
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self.counter += step
-        return self.counter
-
-
-class CodingEnv:  # spec: "多个环境" example, as written
-    def reset(self, **kwargs) -> str:
-        n = random.randint(1, 20)
-        return f"Compute the {n}th Fibonacci number."
-
-    def run_code(self, code: str) -> str:
-        """Run the given Python code and return its stdout.
-
-        Args:
-            code: The Python source to execute.
-
-        Returns:
-            The captured standard output.
-        """
-        ...
-
-
-class GameEnv:
-    def reset(self, **kwargs) -> str:
-        return "Reach the goal tile."
-
-    def move(self, action: str) -> str:
-        """Apply an action to the game and return the new observation.
-
-        Args:
-            action: One of "up", "down", "left", "right".
-
-        Returns:
-            The observation after the move.
-        """
-        ...
 
 
 @pytest.fixture(scope="module")

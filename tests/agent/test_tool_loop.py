@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
 
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.reconcile import reconcile_turns
@@ -141,3 +142,17 @@ def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_
     assert stats.num_forks == 0, stats
     assert len(sequences) == 1
     assert sequences[0].num_trained == len(rollout.completion_ids)
+
+
+def test_the_loop_ends_when_tool_results_no_longer_fit_the_context(scripted_loop):
+    first_prompt_len = len(run(scripted_loop(["no tools"])).turns[0].prompt_ids)
+
+    class Sampler:  # what the loop reads from the real SamplerClient
+        async def model_info(self):
+            return SimpleNamespace(id="tiny", max_model_len=first_prompt_len + 5)
+
+    loop = scripted_loop([call("multiply", a=3, b=4)] * 3)
+    loop.sampler = Sampler()
+    rollout = run(loop)
+    assert len(rollout.turns) == 1  # the tool result made the next prompt too long
+    assert rollout.tool_call_count == 1

@@ -3,7 +3,8 @@
 Each turn renders the whole conversation with the (training) chat template, samples one
 assistant turn, parses its tool calls, runs them in the order emitted and appends their
 results as tool messages, until a turn calls no tool, `max_tool_calling_iterations` rounds
-have run, the completion budget is spent or the sampler stops on length.
+have run, the completion budget is spent, the sampler stops on length or the conversation
+no longer fits the server's context.
 
 Design decisions: everything the policy gets wrong (unknown tool, unreadable call JSON, a
 tool that raises or times out) becomes a tool message the model sees and a counted failure,
@@ -155,6 +156,14 @@ def _template_kwargs(config) -> dict:
     return kwargs
 
 
+async def _context_limit(loop) -> int | None:
+    """The server's `max_model_len` when the loop has a sampler client (None otherwise)."""
+    sampler = getattr(loop, "sampler", None)
+    if sampler is None or not hasattr(sampler, "model_info"):
+        return None
+    return (await sampler.model_info()).max_model_len
+
+
 async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_id: int) -> Rollout:
     """Sample one multi-turn rollout; see the module docstring for the stopping rules."""
     config = loop.config
@@ -171,9 +180,12 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
     completion: list[dict] = []
     turns: list[TurnRecord] = []
     stats = _ToolStats()
+    context_limit = await _context_limit(loop)
     rounds, exhausted, generated = 0, False, 0
     while True:
         prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
+        if turns and context_limit is not None and len(prompt_ids) >= context_limit:
+            break  # the tool results no longer fit the server's context: end the rollout here
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
         generated += len(turn.output_ids)
