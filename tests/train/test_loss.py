@@ -219,3 +219,17 @@ def test_moe_aux_loss_is_added_with_its_coefficient():
     assert "aux_loss" not in m0 and m1["aux_loss"] > 0
     # the row holds half the micro-batch's trained tokens -> half of coef * aux
     assert (with_aux - plain).item() == pytest.approx(0.1 * m1["aux_loss"] * 0.5, rel=1e-5)
+
+
+def test_score_centering_ignores_padded_topk_entries():
+    cfg = LossConfig()
+    theta, log_mu, sampled, top_ids, adv = _toy(cfg)
+    full = _inputs(theta, log_mu, sampled, top_ids, adv)
+    padded = _inputs(theta, log_mu, sampled, top_ids, adv)
+    # one more column that is padding: no sampler entry, an arbitrary (even -inf) trainer value
+    pad_col = torch.full((P, 1), float("-inf"), dtype=torch.float64)
+    padded.topk_logprobs = torch.cat([padded.topk_logprobs, pad_col], dim=1)
+    padded.sampler_topk_logprobs = torch.cat([padded.sampler_topk_logprobs, pad_col], dim=1)
+    a, b = score_centering_loss(full, cfg), score_centering_loss(padded, cfg)
+    assert torch.isfinite(b)
+    torch.testing.assert_close(a, b)

@@ -91,7 +91,8 @@ def score_centering_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
         sampler_lp = inp.sampler_topk_logprobs.masked_fill(~present, 0.0)
         f_v = _masked_ratio_weight(importance_ratio(inp.topk_logprobs, sampler_lp), cfg)
         f_v = f_v.masked_fill(~present, 0.0)
-        per_token = per_token - (mu * f_v * inp.topk_logprobs).sum(-1)
+        topk_logprobs = inp.topk_logprobs.masked_fill(~present, 0.0)
+        per_token = per_token - (mu * f_v * topk_logprobs).sum(-1)
     return -(inp.advantages * per_token).sum()
 
 
