@@ -4,7 +4,7 @@ from __future__ import annotations
 from importlib.metadata import PathDistribution
 
 import pytest
-from grpo_agent.plugins import PluginImportError, manager
+from grpo_agent.plugins import DuplicateNameError, PluginImportError, manager
 
 
 def _fake_distribution(tmp_path, module: str):
@@ -46,3 +46,25 @@ def test_installed_first_party_plugins_are_discovered(monkeypatch):
     assert registry.distribution_of("environment", "counter") == "grpo-agent-env-counter"
     assert "curriculum" in registry.prompt_filters
     assert manager.load_registry() is registry  # cached per process
+
+
+def _dist_with(tmp_path, dist_name: str, entry_point: str):
+    info = tmp_path / f"{dist_name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[grpo_agent]\n{entry_point}\n")
+    return PathDistribution(info)
+
+
+def test_two_distributions_with_one_plugin_name_are_both_named(tmp_path, monkeypatch):
+    first = _dist_with(tmp_path, "grpo-agent-first", "dup = grpo_agent_env_counter")
+    second = _dist_with(tmp_path, "grpo-agent-second", "dup = grpo_agent_env_math")
+    monkeypatch.setattr(manager, "entry_points",
+                        lambda group: [*first.entry_points, *second.entry_points])
+    monkeypatch.delenv(manager.LOAD_ENV, raising=False)
+    with pytest.raises(DuplicateNameError) as err:
+        manager.build_plugin_manager()
+    assert str(err.value) == (
+        "Plugin name 'dup' is used twice: by grpo-agent-first and by grpo-agent-second. "
+        "Uninstall one of them."
+    )
