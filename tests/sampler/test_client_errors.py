@@ -148,3 +148,32 @@ def test_server_dying_mid_request_gives_a_clear_error():
 def test_unknown_endpoint_choice_is_rejected():
     with pytest.raises(ValueError, match="endpoint must be"):
         SamplerClient("http://127.0.0.1:1", endpoint="chat")
+
+
+COMPLETION = {"choices": [{"token_ids": [7], "finish_reason": "stop", "logprobs": {
+    "token_logprobs": [-0.5],
+    "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -0.2, "token_id:4": -3.0}]}}]}
+
+
+def test_server_without_scale_out_falls_back_to_completions():
+    disabled = {"error": {"message": "Scale-out endpoints are disabled."}}
+    server = ScriptedServer([(403, disabled), (200, COMPLETION), (200, COMPLETION)])
+    try:
+        turn, _ = _generate(server.url)
+        again, _ = _generate(server.url, endpoint="completions")
+    finally:
+        server.close()
+    assert turn.output_ids == [7] and turn.output_sampler_logprobs == [{9: -0.2, 7: -0.5}]
+    assert turn.weight_versions is None and again.output_ids == [7]
+    assert server.posts == 3
+
+
+def test_unknown_model_is_an_error_not_a_reason_to_fall_back():
+    unknown = {"error": {"message": "The model `adapter-3` does not exist."}}
+    server = ScriptedServer([(404, unknown), (200, COMPLETION)])
+    try:
+        with pytest.raises(RequestRejectedError, match="adapter-3"):
+            _generate(server.url)
+    finally:
+        server.close()
+    assert server.posts == 1

@@ -101,13 +101,19 @@ class SamplerClient:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:
-        """Sample one completion for `prompt_ids`; the record holds ids, logprobs and top-k."""
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, model: str | None = None
+    ) -> TurnRecord:
+        """Sample one completion for `prompt_ids`; the record holds ids, logprobs and top-k.
+
+        `model` names a loaded LoRA adapter to sample with; default the server's base model.
+        """
+        model = model or (await self.model_info()).id
         if self._endpoint != "completions":
             try:
-                return await self._generate_tokens(prompt_ids, params)
+                return await self._generate_tokens(prompt_ids, params, model)
             except RequestRejectedError as error:
-                if self._endpoint == "generate" or error.status_code not in (403, 404):
+                if self._endpoint == "generate" or not _route_missing(error):
                     raise
                 logger.warning(
                     "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
@@ -115,19 +121,19 @@ class SamplerClient:
                     self.base_url,
                 )
                 self._endpoint = "completions"
-        return await self._generate_completions(prompt_ids, params)
+        return await self._generate_completions(prompt_ids, params, model)
 
-    async def _generate_tokens(self, prompt_ids: list[int], params: SamplingParams) -> TurnRecord:
-        model = (await self.model_info()).id
+    async def _generate_tokens(
+        self, prompt_ids: list[int], params: SamplingParams, model: str
+    ) -> TurnRecord:
         body = {"model": model, "token_ids": list(prompt_ids),
                 "sampling_params": _sampling_body(params)}
         data = await self._request_json("POST", "/inference/v1/generate", json=body)
         return _turn_from_generate(prompt_ids, data["choices"][0], params)
 
     async def _generate_completions(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, model: str
     ) -> TurnRecord:
-        model = (await self.model_info()).id
         body = {"model": model, "prompt": list(prompt_ids), "return_token_ids": True,
                 "return_tokens_as_token_ids": True, **_sampling_body(params)}
         data = await self._request_json("POST", "/v1/completions", json=body)
@@ -172,6 +178,16 @@ class SamplerClient:
         )
         return bool(data.get("success"))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter saved in `path` as model `name` (needs `--enable-lora` and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server)."""
+        await self._request("POST", "/v1/load_lora_adapter", timeout=CONTROL_TIMEOUT_S,
+                            json={"lora_name": name, "lora_path": str(path)})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._request("POST", "/v1/unload_lora_adapter", timeout=CONTROL_TIMEOUT_S,
+                            json={"lora_name": name})
+
     # ------------------------------------------------------------------ transport
 
     async def _request_json(self, method: str, path: str, **kwargs) -> Any:
@@ -205,10 +221,11 @@ class SamplerClient:
                 last_problem = f"HTTP {response.status_code}: {_server_message(response)}"
                 continue
             if response.status_code >= 400 and response.status_code not in allow_status:
+                message = _server_message(response)
                 raise RequestRejectedError(
                     f"{method} {self.base_url}{path} was rejected with HTTP "
-                    f"{response.status_code}: {_server_message(response)}",
-                    status_code=response.status_code,
+                    f"{response.status_code}: {message}",
+                    status_code=response.status_code, server_message=message,
                 )
             return response
         raise self._exhausted_error(method, path, last_problem)
@@ -222,6 +239,12 @@ class SamplerClient:
                 f"--enable-scale-out`) or pass the right URL."
             )
         return SamplerError(f"{where} failed after {self.max_retries + 1} attempts: {problem}")
+
+
+def _route_missing(error: RequestRejectedError) -> bool:
+    """403: scale-out endpoints disabled; a bare 404: no such route (not an unknown model)."""
+    return error.status_code == 403 or (
+        error.status_code == 404 and error.server_message == "Not Found")
 
 
 def _server_message(response: httpx.Response) -> str:

@@ -17,9 +17,10 @@ class ServerUnreachableError(SamplerError):
 class RequestRejectedError(SamplerError):
     """The server rejected the request with a 4xx; the message carries the server's text."""
 
-    def __init__(self, message: str, *, status_code: int):
+    def __init__(self, message: str, *, status_code: int, server_message: str = ""):
         super().__init__(message)
         self.status_code = status_code
+        self.server_message = server_message
 
 
 class ServerStartupError(SamplerError):
