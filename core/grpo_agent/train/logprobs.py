@@ -40,9 +40,12 @@ def _tile_allowed(candidates: torch.Tensor, start: int, stop: int) -> torch.Tens
 
 
 def _tile_logits(hidden, weight, start, stop, temperature, candidates):
-    z = (hidden @ weight[start:stop].T).float() / temperature
+    """float32 logits of one vocabulary tile (fresh tensor: callers may modify it in place)."""
+    z = (hidden @ weight[start:stop].T).float()
+    if temperature != 1.0:
+        z.div_(temperature)
     if candidates is not None:
-        z = z.masked_fill(~_tile_allowed(candidates, start, stop), float("-inf"))
+        z.masked_fill_(~_tile_allowed(candidates, start, stop), float("-inf"))
     return z
 
 
@@ -62,9 +65,11 @@ class _TiledLogSumExp(torch.autograd.Function):
             new_max = torch.maximum(run_max, z.max(dim=1).values)
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             rescale = torch.exp(run_max - safe_max)
-            e = torch.exp(z - safe_max[:, None])
+            e = torch.sub(z, safe_max[:, None]).exp_()
+            if candidates is not None:
+                z.nan_to_num_(neginf=0.0)  # e is 0 there; avoid 0 * -inf
             run_sum = run_sum * rescale + e.sum(dim=1)
-            run_sum_z = run_sum_z * rescale + (e * torch.nan_to_num(z, neginf=0.0)).sum(dim=1)
+            run_sum_z = run_sum_z * rescale + torch.einsum("tv,tv->t", e, z)
             run_max = new_max
         lse = run_max + torch.log(run_sum)
         entropy = lse - run_sum_z / run_sum
@@ -81,8 +86,8 @@ class _TiledLogSumExp(torch.autograd.Function):
         for start in range(0, weight.shape[0], ctx.tile):
             stop = min(start + ctx.tile, weight.shape[0])
             z = _tile_logits(hidden, weight, start, stop, ctx.temperature, candidates)
-            grad_z = torch.exp(z - lse[:, None]) * (grad_lse[:, None] / ctx.temperature)
-            grad_z = grad_z.to(hidden.dtype)
+            z.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None] / ctx.temperature)
+            grad_z = z.to(hidden.dtype)
             grad_hidden += (grad_z @ weight[start:stop]).float()
             if grad_weight is not None:
                 grad_weight[start:stop] = grad_z.T @ hidden
