@@ -1,4 +1,4 @@
-"""Rollout tests: the session's vLLM server (or, before the shared fixture exists, our own)."""
+"""Rollout tests: helpers importable by the spawned worker, and the session's vLLM server."""
 from __future__ import annotations
 
 import sys
@@ -12,17 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
-def rollout_server(request):
-    """`(base_url, model_path)` of a real vLLM server on the tiny model."""
-    try:
-        server = request.getfixturevalue("vllm_server")
-    except pytest.FixtureLookupError:
-        from grpo_agent.sampler.server import ManagedVLLMServer
-        from grpo_agent.testing import build_tiny_model
-
-        server = ManagedVLLMServer(build_tiny_model(), max_model_len=512).start()
-        request.addfinalizer(server.stop)
-    return server.base_url, str(server.model_path)
+def rollout_server(vllm_server):
+    """`(base_url, model_path)` of the session's real vLLM server on the tiny model."""
+    return vllm_server.base_url, str(vllm_server.model_path)
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,19 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _queue_settles(worker, steady_s: float, within_s: float) -> bool:
+    """True once the queue size stays put for `steady_s` (nobody pulls meanwhile)."""
+    deadline = time.monotonic() + within_s
+    size, since = worker.queue_size, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if worker.queue_size != size:
+            size, since = worker.queue_size, time.monotonic()
+        elif time.monotonic() - since >= steady_s:
+            return True
+    return False
+
+
 def _pull_until(worker, done, seconds, on_items):
     deadline = time.monotonic() + seconds
     while not done() and time.monotonic() < deadline:
@@ -103,21 +116,23 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
         assert len(indices) == len(set(indices))
 
         # 2. The consumer stalls: generation stops at the token allowance (backpressure).
-        time.sleep(8)
-        first = worker.queue_size
-        time.sleep(3)
-        assert worker.queue_size == first, "the worker kept generating past its token allowance"
+        assert _queue_settles(worker, steady_s=5, within_s=60), "the queue kept growing"
         observations.extend(worker.drain_metrics())
         assert max(_values(observations, "rollout/backpressure_s")) > 1.0
 
-        # 3. The consumer lags behind two weight updates: queued samples are dropped as stale.
+        # 3. Meanwhile the trainer moved two weight updates on: the queued samples are stale.
         worker.set_model_version(2)
-        stale_notices = []
-        _pull_until(worker, lambda: bool(stale_notices), 30,
-                    lambda items: stale_notices.extend(i for i in items if getattr(i, "reason", "") == "stale"))
+        queued = worker.pull(timeout=10)  # one pull takes everything queued
         observations.extend(worker.drain_metrics())
-        assert stale_notices, "no stale samples were dropped"
-        assert sum(_values(observations, "sample/dropped_stale_count")) >= len(stale_notices)
+        assert not [i for i in queued if isinstance(i, TrainingSample)]
+        stale = [i for i in queued if getattr(i, "reason", "") == "stale"]
+        assert stale, "no stale samples were dropped"
+        dropped = sum(_values(observations, "sample/dropped_stale_count"))
+        assert dropped >= len(stale)
+        # What the stalled queue held stayed within the allowance (plus groups in flight).
+        smallest = min(s.num_tokens for group in samples_by_group.values() for s in group)
+        group_tokens = max(sum(s.num_tokens for s in group) for group in samples_by_group.values())
+        assert dropped * smallest <= STEP_TOKENS + 2 * group_tokens
         pid = worker.pid
     finally:
         worker.stop()
@@ -148,7 +163,6 @@ def test_the_spec_curriculum_loop_filters_prompts_it_has_solved(rollout_server, 
     with worker:
         _pull_until(worker, lambda: filtered_rows >= {0, 2}, 150, take)
     assert filtered_rows >= {0, 2}, "solved (easy) prompts were never filtered"
-    assert not filtered_rows & {1, 3} or True  # hard rows may pass by chance; easy ones must go
 
 
 def test_a_reward_that_keeps_raising_stops_the_run_with_its_traceback(

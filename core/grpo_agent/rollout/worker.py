@@ -23,6 +23,8 @@ from grpo_agent.metrics import Observation
 from grpo_agent.types import PromptConsumed, TrainingSample
 
 STOP_GRACE_S = 15.0
+# Spawning re-imports torch/transformers and unpickles the dataset: allow for a busy machine.
+MIN_STARTUP_S = 120.0
 PULL_POLL_S = 0.25
 MAX_ITEMS_PER_PULL = 4096
 _ENV_LOCK = threading.Lock()
@@ -97,14 +99,15 @@ class RolloutWorker:
                 self._process.start()
             finally:
                 _restore_env("CUDA_VISIBLE_DEVICES", saved)
-        deadline = time.monotonic() + self.config.rollout_worker_timeout
+        startup_s = max(self.config.rollout_worker_timeout, MIN_STARTUP_S)
+        deadline = time.monotonic() + startup_s
         while self._heartbeat.value == 0.0:
             self._check_alive()
             if time.monotonic() > deadline:
-                self.stop()
+                self.stop(grace_s=0.0)
                 raise RolloutWorkerError(
-                    f"The rollout worker did not start within rollout_worker_timeout="
-                    f"{self.config.rollout_worker_timeout} s.")
+                    f"The rollout worker did not start within {startup_s:.0f} s (importing the "
+                    "loop, rewards and dataset in the spawned process hung or is very slow).")
             time.sleep(0.05)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
