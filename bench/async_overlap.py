@@ -1,6 +1,6 @@
 """Async pipeline vs the same code run synchronously: wall time per optimizer step.
 
-Both runs use the same trainer, worker, server and config (the `digits` demo task on the tiny
+Both runs use the same trainer, worker, server and config (the `words` demo task on the tiny
 model). The synchronous run pauses the vLLM server while the trainer computes a step and
 resumes it after the weight push, with `max_staleness=0`, so generation, training and sync take
 turns exactly like a generate-then-train loop. From the synchronous run we read the generation
@@ -48,7 +48,7 @@ class PauseServerWhileTraining(TrainerCallback):
 
 def run(mode: str, base_url: str, model_path: str, steps: int, out_dir: Path) -> dict:
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
-    from grpo_agent.demo import digit_fraction, load_prompts
+    from grpo_agent.demo import letter_fraction, load_prompts
     from grpo_agent.train.reporting import JsonlMetricsCallback, read_metrics
 
     synchronous = mode == "sync"
@@ -62,7 +62,7 @@ def run(mode: str, base_url: str, model_path: str, steps: int, out_dir: Path) ->
     callbacks = [JsonlMetricsCallback()]
     if synchronous:
         callbacks.append(PauseServerWhileTraining(base_url))
-    trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
+    trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=letter_fraction,
                                train_dataset=load_prompts(), args=args, callbacks=callbacks)
     trainer.train()
     rows = [r for r in read_metrics(out_dir / mode / "metrics.jsonl") if "perf/step_s" in r]

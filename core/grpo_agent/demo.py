@@ -1,11 +1,13 @@
-"""The `digits` demo environment: a task a ~1M-parameter random model can visibly learn on a CPU.
+"""The `words` demo environment: a task a ~1M-parameter random model can visibly learn on a CPU.
 
 Design decision: `make demo` must show learning in minutes on two cores, so the reward has to be
-dense and reachable by a random policy: the share of digit characters in the answer. A random
-tiny model emits some digit tokens (its tokenizer was trained on arithmetic text), every group
-has reward variance, and a few dozen GRPO steps at a high learning rate push the policy towards
-digit tokens, which the reward curve shows. It is registered like any env plugin (through the
-built-in plugin modules), so `grpo-agent train --env digits` takes the same path as any env.
+dense and reachable by a random policy: answer an arithmetic question in words, scored by the
+share of letters among the answer's non-space characters. The random tiny model (its tokenizer
+was trained on arithmetic text) answers mostly in digits, about 0.23 letters on average, so
+every group has reward variance and there is a long way up; a few dozen GRPO steps at a high
+learning rate move the policy towards letter tokens, which the reward curve shows. It is
+registered like any env plugin (through the built-in plugin modules), so
+`grpo-agent train --env words` takes the same path as any other env.
 """
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ from grpo_agent.plugins.hookspecs import hookimpl
 from grpo_agent.rewards import completion_text
 
 QUESTIONS = (
-    "What is {a} plus {b}?",
-    "Compute {a} times {b}.",
-    "How much is {a} minus {b}?",
-    "Write the number after {a}.",
+    "In words, what is {a} plus {b}?",
+    "Spell out {a} times {b}.",
+    "In words, how much is {a} minus {b}?",
+    "Spell out the number after {a}.",
 )
 NUM_PROMPTS = 256
 
@@ -38,23 +40,23 @@ def load_prompts():
     return Dataset.from_dict({"prompt": prompts, "solution": solutions})
 
 
-def digit_fraction(completions: list, **kwargs: Any) -> list[float]:
-    """Share of non-space characters of the answer that are digits (0 for an empty answer)."""
+def letter_fraction(completions: list, **kwargs: Any) -> list[float]:
+    """Share of non-space characters of the answer that are letters (0 for an empty answer)."""
     scores = []
     for completion in completions:
         chars = [c for c in completion_text(completion) if not c.isspace()]
-        scores.append(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+        scores.append(sum(c.isalpha() for c in chars) / len(chars) if chars else 0.0)
     return scores
 
 
 @environment(
-    "digits",
+    "words",
     version=1,
     dataset=load_prompts,
-    rewards=["digit_fraction"],
-    description="Answer arithmetic questions with digits; dense reward for the CPU demo.",
+    rewards=["letter_fraction"],
+    description="Answer arithmetic questions in words; dense reward for the CPU demo.",
 )
-class DigitsEnv:
+class WordsEnv:
     """No tools and no state: the dataset and the reward define the task."""
 
     def reset(self, **row) -> None:
@@ -63,9 +65,9 @@ class DigitsEnv:
 
 @hookimpl
 def register_environments(register):
-    register(DigitsEnv)
+    register(WordsEnv)
 
 
 @hookimpl
 def register_rewards(register):
-    register(reward("digit_fraction")(digit_fraction))
+    register(reward("letter_fraction")(letter_fraction))

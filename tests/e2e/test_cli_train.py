@@ -25,7 +25,7 @@ DEMO_SETS = [
 # One representative per family the spec lists (names exactly as the spec writes them).
 SPEC_METRIC_FAMILIES = [
     "reward", "reward_group_std", "frac_reward_zero_std", "num_tokens", "entropy",
-    "completions/mean_length", "rewards/digit_fraction/mean",
+    "completions/mean_length", "rewards/letter_fraction/mean",
     "sampling/importance_sampling_ratio/mean", "clip_ratio/region_mean",
     "rollout/generated_tokens_per_s", "rollout/concurrency_cap", "rollout/queue_size",
     "sample/staleness_mean", "sample/forwarded_tokens_mean",
@@ -46,7 +46,7 @@ def window_mean(rows: list[dict], key: str) -> float:
 
 def test_demo_run_improves_reward_and_logs_every_metric_family(cli, tmp_path):
     out = tmp_path / "run"
-    args = ["train", "--env", "digits", "--output-dir", str(out)]
+    args = ["train", "--env", "words", "--output-dir", str(out)]
     for item in DEMO_SETS:
         args += ["--set", item]
     cli.run(args, tmp_path / "cli.log", timeout=900)  # embedded: starts and stops its server
@@ -73,7 +73,7 @@ def _ledger_runs(path: Path) -> list[list[dict]]:
 
 def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_path):
     out = tmp_path / "run"
-    base = ["train", "--env", "digits", "--output-dir", str(out),
+    base = ["train", "--env", "words", "--output-dir", str(out),
             "--vllm-url", private_server.base_url,
             "--set", "max_completion_length=16", "--set", "num_generations=4",
             "--set", "save_steps=3", "--set", "gradient_checkpointing=false",

@@ -73,6 +73,13 @@ class ServerFacts:
     max_model_len: int
     dtype: str | None
     lora_enabled: bool
+    # The weight version label the server samples with: "default" until a trainer pushed.
+    weight_version: str | None = None
+
+    @property
+    def holds_pushed_weights(self) -> bool:
+        """True when an earlier run pushed weights, so the served ones may not be the model's."""
+        return self.weight_version not in (None, "default")
 
 
 def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
@@ -119,8 +126,11 @@ def same_model(trainer_name: str, served_id: str) -> bool:
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
     from grpo_agent.sampler.client import SamplerClient
 
+    from grpo_agent.sampler.client import SamplingParams
+
     async with SamplerClient(base_url, timeout=timeout) as client:
         info = await client.model_info()
+        probe = await client.generate([0], SamplingParams(max_tokens=1, num_logprobs=0))
         try:
             server_info = await client.server_info()
         except Exception as error:  # noqa: BLE001 - older servers lack /server_info; dtype is optional
@@ -131,6 +141,7 @@ async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
         max_model_len=info.max_model_len,
         dtype=_server_dtype(server_info),
         lora_enabled=bool(_find_key(server_info, "enable_lora")),
+        weight_version=probe.weight_versions[0] if probe.weight_versions else None,
     )
 
 

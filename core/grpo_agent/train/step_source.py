@@ -8,6 +8,7 @@ here, and samples of prompts trained before a resume are discarded here.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
 PULL_POLL_S = 1.0
+STARVED_WARNING_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class StepSource:
@@ -57,6 +61,7 @@ class StepSource:
         taken: list[TrainingSample] = []
         pending, self._carry = self._carry, []
         waited = 0.0
+        self._last_starved_warning = 0.0
         while True:
             if not pending:
                 block = not taken
@@ -64,6 +69,7 @@ class StepSource:
                 items = self.worker.pull(timeout=PULL_POLL_S if block else 0.0)
                 if block:
                     waited += time.perf_counter() - started
+                    self._warn_if_starved(waited)
                 pending = self._accept(items)
                 if not pending and (not block or self.trainer.prompt_epochs_done()):
                     break  # an empty step when every prompt of the run was consumed untrained
@@ -75,6 +81,17 @@ class StepSource:
             taken.append(sample)
         self._record_pull_metrics(taken, waited)
         return taken
+
+    def _warn_if_starved(self, waited: float) -> None:
+        """Say why training stalls when groups keep being dropped (nothing else would)."""
+        if waited - self._last_starved_warning < STARVED_WARNING_S:
+            return
+        self._last_starved_warning = waited
+        logger.warning(
+            "No trainable sample for %.0f s. If frac_reward_zero_std is near 1, every group gets "
+            "equal rewards (all solved or all failed): check the reward functions, or use easier "
+            "or harder prompts (see 'Saturation' in docs/quickstart.md).", waited,
+        )
 
     def _record_pull_metrics(self, samples: list[TrainingSample], waited: float) -> None:
         window = self.trainer.window

@@ -19,9 +19,8 @@ from grpo_agent.train.weights import full_weights, merged_adapters
 
 
 class WeightPusher:
-    def __init__(self, args: AsyncGRPOConfig, *, lora_enabled: bool = False) -> None:
+    def __init__(self, args: AsyncGRPOConfig) -> None:
         self.args = args
-        self.lora_enabled = lora_enabled
         self._sync: Any = None
         if fsdp.is_main_process():
             from grpo_agent.sampler.weight_sync import build_weight_sync

@@ -107,6 +107,7 @@ class AsyncGRPOTrainer(Trainer):
         self.pusher: WeightPusher | None = None
         self._step_samples: list[TrainingSample] = []
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
+        self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
         self.add_callback(_AsyncStepCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -119,7 +120,9 @@ class AsyncGRPOTrainer(Trainer):
                     f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N "
                     "folder. Pass a checkpoint path or train without resuming."
                 )
-        self.ledger = PromptLedger(self._restored_rollout_state(resume_from_checkpoint))
+        restored = self._restored_rollout_state(resume_from_checkpoint)
+        self.ledger = PromptLedger(restored)
+        self.model_version = restored.model_version
         threads = setup.set_trainer_threads(self.args)
         if threads is not None:
             logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
@@ -144,10 +147,11 @@ class AsyncGRPOTrainer(Trainer):
         """Check the server, push restored weights if resuming, start the rollout worker."""
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
-        self.model_version = self.ledger.state(0).model_version if self.state.global_step else 0
-        self.pusher = WeightPusher(self.args, lora_enabled=facts.lora_enabled)
-        if self.state.global_step > 0:  # resumed: the server still holds other weights
-            self.model_version = max(self.model_version, 1)
+        self.pusher = WeightPusher(self.args)
+        # Push before the first rollout only when the served weights can differ from ours: a
+        # resumed run, or a server an earlier run pushed into. A fresh server already has them.
+        if self.state.global_step > 0 or facts.holds_pushed_weights:
+            self.model_version += 1
             self.window.update(self.pusher.push(self.model, self.model_version))
         if fsdp.is_main_process():
             self.source = StepSource.start(self, facts.model_id, self.ledger.frontier)
@@ -177,6 +181,7 @@ class AsyncGRPOTrainer(Trainer):
         """One step's micro-batches for this process, planned from the queue on rank 0."""
         plan = self._next_step_plan()
         self.window.update(plan.metrics)
+        self.forwarded_tokens_total += sum(row.num_tokens for rows in plan.microbatches for row in rows)
         rank = torch.distributed.get_rank() if fsdp.world_size() > 1 else 0
         batches = [
             Microbatch(rows[rank], plan.trained_tokens(i)) for i, rows in enumerate(plan.microbatches)
@@ -243,6 +248,7 @@ class AsyncGRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             logs.update(self.window_summary())
+            logs["num_tokens"] = float(self.forwarded_tokens_total)
         super().log(logs, start_time)
 
     def window_summary(self) -> dict[str, float]:
