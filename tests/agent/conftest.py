@@ -7,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from grpo_agent.types import TurnRecord
 
 # The spawned rollout worker imports the spec examples by module name.
@@ -16,9 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from transformers import AutoTokenizer
-
     from grpo_agent.testing import build_tiny_model
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(build_tiny_model())
 
@@ -32,7 +30,7 @@ class ScriptedLoop:
 
     def __init__(self, tokenizer, texts: list[str], **config):
         self.tokenizer = tokenizer
-        defaults = dict(chat_template_kwargs=None, max_tool_calling_iterations=None, max_completion_length=512)
+        defaults = {"chat_template_kwargs": None, "max_tool_calling_iterations": None, "max_completion_length": 512}
         self.config = SimpleNamespace(**{**defaults, **config})
         self.tool_executor = ThreadPoolExecutor(4)
         self._texts = list(texts)

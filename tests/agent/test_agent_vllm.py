@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.reconcile import reconcile_turns
@@ -37,12 +36,11 @@ class ServerLoop:
     """What `run_tool_loop` needs from `AsyncRolloutLoop`, with the real sampler client."""
 
     def __init__(self, server, **config):
+        from grpo_agent.sampler.client import SamplerClient, SamplingParams
         from transformers import AutoTokenizer
 
-        from grpo_agent.sampler.client import SamplerClient, SamplingParams
-
         self.tokenizer = AutoTokenizer.from_pretrained(server.model_path)
-        defaults = dict(chat_template_kwargs=None, max_tool_calling_iterations=3, max_completion_length=256)
+        defaults = {"chat_template_kwargs": None, "max_tool_calling_iterations": 3, "max_completion_length": 256}
         self.config = SimpleNamespace(**{**defaults, **config})
         self.tool_executor = ThreadPoolExecutor(8)
         self.sampler = SamplerClient(server.base_url, timeout=120.0)
@@ -111,3 +109,26 @@ def test_dataset_column_routes_each_rollout_to_its_environment_and_tools(warm_se
         _check_training_sequences(rollout)
     calls = [c["function"]["name"] for _, r, _ in results for m in r.completion for c in m.get("tool_calls", [])]
     assert "run_code" in calls and "move" in calls
+
+
+@pytest.mark.e2e
+def test_spec_increment_env_example_trains_through_the_trainer(warm_server, tmp_path):
+    """The spec's IncrementEnv example with AsyncGRPOTrainer (local model and server)."""
+    from spec_agent_examples import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        model=str(warm_server.model_path),
+        args=AsyncGRPOConfig(
+            output_dir=str(tmp_path), max_steps=2, chat_template_kwargs={"enable_thinking": False},
+            vllm_server_base_url=warm_server.base_url, num_generations=4,
+            max_completion_length=64, max_tool_calling_iterations=2, report_to="none",
+        ),
+        environment_factory=IncrementEnv,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"tools/call_frequency", "tools/increment/call_count", "env/reset_s", "env/reward_s",
+            "rollout/fork_frac", "rollout/samples_per_rollout"} <= logged, sorted(logged)
+    calls = [e["tools/call_frequency"] for e in trainer.state.log_history if "tools/call_frequency" in e]
+    assert max(calls) > 0

@@ -39,7 +39,7 @@ def test_counter_env_tools_run_through_the_tool_loop(scripted_loop):
 def test_coding_env_rewards_the_last_program_and_contains_hostile_code(scripted_loop):
     hostile = "import os\nwhile True:\n    os.fork()"
     loop = scripted_loop([])
-    episode, rollout, (source, reward) = rollout_with(
+    _, rollout, (source, reward) = rollout_with(
         loop, "coding", {"task_id": "fib"},
         lambda env: [call("run_code", code=hostile), call("run_code", code=env.task["solution"] + "print(fib(10))"), "Done."],
     )

@@ -7,14 +7,14 @@ is trained exactly once, with its own sampler log-prob.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from grpo_agent.rollout.reconcile import ReconcileStats, common_prefix_length, reconcile_turns
 from grpo_agent.types import TurnRecord
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 USER, ASSISTANT, TOOL, END, THINK, UNTHINK = 1, 2, 3, 4, 5, 6
 
@@ -128,7 +128,7 @@ def test_dropping_think_from_history_forks_after_every_thinking_turn(specs):
     for seq, opener in zip(sequences, openers):
         assert seq.token_ids[: len(opener.prompt_ids)] == opener.prompt_ids
         assert not any(seq.trained_mask[: len(opener.prompt_ids)])
-    for previous, following in zip(sequences, sequences[1:]):
+    for previous, following in itertools.pairwise(sequences):
         shared = common_prefix_length(previous.token_ids, following.token_ids)
         assert shared >= 4  # at least the user prompt is shared
     for drift, thought in zip(stats.drift_tokens, thinking_turns):

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.sandbox import SandboxError, SandboxLimits, run_python, run_python_or_raise
 
@@ -41,9 +40,11 @@ def test_memory_bomb_hits_the_address_space_limit():
     [
         "import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)",
         # A child interpreter has no audit hook: the network namespace still stops it.
-        "import subprocess, sys\n"
-        "r = subprocess.run(['python3', '-c', 'import socket; socket.create_connection((\"127.0.0.1\", 22), timeout=1)'])\n"
-        "sys.exit(r.returncode)",
+        (
+            "import subprocess, sys\n"
+            "r = subprocess.run(['python3', '-c', 'import socket; socket.create_connection((\"127.0.0.1\", 22), timeout=1)'])\n"
+            "sys.exit(r.returncode)"
+        ),
     ],
 )
 def test_network_connections_fail(code):

@@ -118,7 +118,7 @@ async def execute_tool_call(
         content, failed = render_tool_result(result), False
     except asyncio.TimeoutError:
         content, failed = render_tool_error(f"Tool {call.name!r} timed out after {timeout_s:g} s."), True
-    except Exception as exc:  # the tool's own bug or bad arguments: the model sees it
+    except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
     return ToolOutcome(call.name, content, failed, latency_s=time.perf_counter() - started)
 

@@ -3,8 +3,9 @@
 Design decision: the random tiny model never emits `<tool_call>` on its own, and tests of the
 tool loop against a real vLLM server need it to. A short supervised pass on synthetic,
 template-rendered tool-call transcripts (the spec's IncrementEnv, coding and game tasks)
-teaches it the format: assistant tokens only, fixed seed, a few hundred tiny steps (well
-under a minute on CPU). The result is cached next to the base model, built behind a file
+teaches it the format, and on purpose the right increment only half the time, so GRPO groups
+see reward variance: assistant tokens only, fixed seed, 80 tiny steps (about a minute on a
+busy 2-core CPU). The result is cached next to the base model, built behind a file
 lock like `build_tiny_model`; bump `WARMUP_VERSION` when the recipe changes.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 
 from grpo_agent.testing.tiny_model import KIT_VERSION, build_tiny_model, default_cache_dir
 
-WARMUP_VERSION = 1
+WARMUP_VERSION = 3
 _COMPLETE_MARKER = ".complete"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 def increment(step: int) -> int:
@@ -71,8 +73,11 @@ def synthetic_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], l
         kind = rng.choice(["increment", "coding", "game"])
         if kind == "increment":
             target = rng.randint(1, 6)
+            # Half the transcripts step by a random amount: the warmed model then reaches the
+            # target only sometimes, so GRPO groups have reward variance to learn from.
+            step = target if rng.random() < 0.5 else rng.randint(1, 6)
             prompt, tools = f"Increment the counter by {target}.", [increment]
-            call, result = _call("increment", {"step": target}), str(target)
+            call, result = _call("increment", {"step": step}), str(step)
         elif kind == "coding":
             n = rng.randint(1, 20)
             prompt, tools = f"Compute the {n}th Fibonacci number.", [run_code]
@@ -83,34 +88,40 @@ def synthetic_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], l
             call, result = _call("move", {"action": action}), f"moved {action}"
         messages = [
             {"role": "user", "content": prompt},
-            {"role": "assistant", "content": "<think>\n\n</think>\n\n" + call},
+            {"role": "assistant", "content": EMPTY_THINK + call},
             {"role": "tool", "content": result},
-            {"role": "assistant", "content": "<think>\n\n</think>\n\nDone."},
+            {"role": "assistant", "content": EMPTY_THINK + "Done."},
         ]
         transcripts.append((messages, tools))
     return transcripts
 
 
-def _assistant_masked_example(tokenizer, template: str, messages: list[dict], tools: list):
-    """Token ids and labels (-100 outside assistant turns) of one transcript."""
+def _assistant_masked_example(tokenizer, template: str, messages: list[dict], tools: list, thinking: bool):
+    """Token ids and labels (-100 outside assistant turns) of one transcript.
+
+    With `thinking` off the generation prompt already holds the empty `<think>` block (the
+    template's `enable_thinking=False`), so the assistant's own tokens start after it.
+    """
+    kwargs = {} if thinking else {"enable_thinking": False}
     ids: list[int] = []
     labels: list[int] = []
     for end in range(1, len(messages) + 1):
-        is_assistant = messages[end - 1]["role"] == "assistant"
-        if is_assistant:
+        if messages[end - 1]["role"] == "assistant":
             prompt = tokenizer.apply_chat_template(
                 messages[: end - 1], tools=tools, chat_template=template, tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=True, **kwargs,
             )
             prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
             new = prompt_ids[len(ids):]
             ids, labels = ids + new, labels + [-100] * len(new)
-            turn = messages[end - 1]["content"][len("<think>\n\n</think>\n\n"):] + tokenizer.eos_token
-            turn_ids = tokenizer.encode(turn, add_special_tokens=False)
+            turn = messages[end - 1]["content"]
+            if not thinking:
+                turn = turn[len(EMPTY_THINK):]
+            turn_ids = tokenizer.encode(turn + tokenizer.eos_token, add_special_tokens=False)
             ids, labels = ids + turn_ids, labels + turn_ids
         else:
             text = tokenizer.apply_chat_template(
-                messages[:end], tools=tools, chat_template=template, tokenize=False,
+                messages[:end], tools=tools, chat_template=template, tokenize=False, **kwargs,
             )
             new = tokenizer.encode(text, add_special_tokens=False)[len(ids):]
             ids, labels = ids + new, labels + [-100] * len(new)
@@ -127,8 +138,8 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
     template = choose_training_template(tokenizer).template or tokenizer.chat_template
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     examples = [
-        _assistant_masked_example(tokenizer, template, messages, tools)
-        for messages, tools in synthetic_transcripts(steps * batch_size // 4, seed)
+        _assistant_masked_example(tokenizer, template, messages, tools, thinking=i % 2 == 0)
+        for i, (messages, tools) in enumerate(synthetic_transcripts(steps * batch_size // 4, seed))
     ]
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
