@@ -61,13 +61,17 @@ def _worker_tokens_per_s(base_url: str, model_path: str, seconds: float) -> floa
                            processing_class=AutoTokenizer.from_pretrained(model_path))
     with worker:
         worker.report_step_tokens(10**9)  # no staleness backpressure: measure generation
-        _consume(worker, seconds=5.0)  # warm-up (the first group runs alone)
+        while not worker.pull(timeout=1.0):  # warm-up: the first group runs alone
+            pass
+        _consume(worker, seconds=2.0)
         worker.drain_metrics()
         _consume(worker, seconds=seconds)
         amount = elapsed = 0.0
         for name, value in worker.drain_metrics():
             if name == "rollout/generated_tokens_per_s":
                 amount, elapsed = amount + value[0], elapsed + value[1]
+    if elapsed == 0:
+        raise RuntimeError("the worker reported no generation progress; is the server alive?")
     return amount / elapsed
 
 
