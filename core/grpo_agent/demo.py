@@ -49,6 +49,31 @@ def letter_fraction(completions: list, **kwargs: Any) -> list[float]:
     return scores
 
 
+def number_to_words(number: int) -> str:
+    """
+    Spell out a whole number between -999 and 999 in English words.
+
+    Args:
+        number: The number to spell out.
+
+    Returns:
+        The number in words, e.g. "forty two".
+    """
+    if not -999 <= number <= 999:
+        raise ValueError(f"{number} is outside -999..999")
+    if number < 0:
+        return "minus " + number_to_words(-number)
+    ones = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+            "fourteen fifteen sixteen seventeen eighteen nineteen").split()
+    tens = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+    if number < 20:
+        return ones[number]
+    if number < 100:
+        return tens[number // 10] + ("" if number % 10 == 0 else " " + ones[number % 10])
+    rest = number % 100
+    return ones[number // 100] + " hundred" + ("" if rest == 0 else " " + number_to_words(rest))
+
+
 @environment(
     "words",
     version=1,

@@ -5,11 +5,13 @@
   docs/quickstart.md), and every metric family of the spec is in metrics.jsonl.
 - SIGKILL mid-run, then resume: across the two runs no prompt is trained twice and every
   prompt below the final resume point was trained or reported consumed.
-- The agent path: a tool env trains through the same command (tool metrics are logged).
+- The agent path: the trainer with `tools=[...]` trains and logs the tool metrics.
 """
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,10 +19,14 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
-LEARNING_MARGIN = 0.15
+LEARNING_MARGIN = 0.3
+# The demo's settings (the Makefile's `make demo` uses the same, over the whole dataset). The run
+# ends by prompt epochs, not max_steps: once the task saturates every group is dropped, and only
+# the prompt count still moves.
 DEMO_SETS = [
-    "max_steps=40", "learning_rate=0.003", "num_generations=8", "max_completion_length=16",
-    "gradient_checkpointing=false", "optim=adamw_torch", "save_strategy=no", "seed=1",
+    "num_train_epochs=0.25", "learning_rate=0.0003", "num_generations=8",
+    "max_completion_length=16", "gradient_checkpointing=false", "optim=adamw_torch",
+    "save_strategy=no", "seed=1",
 ]
 # One representative per family the spec lists (names exactly as the spec writes them).
 SPEC_METRIC_FAMILIES = [
@@ -52,8 +58,8 @@ def test_demo_run_improves_reward_and_logs_every_metric_family(cli, tmp_path):
     cli.run(args, tmp_path / "cli.log", timeout=900)  # embedded: starts and stops its server
 
     logs = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert len(logs) == 40
-    first, last = window_mean(logs[:8], "reward"), window_mean(logs[-8:], "reward")
+    assert len(logs) >= 12
+    first, last = window_mean(logs[:5], "reward"), window_mean(logs[-5:], "reward")
     assert last - first >= LEARNING_MARGIN, f"reward {first:.3f} -> {last:.3f}"
     missing = [name for name in SPEC_METRIC_FAMILIES if not any(name in r for r in logs)]
     assert not missing, f"metrics.jsonl lacks {missing}"
@@ -77,7 +83,7 @@ def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_p
             "--vllm-url", private_server.base_url,
             "--set", "max_completion_length=16", "--set", "num_generations=4",
             "--set", "save_steps=3", "--set", "gradient_checkpointing=false",
-            "--set", "optim=adamw_torch", "--set", "learning_rate=0.001"]
+            "--set", "optim=adamw_torch", "--set", "learning_rate=0.0"]  # never saturates
     first = cli.start([*base, "--set", "max_steps=50"], tmp_path / "first.log")
     deadline = time.monotonic() + 600
     while not (out / "checkpoint-6").is_dir():
@@ -105,18 +111,18 @@ def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_p
     assert set(range(final_frontier)) <= set(consumed), "a prompt below the resume point was lost"
 
 
-def test_tool_environment_trains_through_the_cli(cli, private_server, tmp_path):
+def test_trainer_with_tools_runs_the_agent_path(private_server, tiny_model_path, tmp_path):
+    script = Path(__file__).with_name("quickstart") / "train_with_tools.py"
     out = tmp_path / "run"
-    cli.run(["train", "--env", "counter", "--output-dir", str(out),
-             "--vllm-url", private_server.base_url,
-             "--set", "max_steps=2", "--set", "max_completion_length=32",
-             "--set", "num_generations=4", "--set", "max_tool_calling_iterations=2",
-             "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch",
-             "--set", "save_strategy=no"], tmp_path / "cli.log", timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_path), private_server.base_url, str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
     logs = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert len(logs) == 2
-    assert any("tools/call_frequency" in r for r in logs)
-    assert any("rewards/CounterEnv/mean" in r for r in logs)
+    assert len(logs) == 3
+    for name in ("tools/call_frequency", "tools/loop_exhausted_frac", "rollout/turns_mean"):
+        assert any(name in r for r in logs), name
 
 
 def tail_of(path: Path) -> str:
