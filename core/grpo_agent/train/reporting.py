@@ -104,3 +104,19 @@ def plot_reward_and_length(metrics_path: str | Path, out_path: str | Path) -> Pa
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def print_completions(samples: list, tokenizer, limit: int | None, step: int) -> None:
+    """`log_completions`: a rich table of the last step's samples (prompt, completion, advantage)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"completions at step {step}", show_lines=True)
+    for column in ("prompt", "completion", "advantage"):
+        table.add_column(column)
+    for sample in samples[:limit] if limit is not None else samples:
+        ids, mask = sample.sequence.token_ids, sample.sequence.trained_mask
+        start = mask.index(1) if 1 in mask else len(ids)
+        table.add_row(tokenizer.decode(ids[:start])[-200:], tokenizer.decode(ids[start:]),
+                      f"{sample.advantage:+.3f}")
+    Console().print(table)

@@ -37,6 +37,8 @@ def run_training(
         ProgressCallback,
         plot_reward_and_length,
     )
+    from transformers.trainer_callback import PrinterCallback
+
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
     task = resolve_env_task(env)
@@ -45,6 +47,7 @@ def run_training(
     output_dir.mkdir(parents=True, exist_ok=True)
     with _server(model_path, vllm_url) as base_url:
         config.vllm_server_base_url = base_url
+        config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
         trainer = AsyncGRPOTrainer(
             model=model_path,
@@ -55,6 +58,7 @@ def run_training(
             environment_factory=task["environment_factory"],
             callbacks=[JsonlMetricsCallback(), ProgressCallback()],
         )
+        trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
         trainer.train(resume_from_checkpoint=_resume_arg(resume_from_checkpoint, config))
         trainer.save_model(str(output_dir / "final"))
     metrics = output_dir / METRICS_NAME

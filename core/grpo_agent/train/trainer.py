@@ -249,6 +249,11 @@ class AsyncGRPOTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.window_summary())
             logs["num_tokens"] = float(self.forwarded_tokens_total)
+            if self.args.log_completions and fsdp.is_main_process():
+                from grpo_agent.train.reporting import print_completions
+
+                print_completions(self._step_samples, self.processing_class,
+                                  self.args.num_completions_to_print, self.state.global_step)
         super().log(logs, start_time)
 
     def window_summary(self) -> dict[str, float]:
