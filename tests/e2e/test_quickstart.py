@@ -20,11 +20,11 @@ from grpo_agent.train.checkpoint import LEDGER_NAME
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("quickstart") / "train_async_grpo.py"
-PROMPTS = 2
+PROMPTS = 1
 
 
 def write_deepmath_like(path: Path) -> None:
-    """Two rows with DeepMath-103K's columns: conversational `prompt` and `solution`."""
+    """Rows with DeepMath-103K's columns: conversational `prompt` and `solution`."""
     rows = [
         {"prompt": [{"role": "user", "content": f"What is {a} + {a}? Answer in \\boxed{{}}."}],
          "solution": str(2 * a)}
