@@ -79,3 +79,16 @@ def test_slots_never_exceed_the_cap_and_follow_it_when_it_changes():
         assert peak == 5
 
     asyncio.run(scenario())
+
+
+def test_dispatched_rollouts_count_against_the_cap_before_they_take_a_slot():
+    async def scenario():
+        cap = ConcurrencyCap(4, kv_tokens=None, max_model_len=1)
+        slots = RolloutSlots(cap)
+        slots.promise(4)  # one group dispatched, its tasks not yet scheduled
+        assert not slots.can_dispatch() and slots.has_free_slot()
+        assert await slots.acquire() == 1
+        assert slots.promised == 3 and not slots.can_dispatch()
+        await slots.release()
+
+    asyncio.run(scenario())

@@ -79,19 +79,25 @@ class RolloutSlots:
     def __init__(self, cap: ConcurrencyCap):
         self.cap = cap
         self.in_flight = 0
+        self.promised = 0  # rollouts dispatched that have not taken their slot yet
         self._changed = asyncio.Condition()
 
     def has_free_slot(self) -> bool:
         return self.in_flight < self.cap.value
 
-    async def wait_for_free_slot(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(self.has_free_slot)
+    def can_dispatch(self) -> bool:
+        """Room for more work: counts rollouts already dispatched but not yet running."""
+        return self.in_flight + self.promised < self.cap.value
+
+    def promise(self, rollouts: int) -> None:
+        """Called synchronously at dispatch, so the dispatcher sees the work it just created."""
+        self.promised += rollouts
 
     async def acquire(self) -> int:
-        """Take a slot; returns the number in flight including this one."""
+        """Take a slot (fulfilling a promise); returns the number in flight including this one."""
         async with self._changed:
             await self._changed.wait_for(self.has_free_slot)
+            self.promised = max(self.promised - 1, 0)
             self.in_flight += 1
             return self.in_flight
 

@@ -191,7 +191,7 @@ class AsyncRolloutLoop:
         while not self._allowance_has_room():
             await asyncio.sleep(ALLOWANCE_POLL_S)
         self._observe("rollout/backpressure_s", time.perf_counter() - started)
-        while not (self.slots.has_free_slot() and self._allowance_has_room()):
+        while not (self.slots.can_dispatch() and self._allowance_has_room()):
             await asyncio.sleep(ALLOWANCE_POLL_S)
 
     async def _dispatch(self) -> None:
@@ -203,6 +203,7 @@ class AsyncRolloutLoop:
                 continue
             await self._wait_for_room()
             self._groups_in_flight += 1
+            self.slots.promise(self.config.num_generations)
             task = asyncio.create_task(self._run_group(slot, group_id))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_finished)
