@@ -156,3 +156,13 @@ def test_the_loop_ends_when_tool_results_no_longer_fit_the_context(scripted_loop
     rollout = run(loop)
     assert len(rollout.turns) == 1  # the tool result made the next prompt too long
     assert rollout.tool_call_count == 1
+
+
+def test_a_malformed_call_keeps_the_raw_text_in_history(scripted_loop):
+    broken = '<think>\n\n</think>\n\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3\n</tool_call>'
+    loop = scripted_loop([broken, "sorry"])
+    rollout = run(loop)
+    assert rollout.completion[0] == {"role": "assistant", "content": broken}
+    assert broken in loop.tokenizer.decode(loop.prompts[1])
+    _, stats = reconcile_turns(rollout.turns)
+    assert stats.num_forks == 0

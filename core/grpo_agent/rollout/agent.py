@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_agent.rollout.chat_template import training_template_for
-from grpo_agent.rollout.tool_calls import MalformedCall, ToolCall, parser_for_template
+from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn, ToolCall, parser_for_template
 from grpo_agent.types import Rollout, TurnRecord
 
 DEFAULT_TOOL_TIMEOUT_S = 300.0
@@ -149,6 +149,20 @@ class ConversationRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+def _assistant_message(text: str, parsed: ParsedTurn) -> dict:
+    """The turn as a chat message; with an unreadable call, the raw text stays as content.
+
+    Re-rendering structured `tool_calls` could not reproduce a malformed block, so history
+    would silently drop what the model wrote (and every next turn would fork).
+    """
+    if any(isinstance(call, MalformedCall) for call in parsed.calls):
+        return {"role": "assistant", "content": text}
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [call.as_message_entry() for call in parsed.calls]
+    return message
+
+
 def _template_kwargs(config) -> dict:
     kwargs = getattr(config, "chat_template_kwargs", None) or {}
     if isinstance(kwargs, str):
@@ -191,10 +205,7 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
         generated += len(turn.output_ids)
         text = _strip_stop_tokens(loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False), loop.tokenizer)
         parsed = renderer.parser.parse(text)
-        assistant = {"role": "assistant", "content": parsed.content}
-        well_formed = [c for c in parsed.calls if isinstance(c, ToolCall)]
-        if well_formed:
-            assistant["tool_calls"] = [c.as_message_entry() for c in well_formed]
+        assistant = _assistant_message(text, parsed)
         messages.append(assistant)
         completion.append(assistant)
         if not parsed.calls or turn.finish_reason == "length":
