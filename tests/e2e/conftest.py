@@ -14,7 +14,7 @@ CLI = [sys.executable, "-m", "grpo_agent.cli.main"]
 QUICKSTART_PORT = 8000  # the spec's default vllm_server_base_url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def private_server(tiny_model_path, tmp_path_factory):
     """A vLLM server on the spec's default port, long enough for its default completion length."""
     from grpo_agent.sampler.server import ManagedVLLMServer, find_free_port

@@ -31,6 +31,8 @@ def test_resume_skips_prompts_finished_out_of_order_and_only_those(tmp_path):
     assert [i for i in range(6) if resumed.already_consumed(i)] == [2, 4]
     resumed.record_trained([sample(1, 1)])
     assert resumed.frontier == 3  # 2 was consumed before the checkpoint
+    resumed.record_consumed(PromptConsumed(prompt_index=4, row_index=4, reason="zero_std"))
+    assert resumed.take_noticed() == []  # 4 counts once, in the run before the checkpoint
     resumed.record_trained([sample(3, 1)])
     assert resumed.frontier == 5
 

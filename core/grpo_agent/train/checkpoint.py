@@ -77,6 +77,8 @@ class PromptLedger:
         return completed
 
     def record_consumed(self, notice: PromptConsumed) -> None:
+        if self.already_consumed(notice.prompt_index):
+            return  # consumed before the checkpoint we resumed from; regenerated, not retrained
         self._noticed_since_step.append(notice.prompt_index)
         self._consume(notice.prompt_index)
 
