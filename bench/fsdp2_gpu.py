@@ -20,7 +20,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import perf
 from grpo_agent.train.batching import plan_step

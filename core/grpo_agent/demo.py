@@ -63,9 +63,8 @@ def number_to_words(number: int) -> str:
         raise ValueError(f"{number} is outside -999..999")
     if number < 0:
         return "minus " + number_to_words(-number)
-    ones = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-            "fourteen fifteen sixteen seventeen eighteen nineteen").split()
-    tens = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+    ones = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+    tens = ["_", "_", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
     if number < 20:
         return ones[number]
     if number < 100:

@@ -9,8 +9,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
-
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.train.fsdp import apply_fsdp2, install_forward_method
@@ -19,6 +17,7 @@ from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import enable_tree_attention
 from grpo_agent.train.weights import full_weights
 from grpo_agent.types import TrainingSample, TrainingSequence
+from transformers import AutoModelForCausalLM
 
 
 def make_sample(seed: int, group: int) -> TrainingSample:
@@ -59,7 +58,7 @@ def main(out_path: str) -> None:
     pushed = {name: t.clone() for name, t in full_weights(model)}
     weight_errors = {n: (t - ref_params[n].detach()).abs().max().item() for n, t in pushed.items()}
     if rank == 0:
-        json.dump({
+        result = {
             "world": world,
             "loss": summed.item(), "reference_loss": ref_loss.item(),
             "max_grad_error": max(grad_errors.values()),
@@ -67,7 +66,9 @@ def main(out_path: str) -> None:
             "pushed_names_match": sorted(pushed) == sorted(ref_params),
             "max_weight_error": max(weight_errors.values()),
             "sharded": type(next(model.parameters())).__name__,
-        }, open(out_path, "w"))
+        }
+        with open(out_path, "w") as fh:
+            json.dump(result, fh)
     dist.destroy_process_group()
 
 

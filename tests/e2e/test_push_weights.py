@@ -1,11 +1,10 @@
 """What the trainer pushes: HF names, merged LoRA under base names, no vision tower; MFU maths."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.train import perf
 from grpo_agent.train.weights import full_weights, is_vision_tower_param, merged_adapters
+from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")

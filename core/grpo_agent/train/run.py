@@ -30,6 +30,8 @@ def run_training(
     resume_from_checkpoint: str | bool | None = None,
 ) -> Path:
     """Train on a registered environment; returns the output directory."""
+    from transformers.trainer_callback import PrinterCallback
+
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -37,8 +39,6 @@ def run_training(
         ProgressCallback,
         plot_reward_and_length,
     )
-    from transformers.trainer_callback import PrinterCallback
-
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
     task = resolve_env_task(env)

@@ -124,9 +124,7 @@ def same_model(trainer_name: str, served_id: str) -> bool:
 
 
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
-    from grpo_agent.sampler.client import SamplerClient
-
-    from grpo_agent.sampler.client import SamplingParams
+    from grpo_agent.sampler.client import SamplerClient, SamplingParams
 
     async with SamplerClient(base_url, timeout=timeout) as client:
         info = await client.model_info()

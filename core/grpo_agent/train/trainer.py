@@ -27,9 +27,9 @@ from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import fsdp, perf, setup
-from grpo_agent.train.loss import build_loss_config, row_loss
-from grpo_agent.train.checkpoint import PromptLedger, RolloutState, append_ledger_line
 from grpo_agent.train.batching import StepPlan, StepPlanner
+from grpo_agent.train.checkpoint import PromptLedger, RolloutState, append_ledger_line
+from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.train.sync import WeightPusher

@@ -32,8 +32,7 @@ def is_vision_tower_param(name: str) -> bool:
 
 def server_name(name: str) -> str:
     """The Hugging Face name of a parameter of a (possibly PEFT-wrapped) model."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
+    name = name.removeprefix(_PEFT_PREFIX)
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
