@@ -4,12 +4,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRunner, build_prompt, check_environment_data
 

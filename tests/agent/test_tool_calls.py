@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from grpo_agent.rollout.tool_calls import (
     HermesToolCallParser,
     MalformedCall,

@@ -8,7 +8,7 @@ inside the command so `grpo-agent --help` is fast.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,7 +24,7 @@ def doctor() -> None:
 def template(
     model: Annotated[str, typer.Argument(help="Model id or local folder holding the tokenizer.")],
     template_kwargs: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--chat-template-kwargs", help='JSON passed to the template, e.g. \'{"enable_thinking": false}\'.'),
     ] = None,
 ) -> None:

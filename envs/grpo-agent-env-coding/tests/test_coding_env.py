@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from grpo_agent.sandbox import SandboxError
 from grpo_agent_env_coding import CodingEnv, load_tasks
 from grpo_agent_env_coding.env import score_program
