@@ -37,7 +37,8 @@ async def _raw_tokens_per_s(base_url: str, prompt_ids: list[int], num_logprobs: 
         async def lane():
             nonlocal tokens
             while time.perf_counter() - started < seconds:
-                tokens += len((await client.generate(prompt_ids, params)).output_ids)
+                turn = await client.generate(prompt_ids, params)
+                tokens += len(turn.output_ids)  # not `tokens += len(await ...)`: lost updates
 
         await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
         return tokens / (time.perf_counter() - started)
