@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from grpo_agent.train.checkpoint import last_complete_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -93,7 +94,7 @@ def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_p
     time.sleep(2.0)  # let it train past the checkpoint, so the killed steps must be redone
     cli.stop(first)
 
-    checkpoint = max((p for p in out.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
+    checkpoint = last_complete_checkpoint(out)  # SIGKILL may have cut the newest save short
     ckpt_step = int(checkpoint.name.split("-")[1])
     state = json.loads((checkpoint / "rollout_state.json").read_text())
     cli.run([*base, "--set", f"max_steps={ckpt_step + 6}",

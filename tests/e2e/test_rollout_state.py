@@ -42,3 +42,13 @@ def test_loading_a_checkpoint_without_rollout_state_says_what_is_wrong(tmp_path)
 
     with pytest.raises(FileNotFoundError, match="not written by AsyncGRPOTrainer"):
         RolloutState.load(tmp_path)
+
+
+def test_resume_picks_the_newest_checkpoint_that_finished_saving(tmp_path):
+    from grpo_agent.train.checkpoint import last_complete_checkpoint
+
+    for step in (3, 6, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    RolloutState().save(tmp_path / "checkpoint-3")
+    RolloutState().save(tmp_path / "checkpoint-6")  # checkpoint-9 was killed mid-save
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-6"

@@ -32,8 +32,11 @@ class RolloutState:
     model_version: int = 0
 
     def save(self, checkpoint_dir: str | Path) -> Path:
+        """Written last and atomically: its presence marks a checkpoint as complete."""
         path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
-        path.write_text(json.dumps(self.__dict__, indent=2) + "\n")
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.__dict__, indent=2) + "\n")
+        partial.replace(path)
         return path
 
     @classmethod
@@ -46,6 +49,13 @@ class RolloutState:
             )
         data = json.loads(path.read_text())
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def last_complete_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint-N that holds rollout_state.json (one killed mid-save does not)."""
+    folders = [p for p in Path(output_dir).glob("checkpoint-*")
+               if p.name.split("-")[-1].isdigit() and (p / ROLLOUT_STATE_NAME).is_file()]
+    return max(folders, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 class PromptLedger:

@@ -21,14 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import fsdp, perf, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
-from grpo_agent.train.checkpoint import PromptLedger, RolloutState, append_ledger_line
+from grpo_agent.train.checkpoint import (
+    PromptLedger,
+    RolloutState,
+    append_ledger_line,
+    last_complete_checkpoint,
+)
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.step_source import StepSource
@@ -114,12 +118,14 @@ class AsyncGRPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            last = last_complete_checkpoint(self.args.output_dir)
+            if last is None:
                 raise ValueError(
-                    f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-N "
-                    "folder. Pass a checkpoint path or train without resuming."
+                    f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
+                    "checkpoint-N folder (one with rollout_state.json). Pass a checkpoint path "
+                    "or train without resuming."
                 )
+            resume_from_checkpoint = str(last)
         restored = self._restored_rollout_state(resume_from_checkpoint)
         self.ledger = PromptLedger(restored)
         self.model_version = restored.model_version
