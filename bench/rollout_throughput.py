@@ -46,11 +46,10 @@ async def _raw_tokens_per_s(base_url: str, prompt_ids: list[int], num_logprobs: 
 
 def _worker_tokens_per_s(base_url: str, model_path: str, seconds: float) -> float:
     from datasets import Dataset
-    from transformers import AutoTokenizer
-
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.rollout.loop import AsyncRolloutLoop
     from grpo_agent.rollout.worker import RolloutWorker
+    from transformers import AutoTokenizer
 
     config = AsyncGRPOConfig(
         output_dir=tempfile.mkdtemp(), num_generations=GROUP_SIZE, max_completion_length=MAX_TOKENS,
@@ -89,10 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     from contextlib import nullcontext
 
-    from transformers import AutoTokenizer
-
     from grpo_agent.sampler.server import ManagedVLLMServer
     from grpo_agent.testing import build_tiny_model
+    from transformers import AutoTokenizer
 
     model_path = str(build_tiny_model())
     server = nullcontext() if args.base_url else ManagedVLLMServer(model_path, max_model_len=512)

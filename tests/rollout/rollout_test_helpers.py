@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 
@@ -44,7 +43,7 @@ class HangingLoop(AsyncRolloutLoop):
 
     async def setup(self):
         import time
-        time.sleep(3600)
+        time.sleep(3600)  # noqa: ASYNC251 - blocking the loop is the point
 
 
 # --- the spec's CurriculumRolloutLoop example, with only the import lines changed -------------

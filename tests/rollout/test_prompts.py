@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 from datasets import Dataset, IterableDataset
-
 from grpo_agent.rollout.prompts import AllPromptsFilteredError, epoch_order, iterate_prompts
 
 

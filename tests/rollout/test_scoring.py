@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from grpo_agent.rollout.scoring import (
     RewardFailureTracker,
     RewardFunctionError,
@@ -110,7 +109,7 @@ def test_a_raising_reward_costs_its_group_and_stops_only_when_it_keeps_failing(c
     def fine(completions, **kwargs):
         return [1.0] * len(completions)
 
-    scores, failure = _score({"flaky": flaky, "fine": fine}, _group(2))
+    _scores, failure = _score({"flaky": flaky, "fine": fine}, _group(2))
     assert failure.name == "flaky" and "ConnectionError: judge unavailable" in failure.traceback
     tracker = RewardFailureTracker(window=3)
     tracker.record(["flaky", "fine"], failure)

@@ -9,12 +9,11 @@ import time
 import pytest
 import rollout_test_helpers as helpers
 from datasets import Dataset
-from transformers import AutoTokenizer
-
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.worker import RolloutWorker, RolloutWorkerError
 from grpo_agent.types import TrainingSample
+from transformers import AutoTokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -14,7 +14,6 @@ from collections import defaultdict
 import pytest
 import rollout_test_helpers as helpers
 from datasets import Dataset
-
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.worker import RolloutWorker, RolloutWorkerError
@@ -26,9 +25,9 @@ STEP_TOKENS = 300  # what the stand-in trainer claims each step uses
 
 
 def _config(base_url, tmp_path, cls=AsyncGRPOConfig, **overrides):
-    settings = dict(output_dir=str(tmp_path), num_generations=4, max_completion_length=12,
-                    max_concurrent_rollouts=6, max_staleness=1, rollout_worker_timeout=60,
-                    vllm_server_base_url=base_url, report_to="none", seed=0)
+    settings = {"output_dir": str(tmp_path), "num_generations": 4, "max_completion_length": 12,
+                    "max_concurrent_rollouts": 6, "max_staleness": 1, "rollout_worker_timeout": 60,
+                    "vllm_server_base_url": base_url, "report_to": "none", "seed": 0}
     return cls(**{**settings, **overrides})
 
 
@@ -105,7 +104,7 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
         # 1. A consumer keeping up: groups, advantages, zero-std and reward-error drops.
         _pull_until(worker, enough, 150, take)
         assert enough(), f"after 150 s: {len(samples_by_group)} groups, notices {notices}"
-        for group_id, samples in samples_by_group.items():
+        for samples in samples_by_group.values():
             assert len(samples) == samples[0].group_num_samples
             per_rollout = {s.rollout_id: s.advantage for s in samples}
             assert abs(sum(per_rollout.values())) < 1e-6 or len(per_rollout) < 4

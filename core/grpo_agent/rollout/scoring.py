@@ -77,12 +77,12 @@ def reward_inputs(group: RolloutGroup) -> dict[str, Any]:
 
 
 def _check_result(name: str, result: Any, size: int) -> np.ndarray:
-    if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
-        if not isinstance(result, np.ndarray):
-            raise RewardFunctionError(
-                f"Reward function {name!r} returned {type(result).__name__}; it must return a "
-                f"list with one float (or None) per completion ({size} here)."
-            )
+    is_list = isinstance(result, (Sequence, np.ndarray)) and not isinstance(result, (str, bytes))
+    if not is_list:
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {type(result).__name__}; it must return a "
+            f"list with one float (or None) per completion ({size} here)."
+        )
     if len(result) != size:
         raise RewardFunctionError(
             f"Reward function {name!r} returned {len(result)} rewards for {size} completions; "
@@ -103,7 +103,7 @@ def _check_result(name: str, result: Any, size: int) -> np.ndarray:
 
 
 async def _call_reward(func: Callable, inputs: dict[str, Any], executor: Executor) -> Any:
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
         return await func(**inputs)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, lambda: func(**inputs))

@@ -19,6 +19,8 @@ import time
 import traceback
 from typing import Any
 
+from typing_extensions import Self
+
 from grpo_agent.metrics import Observation
 from grpo_agent.types import PromptConsumed, TrainingSample
 
@@ -74,15 +76,15 @@ class RolloutWorker:
         self._process = None
         self._stopped = False
         eos = getattr(processing_class, "eos_token_id", None)
-        self._loop_kwargs = dict(
-            config=config, model_name=model_name, dataset=dataset, reward_funcs=reward_funcs,
-            processing_class=processing_class, eos_token_ids=[] if eos is None else [eos],
-            rollout_buffer=self._buffer, model_version_value=self._model_version,
-            token_allowance=self._token_allowance, heartbeat_value=self._heartbeat,
-            failed_event=self._failed, exception_info_queue=self._exception_queue,
-            metrics_queue=self._metrics_queue, tools=tools,
-            environment_factory=environment_factory, lora_name=lora_name,
-            dataset_start_index=dataset_start_index)
+        self._loop_kwargs = {
+            "config": config, "model_name": model_name, "dataset": dataset, "reward_funcs": reward_funcs,
+            "processing_class": processing_class, "eos_token_ids": [] if eos is None else [eos],
+            "rollout_buffer": self._buffer, "model_version_value": self._model_version,
+            "token_allowance": self._token_allowance, "heartbeat_value": self._heartbeat,
+            "failed_event": self._failed, "exception_info_queue": self._exception_queue,
+            "metrics_queue": self._metrics_queue, "tools": tools,
+            "environment_factory": environment_factory, "lora_name": lora_name,
+            "dataset_start_index": dataset_start_index}
         self._loop_cls = loop_cls
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,7 +132,7 @@ class RolloutWorker:
             channel.cancel_join_thread()
             channel.close()
 
-    def __enter__(self) -> RolloutWorker:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
