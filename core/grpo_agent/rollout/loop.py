@@ -98,11 +98,11 @@ class AsyncRolloutLoop:
         return await self._single_turn(prompt, tools)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One vLLM request with the config's sampling settings."""
+        """One vLLM request with the config's sampling settings (on the LoRA adapter, if any)."""
         params = self._sampling_params
         if self._seeds is not None:
             params = replace(params, seed=next(self._seeds))
-        return await self.sampler.generate(prompt_ids, params)
+        return await self.sampler.generate(prompt_ids, params, model=self.lora_name)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout from `group.rewards` (group-normalised by default)."""
