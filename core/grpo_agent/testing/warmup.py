@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpo_agent.testing.tiny_model import KIT_VERSION, build_tiny_model, default_cache_dir
 
-WARMUP_VERSION = 3
+WARMUP_VERSION = 4
 _COMPLETE_MARKER = ".complete"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -96,13 +96,14 @@ def synthetic_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], l
     return transcripts
 
 
-def _assistant_masked_example(tokenizer, template: str, messages: list[dict], tools: list, thinking: bool):
+def _assistant_masked_example(tokenizer, template: str, messages: list[dict], tools: list):
     """Token ids and labels (-100 outside assistant turns) of one transcript.
 
-    With `thinking` off the generation prompt already holds the empty `<think>` block (the
-    template's `enable_thinking=False`), so the assistant's own tokens start after it.
+    Rendered with `enable_thinking=False` (as the spec's agent examples run): the generation
+    prompt already holds the empty `<think>` block, so the assistant's own tokens start after
+    it. One mode only: 80 tiny steps do not teach both.
     """
-    kwargs = {} if thinking else {"enable_thinking": False}
+    kwargs = {"enable_thinking": False}
     ids: list[int] = []
     labels: list[int] = []
     for end in range(1, len(messages) + 1):
@@ -114,9 +115,7 @@ def _assistant_masked_example(tokenizer, template: str, messages: list[dict], to
             prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
             new = prompt_ids[len(ids):]
             ids, labels = ids + new, labels + [-100] * len(new)
-            turn = messages[end - 1]["content"]
-            if not thinking:
-                turn = turn[len(EMPTY_THINK):]
+            turn = messages[end - 1]["content"][len(EMPTY_THINK):]
             turn_ids = tokenizer.encode(turn + tokenizer.eos_token, add_special_tokens=False)
             ids, labels = ids + turn_ids, labels + turn_ids
         else:
@@ -138,8 +137,8 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
     template = choose_training_template(tokenizer).template or tokenizer.chat_template
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     examples = [
-        _assistant_masked_example(tokenizer, template, messages, tools, thinking=i % 2 == 0)
-        for i, (messages, tools) in enumerate(synthetic_transcripts(steps * batch_size // 4, seed))
+        _assistant_masked_example(tokenizer, template, messages, tools)
+        for messages, tools in synthetic_transcripts(steps * batch_size // 4, seed)
     ]
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
