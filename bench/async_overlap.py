@@ -1,7 +1,8 @@
 """Async pipeline vs the same code run synchronously: wall time per optimizer step.
 
 Both runs use the same trainer, worker, server and config (the `words` demo task on the tiny
-model). The synchronous run pauses the vLLM server while the trainer computes a step and
+model, learning_rate 0: this measures time, and a learning run would saturate the task and
+starve both pipelines of samples). The synchronous run pauses the vLLM server while the trainer computes a step and
 resumes it after the weight push, with `max_staleness=0`, so generation, training and sync take
 turns exactly like a generate-then-train loop. From the synchronous run we read the generation
 time per step (`perf/rollout_wait_s`: the trainer waiting for its samples) and the training time
@@ -54,7 +55,7 @@ def run(mode: str, base_url: str, model_path: str, steps: int, out_dir: Path) ->
     synchronous = mode == "sync"
     args = AsyncGRPOConfig(
         output_dir=str(out_dir / mode), vllm_server_base_url=base_url, max_steps=steps,
-        num_generations=8, max_completion_length=64, learning_rate=1e-3, report_to="none",
+        num_generations=8, max_completion_length=64, learning_rate=0.0, report_to="none",
         save_strategy="no", gradient_checkpointing=False, optim="adamw_torch",
         gradient_accumulation_steps=2, max_staleness=0 if synchronous else 2,
         disable_tqdm=True,
