@@ -26,7 +26,10 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/grpo-agent demo
+	# The built-in `words` env on the tiny model with a local CPU vLLM server (docs/quickstart.md).
+	$(VENV)/bin/grpo-agent train --env words --output-dir runs/demo --set num_train_epochs=0.25 \
+	  --set learning_rate=0.0003 --set num_generations=8 --set max_completion_length=16 \
+	  --set gradient_checkpointing=false --set optim=adamw_torch --set save_strategy=no --set seed=1
 
 bench: setup
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
