@@ -79,7 +79,7 @@ class StepSource:
                 self._carry = [sample, *pending]
                 break
             taken.append(sample)
-        self._record_pull_metrics(taken, waited)
+        self._record_pull_metrics(waited)
         return taken
 
     def _warn_if_starved(self, waited: float) -> None:
@@ -93,17 +93,9 @@ class StepSource:
             "or harder prompts (see 'Saturation' in docs/quickstart.md).", waited,
         )
 
-    def _record_pull_metrics(self, samples: list[TrainingSample], waited: float) -> None:
-        window = self.trainer.window
-        now = time.time()
-        for sample in samples:
-            staleness = self.trainer.model_version - sample.model_version
-            window.add("sample/staleness_mean", staleness)
-            window.add("sample/staleness_max", staleness)
-            if sample.queued_at:
-                window.add("sample/time_in_queue_s", now - sample.queued_at)
-        window.add("perf/rollout_wait_s", waited)
-        window.add("rollout/queue_size", self.worker.queue_size + len(self._carry))
+    def _record_pull_metrics(self, waited: float) -> None:
+        # Staleness, time in queue and queue size are recorded once, by RolloutWorker.pull.
+        self.trainer.window.add("perf/rollout_wait_s", waited)
 
     def _accept(self, items: list[TrainingSample | PromptConsumed]) -> list[TrainingSample]:
         ledger = self.trainer.ledger
