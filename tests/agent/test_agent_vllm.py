@@ -14,7 +14,7 @@ import pytest
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.reconcile import reconcile_turns
-from spec_agent_examples import CodingEnv, GameEnv, IncrementEnv
+from spec_agent_examples import CodingEnv, GameEnv, IncrementEnv, reward_func
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -132,3 +132,29 @@ def test_spec_increment_env_example_trains_through_the_trainer(warm_server, tmp_
             "rollout/fork_frac", "rollout/samples_per_rollout"} <= logged, sorted(logged)
     calls = [e["tools/call_frequency"] for e in trainer.state.log_history if "tools/call_frequency" in e]
     assert max(calls) > 0
+
+
+@pytest.mark.e2e
+def test_spec_multi_environment_example_trains_through_the_trainer(warm_server, tmp_path):
+    """The spec's multi-environment example with AsyncGRPOTrainer: the dataset only routes."""
+    from datasets import Dataset
+    from spec_agent_examples import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
+    trainer = AsyncGRPOTrainer(
+        model=str(warm_server.model_path),
+        args=AsyncGRPOConfig(
+            output_dir=str(tmp_path), max_steps=2, chat_template_kwargs={"enable_thinking": False},
+            vllm_server_base_url=warm_server.base_url, num_generations=4,
+            max_completion_length=64, max_tool_calling_iterations=2, report_to="none",
+        ),
+        train_dataset=dataset,
+        reward_funcs=reward_func,
+        environment_factory={"coding": CodingEnv, "game": GameEnv},
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert "rewards/reward_func/mean" in logged, sorted(logged)
+    per_tool = {name.split("/")[1] for name in logged if name.endswith("/call_count") and name.startswith("tools/")}
+    assert per_tool <= {"run_code", "move", "unknown_name"} and per_tool & {"run_code", "move"}, per_tool

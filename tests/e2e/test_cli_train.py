@@ -69,10 +69,10 @@ def test_demo_run_improves_reward_and_logs_every_metric_family(cli, tmp_path):
 
 
 def _ledger_runs(path: Path) -> list[list[dict]]:
-    """Split prompt_ledger.jsonl into runs (a run restarts at a lower step)."""
+    """Split prompt_ledger.jsonl into runs (one trainer process each)."""
     runs: list[list[dict]] = []
     for record in read_jsonl(path):
-        if not runs or record["step"] <= runs[-1][-1]["step"]:
+        if not runs or record["pid"] != runs[-1][-1]["pid"]:
             runs.append([])
         runs[-1].append(record)
     return runs

@@ -200,3 +200,21 @@ def test_misspelled_hook_implementation_is_an_error_with_suggestion():
     message = str(err.value)
     assert "Plugin 'misspelled' from test plugin misspelled implements unknown hooks" in message
     assert "'register_reward' (did you mean 'register_rewards'?)" in message
+
+
+def test_trainer_resolves_reward_tool_and_environment_names(monkeypatch):
+    """AsyncGRPOTrainer accepts registered names (and import paths) for every plugin kind."""
+    import operator
+
+    import grpo_agent.plugins
+    from grpo_agent.train.trainer import _resolve_plugins
+
+    registry = build_registry(SamplePlugin())
+    monkeypatch.setattr(grpo_agent.plugins, "load_registry", lambda: registry)
+    rewards, tools, envs = _resolve_plugins(
+        ["length"], ["add", "operator:mul"], {"a": "echo", "b": EchoEnvV1}
+    )
+    assert rewards == [length_reward] and tools == [add, operator.mul]
+    assert envs == {"a": EchoEnvV2, "b": EchoEnvV1}  # a bare name picks the newest version
+    with pytest.raises(UnknownNameError, match="ad"):
+        _resolve_plugins([], ["mul"], None)

@@ -14,6 +14,7 @@ restored weights; that is the documented buffer).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,9 +117,10 @@ def append_ledger_line(
     output_dir: str | Path, step: int, completed: list[int], noticed: list[int], frontier: int
 ) -> None:
     """One JSON line per step: prompts it trained to completion, prompts the worker reported
-    consumed without samples, and the resume point after it (the resume test reads these)."""
+    consumed without samples, and the resume point after it (the resume test reads these).
+    `pid` tells runs apart: a resumed run may start right after the killed run's last step."""
     path = Path(output_dir) / LEDGER_NAME
-    record = {"step": step, "completed": sorted(completed), "noticed": sorted(noticed),
+    record = {"pid": os.getpid(), "step": step, "completed": sorted(completed), "noticed": sorted(noticed),
               "frontier": frontier}
     with path.open("a") as fh:
         fh.write(json.dumps(record) + "\n")

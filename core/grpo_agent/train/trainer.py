@@ -385,15 +385,15 @@ def _resolve_plugins(reward_funcs, tools, environment_factory):
         reward_funcs = []
     elif not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
-    needs_registry = any(isinstance(f, str) for f in reward_funcs) or isinstance(
-        environment_factory, str
-    )
-    if needs_registry:
+    tools = list(tools or [])
+    env_refs = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    if any(isinstance(ref, str) for ref in [*reward_funcs, *tools, *env_refs]):
         registry = load_registry()
         reward_funcs = [registry.resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
-        if isinstance(environment_factory, str):
+        tools = [registry.resolve_tool(t) if isinstance(t, str) else t for t in tools]
+        if environment_factory is not None:
             environment_factory = registry.resolve_environment(environment_factory)
     check_picklable(
-        {"reward_funcs": reward_funcs, "tools": tools or [], "environment_factory": environment_factory}
+        {"reward_funcs": reward_funcs, "tools": tools, "environment_factory": environment_factory}
     )
-    return list(reward_funcs), list(tools or []), environment_factory
+    return list(reward_funcs), tools, environment_factory
