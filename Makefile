@@ -27,7 +27,7 @@ test: setup
 
 demo: setup
 	# The built-in `words` env on the tiny model with a local CPU vLLM server (docs/quickstart.md).
-	$(VENV)/bin/grpo-agent train --env words --output-dir runs/demo --set num_train_epochs=0.25 \
+	$(VENV)/bin/grpo-agent train --env words --output-dir runs/demo --set num_train_epochs=0.5 \
 	  --set learning_rate=0.0003 --set num_generations=8 --set max_completion_length=16 \
 	  --set gradient_checkpointing=false --set optim=adamw_torch --set save_strategy=no --set seed=1
 

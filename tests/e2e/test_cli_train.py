@@ -25,7 +25,7 @@ LEARNING_MARGIN = 0.3
 # ends by prompt epochs, not max_steps: once the task saturates every group is dropped, and only
 # the prompt count still moves.
 DEMO_SETS = [
-    "num_train_epochs=0.25", "learning_rate=0.0003", "num_generations=8",
+    "num_train_epochs=0.5", "learning_rate=0.0003", "num_generations=8",
     "max_completion_length=16", "gradient_checkpointing=false", "optim=adamw_torch",
     "save_strategy=no", "seed=1",
 ]

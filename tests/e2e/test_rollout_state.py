@@ -52,3 +52,52 @@ def test_resume_picks_the_newest_checkpoint_that_finished_saving(tmp_path):
     RolloutState().save(tmp_path / "checkpoint-3")
     RolloutState().save(tmp_path / "checkpoint-6")  # checkpoint-9 was killed mid-save
     assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-6"
+
+
+def test_frontier_after_counts_a_step_in_hand_without_changing_the_ledger():
+    ledger = PromptLedger()
+    ledger.record_trained([sample(0, 2)])
+    in_hand = [sample(0, 2), sample(1, 2)]
+    assert ledger.frontier_after(in_hand) == 1  # prompt 1 still misses a sample
+    assert ledger.frontier_after([*in_hand, sample(1, 2)]) == 2
+    assert ledger.frontier == 0 and ledger.record_trained([sample(0, 2)]) == [0]
+
+
+class ScriptedWorker:
+    """The seam StepSource pulls from: one scripted batch of items per pull, then nothing."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.pulls = 0
+
+    def pull(self, timeout):
+        self.pulls += 1
+        return self.batches.pop(0) if self.batches else []
+
+
+def step_source(batches, epoch_prompts):
+    from types import SimpleNamespace
+
+    from grpo_agent.metrics import MetricWindow
+    from grpo_agent.train.step_source import StepSource
+
+    ledger = PromptLedger()
+    trainer = SimpleNamespace(
+        ledger=ledger, window=MetricWindow(),
+        prompt_epochs_done=lambda in_hand=(): ledger.frontier_after(list(in_hand)) >= epoch_prompts,
+    )
+    return StepSource(ScriptedWorker(batches), trainer)
+
+
+def test_a_step_blocks_until_its_rows_are_full_and_carries_the_overflow():
+    from grpo_agent.train.batching import StepPlanner
+
+    # 3 tokens per sample, budget 7: two samples fill the single row of a step.
+    source = step_source([[sample(0, 1)], [], [], [sample(1, 1), sample(2, 1)]], epoch_prompts=3)
+    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    assert [s.prompt_index for s in step] == [0, 1]  # waited through two empty pulls
+    assert source.worker.pulls == 4
+    source.trainer.ledger.record_trained(step)
+    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    assert [s.prompt_index for s in step] == [2]  # the carried sample; the epoch ends partial
+    assert source.worker.pulls == 4

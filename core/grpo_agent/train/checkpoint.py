@@ -87,6 +87,20 @@ class PromptLedger:
             self._consume(index)
         return completed
 
+    def frontier_after(self, samples: list[TrainingSample]) -> int:
+        """The frontier once `samples` (a step being filled) are trained; changes nothing."""
+        counts: dict[int, int] = {}
+        completed = set(self._consumed_ahead)
+        for sample in samples:
+            index = sample.prompt_index
+            counts[index] = counts.get(index, self._trained_counts.get(index, 0)) + 1
+            if counts[index] >= sample.group_num_samples:
+                completed.add(index)
+        frontier = self.frontier
+        while frontier in completed:
+            frontier += 1
+        return frontier
+
     def record_consumed(self, notice: PromptConsumed) -> None:
         if self.already_consumed(notice.prompt_index):
             return  # consumed before the checkpoint we resumed from; regenerated, not retrained

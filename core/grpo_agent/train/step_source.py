@@ -1,9 +1,9 @@
 """The trainer's side of the sample queue: one optimizer step's samples at a time.
 
 A step is filled by tokens, not by a sample count (the spec: kept groups fill the step, so
-the more groups are dropped, the more generation a step needs). We block until the first sample
-arrives, then keep taking what is already queued until the step planner says the step's rows
-are full; the sample that did not fit is carried to the next step, never dropped. Prompt notices update the ledger
+the more groups are dropped, the more generation a step needs). We block until the step planner
+says the step's rows are full; the sample that did not fit is carried to the next step, never
+dropped. Only the run's last step may be partial. Prompt notices update the ledger
 here, and samples of prompts trained before a resume are discarded here.
 """
 from __future__ import annotations
@@ -47,13 +47,15 @@ class StepSource:
             tools=trainer.tools,
             environment_factory=trainer.environment_factory,
             dataset_start_index=start_index,
+            lora_name=trainer.pusher.lora_name,  # the adapter name prefix under LoRA sync
         )
         worker.set_model_version(trainer.model_version)
         worker.start()
         return cls(worker, trainer)
 
     def next_step(self, planner: StepPlanner) -> list[TrainingSample]:
-        """Fill `planner` with one step: wait for the first sample, then take what is queued.
+        """Fill `planner` with one step: block until its rows are full (the spec: kept groups
+        fill the step) or every prompt of the run was consumed, whichever comes first.
 
         Returns no samples only when the run's prompt epochs were all consumed without a sample
         (every group dropped), so a run on a task its model never scores still ends.
@@ -61,18 +63,19 @@ class StepSource:
         taken: list[TrainingSample] = []
         pending, self._carry = self._carry, []
         waited = 0.0
+        last_progress = time.perf_counter()
         self._last_starved_warning = 0.0
         while True:
             if not pending:
-                block = not taken
+                if self.trainer.prompt_epochs_done(taken):
+                    break  # the run's last, partial step (or an empty one)
                 started = time.perf_counter()
-                items = self.worker.pull(timeout=PULL_POLL_S if block else 0.0)
-                if block:
-                    waited += time.perf_counter() - started
-                    self._warn_if_starved(waited)
+                items = self.worker.pull(timeout=PULL_POLL_S)
+                waited += time.perf_counter() - started
                 pending = self._accept(items)
-                if not pending and (not block or self.trainer.prompt_epochs_done()):
-                    break  # an empty step when every prompt of the run was consumed untrained
+                if pending:
+                    last_progress, self._last_starved_warning = time.perf_counter(), 0.0
+                self._warn_if_starved(time.perf_counter() - last_progress, len(taken))
                 continue
             sample = pending.pop(0)
             if not planner.add(sample):
@@ -82,15 +85,16 @@ class StepSource:
         self._record_pull_metrics(waited)
         return taken
 
-    def _warn_if_starved(self, waited: float) -> None:
+    def _warn_if_starved(self, idle: float, num_taken: int) -> None:
         """Say why training stalls when groups keep being dropped (nothing else would)."""
-        if waited - self._last_starved_warning < STARVED_WARNING_S:
+        if idle - self._last_starved_warning < STARVED_WARNING_S:
             return
-        self._last_starved_warning = waited
+        self._last_starved_warning = idle
         logger.warning(
-            "No trainable sample for %.0f s. If frac_reward_zero_std is near 1, every group gets "
-            "equal rewards (all solved or all failed): check the reward functions, or use easier "
-            "or harder prompts (see 'Saturation' in docs/quickstart.md).", waited,
+            "No trainable sample for %.0f s (this step holds %d). If frac_reward_zero_std is "
+            "near 1, every group gets equal rewards (all solved or all failed): check the reward "
+            "functions, or use easier or harder prompts (see 'Saturation' in docs/quickstart.md).",
+            idle, num_taken,
         )
 
     def _record_pull_metrics(self, waited: float) -> None:

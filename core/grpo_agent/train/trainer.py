@@ -215,12 +215,13 @@ class AsyncGRPOTrainer(Trainer):
             plan, self._step_samples, self.ledger = box[0]
         return plan
 
-    def prompt_epochs_done(self) -> bool:
-        """`num_train_epochs` counted in prompts (without `max_steps`): all consumed."""
+    def prompt_epochs_done(self, in_hand: list[TrainingSample] = ()) -> bool:
+        """`num_train_epochs` counted in prompts (without `max_steps`): all consumed, counting
+        the samples `in_hand` (the step being filled) as trained."""
         size = _dataset_size(self.train_dataset)
         if self.args.max_steps > 0 or size is None:
             return False
-        return self.ledger.frontier >= self.args.num_train_epochs * size
+        return self.ledger.frontier_after(list(in_hand)) >= self.args.num_train_epochs * size
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
