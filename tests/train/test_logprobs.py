@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_agent.train import logprobs
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 
 T, H, V = 13, 24, 203  # V not a multiple of the tile
@@ -70,3 +71,50 @@ def test_topk_and_sampling_mask_renormalise():
     g_ref = torch.autograd.grad(ref_loss, (hidden, weight))
     for a, b in zip(g_got, g_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _tile_inputs():
+    raw = torch.randn(5, 40)
+    allowed = torch.rand(5, 40) > 0.3
+    return raw, 0.7, allowed
+
+
+def test_compiled_tile_function_is_used_where_asked(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        def run(*args):
+            calls.append(kwargs)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    on_cpu = logprobs._CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
+    on_cuda_only = logprobs._CompiledOrEager(logprobs._tile_stats)
+    on_cpu(*_tile_inputs()), on_cuda_only(*_tile_inputs())
+    assert calls == [{"dynamic": True}]
+
+
+def test_failed_compilation_falls_back_to_eager(monkeypatch, caplog):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no triton")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    wrapped = logprobs._CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
+    raw, temperature, allowed = _tile_inputs()
+    got = wrapped(raw, temperature, allowed)
+    assert wrapped.failed and "no triton" in caplog.text
+    z = (raw / temperature).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(got[0], z.amax(1))
+    torch.testing.assert_close(got[1], torch.exp(z - z.amax(1, keepdim=True)).sum(1))
+
+
+@pytest.mark.parametrize("tokens", [1, 4079, 11000, 10**6])
+def test_default_tile_width_is_aligned(tokens):
+    width = logprobs.default_tile_width(tokens)
+    assert width % logprobs.TILE_ALIGN == 0 and width >= logprobs.TILE_ALIGN
+    assert width * tokens <= max(logprobs.DEFAULT_TILE_ELEMENTS, logprobs.TILE_ALIGN * tokens)

@@ -3,19 +3,32 @@
 Design decision: log pi(v) = z_v / T - logsumexp(z / T). The two parts are computed apart:
 the few logits we need (the trained target, the sampler's top-k ids) are gathered rows of the
 LM head and go through ordinary autograd; the log-sum-exp over the vocabulary (or over the
-sampling mask's candidates) is an `autograd.Function` that walks the vocabulary in tiles with
-an online max/sum, and whose backward recomputes each tile (d lse / dz = softmax). Peak extra
-memory is one [tokens x tile] block instead of [tokens x vocab]. The entropy of the same
-distribution comes out of the forward pass for free (it is a metric: no gradient).
+sampling mask's candidates) is an `autograd.Function` that walks the vocabulary in tiles
+and whose backward recomputes each tile (d lse / dz = softmax). Peak extra memory is one
+[tokens x tile] block instead of [tokens x vocab]. The entropy of the same distribution comes
+out of the forward pass for free (it is a metric: no gradient).
+
+Each tile's element-wise work (scale, mask, max, exp-sums in the forward; the softmax
+gradient in the backward) is one function of the tile's logits. On CUDA it is compiled
+(`torch.compile`), so the logits are read once in the matmul's own dtype instead of making
+several float32 passes; the tiles' partial results (max, sum of exp, sum of exp * z) are
+combined afterwards. Where compilation is unavailable, or on CPU (where compiling would only
+slow tests down), the same functions run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-DEFAULT_TILE_ELEMENTS = 2**26  # ~256 MiB of float32 logits per tile
+log = logging.getLogger(__name__)
+
+DEFAULT_TILE_ELEMENTS = 2**26  # tile width x tokens
+TILE_ALIGN = 256  # tile widths are multiples of this: the logits' row stride stays aligned
+COMPILE_ON_CUDA = True  # set False to run the per-tile functions eagerly on CUDA too
 
 
 @dataclass
@@ -39,14 +52,74 @@ def _tile_allowed(candidates: torch.Tensor, start: int, stop: int) -> torch.Tens
     return counts > 0
 
 
-def _tile_logits(hidden, weight, start, stop, temperature, candidates):
-    """float32 logits of one vocabulary tile (fresh tensor: callers may modify it in place)."""
-    z = (hidden @ weight[start:stop].T).float()
+def _scaled_logits(raw, temperature: float, allowed):
+    """float32 z / T of one tile, -inf where the sampling mask excludes an id."""
+    z = raw.float()
     if temperature != 1.0:
-        z.div_(temperature)
-    if candidates is not None:
-        z.masked_fill_(~_tile_allowed(candidates, start, stop), float("-inf"))
+        z = z / temperature
+    if allowed is not None:
+        z = z.masked_fill(~allowed, float("-inf"))
     return z
+
+
+def _tile_stats(raw, temperature: float, allowed):
+    """Per row of one tile: max z, sum exp(z - max), sum exp(z - max) * z."""
+    z = _scaled_logits(raw, temperature, allowed)
+    tile_max = z.amax(dim=1)
+    safe_max = torch.where(torch.isfinite(tile_max), tile_max, torch.zeros_like(tile_max))
+    e = torch.exp(z - safe_max[:, None])
+    z_where_kept = torch.where(e > 0, z, torch.zeros_like(z))  # e is 0 at -inf: avoid 0 * -inf
+    return tile_max, e.sum(dim=1), (e * z_where_kept).sum(dim=1)
+
+
+def _tile_grad(raw, temperature: float, allowed, lse, scale):
+    """d lse / d(raw logits) of one tile, times the incoming gradient: softmax * grad / T."""
+    z = _scaled_logits(raw, temperature, allowed)
+    return (torch.exp(z - lse[:, None]) * scale[:, None]).to(raw.dtype)
+
+
+class _CompiledOrEager:
+    """Call `fn` compiled on `devices`; fall back to eager (once, with a warning) if compiling
+    fails. Anywhere else, or with COMPILE_ON_CUDA off, `fn` runs eagerly."""
+
+    def __init__(self, fn: Callable, devices: tuple[str, ...] = ("cuda",)):
+        self.fn, self.devices = fn, devices
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, raw: torch.Tensor, *args):
+        if raw.device.type not in self.devices or self.failed or not COMPILE_ON_CUDA:
+            return self.fn(raw, *args)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, dynamic=True)
+            return self.compiled(raw, *args)
+        except Exception as exc:  # noqa: BLE001 -- no Triton, old GPU, compiler bug: eager is right
+            log.warning(
+                "torch.compile of %s failed (%s); running it eagerly", self.fn.__name__, exc
+            )
+            self.failed = True
+            return self.fn(raw, *args)
+
+
+tile_stats = _CompiledOrEager(_tile_stats)
+tile_grad = _CompiledOrEager(_tile_grad)
+
+
+def _combine_tiles(maxes, sums, sums_z):
+    """Merge per-tile (max, sum exp, sum exp * z) into (lse, entropy) per row."""
+    maxes, sums, sums_z = torch.stack(maxes), torch.stack(sums), torch.stack(sums_z)
+    run_max = maxes.amax(dim=0)
+    safe_max = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
+    rescale = torch.exp(maxes - safe_max)
+    total = (sums * rescale).sum(dim=0)
+    lse = safe_max + torch.log(total)
+    entropy = lse - (sums_z * rescale).sum(dim=0) / total
+    return lse, entropy
+
+
+def _tiles(vocab: int, tile: int):
+    return [(start, min(start + tile, vocab)) for start in range(0, vocab, tile)]
 
 
 class _TiledLogSumExp(torch.autograd.Function):
@@ -54,25 +127,14 @@ class _TiledLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, temperature, tile, candidates):
-        rows = hidden.shape[0]
-        run_max = torch.full((rows,), float("-inf"), device=hidden.device)
-        run_sum = torch.zeros(rows, device=hidden.device)
-        run_sum_z = torch.zeros(rows, device=hidden.device)  # sum exp(z - max) * z, for entropy
-        for start in range(0, weight.shape[0], tile):
-            z = _tile_logits(
-                hidden, weight, start, min(start + tile, weight.shape[0]), temperature, candidates
-            )
-            new_max = torch.maximum(run_max, z.max(dim=1).values)
-            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            rescale = torch.exp(run_max - safe_max)
-            e = torch.sub(z, safe_max[:, None]).exp_()
-            if candidates is not None:
-                z.nan_to_num_(neginf=0.0)  # e is 0 there; avoid 0 * -inf
-            run_sum = run_sum * rescale + e.sum(dim=1)
-            run_sum_z = run_sum_z * rescale + torch.einsum("tv,tv->t", e, z)
-            run_max = new_max
-        lse = run_max + torch.log(run_sum)
-        entropy = lse - run_sum_z / run_sum
+        parts = ([], [], [])
+        for start, stop in _tiles(weight.shape[0], tile):
+            allowed = None if candidates is None else _tile_allowed(candidates, start, stop)
+            for acc, value in zip(
+                parts, tile_stats(hidden @ weight[start:stop].T, temperature, allowed)
+            ):
+                acc.append(value)
+        lse, entropy = _combine_tiles(*parts)
         ctx.save_for_backward(hidden, weight, lse, candidates)
         ctx.temperature, ctx.tile = temperature, tile
         ctx.mark_non_differentiable(entropy)
@@ -81,17 +143,26 @@ class _TiledLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lse, _grad_entropy):
         hidden, weight, lse, candidates = ctx.saved_tensors
+        scale = grad_lse / ctx.temperature
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for start in range(0, weight.shape[0], ctx.tile):
-            stop = min(start + ctx.tile, weight.shape[0])
-            z = _tile_logits(hidden, weight, start, stop, ctx.temperature, candidates)
-            z.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None] / ctx.temperature)
-            grad_z = z.to(hidden.dtype)
+        for start, stop in _tiles(weight.shape[0], ctx.tile):
+            allowed = None if candidates is None else _tile_allowed(candidates, start, stop)
+            raw = hidden @ weight[start:stop].T
+            grad_z = tile_grad(raw, ctx.temperature, allowed, lse, scale)
             grad_hidden += (grad_z @ weight[start:stop]).float()
             if grad_weight is not None:
                 grad_weight[start:stop] = grad_z.T @ hidden
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+
+
+def default_tile_width(tokens: int) -> int:
+    """About DEFAULT_TILE_ELEMENTS per tile, rounded down to a multiple of TILE_ALIGN.
+
+    An unaligned width gives the [tokens x tile] logits an odd row stride, and cuBLAS then
+    falls back to slow unaligned GEMM kernels (seen on H200: 5x slower LM-head matmuls)."""
+    width = DEFAULT_TILE_ELEMENTS // max(1, tokens)
+    return max(TILE_ALIGN, width - width % TILE_ALIGN)
 
 
 def tiled_log_sum_exp(
@@ -103,7 +174,7 @@ def tiled_log_sum_exp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [T] with grad, entropy [T]) of softmax(hidden @ weight.T / temperature)."""
     if tile is None:
-        tile = max(256, DEFAULT_TILE_ELEMENTS // max(1, hidden.shape[0]))
+        tile = default_tile_width(hidden.shape[0])
     return _TiledLogSumExp.apply(hidden, weight, float(temperature), int(tile), candidates)
 
 
