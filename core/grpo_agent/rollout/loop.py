@@ -11,6 +11,7 @@ Users change behaviour through the spec's hooks; everything else is private.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import itertools
 import logging
@@ -37,7 +38,7 @@ from grpo_agent.rollout.scoring import (
     run_reward_functions,
 )
 from grpo_agent.sampler.client import SamplerClient
-from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
 from grpo_agent.types import PromptConsumed, Rollout, RolloutGroup, TrainingSample, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,16 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
 ALLOWANCE_POLL_S = 0.05
+# The model version a rollout samples with: its group's, set before the group's rollouts start.
+_ROLLOUT_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("rollout_version")
+
+
+def adapter_name(lora_name: str | None, version: int) -> str | None:
+    """The served LoRA adapter of model version `version`; None means the base model, which
+    is version 0 (PEFT initialises LoRA B to zero) and every version without adapter sync."""
+    if lora_name is None or version <= 0:
+        return None
+    return f"{lora_name}-v{version}"
 
 
 class AsyncRolloutLoop:
@@ -54,7 +65,9 @@ class AsyncRolloutLoop:
     `setup` or `close` in a module-level subclass and set it as the trainer's `loop_cls`.
     `token_allowance` is cumulative: the forwarded tokens the trainer has pulled so far plus
     `max(max_staleness, 1)` steps' worth; a group starts only while the tokens queued and in
-    flight stay below it.
+    flight stay below it. `lora_name`, when the trainer syncs LoRA adapters, is the adapter name
+    prefix: every rollout samples with the adapter of the model version its group started
+    under (`adapter_name`), so a rollout begun under an old policy finishes under it.
     """
 
     def __init__(self, config, model_name, dataset, reward_funcs, processing_class, eos_token_ids,
@@ -98,11 +111,24 @@ class AsyncRolloutLoop:
         return await self._single_turn(prompt, tools)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One vLLM request with the config's sampling settings (on the LoRA adapter, if any)."""
+        """One vLLM request with the config's sampling settings, on the rollout's policy."""
         params = self._sampling_params
         if self._seeds is not None:
             params = replace(params, seed=next(self._seeds))
-        return await self.sampler.generate(prompt_ids, params, model=self.lora_name)
+        version = _ROLLOUT_VERSION.get(None)
+        if version is None:  # called outside a rollout (e.g. from setup): the newest policy
+            version = int(self.model_version_value.value)
+        model = adapter_name(self.lora_name, version)
+        try:
+            return await self.sampler.generate(prompt_ids, params, model=model)
+        except RequestRejectedError as error:
+            newest = adapter_name(self.lora_name, int(self.model_version_value.value))
+            if model is None or error.status_code != 404 or newest == model:
+                raise
+        # The trainer unloaded this rollout's adapter: it is more than max_staleness versions
+        # old, so its samples are dropped as stale anyway. Finish it on the newest policy.
+        logger.debug("Adapter %s was unloaded mid-rollout; continuing on %s.", model, newest)
+        return await self.sampler.generate(prompt_ids, params, model=newest)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout from `group.rewards` (group-normalised by default)."""
@@ -215,6 +241,7 @@ class AsyncRolloutLoop:
 
     async def _run_group(self, slot: PromptSlot, group_id: int) -> None:
         version = int(self.model_version_value.value)
+        _ROLLOUT_VERSION.set(version)  # inherited by the rollout tasks that gather creates
         results = await asyncio.gather(
             *(self._run_rollout(slot, group_id) for _ in range(self.config.num_generations)))
         group = await self._build_group(slot, group_id, version, results)

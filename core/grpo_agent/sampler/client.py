@@ -149,6 +149,11 @@ class SamplerClient:
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
         return self._model_info
 
+    async def served_models(self) -> list[str]:
+        """Every model id the server answers to: the base model, then loaded LoRA adapters."""
+        data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
+        return [entry["id"] for entry in data["data"]]
+
     async def metrics(self) -> ServerMetrics | None:
         """Scheduler gauges from `/metrics`; None when the server does not expose them."""
         response = await self._request("GET", "/metrics", timeout=CONTROL_TIMEOUT_S,

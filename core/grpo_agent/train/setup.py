@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train.lora_sync import LoraServerLimits
 from grpo_agent.train.weights import is_vision_tower_param
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,14 @@ class ServerFacts:
     model_id: str
     max_model_len: int
     dtype: str | None
-    lora_enabled: bool
+    # The server's LoRA settings; None when it runs without --enable-lora.
+    lora: LoraServerLimits | None = None
     # The weight version label the server samples with: "default" until a trainer pushed.
     weight_version: str | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None
 
     @property
     def holds_pushed_weights(self) -> bool:
@@ -138,7 +144,7 @@ async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
         model_id=info.id,
         max_model_len=info.max_model_len,
         dtype=_server_dtype(server_info),
-        lora_enabled=bool(_find_key(server_info, "enable_lora")),
+        lora=LoraServerLimits.from_server_info(server_info),
         weight_version=probe.weight_versions[0] if probe.weight_versions else None,
     )
 

@@ -1,12 +1,16 @@
-"""Push the trainer's weights to the vLLM server as model version N.
+"""Push the trainer's policy to the vLLM server as model version N.
 
-The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
-the sampler's business and is picked from what the server reports; this module only decides
-*what* is pushed and *who* takes part: every rank gathers (FSDP2 all-gathers are collectives),
-rank 0 sends, and all ranks meet at a barrier so none starts the next step on old weights.
+Two modes, chosen once at train start from what the server reports (`build_weight_pusher`):
+merged weights (`WeightPusher`, every server) or, for a PEFT model on a server started with
+`--enable-lora`, the adapter alone (`lora_sync.AdapterPusher`). For merged weights the transport
+(gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is the sampler's
+business; this module only decides *what* is pushed and *who* takes part: every rank gathers
+(FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a barrier so none
+starts the next step on old weights.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -15,24 +19,45 @@ from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import fsdp
+from grpo_agent.train.lora_sync import AdapterPusher, use_adapter_sync
 from grpo_agent.train.weights import full_weights, merged_adapters
 
 
+def build_weight_pusher(args: AsyncGRPOConfig, model: nn.Module, facts: Any) -> Any:
+    """An `AdapterPusher` when the server can serve this model's LoRA adapter, else merged.
+
+    `facts` is `setup.ServerFacts`; raises when a LoRA server's limits are too small.
+    """
+    if use_adapter_sync(model, facts.lora, args):
+        return AdapterPusher(args, model, base_is_stale=facts.holds_pushed_weights)
+    return WeightPusher(args)
+
+
 class WeightPusher:
+    lora_name = None  # the rollout worker samples the served base model
+
     def __init__(self, args: AsyncGRPOConfig) -> None:
         self.args = args
+        self.last_num_bytes = 0
         self._sync: Any = None
         if fsdp.is_main_process():
             from grpo_agent.sampler.weight_sync import build_weight_sync
 
             self._sync = build_weight_sync(args.vllm_server_base_url)
 
-    def push(self, model: nn.Module, version: int) -> dict[str, float]:
-        """Send all weights as `version`; returns the perf/weight_sync_* timings."""
+    def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
+        """A fresh server already serves the model's weights; one an earlier run pushed into
+        may not."""
+        return holds_pushed_weights
+
+    def push(self, model: nn.Module, version: int, *, merge_adapters: bool = True) -> dict[str, float]:
+        """Send all weights as `version` (LoRA merged in unless `merge_adapters` is False);
+        returns the perf/weight_sync_* timings."""
         started = time.perf_counter()
         unwrapped = getattr(model, "module", model)
         timings = None
-        with torch.no_grad(), merged_adapters(unwrapped):
+        merging = merged_adapters(unwrapped) if merge_adapters else contextlib.nullcontext()
+        with torch.no_grad(), merging:
             weights = full_weights(unwrapped)
             if self._sync is not None:
                 timings = self._sync.push(weights, version)
@@ -49,6 +74,7 @@ class WeightPusher:
         if timings is not None:
             metrics["perf/weight_sync_pause_s"] = timings.pause_s
             metrics["perf/weight_sync_transfer_s"] = timings.transfer_s
+            self.last_num_bytes = timings.num_bytes
         return metrics
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from grpo_agent.train.checkpoint import (
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.step_source import StepSource
-from grpo_agent.train.sync import WeightPusher
+from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
 
 logger = logging.getLogger(__name__)
@@ -153,10 +153,11 @@ class AsyncGRPOTrainer(Trainer):
         """Check the server, push restored weights if resuming, start the rollout worker."""
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
-        self.pusher = WeightPusher(self.args)
+        self.pusher = build_weight_pusher(self.args, self.model, facts)  # LoRA adapters or merged
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, or a server an earlier run pushed into. A fresh server already has them.
-        if self.state.global_step > 0 or facts.holds_pushed_weights:
+        if self.state.global_step > 0 or self.pusher.needs_initial_push(
+                self.model, facts.holds_pushed_weights):
             self.model_version += 1
             self.window.update(self.pusher.push(self.model, self.model_version))
         if fsdp.is_main_process():

@@ -1,0 +1,301 @@
+"""Sync a LoRA policy to vLLM as adapters, not merged weights (the spec's PEFT section).
+
+Design decision: the sync mode is chosen once, at train start, from what the server reports
+(`/server_info`: its `lora_config`, and whether runtime adapter loading is allowed), so users
+only start the server with `--enable-lora`. vLLM loads adapters from disk, so version N is
+written to `<output_dir>/.vllm_lora/<prefix>-v<N>/` (a temp folder renamed into place, never a
+half-written one) and registered under that name. The trainer keeps `max_staleness + 1`
+versions registered, loading the next before unloading the oldest (hence
+`--max-loras >= max_staleness + 2`), so a rollout that started under an old policy finishes
+under it. An unloaded version's folder is deleted one sync later, because a request already in
+flight may still make the server read it. Version 0 is the base model itself: PEFT initialises
+LoRA B to zero, so nothing needs registering before the first optimizer step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.rollout.loop import adapter_name
+from grpo_agent.train import fsdp
+from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_NAME = ".vllm_lora"
+# The values vLLM accepts for --max-lora-rank.
+SERVER_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CONTROL_TIMEOUT_S = 120.0
+_RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+@dataclass(frozen=True)
+class LoraServerLimits:
+    """The LoRA settings of a server started with `--enable-lora`."""
+
+    max_lora_rank: int
+    max_loras: int
+    runtime_updating: bool  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
+
+    @classmethod
+    def from_server_info(cls, server_info: dict) -> LoraServerLimits | None:
+        """None when the server runs without `--enable-lora` (its `lora_config` is null)."""
+        lora = (server_info.get("vllm_config") or {}).get("lora_config")
+        if not isinstance(lora, dict):
+            return None
+        flag = (server_info.get("vllm_env") or {}).get(_RUNTIME_UPDATING_ENV)
+        return cls(
+            max_lora_rank=int(lora["max_lora_rank"]),
+            max_loras=int(lora["max_loras"]),
+            runtime_updating=str(flag).strip().lower() in ("1", "true"),
+        )
+
+
+def adapter_rank(model: nn.Module) -> int:
+    """The largest rank of the active adapter (a `rank_pattern` may raise some layers' rank)."""
+    config = _active_config(model)
+    return max([int(config.r), *(int(r) for r in (config.rank_pattern or {}).values())])
+
+
+def unservable_reason(model: nn.Module) -> str | None:
+    """Why vLLM cannot serve this PEFT adapter as a LoRA adapter, or None when it can."""
+    config = _active_config(model)
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind != "LORA":
+        return f"the adapter is {kind}, and vLLM serves LoRA adapters only"
+    if getattr(config, "use_dora", False):
+        return "vLLM does not serve DoRA adapters (use_dora=True)"
+    if config.modules_to_save:
+        return (f"vLLM cannot load fully trained modules_to_save={sorted(config.modules_to_save)} "
+                "from an adapter")
+    return None
+
+
+def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -> None:
+    """Raise with the flags to restart the server with when it cannot hold this run's adapters."""
+    needed_loras = max_staleness + 2
+    problems = []
+    if rank > limits.max_lora_rank:
+        problems.append(f"its --max-lora-rank is {limits.max_lora_rank} but the adapter's rank "
+                        f"is {rank}")
+    if limits.max_loras < needed_loras:
+        problems.append(
+            f"its --max-loras is {limits.max_loras} but max_staleness={max_staleness} needs at "
+            f"least max_staleness + 2 = {needed_loras} (the trainer keeps max_staleness + 1 "
+            "versions registered and loads the next before unloading the oldest)")
+    if not limits.runtime_updating:
+        problems.append(f"it was started without {_RUNTIME_UPDATING_ENV}=1, so adapters cannot "
+                        "be loaded while it runs")
+    if not problems:
+        return
+    server_rank = next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
+    raise ValueError(
+        "The vLLM server runs with --enable-lora but cannot serve this run's LoRA adapters: "
+        + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "
+        f"{_RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
+        f"--max-lora-rank {max(server_rank, limits.max_lora_rank)} "
+        f"--max-loras {max(needed_loras, limits.max_loras)}. "
+        "(Or start it without --enable-lora: the trainer then pushes merged weights.)"
+    )
+
+
+def use_adapter_sync(model: nn.Module, lora_limits: LoraServerLimits | None,
+                     args: AsyncGRPOConfig) -> bool:
+    """Adapter sync for a PEFT model on a LoRA server; merged sync otherwise (the fallback)."""
+    if not is_peft_model(model) or lora_limits is None:
+        return False
+    reason = unservable_reason(model)
+    if reason is not None:
+        logger.warning("The server runs with --enable-lora, but %s: pushing merged weights "
+                       "instead.", reason)
+        return False
+    check_lora_limits(lora_limits, adapter_rank(model), args.max_staleness)
+    return True
+
+
+def adapter_prefix(output_dir: str) -> str:
+    """Adapter names start with the run's folder name, so two runs on one server never clash."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(output_dir).resolve().name).strip("-.")
+    return name or "policy"
+
+
+class AdapterPusher:
+    """Pushes version N of the LoRA adapter; the trainer's `WeightPusher` for LoRA servers."""
+
+    def __init__(self, args: AsyncGRPOConfig, model: nn.Module, *, base_is_stale: bool) -> None:
+        self.args = args
+        self.lora_name = adapter_prefix(args.output_dir)
+        self.cache_dir = Path(args.output_dir).resolve() / CACHE_DIR_NAME
+        self.keep_versions = args.max_staleness + 1
+        self.last_num_bytes = 0
+        self._registered: deque[tuple[str, Path]] = deque()
+        self._unloaded_folders: list[Path] = []  # deleted at the next sync
+        self._main = fsdp.is_main_process()
+        if base_is_stale:
+            self._restore_base_weights(model)
+        unwrapped = getattr(model, "module", model)
+        with torch.no_grad():
+            initial = lora_adapter_weights(unwrapped)  # FSDP2 gathers: every rank takes part
+        if self._main:
+            self._run(self._forget_earlier_runs())
+            self._run(self._check_server_loads(unwrapped, initial))
+
+    # ------------------------------------------------------------------ the trainer's interface
+
+    def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
+        """True when the adapter is not zero (a trained one was passed in): the server's base
+        model is then not version 0, so the trainer pushes before the first rollout. (Base
+        weights an earlier run pushed were already restored in `__init__`.)"""
+        nonzero = torch.tensor(float(any(
+            bool(_local(param).abs().sum() > 0)
+            for name, param in getattr(model, "module", model).named_parameters()
+            if ".lora_B." in name)))
+        if fsdp.world_size() > 1:
+            torch.distributed.all_reduce(nonzero, op=torch.distributed.ReduceOp.MAX)
+        return bool(nonzero.item())
+
+    def push(self, model: nn.Module, version: int) -> dict[str, float]:
+        """Write and register version `version`; returns the perf/weight_sync_* timings."""
+        started = time.perf_counter()
+        unwrapped = getattr(model, "module", model)
+        with torch.no_grad():
+            state = lora_adapter_weights(unwrapped)  # FSDP2 gathers: every rank takes part
+        transfer_s = 0.0
+        if self._main:
+            folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
+            self._run(self._register(folder))
+            transfer_s = time.perf_counter() - started
+            self.last_num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        barrier_started = time.perf_counter()
+        if fsdp.world_size() > 1:
+            torch.distributed.barrier()
+        return {
+            "perf/weight_sync_s": time.perf_counter() - started,
+            "perf/weight_sync_barrier_s": time.perf_counter() - barrier_started,
+            "perf/weight_sync_pause_s": 0.0,  # adapters load while generation keeps running
+            "perf/weight_sync_transfer_s": transfer_s,
+        }
+
+    def close(self) -> None:
+        """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
+        if not self._main:
+            return
+        try:
+            self._run(self._unload_all())
+        finally:
+            for folder in [*self._unloaded_folders, *(f for _, f in self._registered)]:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._registered.clear()
+            self._unloaded_folders = []
+
+    # ------------------------------------------------------------------ disk
+
+    def _write_version(self, model: nn.Module, state: dict[str, torch.Tensor], name: str) -> Path:
+        """The adapter as PEFT saves it (weights + adapter_config.json), renamed into place."""
+        from safetensors.torch import save_file
+
+        folder = self.cache_dir / name
+        temporary = self.cache_dir / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  str(temporary / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _active_config(model).save_pretrained(str(temporary))
+        shutil.rmtree(folder, ignore_errors=True)  # a leftover of a crashed run
+        os.replace(temporary, folder)
+        return folder
+
+    # ------------------------------------------------------------------ server
+
+    async def _register(self, folder: Path) -> None:
+        """Load the new version, then unload beyond the window; delete last sync's unloads."""
+        for old in self._unloaded_folders:
+            shutil.rmtree(old, ignore_errors=True)
+        self._unloaded_folders = []
+        async with self._client() as client:
+            await client.load_lora_adapter(folder.name, str(folder))
+            self._registered.append((folder.name, folder))
+            while len(self._registered) > self.keep_versions:
+                name, old_folder = self._registered.popleft()
+                await client.unload_lora_adapter(name)
+                self._unloaded_folders.append(old_folder)
+
+    async def _forget_earlier_runs(self) -> None:
+        """Unload adapters an earlier run of this output_dir left registered; clear its cache."""
+        async with self._client() as client:
+            for served in await client.served_models():
+                if served.startswith(f"{self.lora_name}-v") or served == self._probe_name:
+                    await client.unload_lora_adapter(served)
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    async def _check_server_loads(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load the initial adapter once under a probe name, so a server that cannot serve it
+        fails now, with its reason, rather than at the first sync."""
+        from grpo_agent.sampler.errors import SamplerError
+
+        folder = self._write_version(model, state, self._probe_name)
+        try:
+            async with self._client() as client:
+                await client.load_lora_adapter(self._probe_name, str(folder))
+                await client.unload_lora_adapter(self._probe_name)
+        except SamplerError as error:
+            raise RuntimeError(
+                f"The vLLM server at {self.args.vllm_server_base_url} runs with --enable-lora "
+                f"but could not load this run's LoRA adapter: {error}. Change the LoraConfig "
+                "(e.g. target_modules) to layers vLLM supports for this model, or restart the "
+                "server without --enable-lora so the trainer pushes merged weights."
+            ) from error
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    async def _unload_all(self) -> None:
+        async with self._client() as client:
+            for name, _ in self._registered:
+                await client.unload_lora_adapter(name)
+
+    @property
+    def _probe_name(self) -> str:
+        return f"{self.lora_name}-probe"
+
+    def _client(self) -> Any:
+        from grpo_agent.sampler.client import SamplerClient
+
+        return SamplerClient(self.args.vllm_server_base_url, timeout=CONTROL_TIMEOUT_S,
+                             max_retries=2)
+
+    @staticmethod
+    def _run(coroutine) -> Any:
+        return asyncio.run(coroutine)
+
+    def _restore_base_weights(self, model: nn.Module) -> None:
+        """An earlier merged-sync run changed the served base weights: put ours back, once."""
+        from grpo_agent.train.sync import WeightPusher
+
+        logger.info("The server holds weights an earlier run pushed; restoring the base model "
+                    "before serving LoRA adapters on it.")
+        pusher = WeightPusher(self.args)
+        try:
+            pusher.push(model, 0, merge_adapters=False)
+        finally:
+            pusher.close()
+
+
+def _active_config(model: nn.Module) -> Any:
+    model = getattr(model, "module", model)
+    return model.peft_config[getattr(model, "active_adapter", "default")]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

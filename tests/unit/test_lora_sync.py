@@ -1,0 +1,91 @@
+"""LoRA adapter sync without a server: reading the server's limits, the start-up check, names."""
+import pytest
+import torch
+from grpo_agent.rollout.loop import adapter_name
+from grpo_agent.testing import build_tiny_model
+from grpo_agent.train.lora_sync import (
+    AdapterPusher,
+    LoraServerLimits,
+    adapter_prefix,
+    adapter_rank,
+    check_lora_limits,
+    unservable_reason,
+)
+
+# The parts of vLLM 0.32's `GET /server_info?config_format=json` that the trainer reads.
+LORA_SERVER_INFO = {
+    "vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 3, "max_cpu_loras": 3}},
+    "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True},
+}
+
+
+def test_server_limits_come_from_the_lora_config_and_none_without_enable_lora():
+    assert LoraServerLimits.from_server_info(LORA_SERVER_INFO) == LoraServerLimits(8, 3, True)
+    without = {"vllm_config": {"lora_config": None}, "vllm_env": {}}
+    assert LoraServerLimits.from_server_info(without) is None
+    not_updatable = {**LORA_SERVER_INFO, "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}}
+    assert not LoraServerLimits.from_server_info(not_updatable).runtime_updating
+
+
+def test_limits_that_fit_pass_and_too_small_ones_name_the_restart_flags():
+    check_lora_limits(LoraServerLimits(8, 3, True), rank=4, max_staleness=1)
+    with pytest.raises(ValueError) as error:
+        check_lora_limits(LoraServerLimits(8, 3, True), rank=12, max_staleness=4)
+    message = str(error.value)
+    assert "--max-lora-rank is 8 but the adapter's rank is 12" in message
+    assert "max_staleness + 2 = 6" in message
+    # 16 is the smallest rank vLLM accepts that holds 12
+    assert "--enable-lora --max-lora-rank 16 --max-loras 6" in message
+    with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
+        check_lora_limits(LoraServerLimits(8, 3, False), rank=8, max_staleness=1)
+
+
+def test_adapter_names_use_the_base_model_for_version_zero_and_without_a_prefix():
+    assert adapter_name("run", 0) is None
+    assert adapter_name(None, 5) is None
+    assert adapter_name("run", 3) == "run-v3"
+    assert adapter_prefix("/tmp/out dir/My Run!") == "My-Run"
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return build_tiny_model()
+
+
+def _peft(tiny_path, **lora_kwargs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(**lora_kwargs))
+
+
+def test_rank_pattern_and_unservable_adapters_are_recognised(tiny_path):
+    model = _peft(tiny_path, r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 16})
+    assert adapter_rank(model) == 16
+    assert unservable_reason(model) is None
+    dora = _peft(tiny_path, r=4, target_modules=["q_proj"], use_dora=True)
+    assert "DoRA" in unservable_reason(dora)
+    saved = _peft(tiny_path, r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert "modules_to_save" in unservable_reason(saved)
+
+
+def test_a_version_is_written_as_peft_saves_it(tiny_path, tmp_path):
+    """What vLLM reads: adapter_model.safetensors + adapter_config.json, same as save_pretrained."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model = _peft(tiny_path, r=4, target_modules=["q_proj", "v_proj"])
+    pusher = AdapterPusher.__new__(AdapterPusher)  # the disk half alone, no server
+    pusher.cache_dir = tmp_path / ".vllm_lora"
+    state = {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+    folder = pusher._write_version(model, state, "run-v1")
+    model.save_pretrained(tmp_path / "reference")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]
+    written = load_file(folder / "adapter_model.safetensors")
+    reference = load_file(tmp_path / "reference" / "adapter_model.safetensors")
+    assert written.keys() == reference.keys()
+    for name in written:
+        torch.testing.assert_close(written[name], reference[name])
+    assert [p.name for p in pusher.cache_dir.iterdir()] == ["run-v1"]  # no temp folder left
