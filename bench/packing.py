@@ -241,6 +241,12 @@ def main() -> None:
     parser.add_argument(
         "--token-budget", type=int, default=None, help="override the shape's budget"
     )
+    parser.add_argument(
+        "--group-sizes",
+        type=lambda text: [int(g) for g in text.split(",")],
+        default=list(GROUP_SIZES),
+        help="comma-separated G values (rollouts sharing a prompt) to run",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -250,7 +256,7 @@ def main() -> None:
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
     results = []
-    for group_size in GROUP_SIZES:
+    for group_size in args.group_sizes:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget)
         )
@@ -259,7 +265,7 @@ def main() -> None:
         del plain, packed
         torch.cuda.empty_cache()
         print(json.dumps(lm_head_memory(device)), flush=True)
-    shared = [r for r in results if r["packing_ratio"] > 1.5]
+    shared = [r for r in results if r["packing_ratio"] > 1.5] or results
     print(
         json.dumps(
             {
