@@ -89,3 +89,53 @@ def test_a_version_is_written_as_peft_saves_it(tiny_path, tmp_path):
     for name in written:
         torch.testing.assert_close(written[name], reference[name])
     assert [p.name for p in pusher.cache_dir.iterdir()] == ["run-v1"]  # no temp folder left
+
+
+class _RecordingSampler:
+    """Seam fake: records the model each request names; `gone` adapters answer 404 like vLLM."""
+
+    def __init__(self, gone=()):
+        self.models, self.gone = [], set(gone)
+
+    async def generate(self, prompt_ids, params, *, model=None):
+        from grpo_agent.sampler.errors import RequestRejectedError
+
+        self.models.append(model)
+        if model in self.gone:
+            raise RequestRejectedError("gone", status_code=404,
+                                       server_message=f"The model `{model}` does not exist.")
+        return model
+
+
+def _loop_at_version(current: int, sampler, lora_name="run"):
+    import multiprocessing
+
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.sampler.client import SamplingParams
+
+    loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # only what generate_one_turn reads
+    loop.lora_name, loop.sampler, loop._seeds = lora_name, sampler, None
+    loop._sampling_params = SamplingParams(max_tokens=4)
+    loop.model_version_value = multiprocessing.Value("q", current)
+    return loop
+
+
+def test_each_rollout_samples_the_adapter_of_its_groups_version():
+    import asyncio
+
+    from grpo_agent.rollout import loop as loop_module
+
+    async def turn_in_group(loop, group_version):
+        loop_module._ROLLOUT_VERSION.set(group_version)  # what _run_group does
+        return await loop.generate_one_turn([1, 2, 3])
+
+    sampler = _RecordingSampler(gone={"run-v1"})
+    loop = _loop_at_version(3, sampler)
+    assert asyncio.run(turn_in_group(loop, 2)) == "run-v2"
+    assert asyncio.run(turn_in_group(loop, 0)) is None  # version 0: the base model
+    assert asyncio.run(loop.generate_one_turn([1])) == "run-v3"  # outside a group: the newest
+    # An unloaded adapter (older than max_staleness): the rollout finishes on the newest one.
+    assert asyncio.run(turn_in_group(loop, 1)) == "run-v3"
+    assert sampler.models == ["run-v2", None, "run-v3", "run-v1", "run-v3"]
+    without_lora = _loop_at_version(3, _RecordingSampler(), lora_name=None)
+    assert asyncio.run(turn_in_group(without_lora, 2)) is None
