@@ -192,8 +192,12 @@ class AdapterPusher:
         """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
         if not self._main:
             return
+        from grpo_agent.sampler.errors import SamplerError
+
         try:
             self._run(self._unload_all())
+        except SamplerError as error:  # a dead server must not hide why training stopped
+            logger.warning("Could not unload this run's LoRA adapters: %s", error)
         finally:
             for folder in [*self._unloaded_folders, *(f for _, f in self._registered)]:
                 shutil.rmtree(folder, ignore_errors=True)
