@@ -39,8 +39,9 @@ def forward_hidden(
             "The model is not in tree-attention mode: call "
             "grpo_agent.train.tree_attention.enable_tree_attention(model) once after loading it."
         )
-    device = _model_device(model)
-    tree = TreeMask.build(row, device, backend)
+    param = next(model.parameters())
+    tree = TreeMask.build(row, param.device, backend, dtype=param.dtype)
+    device = param.device
     kwargs = {"output_router_logits": True} if output_router_logits else {}
     out = model.get_decoder()(
         input_ids=row.input_ids.to(device)[None],

@@ -8,7 +8,8 @@ the attention implementation name `grpo_tree` registered with `AttentionInterfac
 that name has no mask function in transformers, the model builds no mask of its own.
 
 Kernels: on CUDA, FlexAttention with a block mask built from the predicate (sparse blocks are
-skipped). On CPU, where FlexAttention has no backward, "gather": each segment's queries run
+skipped); rows that share nothing use a flash-attn varlen kernel instead when one is already
+on the machine ("varlen", see `flash_varlen`). On CPU, where FlexAttention has no backward, "gather": each segment's queries run
 SDPA against the keys/values gathered along its path (work and memory grow with the sum of
 segment x path lengths, not N^2); "sdpa" (one SDPA call with the dense [N, N] boolean mask) is
 the simple reference and the fallback for sliding-window layers and attention dropout.
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from grpo_agent.train import flash_varlen
 from grpo_agent.train.packing import PackedRow
 
 ATTN_IMPLEMENTATION = "grpo_tree"
@@ -40,20 +42,31 @@ class TreeMask:
     segment_ids: torch.Tensor  # [N]
     ancestors: torch.Tensor  # [S, S] bool
     position_ids: torch.Tensor  # [N]
-    backend: str  # "flex", "gather" or "sdpa"
+    backend: str  # "flex", "varlen", "gather" or "sdpa"
     block_mask: Any = None  # FlexAttention BlockMask (flex)
+    cu_seqlens: tuple[torch.Tensor, int] | None = None  # segment bounds, longest (varlen)
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
     segments: list[_SegmentPlan] | None = None  # (gather)
 
     @classmethod
-    def build(cls, row: PackedRow, device: torch.device | str, backend: str = "auto") -> TreeMask:
+    def build(
+        cls,
+        row: PackedRow,
+        device: torch.device | str,
+        backend: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> TreeMask:
+        """`dtype` (the model's) lets "auto" pick the varlen kernel, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "gather"
-        if backend not in ("flex", "gather", "sdpa"):
+            backend = choose_backend(row, device, dtype)
+        if backend not in ("flex", "varlen", "gather", "sdpa"):
             raise ValueError(
-                f"tree attention backend {backend!r}: choose 'auto', 'flex', 'gather' or 'sdpa'."
+                f"tree attention backend {backend!r}: choose 'auto', 'flex', 'varlen', 'gather' "
+                "or 'sdpa'."
             )
+        if backend == "varlen":
+            _check_varlen(row)
         mask = cls(
             segment_ids=row.segment_ids.to(device),
             ancestors=row.segment_ancestors.to(device),
@@ -62,11 +75,41 @@ class TreeMask:
         )
         if backend == "flex":
             mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
+        elif backend == "varlen":
+            bounds, longest = flash_varlen.cu_seqlens(row.segment_ids)
+            mask.cu_seqlens = (bounds.to(device), longest)
         elif backend == "gather":
             mask.segments = _segment_plans(row, device)
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
+
+
+def choose_backend(row: PackedRow, device: torch.device, dtype: torch.dtype | None) -> str:
+    """gather on CPU; on CUDA varlen for unshared half-precision rows with a kernel, else flex."""
+    if device.type != "cuda":
+        return "gather"
+    if (
+        dtype in flash_varlen.HALF_DTYPES
+        and flash_varlen.row_is_unshared(row.segment_ancestors)
+        and flash_varlen.varlen_kernel() is not None
+    ):
+        return "varlen"
+    return "flex"
+
+
+def _check_varlen(row: PackedRow) -> None:
+    if not flash_varlen.row_is_unshared(row.segment_ancestors):
+        raise ValueError(
+            "the 'varlen' tree attention backend needs a row that shares no tokens; "
+            "use backend='auto' or 'flex' for tree-packed rows."
+        )
+    if flash_varlen.varlen_kernel() is None:
+        raise ValueError(
+            "the 'varlen' tree attention backend needs a flash-attn varlen kernel: install "
+            f"flash-attn, or set {flash_varlen.KERNEL_ENV} to a local kernel directory or "
+            "org/name@REVISION (loaded with the `kernels` library)."
+        )
 
 
 @dataclass
@@ -203,6 +246,12 @@ def tree_attention_forward(
             enable_gqa=gqa,
             kernel_options=_training_kernel_options(),
         )
+    elif tree_mask.backend == "varlen" and not sliding_window and not (dropout and module.training):
+        bounds, longest = tree_mask.cu_seqlens
+        kernel = flash_varlen.varlen_kernel()
+        return flash_varlen.varlen_attention(
+            kernel, query, key, value, bounds, longest, scaling
+        ), None
     elif tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
         out = _gathered_attention(query, key, value, tree_mask.segments, scaling, gqa)
     else:
