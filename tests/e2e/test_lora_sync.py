@@ -192,3 +192,47 @@ def test_too_small_server_limits_fail_at_start_with_the_restart_flags(
         trainer.train()
     assert expected in str(error.value)
     assert trainer.source is None  # no rollout worker was started
+
+
+def test_a_resumed_lora_run_serves_the_restored_adapter_from_its_first_rollout(lora_server, tmp_path):
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.demo import letter_fraction, load_prompts
+
+    def trainer_for(max_steps: int) -> AsyncGRPOTrainer:
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "run"), max_steps=max_steps, save_steps=2,
+            max_staleness=1, learning_rate=5e-2, num_generations=4, max_completion_length=16,
+            report_to="none", vllm_server_base_url=lora_server.base_url, use_cpu=True,
+            dtype="float32", gradient_checkpointing=False,
+        )
+        return AsyncGRPOTrainer(model=str(lora_server.model_path), reward_funcs=letter_fraction,
+                                train_dataset=load_prompts(), args=args,
+                                peft_config=LoraConfig(**LORA))
+
+    trainer_for(2).train()
+    resumed = trainer_for(3)
+    recorder = AdapterRecorder(resumed)
+    resumed.add_callback(recorder)
+    resumed.train(resume_from_checkpoint=True)
+
+    # Version 3 (the checkpoint's version 2, plus the push on resume) is served before step 3.
+    assert recorder.served == [["run-v3"]]
+    assert list(recorder.adapters) == [3]
+    trained = [s for s in recorder.samples if s.sequence.num_trained]
+    assert trained and {s.model_version for s in trained} == {3}
+    model = copy.deepcopy(resumed.model).eval()
+    model.set_attn_implementation("sdpa")
+    set_peft_model_state_dict(model, recorder.adapters[3])
+    gaps = []
+    for sample in trained[:8]:
+        sampled = [lp for lp, m in zip(sample.sequence.sampler_logprobs,
+                                       sample.sequence.trained_mask) if m]
+        gaps.append(max(abs(a - b) for a, b in zip(_sample_logprobs(model, sample), sampled)))
+    with model.disable_adapter():
+        base_gap = max(max(abs(a - b) for a, b in zip(
+            _sample_logprobs(model, s),
+            [lp for lp, m in zip(s.sequence.sampler_logprobs, s.sequence.trained_mask) if m]))
+            for s in trained[:8])
+    print(json.dumps({"resumed_own_gap_max": max(gaps), "resumed_base_gap_max": base_gap}))
+    assert max(gaps) < 2e-3
+    assert base_gap > 2e-2  # the restored adapter is not the base model
