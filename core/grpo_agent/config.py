@@ -121,6 +121,10 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _bf16_supported(self)
+        if _launched_on_cpu_with_several_processes():
+            # Without use_cpu, transformers sees a torchrun launch on CPU as one process: every
+            # rank would then log, save checkpoints and count itself as the main process.
+            self.use_cpu = True
         self._check()
         super().__post_init__()
 
@@ -198,5 +202,14 @@ def config_reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _launched_on_cpu_with_several_processes() -> bool:
+    import os
+
+    import torch
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
 if __name__ == "__main__":
     print(config_reference_markdown(), end="")
+

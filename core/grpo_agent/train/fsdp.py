@@ -62,3 +62,60 @@ def install_forward_method(model: nn.Module, name: str, function) -> None:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         register_fsdp_forward_method(model, name)
+
+
+# Checkpoints of a sharded model: the Trainer's own save/load paths assume unsharded tensors
+# (safetensors cannot read a DTensor's storage, and optimizer.pt would hold rank 0's shard only).
+# Every rank joins the gather; rank 0 ends up with full tensors on the CPU and writes them, so a
+# checkpoint is the same files as an unsharded run's and loads in either.
+
+
+def _full_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """Collective: the unsharded state dict on rank 0 (CPU), `{}` on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: the optimizer state keyed by parameter name, full on rank 0, `{}` elsewhere."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+
+
+def load_full_model_state(model: nn.Module, state: dict) -> None:
+    """Load an unsharded state dict (every rank holds it) into the sharded model."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    result = set_model_state_dict(model, state, options=_full_options(strict=False))
+    tied = _tied_parameter_names(model)
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"The checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+            f"{list(result.unexpected_keys)[:5]}. Resume with the model the run was started with."
+        )
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=_full_options())
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Names under which a parameter appears a second time (a tied LM head)."""
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.setdefault(id(param), name)
+    return tied

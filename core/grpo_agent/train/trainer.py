@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
 
 logger = logging.getLogger(__name__)
+OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.pt", "scheduler.pt"  # the Trainer's names
 
 
 @dataclass
@@ -223,6 +225,41 @@ class AsyncGRPOTrainer(Trainer):
         if self.args.max_steps > 0 or size is None:
             return False
         return self.ledger.frontier_after(list(in_hand)) >= self.args.num_train_epochs * size
+
+    # ------------------------------------------------------------------ sharded checkpoints
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if fsdp.world_size() == 1:
+            return super().save_model(output_dir, _internal_call)
+        state = fsdp.full_model_state(self.model)  # every rank gathers, rank 0 writes
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if fsdp.world_size() == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        state = fsdp.full_optimizer_state(self.model, self.optimizer)
+        if self.args.should_save:
+            torch.save(state, Path(output_dir) / OPTIMIZER_FILE)
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if fsdp.world_size() == 1:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+
+        files = sorted(Path(resume_from_checkpoint).glob("model*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{resume_from_checkpoint} holds no model*.safetensors to resume from.")
+        state = {k: v for f in files for k, v in load_file(f).items()}
+        fsdp.load_full_model_state(model or self.model, state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or fsdp.world_size() == 1:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state = torch.load(Path(checkpoint) / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        fsdp.load_full_optimizer_state(self.model, self.optimizer, state)
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
