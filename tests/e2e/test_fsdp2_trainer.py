@@ -28,9 +28,9 @@ def final_steps(out: Path) -> list[str]:
 
 def test_two_process_trainer_saves_full_checkpoints_and_resumes(private_server, tiny_model_path, tmp_path):
     out = tmp_path / "run"
-    first = torchrun(str(tiny_model_path), private_server.base_url, str(out), "3")
+    logs = torchrun(str(tiny_model_path), private_server.base_url, str(out), "3")
     assert final_steps(out) == ["3", "3"]
-    assert first.count("{'loss'") == 3, "only the main process logs, once per step"
+    assert logs.count("{'loss'") == 3, "only the main process logs, once per step"
 
     checkpoint = out / "checkpoint-2"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -41,7 +41,7 @@ def test_two_process_trainer_saves_full_checkpoints_and_resumes(private_server, 
     assert {k: tuple(v["exp_avg"].shape) for k, v in optimizer.items()} == full
     assert len(list(checkpoint.glob("rng_state_*.pth"))) == 2
 
-    second = torchrun(str(tiny_model_path), private_server.base_url, str(out), "5", "resume")
+    torchrun(str(tiny_model_path), private_server.base_url, str(out), "5", "resume")
     assert final_steps(out) == ["5", "5"]
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4

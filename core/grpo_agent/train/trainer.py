@@ -34,6 +34,7 @@ from grpo_agent.train.checkpoint import (
     append_ledger_line,
     last_complete_checkpoint,
 )
+from grpo_agent.train.lora_sync import AdapterPusher
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.step_source import StepSource
@@ -110,7 +111,7 @@ class AsyncGRPOTrainer(Trainer):
         self.ledger = PromptLedger()
         self.model_version = 0
         self.source: StepSource | None = None
-        self.pusher: WeightPusher | None = None
+        self.pusher: WeightPusher | AdapterPusher | None = None
         self._step_samples: list[TrainingSample] = []
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
