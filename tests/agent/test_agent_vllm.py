@@ -111,18 +111,25 @@ def test_dataset_column_routes_each_rollout_to_its_environment_and_tools(warm_se
     assert "run_code" in calls and "move" in calls
 
 
+def two_step_config(server, tmp_path):
+    """The spec's examples train for 2 steps on the warmed model, without thinking."""
+    from spec_agent_examples import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, chat_template_kwargs={"enable_thinking": False},
+        vllm_server_base_url=server.base_url, num_generations=4,
+        max_completion_length=64, max_tool_calling_iterations=2, report_to="none",
+    )
+
+
 @pytest.mark.e2e
 def test_spec_increment_env_example_trains_through_the_trainer(warm_server, tmp_path):
     """The spec's IncrementEnv example with AsyncGRPOTrainer (local model and server)."""
-    from spec_agent_examples import AsyncGRPOConfig, AsyncGRPOTrainer
+    from spec_agent_examples import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
         model=str(warm_server.model_path),
-        args=AsyncGRPOConfig(
-            output_dir=str(tmp_path), max_steps=2, chat_template_kwargs={"enable_thinking": False},
-            vllm_server_base_url=warm_server.base_url, num_generations=4,
-            max_completion_length=64, max_tool_calling_iterations=2, report_to="none",
-        ),
+        args=two_step_config(warm_server, tmp_path),
         environment_factory=IncrementEnv,
     )
     trainer.train()
@@ -138,16 +145,12 @@ def test_spec_increment_env_example_trains_through_the_trainer(warm_server, tmp_
 def test_spec_multi_environment_example_trains_through_the_trainer(warm_server, tmp_path):
     """The spec's multi-environment example with AsyncGRPOTrainer: the dataset only routes."""
     from datasets import Dataset
-    from spec_agent_examples import AsyncGRPOConfig, AsyncGRPOTrainer
+    from spec_agent_examples import AsyncGRPOTrainer
 
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
     trainer = AsyncGRPOTrainer(
         model=str(warm_server.model_path),
-        args=AsyncGRPOConfig(
-            output_dir=str(tmp_path), max_steps=2, chat_template_kwargs={"enable_thinking": False},
-            vllm_server_base_url=warm_server.base_url, num_generations=4,
-            max_completion_length=64, max_tool_calling_iterations=2, report_to="none",
-        ),
+        args=two_step_config(warm_server, tmp_path),
         train_dataset=dataset,
         reward_funcs=reward_func,
         environment_factory={"coding": CodingEnv, "game": GameEnv},

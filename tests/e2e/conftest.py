@@ -72,3 +72,17 @@ def cli() -> Cli:
 
 def tail(path: Path, chars: int = 6000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+def _torchrun(script: Path, *args: str, timeout: float = 600) -> str:
+    """Run `script` under torchrun with 2 CPU processes; its stdout (failing with its output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+@pytest.fixture
+def torchrun():
+    return _torchrun

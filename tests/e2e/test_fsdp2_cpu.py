@@ -1,7 +1,5 @@
 """FSDP2 on CPU with gloo: two trainer processes give one process's loss and gradients."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,12 +8,9 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 @pytest.mark.slow
-def test_two_fsdp2_processes_match_one_process_and_push_full_weights(tmp_path):
+def test_two_fsdp2_processes_match_one_process_and_push_full_weights(torchrun, tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(WORKER, str(out), timeout=300)
     result = json.loads(out.read_text())
     assert result["world"] == 2 and result["sharded"] == "DTensor"
     assert result["loss"] == pytest.approx(result["reference_loss"], rel=1e-5, abs=1e-7)

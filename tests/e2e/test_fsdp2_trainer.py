@@ -1,8 +1,6 @@
 """AsyncGRPOTrainer itself under torchrun: 2 FSDP2 processes (gloo, CPU), a real vLLM server,
 a checkpoint of full (unsharded) tensors, and a resume from it."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,21 +12,15 @@ SCRIPT = Path(__file__).with_name("fsdp_trainer_script.py")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 
-def torchrun(*args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(SCRIPT), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
-
-
 def final_steps(out: Path) -> list[str]:
     return [(out / f"done-rank{rank}").read_text() for rank in (0, 1)]
 
 
-def test_two_process_trainer_saves_full_checkpoints_and_resumes(private_server, tiny_model_path, tmp_path):
+def test_two_process_trainer_saves_full_checkpoints_and_resumes(
+    torchrun, private_server, tiny_model_path, tmp_path
+):
     out = tmp_path / "run"
-    logs = torchrun(str(tiny_model_path), private_server.base_url, str(out), "3")
+    logs = torchrun(SCRIPT, str(tiny_model_path), private_server.base_url, str(out), "3")
     assert final_steps(out) == ["3", "3"]
     assert logs.count("{'loss'") == 3, "only the main process logs, once per step"
 
@@ -41,7 +33,7 @@ def test_two_process_trainer_saves_full_checkpoints_and_resumes(private_server, 
     assert {k: tuple(v["exp_avg"].shape) for k, v in optimizer.items()} == full
     assert len(list(checkpoint.glob("rng_state_*.pth"))) == 2
 
-    torchrun(str(tiny_model_path), private_server.base_url, str(out), "5", "resume")
+    torchrun(SCRIPT, str(tiny_model_path), private_server.base_url, str(out), "5", "resume")
     assert final_steps(out) == ["5", "5"]
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4

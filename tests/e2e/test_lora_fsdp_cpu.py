@@ -1,7 +1,5 @@
 """Adapter sync under FSDP2 on CPU (gloo): the gathered adapter is the unsharded one."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,12 +8,9 @@ WORKER = Path(__file__).with_name("fsdp_lora_worker.py")
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_gather_the_full_adapter_and_agree_it_needs_a_push(tmp_path):
+def test_fsdp2_ranks_gather_the_full_adapter_and_agree_it_needs_a_push(torchrun, tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(WORKER, str(out), timeout=300)
     result = json.loads(out.read_text())
     assert result["sharded"] == "DTensor"
     assert result["names_match"]
