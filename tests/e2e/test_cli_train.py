@@ -84,7 +84,8 @@ def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_p
             "--vllm-url", private_server.base_url,
             "--set", "max_completion_length=16", "--set", "num_generations=4",
             "--set", "save_steps=3", "--set", "gradient_checkpointing=false",
-            "--set", "optim=adamw_torch", "--set", "learning_rate=0.0"]  # never saturates
+            "--set", "optim=adamw_torch", "--set", "learning_rate=0.0",  # never saturates
+            "--set", "token_budget=1024"]  # steps of ~50 samples (the server allows 4096 tokens)
     first = cli.start([*base, "--set", "max_steps=50"], tmp_path / "first.log")
     deadline = time.monotonic() + 600
     while not (out / "checkpoint-6").is_dir():

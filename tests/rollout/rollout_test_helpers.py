@@ -70,3 +70,22 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
 def child_cuda_visible_devices_reward(completion_ids, **kwargs):
     """Scores 1 only when the worker process hides every GPU."""
     return [float(os.environ.get("CUDA_VISIBLE_DEVICES") == "")] * len(completion_ids)
+
+
+class DiesMidMessageLoop:
+    """A worker that starts, then dies halfway through writing a metrics message (as a child
+    whose queue feeder is cut off at exit, or that is killed, would)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def run(self):
+        import os
+        import struct
+        import time
+
+        self.kwargs["heartbeat_value"].value = time.time()
+        writer = self.kwargs["metrics_queue"]._writer
+        writer._send(struct.pack("!i", 1_000_000) + b"\0" * 100)  # a header promising 1 MB
+        time.sleep(0.5)
+        os._exit(0)

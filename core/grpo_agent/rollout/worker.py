@@ -101,6 +101,7 @@ class RolloutWorker:
                 self._process.start()
             finally:
                 _restore_env("CUDA_VISIBLE_DEVICES", saved)
+        self._close_our_write_ends()
         startup_s = max(self.config.rollout_worker_timeout, MIN_STARTUP_S)
         deadline = time.monotonic() + startup_s
         while self._heartbeat.value == 0.0:
@@ -120,7 +121,13 @@ class RolloutWorker:
         self._stopped = True
         self._stop_event.set()
         process = self._process
-        process.join(grace_s)
+        # A child exits only after flushing what it queued; with a long backlog that needs us to
+        # read. Keep draining until it is gone: unread samples are discarded, metrics are kept.
+        deadline = time.monotonic() + grace_s
+        while process.is_alive() and time.monotonic() < deadline:
+            self._discard_queued_samples()
+            self._trainer_observations += self._read_metrics_queue()
+            process.join(0.05)
         if process.is_alive():
             process.terminate()
             process.join(5.0)
@@ -177,10 +184,13 @@ class RolloutWorker:
                 items.append(self._buffer.get(timeout=min(PULL_POLL_S, remaining)))
             except queue.Empty:
                 continue
+            except (EOFError, OSError) as error:  # the child died mid-message
+                self._check_health()
+                raise RolloutWorkerError(f"The sample queue broke: {error!r}") from error
         while len(items) < MAX_ITEMS_PER_PULL:
             try:
                 items.append(self._buffer.get_nowait())
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError):  # a broken queue shows at the next pull
                 break
         self._trainer_observations.append(("rollout/queue_size", float(self.queue_size)))
         return self._drop_stale(items)
@@ -189,6 +199,19 @@ class RolloutWorker:
         """Everything observed since the last call, for `grpo_agent.metrics.MetricWindow.extend`."""
         observations, self._trainer_observations = self._trainer_observations, []
         return observations if self._stopped else observations + self._read_metrics_queue()
+
+    def _close_our_write_ends(self) -> None:
+        """Only the child writes to the queues. With our copy of each pipe's write end closed,
+        a child killed mid-message leaves readers an EOF instead of a read that never returns."""
+        for channel in (self._buffer, self._metrics_queue, self._exception_queue):
+            channel._writer.close()  # multiprocessing.Queue has no public API for this
+
+    def _discard_queued_samples(self) -> None:
+        for _ in range(MAX_ITEMS_PER_PULL):
+            try:
+                self._buffer.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                return
 
     def _read_metrics_queue(self) -> list[Observation]:
         observations: list[Observation] = []

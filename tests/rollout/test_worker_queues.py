@@ -1,0 +1,30 @@
+"""The trainer's side of the worker's queues when the worker dies mid-message (no server)."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import rollout_test_helpers as helpers
+from grpo_agent.rollout.worker import RolloutWorker, RolloutWorkerError
+
+
+def _finishes_within(seconds: float, action) -> bool:
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_a_truncated_message_neither_hangs_the_metrics_drain_nor_the_next_pull():
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.DiesMidMessageLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    time.sleep(1.0)  # the child has written half a message and exited
+    try:
+        assert _finishes_within(20, worker.drain_metrics)  # EOF, not a read that never returns
+        with pytest.raises(RolloutWorkerError, match="exited with code 0"):
+            worker.pull(timeout=5.0)
+    finally:
+        assert _finishes_within(30, worker.stop)
