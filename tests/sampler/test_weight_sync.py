@@ -114,3 +114,21 @@ def test_gloo_push_while_requests_run_keeps_the_server_alive(pushable_server, mo
     after = sample(base_url, PROMPT)
     assert max_gap(after.output_log_probs,
                    token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
+
+
+def test_a_weight_update_left_open_by_a_killed_trainer_does_not_block_the_next_push(
+    pushable_server, models
+):
+    _, perturbed = models
+    base_url = pushable_server.base_url
+    sync = build_weight_sync(base_url, backend="gloo")
+    try:
+        sync.push(perturbed.named_parameters(), version=2)
+        sync.control.call("POST", "/start_weight_update")  # what a trainer killed mid-push leaves
+        sync.push(perturbed.named_parameters(), version=3)
+    finally:
+        sync.close()
+    after = sample(base_url, PROMPT)
+    assert max_gap(after.output_log_probs,
+                   token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
+    assert after.weight_versions == ["3"] * len(after.output_ids)

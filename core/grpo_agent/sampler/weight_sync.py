@@ -118,6 +118,23 @@ class ServerControl:
         self._http.close()
 
 
+def _start_update(control: ServerControl) -> None:
+    """Open a weight update; one left open by a trainer killed mid-push is closed first (the
+    push that follows rewrites every weight, so its half-written state does not matter)."""
+    try:
+        control.call("POST", "/start_weight_update")
+    except RequestRejectedError as error:
+        if "already active" not in str(error):
+            raise
+        logger.warning("%s had a weight update left open (an earlier trainer stopped "
+                       "mid-push); closing it before this push.", control.base_url)
+        for path in ("/finish_weight_update", "/start_weight_update"):
+            try:
+                control.call("POST", path)
+            except httpx.TransportError:  # the server drops a connection after a 500: retry once
+                control.call("POST", path)
+
+
 def _finish_push(control: ServerControl, version: int) -> None:
     control.set_version(version)
     control.reset_prefix_cache()
@@ -184,7 +201,7 @@ class GlooWeightSync:
                        "dtype_names": [s.dtype_name for s in specs],
                        "shapes": [list(s.shape) for s in specs]}
         transfer_began = time.perf_counter()
-        self.control.call("POST", "/start_weight_update")
+        _start_update(self.control)
         rpc = self._executor.submit(self.control.call, "POST", "/update_weights",
                                     json_body={"update_info": update_info})
         for chunk in plan_chunks(specs, self.chunk_bytes):
@@ -203,7 +220,8 @@ class GlooWeightSync:
         if self._group is not None:
             try:
                 self.control.call("POST", "/shutdown_weight_transfer_engine")
-            except (ServerUnreachableError, RequestRejectedError) as error:
+            except (ServerUnreachableError, RequestRejectedError, httpx.HTTPError) as error:
+                # Best effort at exit: never mask the error that ended the run.
                 logger.warning("could not shut down the server's transfer engine: %s", error)
         self._group = self._store = None
         self._executor.shutdown(wait=False)
