@@ -185,6 +185,7 @@ class RolloutWorker:
             except queue.Empty:
                 continue
             except (EOFError, OSError) as error:  # the child died mid-message
+                self._process.join(5.0)  # EOF means its write end closed: let it be reaped
                 self._check_health()
                 raise RolloutWorkerError(f"The sample queue broke: {error!r}") from error
         while len(items) < MAX_ITEMS_PER_PULL:
