@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
@@ -42,7 +43,6 @@ from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
 
 logger = logging.getLogger(__name__)
-OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.pt", "scheduler.pt"  # the Trainer's names
 
 
 @dataclass
@@ -241,8 +241,8 @@ class AsyncGRPOTrainer(Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         state = fsdp.full_optimizer_state(self.model, self.optimizer)
         if self.args.should_save:
-            torch.save(state, Path(output_dir) / OPTIMIZER_FILE)
-            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
+            torch.save(state, Path(output_dir) / OPTIMIZER_NAME)
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if fsdp.world_size() == 1:
@@ -258,9 +258,9 @@ class AsyncGRPOTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or fsdp.world_size() == 1:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        state = torch.load(Path(checkpoint) / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        state = torch.load(Path(checkpoint) / OPTIMIZER_NAME, map_location="cpu", weights_only=False)
         fsdp.load_full_optimizer_state(self.model, self.optimizer, state)
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
