@@ -44,3 +44,17 @@ def test_every_trained_token_sees_exactly_its_history(specs):
         assert int(row.position_ids[pred]) == t - 1
         assert int(row.targets[k]) == samples[i].sequence.token_ids[t]
         assert int(row.token_sample[k]) == i
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(sample_spec, min_size=1, max_size=6))
+def test_interval_rule_of_the_flex_kernel_equals_the_tree_rule(specs):
+    """The FlexAttention mask reads `j <= i < visible_until[j]`; it must be the tree rule."""
+    import torch
+    from grpo_agent.train.tree_attention import visible_until
+
+    row = pack_row([_sample(*spec) for spec in specs])
+    until = visible_until(row.segment_ids, row.segment_ancestors)
+    idx = torch.arange(row.num_tokens)
+    interval = (idx[None, :] <= idx[:, None]) & (idx[:, None] < until[None, :])
+    assert torch.equal(interval, dense_tree_mask(row.segment_ids, row.segment_ancestors))

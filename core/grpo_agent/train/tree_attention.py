@@ -164,11 +164,29 @@ def dense_tree_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor) -> torch
     return on_path & (idx[None, :] <= idx[:, None])
 
 
+def visible_until(segment_ids: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """[N] long: one past the last query that may see key j (the end of j's segment's subtree).
+
+    In the depth-first layout a segment's subtree is one contiguous range that starts at the
+    segment, so the tree rule "seg(j) is on seg(i)'s path and j <= i" is the interval test
+    `j <= i < visible_until[j]`: one load per score in the attention kernel instead of three
+    dependent ones (segment of i, segment of j, ancestor table)."""
+    segments = ancestors.shape[0]
+    seg_stop = torch.zeros(segments, dtype=torch.long, device=segment_ids.device)
+    positions = torch.arange(1, segment_ids.numel() + 1, device=segment_ids.device)
+    seg_stop.scatter_reduce_(0, segment_ids, positions, reduce="amax")
+    # [s, a] = a is on s's path; the subtree of a ends where its last descendant segment stops
+    subtree_stop = torch.where(ancestors, seg_stop[:, None], 0).amax(dim=0)
+    return subtree_stop[segment_ids]
+
+
 def _flex_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    until = visible_until(segment_ids, ancestors)
+
     def tree_mask_mod(b, h, q_idx, kv_idx):
-        return ancestors[segment_ids[q_idx], segment_ids[kv_idx]] & (kv_idx <= q_idx)
+        return (kv_idx <= q_idx) & (q_idx < until[kv_idx])
 
     n = segment_ids.numel()
     return create_block_mask(
