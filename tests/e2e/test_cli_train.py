@@ -113,6 +113,24 @@ def test_sigkill_then_resume_trains_every_prompt_once(cli, private_server, tmp_p
     assert set(range(final_frontier)) <= set(consumed), "a prompt below the resume point was lost"
 
 
+
+def test_lora_rank_flag_trains_an_adapter_and_syncs_it_as_an_adapter(cli, tmp_path):
+    """Embedded server started with --enable-lora; the adapter, not merged weights, is pushed."""
+    out = tmp_path / "lora"
+    args = ["train", "--env", "words", "--output-dir", str(out), "--lora-rank", "8"]
+    for item in ["max_steps=3", "learning_rate=0.001", "num_generations=4",
+                 "max_completion_length=16", "optim=adamw_torch", "save_strategy=no"]:
+        args += ["--set", item]
+    cli.run(args, tmp_path / "cli.log", timeout=900)
+
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)
+    assert not (out / "final" / "model.safetensors").exists()  # the adapter alone was saved
+    # Adapter versions are written here for the server to load, and removed when the run ends.
+    assert (out / ".vllm_lora").is_dir() and list((out / ".vllm_lora").iterdir()) == []
+    syncs = [r for r in read_jsonl(out / "metrics.jsonl") if "perf/weight_sync_s" in r]
+    assert syncs and all(r["perf/weight_sync_pause_s"] == 0.0 for r in syncs)
+
 def test_trainer_with_tools_runs_the_agent_path(private_server, tiny_model_path, tmp_path):
     script = Path(__file__).with_name("quickstart") / "train_with_tools.py"
     out = tmp_path / "run"

@@ -101,6 +101,22 @@ def test_train_dry_run_resolves_env_and_config(cli, tmp_path):
     assert config["max_steps"] == 3 and config["output_dir"] == str(tmp_path / "run")
 
 
+
+def test_train_dry_run_shows_the_lora_adapter(cli, tmp_path):
+    code, out, _ = cli(
+        "train", "--env", "counter", "--lora-rank", "8", "--lora-target-modules",
+        "q_proj, v_proj", "--output-dir", str(tmp_path / "run"), "--dry-run",
+    )
+    assert code == 0
+    lora_line = out.splitlines()[2]
+    assert lora_line == "lora: {'r': 8, 'lora_alpha': 16, 'target_modules': ['q_proj', 'v_proj']}"
+
+
+def test_lora_alpha_without_a_rank_is_a_clear_error(cli, tmp_path):
+    code, _, err = cli("train", "--env", "counter", "--lora-alpha", "16", "--dry-run")
+    assert code == 1
+    assert "--lora-alpha needs --lora-rank" in err
+
 def test_debug_flag_shows_the_traceback(cli_script):
     plain = cli_script("env", "show", "nope")
     debug = cli_script("--debug", "env", "show", "nope")

@@ -30,6 +30,16 @@ def train(
     output_dir: Annotated[
         str | None, typer.Option("--output-dir", help="Where checkpoints and metrics go.")
     ] = None,
+    lora_rank: Annotated[
+        int | None,
+        typer.Option("--lora-rank", min=1, help="Train a LoRA adapter of this rank (PEFT)."),
+    ] = None,
+    lora_alpha: Annotated[
+        int | None, typer.Option("--lora-alpha", min=1, help="LoRA alpha (default: 2 x rank).")
+    ] = None,
+    lora_target_modules: Annotated[
+        str, typer.Option("--lora-target-modules", help="Comma-separated module names, or all-linear.")
+    ] = "all-linear",
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Resolve env and config, print them, do not train.")
     ] = False,
@@ -37,20 +47,38 @@ def train(
     """Train on a registered environment.
 
     Example: grpo-agent train --env counter --set max_steps=20 --output-dir runs/counter
+
+    With --lora-rank the policy is a LoRA adapter; a managed server is started with
+    --enable-lora so the trainer pushes the adapter, not merged weights.
     """
     from grpo_agent.cli.config_files import build_config
     from grpo_agent.plugins import load_registry
 
+    if lora_rank is None and lora_alpha is not None:
+        raise CliError("--lora-alpha needs --lora-rank (the rank of the adapter to train).")
     config = build_config(config_file, sets or [], output_dir=output_dir)
     spec = load_registry().environment_spec(env)
+    lora = None
+    if lora_rank is not None:
+        lora = {"r": lora_rank, "lora_alpha": lora_alpha or 2 * lora_rank,
+                "target_modules": _target_modules(lora_target_modules)}
     if dry_run:
         typer.echo(f"env: {spec.id} [{spec.distribution}]")
         typer.echo(f"model: {model or '(tiny test model)'}  vllm: {vllm_url or '(managed here)'}")
+        if lora:
+            typer.echo(f"lora: {lora}")
         typer.echo(config.to_json_string())
         return
     try:
         from grpo_agent.train.run import run_training
     except ImportError as err:
         raise CliError(f"Training is not available in this install ({err}).") from err
-    out = run_training(env=env, config=config, model=model, vllm_url=vllm_url)
+    out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora)
     typer.echo(f"Run finished: {out}")
+
+
+def _target_modules(text: str) -> str | list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise CliError("--lora-target-modules is empty: name modules (q_proj,v_proj) or all-linear.")
+    return names[0] if names == ["all-linear"] else names

@@ -83,6 +83,11 @@ def unservable_reason(model: nn.Module) -> str | None:
     return None
 
 
+def server_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds an adapter of this rank."""
+    return next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
+
+
 def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -> None:
     """Raise with the flags to restart the server with when it cannot hold this run's adapters."""
     needed_loras = max_staleness + 2
@@ -100,7 +105,7 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -
                         "be loaded while it runs")
     if not problems:
         return
-    server_rank = next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
+    server_rank = server_lora_rank(rank)
     raise ValueError(
         "The vLLM server runs with --enable-lora but cannot serve this run's LoRA adapters: "
         + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "

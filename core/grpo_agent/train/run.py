@@ -28,8 +28,12 @@ def run_training(
     model: str | None = None,
     vllm_url: str | None = None,
     resume_from_checkpoint: str | bool | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> Path:
-    """Train on a registered environment; returns the output directory."""
+    """Train on a registered environment; returns the output directory.
+
+    `lora` holds peft `LoraConfig` fields (r, lora_alpha, target_modules): the run trains an
+    adapter, and a managed server is started with LoRA enabled so the adapter is what syncs."""
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_agent.train.reporting import (
@@ -45,7 +49,8 @@ def run_training(
     model_path = model or _tiny_model_path()
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with _server(model_path, vllm_url) as base_url:
+    peft_config = _lora_config(lora) if lora else None
+    with _server(model_path, vllm_url, lora, config.max_staleness) as base_url:
         config.vllm_server_base_url = base_url
         config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
@@ -57,6 +62,7 @@ def run_training(
             tools=task["tools"],
             environment_factory=task["environment_factory"],
             callbacks=[JsonlMetricsCallback(), ProgressCallback()],
+            peft_config=peft_config,
         )
         trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
         trainer.train(resume_from_checkpoint=_resume_arg(resume_from_checkpoint, config))
@@ -95,16 +101,29 @@ def _tiny_model_path() -> str:
     return str(build_tiny_model())
 
 
+def _lora_config(lora: dict[str, Any]) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora)
+
+
 @contextlib.contextmanager
-def _server(model_path: str, vllm_url: str | None) -> Iterator[str]:
+def _server(
+    model_path: str, vllm_url: str | None, lora: dict[str, Any] | None, max_staleness: int
+) -> Iterator[str]:
     if vllm_url:
         yield vllm_url
         return
     from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.train.lora_sync import server_lora_rank
 
     logger.info("No --vllm-url: starting a vLLM server for %s on this machine.", model_path)
+    lora_flags = {}
+    if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
+        lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
+                      "max_loras": max_staleness + 2}
     with ManagedVLLMServer(
-        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN
+        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN, **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
         yield server.base_url
