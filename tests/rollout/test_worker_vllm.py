@@ -95,9 +95,10 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
                 notices.append(item)
         observations.extend(worker.drain_metrics())
 
-    def enough():
+    def enough():  # a group's samples may span two pulls: stop only with whole groups
         reasons = {notice.reason for notice in notices}
-        return len(samples_by_group) >= 3 and {"zero_std", "reward_error"} <= reasons
+        whole = all(len(g) == g[0].group_num_samples for g in samples_by_group.values())
+        return whole and len(samples_by_group) >= 3 and {"zero_std", "reward_error"} <= reasons
 
     worker.start()
     try:
@@ -132,6 +133,18 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
         smallest = min(s.num_tokens for group in samples_by_group.values() for s in group)
         group_tokens = max(sum(s.num_tokens for s in group) for group in samples_by_group.values())
         assert dropped * smallest <= STEP_TOKENS + 2 * group_tokens
+
+        # 4. max_staleness=0 between taking a step and its push: no new group starts until the
+        # trainer reports the step's tokens again (groups already in flight still finish).
+        worker.hold_admission()
+        assert _queue_settles(worker, steady_s=4, within_s=60)
+        worker.pull(timeout=10)
+        time.sleep(6)
+        assert worker.queue_size == 0 and not worker.pull(timeout=1), "a group started while held"
+        worker.report_step_tokens(STEP_TOKENS)
+        resumed = []
+        _pull_until(worker, lambda: bool(resumed), 90, resumed.extend)
+        assert resumed, "generation did not resume after the step's tokens were reported"
         pid = worker.pid
     finally:
         worker.stop()

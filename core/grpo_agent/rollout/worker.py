@@ -164,6 +164,15 @@ class RolloutWorker:
         self._window_tokens = max(self.config.max_staleness, 1) * max(int(tokens), 1)
         self._publish_allowance()
 
+    def hold_admission(self) -> None:
+        """Start no new group until the next `report_step_tokens`.
+
+        For max_staleness=0: a group started between taking a step's samples and that step's
+        weight push is stale before it can be trained, so generating it is wasted work; the
+        window opens again once the new weights are on the server."""
+        self._window_tokens = 0
+        self._publish_allowance()
+
     @property
     def queue_size(self) -> int:
         try:

@@ -114,6 +114,9 @@ class StepSource:
     def set_model_version(self, version: int) -> None:
         self.worker.set_model_version(version)
 
+    def hold_admission(self) -> None:
+        self.worker.hold_admission()
+
     def finish_step(self, samples: list[TrainingSample], window: MetricWindow) -> None:
         """Tell the worker how many tokens a step uses (its staleness allowance); take its metrics."""
         self.worker.report_step_tokens(sum(s.num_tokens for s in samples))

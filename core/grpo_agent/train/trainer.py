@@ -213,11 +213,16 @@ class AsyncGRPOTrainer(Trainer):
             )
             self._step_samples = self.source.next_step(planner)
             plan = planner.plan()
+            if self.args.max_staleness == 0 and self._step_ends_with_push():
+                self.source.hold_admission()  # until the push: new groups would arrive stale
         if fsdp.world_size() > 1:  # the ledger too, so every rank makes the same stop decision
             box = [(plan, self._step_samples, self.ledger)]
             torch.distributed.broadcast_object_list(box, src=0)
             plan, self._step_samples, self.ledger = box[0]
         return plan
+
+    def _step_ends_with_push(self) -> bool:
+        return (self.state.global_step + 1) % self.args.weight_sync_steps == 0
 
     def prompt_epochs_done(self, in_hand: list[TrainingSample] = ()) -> bool:
         """`num_train_epochs` counted in prompts (without `max_steps`): all consumed, counting
