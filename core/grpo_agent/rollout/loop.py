@@ -44,6 +44,7 @@ from grpo_agent.types import PromptConsumed, Rollout, RolloutGroup, TrainingSamp
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+ALLOWANCE_HELD = -1.0  # token_allowance value: start no group (worker.hold_admission)
 METRICS_FLUSH_INTERVAL_S = 1.0
 ALLOWANCE_POLL_S = 0.05
 # The model version a rollout samples with: its group's, set before the group's rollouts start.
@@ -208,9 +209,17 @@ class AsyncRolloutLoop:
         return self._queued_tokens + self._groups_in_flight * per_group
 
     def _allowance_has_room(self) -> bool:
+        allowance = self.token_allowance.value
+        if allowance == ALLOWANCE_HELD:
+            return False
         if self._groups_done == 0:  # no idea yet how many tokens a group makes: one at a time
             return self._groups_in_flight == 0
-        return self._tokens_committed() < self.token_allowance.value
+        if self._tokens_committed() < allowance:
+            return True
+        # max_staleness=0 admits one step of tokens per model version. A step can need more
+        # than the last one did; with nothing in flight the trainer is still filling it (it
+        # would have held admission otherwise), so one more group may start.
+        return self.config.max_staleness == 0 and self._groups_in_flight == 0
 
     async def _wait_for_room(self) -> None:
         started = time.perf_counter()

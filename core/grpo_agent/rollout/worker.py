@@ -22,6 +22,7 @@ from typing import Any
 from typing_extensions import Self
 
 from grpo_agent.metrics import Observation
+from grpo_agent.rollout.loop import ALLOWANCE_HELD
 from grpo_agent.types import PromptConsumed, TrainingSample
 
 STOP_GRACE_S = 15.0
@@ -68,8 +69,10 @@ class RolloutWorker:
         self._model_version = self._context.Value("q", 0)
         self._token_allowance = self._context.Value("d", 0.0)
         self._heartbeat = self._context.Value("d", 0.0)
-        self._consumed_tokens = 0
+        self._consumed_tokens = 0  # forwarded tokens the trainer has pulled (stale ones too)
+        self._window_base = 0  # max_staleness=0: _consumed_tokens at the last weight push
         self._window_tokens = max(config.max_staleness, 1) * _full_step_tokens(config)
+        self._held = False
         self._publish_allowance()
         self._trainer_observations: list[Observation] = []
         self._stale_groups: set[int] = set()
@@ -160,8 +163,11 @@ class RolloutWorker:
         return int(self._model_version.value)
 
     def report_step_tokens(self, tokens: int) -> None:
-        """The forwarded tokens the last optimizer step used: the allowance window follows it."""
+        """The forwarded tokens the last optimizer step used: the allowance window follows it.
+
+        Called after the step's weight push, so it also ends a `hold_admission`."""
         self._window_tokens = max(self.config.max_staleness, 1) * max(int(tokens), 1)
+        self._window_base, self._held = self._consumed_tokens, False
         self._publish_allowance()
 
     def hold_admission(self) -> None:
@@ -170,7 +176,7 @@ class RolloutWorker:
         For max_staleness=0: a group started between taking a step's samples and that step's
         weight push is stale before it can be trained, so generating it is wasted work; the
         window opens again once the new weights are on the server."""
-        self._window_tokens = 0
+        self._held = True
         self._publish_allowance()
 
     @property
@@ -234,7 +240,16 @@ class RolloutWorker:
     # ------------------------------------------------------------------ internals
 
     def _publish_allowance(self) -> None:
-        self._token_allowance.value = float(self._consumed_tokens + self._window_tokens)
+        """The cumulative token allowance the dispatcher compares its committed tokens with.
+
+        The window slides with every pull, except under max_staleness=0: there it counts from
+        the last weight push, so each model version gets one step of groups (pulls during the
+        step do not admit the next step's groups, which would arrive stale)."""
+        if self._held:
+            self._token_allowance.value = ALLOWANCE_HELD
+            return
+        base = self._window_base if self.config.max_staleness == 0 else self._consumed_tokens
+        self._token_allowance.value = float(base + self._window_tokens)
 
     def _drop_stale(self, items: list) -> list:
         now, version = time.time(), self.model_version
