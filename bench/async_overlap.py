@@ -9,13 +9,20 @@ time per step (`perf/rollout_wait_s`: the trainer waiting for its samples) and t
 (`perf/step_s` minus that wait); the ideal speedup of overlapping them is
 (gen + train) / max(gen, train). Prints one JSON line per run and a summary line last.
 
-Usage: python bench/async_overlap.py [--steps 30] [--vllm-url URL]
+Cores: on a GPU machine vLLM and the trainer run on different devices. The CPU analogue is
+disjoint cores, so by default (`--split-cores`) the managed server's compute threads are bound
+to the first half of this process's cores (VLLM_CPU_OMP_THREADS_BIND) and the trainer, with
+its rollout worker, to the rest; both runs use the same split. `--no-split-cores` leaves them
+sharing every core, which measures CPU contention as much as the pipeline.
+
+Usage: python bench/async_overlap.py [--steps 30] [--vllm-url URL] [--no-split-cores]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -70,35 +77,70 @@ def run(mode: str, base_url: str, model_path: str, steps: int, out_dir: Path) ->
     rows = rows[WARMUP_STEPS:]
     step_s = statistics.mean(r["perf/step_s"] for r in rows)
     wait_s = statistics.mean(r["perf/rollout_wait_s"] for r in rows)
+
+    def mean_of(key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    # Why generation per step can differ between the modes: the server's batch (concurrency)
+    # and its throughput, and samples generated only to be dropped as stale.
     return {"mode": mode, "steps_measured": len(rows), "step_s": step_s, "rollout_wait_s": wait_s,
-            "train_s": step_s - wait_s}
+            "train_s": step_s - wait_s,
+            "generated_tokens_per_s": mean_of("rollout/generated_tokens_per_s"),
+            "concurrency": mean_of("rollout/concurrency"),
+            "dropped_stale": sum(r.get("sample/dropped_stale_count") or 0 for r in rows)}
+
+
+def split_cores() -> tuple[list[int], list[int]]:
+    """(server cores, trainer cores): halves of this process's CPU affinity."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs at least 2 cores; run with --no-split-cores")
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def pin_trainer(cores: list[int]) -> None:
+    import torch
+
+    os.sched_setaffinity(0, cores)  # the rollout worker, spawned later, inherits it
+    torch.set_num_threads(len(cores))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--vllm-url", default=None, help="a server you started (weights get pushed)")
+    parser.add_argument("--split-cores", action=argparse.BooleanOptionalAction, default=True,
+                        help="disjoint cores for the managed server and the trainer (default)")
     opts = parser.parse_args()
     from grpo_agent.testing import build_tiny_model
 
     model_path = str(build_tiny_model())
+    server_cores, trainer_cores = split_cores() if opts.split_cores else ([], [])
     with tempfile.TemporaryDirectory() as tmp:
         if opts.vllm_url:
+            if trainer_cores:
+                pin_trainer(trainer_cores)
             results = [run(m, opts.vllm_url, model_path, opts.steps, Path(tmp)) for m in ("sync", "async")]
         else:
             from grpo_agent.sampler.server import ManagedVLLMServer
 
-            with ManagedVLLMServer(model_path, dtype="float32", max_model_len=1024) as server:
+            env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else {}
+            with ManagedVLLMServer(model_path, dtype="float32", max_model_len=1024, env=env) as server:
+                if trainer_cores:
+                    pin_trainer(trainer_cores)
                 results = [run(m, server.base_url, model_path, opts.steps, Path(tmp))
                            for m in ("sync", "async")]
+    cores = {"server_cores": server_cores, "trainer_cores": trainer_cores} if opts.split_cores else {}
     for result in results:
-        print(json.dumps(result))
+        print(json.dumps(result | cores))
     sync, async_ = results
     gen, train = sync["rollout_wait_s"], sync["train_s"]
     ideal = (gen + train) / max(gen, train)
     speedup = sync["step_s"] / async_["step_s"]
     print(json.dumps({
-        "summary": "async_overlap", "gen_s": gen, "train_s": train,
+        "summary": "async_overlap", "split_cores": opts.split_cores, "gen_s": gen, "train_s": train,
         "sync_step_s": sync["step_s"], "async_step_s": async_["step_s"],
         "speedup": speedup, "ideal": ideal, "fraction_of_ideal": speedup / ideal,
     }))
