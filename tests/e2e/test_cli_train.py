@@ -9,7 +9,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +133,59 @@ def test_lora_rank_flag_trains_an_adapter_and_syncs_it_as_an_adapter(cli, tmp_pa
     assert (out / ".vllm_lora").is_dir() and list((out / ".vllm_lora").iterdir()) == []
     syncs = [r for r in read_jsonl(out / "metrics.jsonl") if "perf/weight_sync_s" in r]
     assert syncs and all(r["perf/weight_sync_pause_s"] == 0.0 for r in syncs)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (a child in its own session is still a child)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_run_with_its_managed_server_and_worker(cli, tmp_path):
+    """`kill PID` on the CLI alone (not its group) must not leave the vLLM server running."""
+    out = tmp_path / "term"
+    proc = cli.start(["train", "--env", "words", "--output-dir", str(out), "--set", "max_steps=500",
+                      "--set", "save_strategy=no", "--set", "max_completion_length=16"],
+                     tmp_path / "cli.log")
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            assert proc.poll() is None, tail_of(tmp_path / "cli.log")
+            time.sleep(1)
+        assert (out / "metrics.jsonl").is_file(), tail_of(tmp_path / "cli.log")
+        below = _descendants(proc.pid)
+        assert len(below) >= 2, below  # at least the server and the rollout worker
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not [pid for pid in below if _alive(pid)], tail_of(tmp_path / "cli.log")
+    finally:
+        cli.stop(proc)
+        for pid in below:  # a failed run must not leak its server (it has its own session)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
 
 def test_trainer_with_tools_runs_the_agent_path(private_server, tiny_model_path, tmp_path):
     script = Path(__file__).with_name("quickstart") / "train_with_tools.py"

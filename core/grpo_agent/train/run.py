@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,8 +124,27 @@ def _server(
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
                       "max_loras": max_staleness + 2}
-    with ManagedVLLMServer(
+    with _exit_on_sigterm(), ManagedVLLMServer(
         model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN, **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
         yield server.base_url
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM (`kill PID`, a job scheduler) exits like Ctrl-C, so the managed server and the
+    rollout worker are stopped on the way out. Its default action ends the process at once,
+    leaving the server (its own session, so it gets no signal) running with its memory."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
