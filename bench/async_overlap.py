@@ -10,10 +10,11 @@ time per step (`perf/rollout_wait_s`: the trainer waiting for its samples) and t
 (gen + train) / max(gen, train). Prints one JSON line per run and a summary line last.
 
 Cores: on a GPU machine vLLM and the trainer run on different devices. The CPU analogue is
-disjoint cores, so by default (`--split-cores`) the managed server's compute threads are bound
-to the first half of this process's cores (VLLM_CPU_OMP_THREADS_BIND) and the trainer, with
-its rollout worker, to the rest; both runs use the same split. `--no-split-cores` leaves them
-sharing every core, which measures CPU contention as much as the pipeline.
+disjoint cores, so by default (`--split-cores`) the managed server's compute threads get the
+first half of this process's cores and the trainer, with its rollout worker, the rest
+(`grpo_agent.sampler.cpu_cores`, as `grpo-agent train` does with the server it starts); both
+runs use the same split. `--no-split-cores` leaves them sharing every core, which measures CPU
+contention as much as the pipeline.
 
 Usage: python bench/async_overlap.py [--steps 30] [--vllm-url URL] [--no-split-cores]
 """
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
+from grpo_agent.sampler.cpu_cores import split_cores, trainer_on
 from transformers import TrainerCallback
 
 WARMUP_STEPS = 3
@@ -91,22 +93,6 @@ def run(mode: str, base_url: str, model_path: str, steps: int, out_dir: Path) ->
             "dropped_stale": sum(r.get("sample/dropped_stale_count") or 0 for r in rows)}
 
 
-def split_cores() -> tuple[list[int], list[int]]:
-    """(server cores, trainer cores): halves of this process's CPU affinity."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("--split-cores needs at least 2 cores; run with --no-split-cores")
-    half = len(cores) // 2
-    return cores[:half], cores[half:]
-
-
-def pin_trainer(cores: list[int]) -> None:
-    import torch
-
-    os.sched_setaffinity(0, cores)  # the rollout worker, spawned later, inherits it
-    torch.set_num_threads(len(cores))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -117,22 +103,24 @@ def main() -> None:
     from grpo_agent.testing import build_tiny_model
 
     model_path = str(build_tiny_model())
-    server_cores, trainer_cores = split_cores() if opts.split_cores else ([], [])
+    split = split_cores() if opts.split_cores else None
+    if opts.split_cores and split is None:
+        raise SystemExit("--split-cores needs at least 2 cores; run with --no-split-cores")
+    pinned = trainer_on(split.trainer) if split else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as tmp:
         if opts.vllm_url:
-            if trainer_cores:
-                pin_trainer(trainer_cores)
-            results = [run(m, opts.vllm_url, model_path, opts.steps, Path(tmp)) for m in ("sync", "async")]
+            with pinned:
+                results = [run(m, opts.vllm_url, model_path, opts.steps, Path(tmp))
+                           for m in ("sync", "async")]
         else:
             from grpo_agent.sampler.server import ManagedVLLMServer
 
-            env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else {}
-            with ManagedVLLMServer(model_path, dtype="float32", max_model_len=1024, env=env) as server:
-                if trainer_cores:
-                    pin_trainer(trainer_cores)
+            env = split.server_env() if split else None
+            with ManagedVLLMServer(model_path, dtype="float32", max_model_len=1024, env=env) as server, \
+                    pinned:
                 results = [run(m, server.base_url, model_path, opts.steps, Path(tmp))
                            for m in ("sync", "async")]
-    cores = {"server_cores": server_cores, "trainer_cores": trainer_cores} if opts.split_cores else {}
+    cores = {"server_cores": split.server, "trainer_cores": split.trainer} if split else {}
     for result in results:
         print(json.dumps(result | cores))
     sync, async_ = results

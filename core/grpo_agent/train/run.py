@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.sampler.cpu_cores import OMP_BIND_ENV, CoreSplit, split_cores, trainer_on
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +126,28 @@ def _server(
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
                       "max_loras": max_staleness + 2}
+    split = _core_split()
     with _exit_on_sigterm(), ManagedVLLMServer(
-        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN, **lora_flags
+        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN,
+        env=split.server_env() if split else None, **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
-        yield server.base_url
+        if split is None:
+            yield server.base_url
+            return
+        logger.info("CPU cores: vLLM computes on %s, the trainer runs on %s.",
+                    split.server, split.trainer)
+        with trainer_on(split.trainer):
+            yield server.base_url
+
+
+def _core_split() -> CoreSplit | None:
+    """Disjoint cores for a CPU server started here, unless the user binds vLLM's threads."""
+    import torch
+
+    if torch.cuda.is_available() or OMP_BIND_ENV in os.environ:
+        return None
+    return split_cores()
 
 
 @contextlib.contextmanager
