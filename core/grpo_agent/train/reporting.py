@@ -18,15 +18,29 @@ PLOT_NAME = "reward.png"
 
 
 class JsonlMetricsCallback(TrainerCallback):
-    """Appends each logged window to `<output_dir>/metrics.jsonl` (main process only)."""
+    """Appends each logged window to `<output_dir>/metrics.jsonl` (main process only).
+
+    At train begin the file keeps only the rows of steps the run starts from: none for a fresh
+    run in a used output directory (its plot would otherwise mix two runs), the steps up to the
+    checkpoint for a resume (rows of steps after it were lost with the killed run)."""
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path else None
 
+    def _path(self, args) -> Path:
+        return self.path or Path(args.output_dir) / METRICS_NAME
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        path = self._path(args)
+        if not state.is_world_process_zero or not path.is_file():
+            return
+        kept = [row for row in read_metrics(path) if row.get("step", 0) <= state.global_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        path = self.path or Path(args.output_dir) / METRICS_NAME
+        path = self._path(args)
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
         with path.open("a") as fh:
@@ -83,7 +97,14 @@ class ProgressCallback(TrainerCallback):
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The logged rows; a line cut short by a killed run is skipped, not an error."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def plot_reward_and_length(metrics_path: str | Path, out_path: str | Path) -> Path:
