@@ -1,8 +1,8 @@
 """The token allowance the trainer publishes and the dispatcher's rule for starting a group.
 
 max_staleness >= 1: the window slides with every pull (the spec's rule). max_staleness = 0: the
-window counts from the last weight push and is held between taking a step and its push, so a
-model version gets one step of groups and none that would arrive stale.
+window counts from the end of the last step and is held between taking a step and its push,
+so a step gets one step of groups and none that would arrive stale.
 """
 from types import SimpleNamespace
 

@@ -70,7 +70,7 @@ class RolloutWorker:
         self._token_allowance = self._context.Value("d", 0.0)
         self._heartbeat = self._context.Value("d", 0.0)
         self._consumed_tokens = 0  # forwarded tokens the trainer has pulled (stale ones too)
-        self._window_base = 0  # max_staleness=0: _consumed_tokens at the last weight push
+        self._window_base = 0  # max_staleness=0: _consumed_tokens when the last step ended
         self._window_tokens = max(config.max_staleness, 1) * _full_step_tokens(config)
         self._held = False
         self._publish_allowance()
@@ -243,8 +243,8 @@ class RolloutWorker:
         """The cumulative token allowance the dispatcher compares its committed tokens with.
 
         The window slides with every pull, except under max_staleness=0: there it counts from
-        the last weight push, so each model version gets one step of groups (pulls during the
-        step do not admit the next step's groups, which would arrive stale)."""
+        the end of the last step (after its weight push), so each step gets one step of groups
+        (pulls while it fills do not admit the next step's groups, which would arrive stale)."""
         if self._held:
             self._token_allowance.value = ALLOWANCE_HELD
             return
