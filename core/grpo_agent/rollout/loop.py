@@ -44,9 +44,9 @@ from grpo_agent.types import PromptConsumed, Rollout, RolloutGroup, TrainingSamp
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-ALLOWANCE_HELD = -1.0  # token_allowance value: start no group (worker.hold_admission)
 METRICS_FLUSH_INTERVAL_S = 1.0
 ALLOWANCE_POLL_S = 0.05
+ALLOWANCE_HELD = -1.0  # token_allowance value: start no group (worker.hold_admission)
 # The model version a rollout samples with: its group's, set before the group's rollouts start.
 _ROLLOUT_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("rollout_version")
 

@@ -132,12 +132,10 @@ def _server(
         env=split.server_env() if split else None, **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
-        if split is None:
-            yield server.base_url
-            return
-        logger.info("CPU cores: vLLM computes on %s, the trainer runs on %s.",
-                    split.server, split.trainer)
-        with trainer_on(split.trainer):
+        if split:
+            logger.info("CPU cores: vLLM computes on %s, the trainer runs on %s.",
+                        split.server, split.trainer)
+        with trainer_on(split.trainer) if split else contextlib.nullcontext():
             yield server.base_url
 
 
