@@ -89,16 +89,22 @@ def test_pushed_weights_are_what_the_server_samples_with(pushable_server, models
 
 
 def test_gloo_push_while_requests_run_keeps_the_server_alive(pushable_server, models):
-    _, perturbed = models
+    original, perturbed = models
     base_url = pushable_server.base_url
     sync = build_weight_sync(base_url, backend="gloo")
+    num_requests, num_tokens = 8, 600
 
     async def main():
+        # Open the transfer group first: connecting can take longer than a short generation,
+        # and the point is a push that lands while the requests are still decoding.
+        await asyncio.to_thread(sync.push, original.named_parameters(), 0)
         async with SamplerClient(base_url, timeout=300) as client:
-            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
             tasks = [asyncio.create_task(client.generate(PROMPT[: 10 + i], params))
-                     for i in range(16)]
-            await asyncio.sleep(0.5)
+                     for i in range(num_requests)]
+            while (metrics := await client.metrics()) is None or metrics.running < num_requests:
+                assert not any(task.done() for task in tasks), "a request ended before all ran"
+                await asyncio.sleep(0.02)
             timings = await asyncio.to_thread(sync.push, perturbed.named_parameters(), 11)
             return timings, await asyncio.gather(*tasks)
 
@@ -107,7 +113,7 @@ def test_gloo_push_while_requests_run_keeps_the_server_alive(pushable_server, mo
     finally:
         sync.close()
     assert timings.total_s > 0
-    assert all(len(turn.output_ids) == 200 for turn in turns)
+    assert all(len(turn.output_ids) == num_tokens for turn in turns)
     # Every request finished; those running at push time switched versions mid-way.
     switched = [t for t in turns if t.weight_versions[0] != "11" and t.weight_versions[-1] == "11"]
     assert switched, [sorted(set(t.weight_versions)) for t in turns]
