@@ -25,6 +25,7 @@ import torch
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
+from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.tree_attention import enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
 
@@ -143,20 +144,26 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_fwd_bwd(step, device, repeats: int) -> float:
-    for _ in range(2):  # warm-up (and FlexAttention compilation)
+def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
+    """Median seconds per step, and median seconds until `step` returned (kernels queued).
+
+    When the second is close to the first, the host cannot queue kernels faster than the GPU
+    runs them: the step is launch-bound and its time follows the CPU, not the GPU."""
+    for _ in range(3):  # warm-up (and compilation)
         step()
-    times = []
+    times, queued = [], []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         step()
+        queued.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(queued)
 
 
-def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None):
+def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
+             compiled=False):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
@@ -174,8 +181,8 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         lp.sum().backward()
         return lp
 
-    packed_s = time_fwd_bwd(packed_step, device, repeats)
-    unpacked_s = time_fwd_bwd(unpacked_step, device, repeats)
+    packed_s, packed_queued_s = time_fwd_bwd(packed_step, device, repeats)
+    unpacked_s, unpacked_queued_s = time_fwd_bwd(unpacked_step, device, repeats)
     with torch.no_grad():
         diff = (
             (
@@ -190,6 +197,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     packed_model.zero_grad(set_to_none=True), plain_model.zero_grad(set_to_none=True)
     return {
         "case": f"{shape}/G={group_size}",
+        "compiled": compiled,
         "device": device,
         "token_budget": budget,
         "dtype": str(SHAPES[shape][1]),
@@ -200,6 +208,8 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "packing_ratio": round(row.unpacked_tokens / row.num_tokens, 3),
         "packed_s": round(packed_s, 5),
         "unpacked_s": round(unpacked_s, 5),
+        "packed_queued_s": round(packed_queued_s, 5),
+        "unpacked_queued_s": round(unpacked_queued_s, 5),
         "speedup": round(unpacked_s / packed_s, 3),
         "speedup_over_ratio": round(
             unpacked_s / packed_s / (row.unpacked_tokens / row.num_tokens), 3
@@ -247,6 +257,11 @@ def main() -> None:
         default=list(GROUP_SIZES),
         help="comma-separated G values (rollouts sharing a prompt) to run",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decoder layers of both models (what torch_compile=True does)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -255,10 +270,13 @@ def main() -> None:
     plain = build_model(shape, device)
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
+    if args.compile:
+        compile_decoder_layers(packed), compile_decoder_layers(plain)
     results = []
     for group_size in args.group_sizes:
         results.append(
-            run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget)
+            run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
+                     args.compile)
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":
@@ -272,6 +290,7 @@ def main() -> None:
                 "summary": "packing",
                 "device": device,
                 "model": shape,
+                "compiled": args.compile,
                 "mean_speedup_over_ratio": round(
                     statistics.mean(r["speedup_over_ratio"] for r in shared), 3
                 ),

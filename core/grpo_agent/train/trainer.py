@@ -38,6 +38,7 @@ from grpo_agent.train.checkpoint import (
 from grpo_agent.train.lora_sync import AdapterPusher
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
+from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
@@ -106,6 +107,10 @@ class AsyncGRPOTrainer(Trainer):
             fsdp.apply_fsdp2(model, param_dtype=torch.bfloat16 if args.bf16 else None)
             # The model now owns its sharding and gradient reduction: no DDP wrap by accelerate.
             self.is_distributed_loading_by_transformers = True
+        if args.torch_compile:
+            compile_decoder_layers(
+                model, backend=args.torch_compile_backend, mode=args.torch_compile_mode
+            )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
         self.window = MetricWindow()
         self.ledger = PromptLedger()

@@ -250,41 +250,52 @@ def tree_attention_forward(
     if getattr(module, "sinks", None) is not None:
         raise ValueError(_SINKS_ERROR)
     gqa = query.shape[1] != key.shape[1]
-    if tree_mask.backend == "flex":
-        if sliding_window:
-            raise NotImplementedError(
-                "sliding-window layers are not supported by the flex tree path yet."
-            )
-        out = _compiled_flex_attention()(
-            query,
-            key,
-            value,
-            block_mask=tree_mask.block_mask,
-            scale=scaling,
-            enable_gqa=gqa,
-            kernel_options=_training_kernel_options(),
+    if tree_mask.backend != "flex":
+        # Only FlexAttention belongs in a compiled decoder layer (`regional_compile`): the
+        # others loop over the row's segments, which would recompile for every new row.
+        return _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask,
+                                     sliding_window, gqa)
+    if sliding_window:
+        raise NotImplementedError(
+            "sliding-window layers are not supported by the flex tree path yet."
         )
-    elif tree_mask.backend == "varlen" and not sliding_window and not (dropout and module.training):
+    out = _compiled_flex_attention()(
+        query,
+        key,
+        value,
+        block_mask=tree_mask.block_mask,
+        scale=scaling,
+        enable_gqa=gqa,
+        kernel_options=_training_kernel_options(),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@torch.compiler.disable
+def _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask: TreeMask,
+                          sliding_window, gqa) -> tuple[torch.Tensor, None]:
+    """The varlen, gather and dense-mask backends (always eager)."""
+    if tree_mask.backend == "varlen" and not sliding_window and not (dropout and module.training):
         bounds, longest = tree_mask.cu_seqlens
         kernel = flash_varlen.varlen_kernel()
         return flash_varlen.varlen_attention(
             kernel, query, key, value, bounds, longest, scaling
         ), None
-    elif tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
+    if tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
         out = _gathered_attention(query, key, value, tree_mask.segments, scaling, gqa)
-    else:
-        if tree_mask.dense is None:
-            tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
-        dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=dense,
-            scale=scaling,
-            dropout_p=dropout if module.training else 0.0,
-            enable_gqa=gqa,
-        )
+        return out.transpose(1, 2).contiguous(), None
+    if tree_mask.dense is None:
+        tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
+    dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=dense,
+        scale=scaling,
+        dropout_p=dropout if module.training else 0.0,
+        enable_gqa=gqa,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
