@@ -185,3 +185,12 @@ def test_tiny_model_command_builds_the_model(cli, tmp_path):
     assert code == 0 and out.strip() == str(tmp_path / "tiny")
     assert (tmp_path / "tiny" / "config.json").is_file()
     assert (tmp_path / "tiny" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("completion,expected", [(16, 1024), (2048, 2560), (8000, 4096)])
+def test_the_managed_server_fits_the_runs_completions(tiny_model_path, completion, expected):
+    # The spec's default max_completion_length (2048) must not fail `grpo-agent train --env X`
+    # against the managed server; the tiny model's context (4096) caps it.
+    from grpo_agent.train.run import managed_max_model_len
+
+    assert managed_max_model_len(str(tiny_model_path), completion) == expected

@@ -22,8 +22,10 @@ from grpo_agent.sampler.cpu_cores import OMP_BIND_ENV, CoreSplit, split_cores, t
 
 logger = logging.getLogger(__name__)
 
-# The managed server for the built-in tiny model: fp32 so trainer and sampler log-probs agree.
+# The managed server's context: at least this, and room for a prompt of PROMPT_ROOM tokens
+# beside the run's max_completion_length. fp32 so trainer and sampler log-probs agree.
 MANAGED_MAX_MODEL_LEN = 1024
+PROMPT_ROOM = 512
 
 
 def run_training(
@@ -54,7 +56,7 @@ def run_training(
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
-    with _server(model_path, vllm_url, lora, config.max_staleness) as base_url:
+    with _server(model_path, vllm_url, lora, config) as base_url:
         config.vllm_server_base_url = base_url
         config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
@@ -99,6 +101,16 @@ def resolve_env_task(name: str) -> dict[str, Any]:
     }
 
 
+def managed_max_model_len(model_path: str, max_completion_length: int) -> int:
+    """The managed server's --max-model-len: the run's completions plus a prompt, within the
+    model's context (a model too short for the completions is reported by the server check)."""
+    from transformers import AutoConfig
+
+    wanted = max(MANAGED_MAX_MODEL_LEN, max_completion_length + PROMPT_ROOM)
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return min(wanted, context) if context else wanted
+
+
 def _tiny_model_path() -> str:
     from grpo_agent.testing import build_tiny_model
 
@@ -113,7 +125,7 @@ def _lora_config(lora: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def _server(
-    model_path: str, vllm_url: str | None, lora: dict[str, Any] | None, max_staleness: int
+    model_path: str, vllm_url: str | None, lora: dict[str, Any] | None, config: AsyncGRPOConfig
 ) -> Iterator[str]:
     if vllm_url:
         yield vllm_url
@@ -125,10 +137,11 @@ def _server(
     lora_flags = {}
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
-                      "max_loras": max_staleness + 2}
+                      "max_loras": config.max_staleness + 2}
     split = _core_split()
     with _exit_on_sigterm(), ManagedVLLMServer(
-        model_path, dtype="float32", max_model_len=MANAGED_MAX_MODEL_LEN,
+        model_path, dtype="float32",
+        max_model_len=managed_max_model_len(model_path, config.max_completion_length),
         env=split.server_env() if split else None, **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
