@@ -46,7 +46,11 @@ def train(
 ) -> None:
     """Train on a registered environment.
 
-    Example: grpo-agent train --env counter --set max_steps=20 --output-dir runs/counter
+    Example: grpo-agent train --env counter --model Qwen/Qwen3-0.6B --set max_steps=20
+
+    Without --model the built-in tiny random model is trained: it learns the `words` demo
+    (make demo), but it does not emit tool calls, so tool envs such as `counter` give it no
+    reward signal (every group scores the same and is dropped).
 
     With --lora-rank the policy is a LoRA adapter; a managed server is started with
     --enable-lora so the trainer pushes the adapter, not merged weights.
