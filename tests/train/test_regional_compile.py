@@ -105,3 +105,22 @@ def test_trainer_compiles_the_layers_it_runs(tiny_model_path, tmp_path, torch_co
     layers = trainer.model.get_decoder().layers
     assert [layer._compiled_call_impl is not None for layer in layers] == [torch_compile] * len(
         layers)
+
+
+def test_flex_tree_attention_traced_in_the_layer_reuses_its_graph(tiny_qwen3, shared_samples,
+                                                                  fresh_dynamo):
+    """The CUDA path: FlexAttention inside the compiled layer, with a new block mask (and
+    mask_mod closure) per row. CPU has its forward, enough to check values and recompiles."""
+    enable_tree_attention(tiny_qwen3)
+    compiled = copy.deepcopy(tiny_qwen3)
+    counter = CompileCounter()
+    compile_decoder_layers(compiled, backend=counter)
+    frames = []
+    with torch.no_grad():
+        for k in (3, 5, 7, 8):
+            row = pack_row(shared_samples[:k])
+            ref = forward_row(tiny_qwen3, row, temperature=1.0, backend="sdpa").token.logprobs
+            got = forward_row(compiled, row, temperature=1.0, backend="flex").token.logprobs
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+            frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames[-1] == frames[1], frames
