@@ -92,7 +92,7 @@ def test_gloo_push_while_requests_run_keeps_the_server_alive(pushable_server, mo
     original, perturbed = models
     base_url = pushable_server.base_url
     sync = build_weight_sync(base_url, backend="gloo")
-    num_requests, num_tokens = 8, 600
+    num_requests, num_tokens = 8, 900  # prompts of 10-17 tokens: within max_model_len 1024
 
     async def main():
         # Open the transfer group first: connecting can take longer than a short generation,
