@@ -271,7 +271,8 @@ def main() -> None:
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
     if args.compile:
-        compile_decoder_layers(packed), compile_decoder_layers(plain)
+        compile_decoder_layers(packed)
+        compile_decoder_layers(plain)
     results = []
     for group_size in args.group_sizes:
         results.append(

@@ -275,13 +275,15 @@ def tree_attention_forward(
 def _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask: TreeMask,
                           sliding_window, gqa) -> tuple[torch.Tensor, None]:
     """The varlen, gather and dense-mask backends (always eager)."""
-    if tree_mask.backend == "varlen" and not sliding_window and not (dropout and module.training):
+    # Sliding windows and attention dropout need the dense mask.
+    plain = not sliding_window and not (dropout and module.training)
+    if tree_mask.backend == "varlen" and plain:
         bounds, longest = tree_mask.cu_seqlens
         kernel = flash_varlen.varlen_kernel()
         return flash_varlen.varlen_attention(
             kernel, query, key, value, bounds, longest, scaling
         ), None
-    if tree_mask.backend == "gather" and not sliding_window and not (dropout and module.training):
+    if tree_mask.backend == "gather" and plain:
         out = _gathered_attention(query, key, value, tree_mask.segments, scaling, gqa)
         return out.transpose(1, 2).contiguous(), None
     if tree_mask.dense is None:
