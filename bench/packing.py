@@ -26,7 +26,7 @@ from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
-from grpo_agent.train.tree_attention import enable_tree_attention
+from grpo_agent.train.tree_attention import choose_backend, enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
 
 SHAPES = {
@@ -163,7 +163,7 @@ def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
 
 
 def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
-             compiled=False):
+             compiled=False, backend="auto"):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
@@ -172,7 +172,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     batch = padded_batch(samples)
 
     def packed_step():
-        lp = forward_row(packed_model, row, temperature=1.0).token.logprobs
+        lp = forward_row(packed_model, row, temperature=1.0, backend=backend).token.logprobs
         lp.sum().backward()
         return lp
 
@@ -186,7 +186,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     with torch.no_grad():
         diff = (
             (
-                forward_row(packed_model, row, temperature=1.0).token.logprobs
+                forward_row(packed_model, row, temperature=1.0, backend=backend).token.logprobs
                 - unpacked_logprobs(plain_model, batch, device)
             )
             .abs()
@@ -198,6 +198,9 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     return {
         "case": f"{shape}/G={group_size}",
         "compiled": compiled,
+        "backend": (
+            choose_backend(torch.device(device), SHAPES[shape][1]) if backend == "auto" else backend
+        ),
         "device": device,
         "token_budget": budget,
         "dtype": str(SHAPES[shape][1]),
@@ -262,6 +265,13 @@ def main() -> None:
         action="store_true",
         help="compile the decoder layers of both models (what torch_compile=True does)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "varlen", "flex", "gather", "sdpa"],
+        default="auto",
+        help="tree attention backend of the packed path (auto: varlen on CUDA with a flash "
+        "kernel, gather on CPU)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -277,7 +287,7 @@ def main() -> None:
     for group_size in args.group_sizes:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
-                     args.compile)
+                     args.compile, args.backend)
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":

@@ -1,4 +1,5 @@
-"""CUDA: the FlexAttention tree path equals unpacked SDPA (log-probs and gradients)."""
+"""CUDA: the FlexAttention and flash-varlen tree paths equal unpacked attention (log-probs and
+gradients); the compiled LM-head tiles equal the eager ones."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import torch
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.loss import LossConfig, row_loss
 from grpo_agent.train.packing import pack_row
-from grpo_agent.train.tree_attention import enable_tree_attention
+from grpo_agent.train.tree_attention import TreeMask, enable_tree_attention
+from grpo_agent.train.varlen_attention import VarlenPlan, sdpa_varlen, torch_flash_varlen
+
+from .conftest import make_sample
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,6 +48,58 @@ def test_flex_tree_attention_matches_unpacked(tiny_qwen3, shared_samples):
     (ref * w).sum().backward()
     for (name, a), (_, b) in zip(packed.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def _big_shared_row(group_size=6, groups=3, prompt=300, vocab=96):
+    """Groups sharing long prompts: segments longer than one flash tile, GQA model shapes."""
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for g in range(groups):
+        head = torch.randint(1, vocab, (prompt,), generator=gen).tolist()
+        for i in range(group_size):
+            comp = torch.randint(1, vocab, (40 + 37 * i,), generator=gen).tolist()
+            samples.append(make_sample(head + comp, [0] * prompt + [1] * len(comp), group_id=g))
+    return pack_row(samples)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
+    """PyTorch's flash kernel on gathered paths: bottom-right causal, GQA, gradients through
+    the gather, against the per-segment SDPA reference in float32."""
+    from grpo_agent.train.varlen_attention import tree_varlen_attention
+
+    row = _big_shared_row()
+    plan = VarlenPlan.build(row, "cuda")
+    assert plan.kv_index is not None and plan.max_k > plan.max_q
+    n = row.num_tokens
+    q = torch.randn(1, 8, n, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=dtype) for _ in range(2))
+    grad = torch.randn(1, n, 8, 64, device="cuda", dtype=dtype)
+
+    def run(kernel, cast):
+        inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
+        out = tree_varlen_attention(kernel, *inputs, plan, 0.125)
+        out.backward(grad.to(cast))
+        return [out, *(t.grad for t in inputs)]
+
+    got, ref = run(torch_flash_varlen, dtype), run(sdpa_varlen, torch.float32)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+
+
+def test_auto_backend_is_flash_varlen_and_matches_unpacked_in_bf16(tiny_qwen3, shared_samples):
+    reference = tiny_qwen3.cuda()  # float32, unpacked
+    ref = _unpacked(reference, shared_samples)
+    packed = copy.deepcopy(reference).to(torch.bfloat16)
+    enable_tree_attention(packed)
+    row = pack_row(shared_samples)
+    assert TreeMask.build(row, "cuda", dtype=torch.bfloat16).backend == "varlen"
+    got = forward_row(packed, row, temperature=1.0).token.logprobs
+    flex = forward_row(packed, row, temperature=1.0, backend="flex").token.logprobs
+    err, flex_err = (got - ref).abs().max().item(), (flex - ref).abs().max().item()
+    assert err < 0.1 and err < 2 * flex_err + 1e-2, (err, flex_err)
+    got.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in packed.parameters() if p.grad is not None)
 
 
 def test_row_loss_runs_on_cuda_in_bf16(tiny_qwen3, shared_samples):

@@ -7,12 +7,14 @@ per row (`TreeMask`) and hand it to every layer through the model's forward kwar
 the attention implementation name `grpo_tree` registered with `AttentionInterface`. Because
 that name has no mask function in transformers, the model builds no mask of its own.
 
-Kernels: on CUDA, FlexAttention with a block mask built from the predicate (sparse blocks are
-skipped); rows that share nothing use a flash-attn varlen kernel instead when one is already
-on the machine ("varlen", see `flash_varlen`). On CPU, where FlexAttention has no backward, "gather": each segment's queries run
-SDPA against the keys/values gathered along its path (work and memory grow with the sum of
-segment x path lengths, not N^2); "sdpa" (one SDPA call with the dense [N, N] boolean mask) is
-the simple reference and the fallback for sliding-window layers and attention dropout.
+Kernels: on CUDA in half precision, "varlen": one flash-attention varlen call in which each
+segment's queries attend to the keys/values gathered along its path (`varlen_attention`; PyTorch's
+own flash build or an installed/configured flash-attn kernel). Otherwise on CUDA, "flex":
+FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU,
+where FlexAttention has no backward, "gather": the same per-segment gathering as "varlen", one
+SDPA call per segment (work and memory grow with the sum of segment x path lengths, not N^2).
+"sdpa" (one SDPA call with the dense [N, N] boolean mask) is the simple reference and the
+fallback for sliding-window layers and attention dropout.
 Rotary positions come from `position_ids` (the token's depth), so they match unpacked
 forwards; grouped-query attention uses the kernels' GQA support. Attention sinks change the
 softmax denominator and are rejected.
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import flash_varlen
+from grpo_agent.train import varlen_attention
 from grpo_agent.train.packing import PackedRow
 
 ATTN_IMPLEMENTATION = "grpo_tree"
@@ -44,9 +46,8 @@ class TreeMask:
     position_ids: torch.Tensor  # [N]
     backend: str  # "flex", "varlen", "gather" or "sdpa"
     block_mask: Any = None  # FlexAttention BlockMask (flex)
-    cu_seqlens: tuple[torch.Tensor, int] | None = None  # segment bounds, longest (varlen)
+    varlen: varlen_attention.VarlenPlan | None = None  # query/key bounds, gather index
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
-    segments: list[_SegmentPlan] | None = None  # (gather)
 
     @classmethod
     def build(
@@ -59,14 +60,14 @@ class TreeMask:
         """`dtype` (the model's) lets "auto" pick the varlen kernel, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
-            backend = choose_backend(row, device, dtype)
+            backend = choose_backend(device, dtype)
         if backend not in ("flex", "varlen", "gather", "sdpa"):
             raise ValueError(
                 f"tree attention backend {backend!r}: choose 'auto', 'flex', 'varlen', 'gather' "
                 "or 'sdpa'."
             )
-        if backend == "varlen":
-            _check_varlen(row)
+        if backend == "varlen" and varlen_attention.varlen_kernel() is None:
+            raise ValueError(_NO_VARLEN_KERNEL)
         mask = cls(
             segment_ids=row.segment_ids.to(device),
             ancestors=row.segment_ancestors.to(device),
@@ -75,85 +76,32 @@ class TreeMask:
         )
         if backend == "flex":
             mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
-        elif backend == "varlen":
-            bounds, longest = flash_varlen.cu_seqlens(row.segment_ids)
-            mask.cu_seqlens = (bounds.to(device), longest)
-        elif backend == "gather":
-            mask.segments = _segment_plans(row, device)
+        elif backend in ("varlen", "gather"):
+            mask.varlen = varlen_attention.VarlenPlan.build(row, device)
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
 
 
-def choose_backend(row: PackedRow, device: torch.device, dtype: torch.dtype | None) -> str:
-    """gather on CPU; on CUDA varlen for unshared half-precision rows with a kernel, else flex."""
+def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
+    """gather on CPU; on CUDA varlen for half precision when a flash kernel exists, else flex."""
     if device.type != "cuda":
         return "gather"
     if (
-        dtype in flash_varlen.HALF_DTYPES
-        and flash_varlen.row_is_unshared(row.segment_ancestors)
-        and flash_varlen.varlen_kernel() is not None
+        dtype in varlen_attention.HALF_DTYPES
+        and varlen_attention.flash_capable(device)
+        and varlen_attention.varlen_kernel() is not None
     ):
         return "varlen"
     return "flex"
 
 
-def _check_varlen(row: PackedRow) -> None:
-    if not flash_varlen.row_is_unshared(row.segment_ancestors):
-        raise ValueError(
-            "the 'varlen' tree attention backend needs a row that shares no tokens; "
-            "use backend='auto' or 'flex' for tree-packed rows."
-        )
-    if flash_varlen.varlen_kernel() is None:
-        raise ValueError(
-            "the 'varlen' tree attention backend needs a flash-attn varlen kernel: install "
-            f"flash-attn, or set {flash_varlen.KERNEL_ENV} to a local kernel directory or "
-            "org/name@REVISION (loaded with the `kernels` library)."
-        )
-
-
-@dataclass
-class _SegmentPlan:
-    """One segment's queries [start, stop) and the key/value indices of its path."""
-
-    start: int
-    stop: int
-    path: torch.Tensor  # [P] indices, ancestors first, the segment's own tokens last
-    mask: torch.Tensor | None  # [stop - start, P] bool; None = plain causal (no ancestors)
-
-
-def _segment_plans(row: PackedRow, device: torch.device) -> list[_SegmentPlan]:
-    plans = []
-    for path in row.segment_paths:
-        own = int((row.segment_ids[torch.tensor(path)] == row.segment_ids[path[-1]]).sum())
-        start, stop = path[-1] - own + 1, path[-1] + 1
-        mask = None
-        if own != len(path):
-            mask = torch.ones(own, len(path), dtype=torch.bool)
-            mask[:, len(path) - own :] = torch.ones(own, own, dtype=torch.bool).tril()
-            mask = mask.to(device)
-        plans.append(_SegmentPlan(start, stop, torch.tensor(path, device=device), mask))
-    return plans
-
-
-def _gathered_attention(query, key, value, plans, scaling, gqa):
-    """Per segment: its queries attend to the keys/values gathered along its path."""
-    outs = []
-    for plan in plans:
-        q = query[:, :, plan.start : plan.stop]
-        k, v = key.index_select(2, plan.path), value.index_select(2, plan.path)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=plan.mask,
-                is_causal=plan.mask is None,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-        )
-    return torch.cat(outs, dim=2)
+_NO_VARLEN_KERNEL = (
+    "the 'varlen' tree attention backend needs a flash-attention varlen kernel and none is "
+    "available (this torch has no CUDA flash build): install flash-attn, set "
+    f"{varlen_attention.KERNEL_ENV} to a local kernel directory or org/name@REVISION (loaded with "
+    "the `kernels` library), or use backend='auto'."
+)
 
 
 def dense_tree_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -277,15 +225,15 @@ def _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask
     """The varlen, gather and dense-mask backends (always eager)."""
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
-    if tree_mask.backend == "varlen" and plain:
-        bounds, longest = tree_mask.cu_seqlens
-        kernel = flash_varlen.varlen_kernel()
-        return flash_varlen.varlen_attention(
-            kernel, query, key, value, bounds, longest, scaling
+    if tree_mask.backend in ("varlen", "gather") and plain:
+        kernel = (
+            varlen_attention.varlen_kernel()
+            if tree_mask.backend == "varlen"
+            else varlen_attention.sdpa_varlen
+        )
+        return varlen_attention.tree_varlen_attention(
+            kernel, query, key, value, tree_mask.varlen, scaling
         ), None
-    if tree_mask.backend == "gather" and plain:
-        out = _gathered_attention(query, key, value, tree_mask.segments, scaling, gqa)
-        return out.transpose(1, 2).contiguous(), None
     if tree_mask.dense is None:
         tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
     dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense

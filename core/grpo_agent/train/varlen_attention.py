@@ -1,0 +1,186 @@
+"""Tree attention through a varlen flash kernel: each segment's queries against its gathered path.
+
+Design decision: a segment's queries see exactly its path (the ancestors' tokens, then its own
+tokens causally), which is "causal, aligned bottom-right" attention of a short query sequence
+against a longer key sequence: what flash-attention's varlen kernels compute from
+`cu_seqlens_q` / `cu_seqlens_k`. So the whole row is one kernel call: queries stay where they
+are (a segment's own tokens are contiguous), keys and values are gathered along every
+segment's path (`VarlenPlan.kv_index`; skipped when nothing is shared), and the gather's
+backward sums a shared token's gradients in float32. The kernel runs dense tiles on exactly the
+visible pairs, so it is faster than FlexAttention's masked blocks on the tree.
+
+Kernels, first found wins (never a dependency, never a download unless named):
+- `GRPO_AGENT_FLASH_KERNEL` names one, loaded through the `kernels` library: a local kernel
+  directory (`kernels.get_local_kernel`), or a Hub repo `org/name@REVISION`
+  (`kernels.get_kernel`; with `HF_HUB_OFFLINE=1` it only reads the local Hub cache, without
+  it naming the repo is the user's permission to download);
+- an installed `flash_attn` package;
+- PyTorch's own flash-attention build (`torch.ops.aten._flash_attention_forward`, CUDA);
+- otherwise none, and rows keep the FlexAttention tree path.
+
+A configured kernel that fails to load is reported once as a warning and the next is tried.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from grpo_agent.train.packing import PackedRow
+
+log = logging.getLogger(__name__)
+
+KERNEL_ENV = "GRPO_AGENT_FLASH_KERNEL"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def varlen_kernel() -> Callable | None:
+    """`flash_attn_varlen_func` of the configured, installed or built-in kernel, or None."""
+    spec = os.environ.get(KERNEL_ENV, "").strip()
+    return load_varlen_kernel(spec) or load_varlen_kernel("") or torch_builtin_kernel()
+
+
+def load_varlen_kernel(spec: str) -> Callable | None:
+    """Load from `spec` (see the module docstring; "" = an installed flash_attn, if any)."""
+    if not spec:
+        try:
+            return importlib.import_module("flash_attn").flash_attn_varlen_func
+        except Exception as exc:  # noqa: BLE001 -- absent, or built for another torch/CUDA
+            log.debug("no flash_attn package (%s)", exc)
+            return None
+    try:
+        return _from_kernels_library(spec).flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 -- any load failure: another path is correct
+        log.warning(
+            "%s=%r could not be loaded (%s); using the next tree-attention kernel. Unset it, or "
+            "point it at a local kernel directory or a Hub repo as org/name@REVISION.",
+            KERNEL_ENV,
+            spec,
+            exc,
+        )
+        return None
+
+
+def _from_kernels_library(spec: str):
+    import kernels
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        return kernels.get_local_kernel(path)
+    repo_id, _, revision = spec.partition("@")
+    if not revision:
+        raise ValueError(f"{spec!r} names no local directory and no @REVISION (or @VERSION)")
+    if revision.isdigit():
+        return kernels.get_kernel(repo_id, version=int(revision))
+    return kernels.get_kernel(repo_id, revision=revision)
+
+
+def torch_builtin_kernel() -> Callable | None:
+    """PyTorch's flash-attention varlen kernel, where this torch build has one (CUDA)."""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return None
+    return torch_flash_varlen
+
+
+def torch_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+    """`flash_attn_varlen_func`'s contract on PyTorch's own kernel (differentiable; GQA when
+    k/v have fewer heads; causal is aligned bottom-right, like flash-attn >= 2.1)."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=softmax_scale
+    )
+    return out[0]
+
+
+def sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+    """The same contract, one SDPA call per segment: the CPU kernel, and the reference that
+    tests hold the flash kernels to. Causal is aligned bottom-right (the path's ancestors
+    are visible to every query of the segment)."""
+    q_lens, k_lens = (torch.diff(cu).tolist() for cu in (cu_q, cu_k))
+    outs = []  # split, not slices: the backward is one concatenation, not S zero-filled copies
+    for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # 4-D: the fused kernels
+        mask = None
+        if causal and qs.shape[2] != ks.shape[2]:
+            mask = torch.ones(qs.shape[2], ks.shape[2], dtype=torch.bool, device=q.device)
+            mask = mask.tril(ks.shape[2] - qs.shape[2])
+        outs.append(F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
+            scale=softmax_scale, enable_gqa=qs.shape[1] != ks.shape[1],
+        )[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def flash_capable(device: torch.device) -> bool:
+    """Flash kernels need an Ampere-or-newer GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def row_is_unshared(segment_ancestors: torch.Tensor) -> bool:
+    """True when every segment's only ancestor is itself (nothing in the row is shared)."""
+    return int(segment_ancestors.sum()) == segment_ancestors.shape[0]
+
+
+@dataclass
+class VarlenPlan:
+    """Segment bounds for the queries, path bounds for the gathered keys/values."""
+
+    cu_q: torch.Tensor  # int32 [S+1]: segment s's queries are row[cu_q[s]:cu_q[s+1]]
+    cu_k: torch.Tensor  # int32 [S+1]: its keys are gathered[cu_k[s]:cu_k[s+1]]
+    max_q: int
+    max_k: int
+    kv_index: torch.Tensor | None  # [sum of path lengths] row index of each gathered key
+
+    @classmethod
+    def build(cls, row: PackedRow, device) -> VarlenPlan:
+        _, own_lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
+        path_lens = torch.tensor([len(p) for p in row.segment_paths])
+        index = None
+        if not row_is_unshared(row.segment_ancestors):
+            index = torch.tensor([i for p in row.segment_paths for i in p], device=device)
+        return cls(
+            cu_q=F.pad(own_lens.cumsum(0), (1, 0)).to(device, torch.int32),
+            cu_k=F.pad(path_lens.cumsum(0), (1, 0)).to(device, torch.int32),
+            max_q=int(own_lens.max()),
+            max_k=int(path_lens.max()),
+            kv_index=index,
+        )
+
+
+class _GatherRows(torch.autograd.Function):
+    """`x[index]` whose backward sums repeated rows in float32 (a prompt shared by G
+    completions receives G gradients; bf16 atomics would round after every add)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        total = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
+        total.index_add_(0, index, grad.float())
+        return total.to(grad.dtype), None
+
+
+def tree_varlen_attention(kernel, query, key, value, plan: VarlenPlan, scaling) -> torch.Tensor:
+    """Tree attention in one kernel call; inputs [1, heads, N, dim], output [1, N, heads, dim]."""
+    # [N, heads, dim] views: the kernels need a contiguous last dimension only
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if plan.kv_index is not None:
+        k, v = _GatherRows.apply(k, plan.kv_index), _GatherRows.apply(v, plan.kv_index)
+    out = kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                 softmax_scale=scaling, causal=True)
+    if isinstance(out, tuple):  # flash-attn 3 also returns the log-sum-exp
+        out = out[0]
+    return out[None]

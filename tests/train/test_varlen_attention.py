@@ -1,0 +1,221 @@
+"""Varlen tree attention: the plan (segment bounds, gathered paths) reproduces the tree rule,
+the per-segment SDPA kernel is right, which kernel is chosen and how loading fails over.
+
+Flash kernels are a seam here (CPU CI has none): `sdpa_varlen` follows
+`flash_attn_varlen_func`'s contract; `tests/train/test_gpu.py` holds PyTorch's flash build to
+it on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+import types
+
+import pytest
+import torch
+from grpo_agent.train import varlen_attention
+from grpo_agent.train.forward import forward_row
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.tree_attention import (
+    TreeMask,
+    choose_backend,
+    dense_tree_mask,
+    enable_tree_attention,
+)
+from grpo_agent.train.varlen_attention import VarlenPlan, sdpa_varlen
+
+from .conftest import VOCAB, make_sample
+
+CACHED_KERNEL = varlen_attention.varlen_kernel  # tests replace the module attribute
+
+
+@pytest.fixture
+def no_kernel_cache():
+    CACHED_KERNEL.cache_clear()
+    yield
+    CACHED_KERNEL.cache_clear()
+
+
+@pytest.fixture
+def counted_kernel(monkeypatch, no_kernel_cache):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: counted)
+    return calls
+
+
+@pytest.fixture
+def fake_kernels_library(monkeypatch):
+    calls = []
+    module = types.SimpleNamespace(flash_attn_varlen_func=sdpa_varlen)
+
+    def get_local_kernel(path):
+        calls.append(("local", str(path)))
+        return module
+
+    def get_kernel(repo_id, **kwargs):
+        calls.append(("hub", repo_id, kwargs))
+        return module
+
+    lib = types.SimpleNamespace(get_local_kernel=get_local_kernel, get_kernel=get_kernel)
+    monkeypatch.setitem(sys.modules, "kernels", lib)
+    return calls
+
+
+def _unshared_samples():
+    gen = random.Random(3)
+    samples = []
+    for i, (prompt_len, comp_len) in enumerate([(7, 5), (4, 9), (11, 3)]):
+        tokens = [gen.randrange(1, VOCAB) for _ in range(prompt_len + comp_len)]
+        tokens[0] = i + 1  # distinct first tokens: nothing is shared
+        samples.append(make_sample(tokens, [0] * prompt_len + [1] * comp_len, group_id=i, seed=i))
+    return samples
+
+
+def _plan_visibility(plan: VarlenPlan, n: int) -> torch.Tensor:
+    """[N, N] bool that the plan asks a bottom-right causal varlen kernel to compute."""
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    index = plan.kv_index if plan.kv_index is not None else torch.arange(n)
+    bounds = zip(plan.cu_q[:-1].tolist(), plan.cu_q[1:].tolist(),
+                 plan.cu_k[:-1].tolist(), plan.cu_k[1:].tolist())
+    for q0, q1, k0, k1 in bounds:
+        for r, query in enumerate(range(q0, q1)):
+            visible = (k1 - k0) - (q1 - q0) + r + 1  # bottom-right aligned causal
+            seen[query, index[k0 : k0 + visible]] = True
+    return seen
+
+
+def test_plan_reproduces_the_tree_rule_on_shared_rows(shared_samples):
+    row = pack_row(shared_samples)
+    plan = VarlenPlan.build(row, "cpu")
+    assert plan.kv_index is not None and plan.cu_q[-1] == row.num_tokens
+    assert plan.cu_k[-1] == sum(len(p) for p in row.segment_paths)
+    assert plan.max_k == max(len(p) for p in row.segment_paths)
+    expected = dense_tree_mask(row.segment_ids, row.segment_ancestors)
+    assert torch.equal(_plan_visibility(plan, row.num_tokens), expected)
+
+
+def test_unshared_rows_need_no_gather():
+    row = pack_row(_unshared_samples())
+    plan = VarlenPlan.build(row, "cpu")
+    assert plan.kv_index is None and plan.max_q == plan.max_k == 14
+    assert plan.cu_q.tolist() == plan.cu_k.tolist() == [0, 12, 25, 39]
+    assert plan.cu_q.dtype == torch.int32
+
+
+def test_sdpa_varlen_is_bottom_right_causal_attention_with_gqa():
+    torch.manual_seed(0)
+    lens = [(3, 7), (5, 5), (1, 4)]  # (queries, keys) per sequence
+    q = torch.randn(sum(a for a, _ in lens), 4, 8, dtype=torch.float64)
+    k = torch.randn(sum(b for _, b in lens), 2, 8, dtype=torch.float64)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, 3, 8, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 12, 16], dtype=torch.int32)
+    got = sdpa_varlen(q, k, v, cu_q, cu_k, 5, 7, softmax_scale=0.3, causal=True)
+    rows = []
+    for (nq, nk), q0, k0 in zip(lens, cu_q.tolist(), cu_k.tolist()):
+        for r in range(nq):
+            for h in range(4):
+                keys = k[k0 : k0 + nk - nq + r + 1, h // 2]
+                weights = torch.softmax(keys @ q[q0 + r, h] * 0.3, dim=0)
+                rows.append(weights @ v[k0 : k0 + nk - nq + r + 1, h // 2])
+    torch.testing.assert_close(got, torch.stack(rows).view_as(got))
+
+
+def test_gather_backward_sums_shared_rows_in_float32():
+    x = torch.randn(3, 2, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.tensor([0] * 300 + [2])
+    grad = torch.full((301, 2), 1.001, dtype=torch.bfloat16)
+    varlen_attention._GatherRows.apply(x, index).backward(grad)
+    exact = 300 * float(torch.tensor(1.001, dtype=torch.bfloat16))
+    assert math.isclose(float(x.grad[0, 0]), exact, rel_tol=2**-8)
+    assert x.grad[1].abs().sum() == 0 and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_varlen_path_matches_the_dense_tree_mask(counted_kernel, tiny_qwen3, shared_samples,
+                                                  shared):
+    enable_tree_attention(tiny_qwen3)
+    other = copy.deepcopy(tiny_qwen3)
+    row = pack_row(shared_samples if shared else _unshared_samples())
+    got = forward_row(tiny_qwen3, row, temperature=1.0, backend="varlen").token.logprobs
+    ref = forward_row(other, row, temperature=1.0, backend="sdpa").token.logprobs
+    assert len(counted_kernel) == tiny_qwen3.config.num_hidden_layers
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    weights = torch.randn_like(ref)
+    (got * weights).sum().backward(), (ref * weights).sum().backward()
+    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), other.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_no_kernel_without_flash_attn_or_setting(monkeypatch, fake_kernels_library):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    assert varlen_attention.load_varlen_kernel("") is None
+    assert fake_kernels_library == []  # nothing asked of the kernel hub
+
+
+def test_setting_loads_a_local_directory_or_a_pinned_hub_repo(tmp_path, fake_kernels_library):
+    assert varlen_attention.load_varlen_kernel(str(tmp_path)) is sdpa_varlen
+    assert varlen_attention.load_varlen_kernel("org/flash-attn@v0.3") is sdpa_varlen
+    assert varlen_attention.load_varlen_kernel("org/flash-attn@2") is sdpa_varlen
+    assert fake_kernels_library == [
+        ("local", str(tmp_path)),
+        ("hub", "org/flash-attn", {"revision": "v0.3"}),
+        ("hub", "org/flash-attn", {"version": 2}),
+    ]
+
+
+def test_unpinned_or_failing_kernel_falls_back_with_a_warning(
+    monkeypatch, fake_kernels_library, caplog
+):
+    assert varlen_attention.load_varlen_kernel("org/flash-attn") is None
+    assert "@REVISION" in caplog.text and fake_kernels_library == []
+
+    def broken(path):
+        raise OSError("no build for this torch")
+
+    monkeypatch.setattr(sys.modules["kernels"], "get_local_kernel", broken)
+    assert varlen_attention.load_varlen_kernel(".") is None
+    assert "no build for this torch" in caplog.text and varlen_attention.KERNEL_ENV in caplog.text
+
+
+def test_kernel_order_setting_then_flash_attn_then_torch(
+    monkeypatch, tmp_path, fake_kernels_library, no_kernel_cache
+):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setenv(varlen_attention.KERNEL_ENV, str(tmp_path))
+    assert varlen_attention.varlen_kernel() is sdpa_varlen  # the configured one
+    CACHED_KERNEL.cache_clear()
+    monkeypatch.setenv(varlen_attention.KERNEL_ENV, "org/unpinned")  # fails: next in line
+    installed = types.SimpleNamespace(flash_attn_varlen_func=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "flash_attn", installed)
+    assert varlen_attention.varlen_kernel() is installed.flash_attn_varlen_func
+    CACHED_KERNEL.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert varlen_attention.varlen_kernel() is varlen_attention.torch_flash_varlen
+    CACHED_KERNEL.cache_clear()
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    assert varlen_attention.varlen_kernel() is None
+
+
+def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)
+    monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
+    assert choose_backend(cuda, torch.bfloat16) == "varlen"
+    assert choose_backend(cuda, torch.float32) == "flex"  # flash is half precision
+    assert choose_backend(cpu, torch.bfloat16) == "gather"
+    monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: False)  # pre-Ampere
+    assert choose_backend(cuda, torch.bfloat16) == "flex"
+    monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
+    monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: None)
+    assert choose_backend(cuda, torch.bfloat16) == "flex"
+    with pytest.raises(ValueError, match="install flash-attn"):
+        TreeMask.build(pack_row(shared_samples), cpu, "varlen")
