@@ -199,7 +199,9 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "case": f"{shape}/G={group_size}",
         "compiled": compiled,
         "backend": (
-            choose_backend(torch.device(device), SHAPES[shape][1]) if backend == "auto" else backend
+            choose_backend(row, torch.device(device), SHAPES[shape][1])
+            if backend == "auto"
+            else backend
         ),
         "device": device,
         "token_budget": budget,
@@ -269,8 +271,7 @@ def main() -> None:
         "--backend",
         choices=["auto", "varlen", "flex", "gather", "sdpa"],
         default="auto",
-        help="tree attention backend of the packed path (auto: varlen on CUDA with a flash "
-        "kernel, gather on CPU)",
+        help="tree attention backend of the packed path (auto: what the trainer picks)",
     )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
