@@ -4,6 +4,7 @@ gradients); the compiled LM-head tiles equal the eager ones."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
     from grpo_agent.train.varlen_attention import tree_varlen_attention
 
     row = _big_shared_row()
-    plan = VarlenPlan.build(row, "cuda")
+    plan = VarlenPlan.build(row, "cuda", torch_flash_varlen)
     assert plan.kv_index is not None and plan.max_k > plan.max_q
     n = row.num_tokens
     q = torch.randn(1, 8, n, 64, device="cuda", dtype=dtype)
@@ -78,7 +79,7 @@ def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
 
     def run(kernel, cast):
         inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
-        out = tree_varlen_attention(kernel, *inputs, plan, 0.125)
+        out = tree_varlen_attention(*inputs, dataclasses.replace(plan, kernel=kernel), 0.125)
         out.backward(grad.to(cast))
         return [out, *(t.grad for t in inputs)]
 

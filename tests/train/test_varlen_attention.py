@@ -93,7 +93,7 @@ def _plan_visibility(plan: VarlenPlan, n: int) -> torch.Tensor:
 
 def test_plan_reproduces_the_tree_rule_on_shared_rows(shared_samples):
     row = pack_row(shared_samples)
-    plan = VarlenPlan.build(row, "cpu")
+    plan = VarlenPlan.build(row, "cpu", sdpa_varlen)
     assert plan.kv_index is not None and plan.cu_q[-1] == row.num_tokens
     assert plan.cu_k[-1] == sum(len(p) for p in row.segment_paths)
     assert plan.max_k == max(len(p) for p in row.segment_paths)
@@ -103,7 +103,7 @@ def test_plan_reproduces_the_tree_rule_on_shared_rows(shared_samples):
 
 def test_unshared_rows_need_no_gather():
     row = pack_row(_unshared_samples())
-    plan = VarlenPlan.build(row, "cpu")
+    plan = VarlenPlan.build(row, "cpu", sdpa_varlen)
     assert plan.kv_index is None and plan.max_q == plan.max_k == 14
     assert plan.cu_q.tolist() == plan.cu_k.tolist() == [0, 12, 25, 39]
     assert plan.cu_q.dtype == torch.int32

@@ -67,7 +67,8 @@ class TreeMask:
                 f"tree attention backend {backend!r}: choose 'auto', 'flex', 'varlen', 'gather' "
                 "or 'sdpa'."
             )
-        if backend == "varlen" and varlen_attention.varlen_kernel() is None:
+        kernel = varlen_attention.varlen_kernel() if backend == "varlen" else None
+        if backend == "varlen" and kernel is None:
             raise ValueError(_NO_VARLEN_KERNEL)
         mask = cls(
             segment_ids=row.segment_ids.to(device),
@@ -78,7 +79,9 @@ class TreeMask:
         if backend == "flex":
             mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
         elif backend in ("varlen", "gather"):
-            mask.varlen = varlen_attention.VarlenPlan.build(row, device)
+            mask.varlen = varlen_attention.VarlenPlan.build(
+                row, device, kernel or varlen_attention.sdpa_varlen
+            )
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
@@ -202,9 +205,15 @@ def tree_attention_forward(
     if getattr(module, "sinks", None) is not None:
         raise ValueError(_SINKS_ERROR)
     gqa = query.shape[1] != key.shape[1]
+    plain = not sliding_window and not (dropout and module.training)
+    if tree_mask.backend == "varlen" and plain:
+        # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
+        return varlen_attention.tree_varlen_attention(
+            query, key, value, tree_mask.varlen, scaling
+        ), None
     if tree_mask.backend != "flex":
-        # Only FlexAttention belongs in a compiled decoder layer (`regional_compile`): the
-        # others loop over the row's segments, which would recompile for every new row.
+        # The gather and dense paths stay eager: the gather loops over the row's segments,
+        # which would recompile a compiled decoder layer for every new row.
         return _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask,
                                      sliding_window, gqa)
     if sliding_window:
@@ -226,17 +235,12 @@ def tree_attention_forward(
 @torch.compiler.disable
 def _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask: TreeMask,
                           sliding_window, gqa) -> tuple[torch.Tensor, None]:
-    """The varlen, gather and dense-mask backends (always eager)."""
+    """The gather and dense-mask backends (always eager)."""
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
-    if tree_mask.backend in ("varlen", "gather") and plain:
-        kernel = (
-            varlen_attention.varlen_kernel()
-            if tree_mask.backend == "varlen"
-            else varlen_attention.sdpa_varlen
-        )
+    if tree_mask.backend == "gather" and plain:
         return varlen_attention.tree_varlen_attention(
-            kernel, query, key, value, tree_mask.varlen, scaling
+            query, key, value, tree_mask.varlen, scaling
         ), None
     if tree_mask.dense is None:
         tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)

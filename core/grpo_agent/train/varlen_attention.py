@@ -131,8 +131,10 @@ def row_is_unshared(segment_ancestors: torch.Tensor) -> bool:
 
 @dataclass
 class VarlenPlan:
-    """Segment bounds for the queries, path bounds for the gathered keys/values."""
+    """Segment bounds for the queries, path bounds for the gathered keys/values, and the kernel
+    (resolved here, outside any compiled region)."""
 
+    kernel: Callable
     cu_q: torch.Tensor  # int32 [S+1]: segment s's queries are row[cu_q[s]:cu_q[s+1]]
     cu_k: torch.Tensor  # int32 [S+1]: its keys are gathered[cu_k[s]:cu_k[s+1]]
     max_q: int
@@ -140,13 +142,14 @@ class VarlenPlan:
     kv_index: torch.Tensor | None  # [sum of path lengths] row index of each gathered key
 
     @classmethod
-    def build(cls, row: PackedRow, device) -> VarlenPlan:
+    def build(cls, row: PackedRow, device, kernel: Callable) -> VarlenPlan:
         _, own_lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
         path_lens = torch.tensor([len(p) for p in row.segment_paths])
         index = None
         if not row_is_unshared(row.segment_ancestors):
             index = torch.tensor([i for p in row.segment_paths for i in p], device=device)
         return cls(
+            kernel=kernel,
             cu_q=F.pad(own_lens.cumsum(0), (1, 0)).to(device, torch.int32),
             cu_k=F.pad(path_lens.cumsum(0), (1, 0)).to(device, torch.int32),
             max_q=int(own_lens.max()),
@@ -173,13 +176,13 @@ class _GatherRows(torch.autograd.Function):
         return total.to(grad.dtype), None
 
 
-def tree_varlen_attention(kernel, query, key, value, plan: VarlenPlan, scaling) -> torch.Tensor:
+def tree_varlen_attention(query, key, value, plan: VarlenPlan, scaling) -> torch.Tensor:
     """Tree attention in one kernel call; inputs [1, heads, N, dim], output [1, N, heads, dim]."""
     # [N, heads, dim] views: the kernels need a contiguous last dimension only
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if plan.kv_index is not None:
         k, v = _GatherRows.apply(k, plan.kv_index), _GatherRows.apply(v, plan.kv_index)
-    out = kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+    out = plan.kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
                  softmax_scale=scaling, causal=True)
     if isinstance(out, tuple):  # flash-attn 3 also returns the log-sum-exp
         out = out[0]
