@@ -199,9 +199,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "case": f"{shape}/G={group_size}",
         "compiled": compiled,
         "backend": (
-            choose_backend(row, torch.device(device), SHAPES[shape][1])
-            if backend == "auto"
-            else backend
+            choose_backend(torch.device(device), SHAPES[shape][1]) if backend == "auto" else backend
         ),
         "device": device,
         "token_budget": budget,

@@ -124,3 +124,43 @@ def test_flex_tree_attention_traced_in_the_layer_reuses_its_graph(tiny_qwen3, sh
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
             frames.append(counter.frame_count)
     assert frames[0] > 0 and frames[-1] == frames[1], frames
+
+
+def _traceable_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+    """The varlen contract in tensor ops only (no per-segment loop), so dynamo can trace it
+    the way it traces PyTorch's flash op on CUDA: one masked SDPA over all tokens."""
+    rows_q, rows_k = torch.arange(q.shape[0]), torch.arange(k.shape[0])
+    seq_q = torch.searchsorted(cu_q, rows_q.to(cu_q.dtype), right=True) - 1
+    seq_k = torch.searchsorted(cu_k, rows_k.to(cu_k.dtype), right=True) - 1
+    shift = (cu_k[seq_q + 1] - cu_k[seq_q]) - (cu_q[seq_q + 1] - cu_q[seq_q])  # bottom-right
+    depth_q, depth_k = rows_q - cu_q[seq_q] + shift, rows_k - cu_k[seq_k]
+    mask = (seq_q[:, None] == seq_k[None, :]) & (depth_k[None, :] <= depth_q[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, scale=softmax_scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def test_varlen_tree_attention_traced_in_the_layer_reuses_its_graph(
+    monkeypatch, tiny_qwen3, shared_samples, fresh_dynamo
+):
+    """The CUDA default: the gathered-path varlen call is traced into the compiled layer (no
+    graph break), and rows of new lengths and segment counts reuse the graphs."""
+    from grpo_agent.train import varlen_attention
+
+    monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: _traceable_varlen)
+    enable_tree_attention(tiny_qwen3)
+    compiled = copy.deepcopy(tiny_qwen3)
+    counter = CompileCounter()
+    compile_decoder_layers(compiled, backend=counter)
+    frames = []
+    for k in (3, 5, 7, 8):
+        row = pack_row(shared_samples[:k])
+        ref = forward_row(tiny_qwen3, row, temperature=1.0, backend="sdpa").token.logprobs
+        got = forward_row(compiled, row, temperature=1.0, backend="varlen").token.logprobs
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        got.sum().backward()
+        frames.append(counter.frame_count)
+    # one graph per layer call: a graph break would add frames
+    assert frames[0] == 1 and frames[-1] == frames[1], frames

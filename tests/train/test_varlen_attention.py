@@ -207,17 +207,15 @@ def test_kernel_order_setting_then_flash_attn_then_torch(
 
 def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    unshared, shared = pack_row(_unshared_samples()), pack_row(shared_samples)
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
-    assert choose_backend(unshared, cuda, torch.bfloat16) == "varlen"
-    assert choose_backend(shared, cuda, torch.bfloat16) == "flex"  # measured faster (H200)
-    assert choose_backend(unshared, cuda, torch.float32) == "flex"  # flash is half precision
-    assert choose_backend(unshared, cpu, torch.bfloat16) == "gather"
+    assert choose_backend(cuda, torch.bfloat16) == "varlen"
+    assert choose_backend(cuda, torch.float32) == "flex"  # flash is half precision
+    assert choose_backend(cpu, torch.bfloat16) == "gather"
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: False)  # pre-Ampere
-    assert choose_backend(unshared, cuda, torch.bfloat16) == "flex"
+    assert choose_backend(cuda, torch.bfloat16) == "flex"
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: None)
-    assert choose_backend(unshared, cuda, torch.bfloat16) == "flex"
+    assert choose_backend(cuda, torch.bfloat16) == "flex"
     with pytest.raises(ValueError, match="install flash-attn"):
-        TreeMask.build(shared, cpu, "varlen")
+        TreeMask.build(pack_row(shared_samples), cpu, "varlen")

@@ -9,9 +9,9 @@ that name has no mask function in transformers, the model builds no mask of its 
 
 Kernels: "varlen" is one flash-attention varlen call in which each segment's queries attend
 to the keys/values gathered along its path (`varlen_attention`; PyTorch's own flash build or
-an installed/configured flash-attn kernel); "auto" picks it on CUDA for half-precision rows
-that share nothing (no gather needed). Otherwise on CUDA, "flex": FlexAttention with a block
-mask built from the predicate (sparse blocks are skipped). On CPU,
+an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
+Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
+blocks are skipped). On CPU,
 where FlexAttention has no backward, "gather": the same per-segment gathering as "varlen", one
 SDPA call per segment (work and memory grow with the sum of segment x path lengths, not N^2).
 "sdpa" (one SDPA call with the dense [N, N] boolean mask) is the simple reference and the
@@ -61,7 +61,7 @@ class TreeMask:
         """`dtype` (the model's) lets "auto" pick the varlen kernel, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
-            backend = choose_backend(row, device, dtype)
+            backend = choose_backend(device, dtype)
         if backend not in ("flex", "varlen", "gather", "sdpa"):
             raise ValueError(
                 f"tree attention backend {backend!r}: choose 'auto', 'flex', 'varlen', 'gather' "
@@ -87,15 +87,14 @@ class TreeMask:
         return mask
 
 
-def choose_backend(row: PackedRow, device: torch.device, dtype: torch.dtype | None) -> str:
-    """gather on CPU; on CUDA varlen for unshared half-precision rows when a flash kernel
-    exists, else flex. Shared rows stay on flex: on an H200 the gathered paths' extra copies and
-    float32 gradient sums cost more than PyTorch's flash kernel saves (docs/performance.md)."""
+def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
+    """gather on CPU; on CUDA varlen for half precision when a flash kernel exists (on an H200
+    it was as fast as flex or faster for every packing ratio, eager and compiled:
+    docs/performance.md), else flex."""
     if device.type != "cuda":
         return "gather"
     if (
-        varlen_attention.row_is_unshared(row.segment_ancestors)
-        and dtype in varlen_attention.HALF_DTYPES
+        dtype in varlen_attention.HALF_DTYPES
         and varlen_attention.flash_capable(device)
         and varlen_attention.varlen_kernel() is not None
     ):
