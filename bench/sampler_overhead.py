@@ -21,7 +21,6 @@ import statistics
 import time
 
 import httpx
-
 from grpo_agent.sampler import SamplerClient, SamplingParams
 from grpo_agent.sampler.client import _sampling_body
 
