@@ -11,9 +11,9 @@ Kernels: "varlen" is one flash-attention varlen call in which each segment's que
 to the keys/values gathered along its path (`varlen_attention`; PyTorch's own flash build or
 an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
 Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
-blocks are skipped). On CPU,
-where FlexAttention has no backward, "gather": the same per-segment gathering as "varlen", one
-SDPA call per segment (work and memory grow with the sum of segment x path lengths, not N^2).
+blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
+"varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
+lengths, not N^2).
 "sdpa" (one SDPA call with the dense [N, N] boolean mask) is the simple reference and the
 fallback for sliding-window layers and attention dropout.
 Rotary positions come from `position_ids` (the token's depth), so they match unpacked

@@ -7,7 +7,8 @@ against a longer key sequence: what flash-attention's varlen kernels compute fro
 are (a segment's own tokens are contiguous), keys and values are gathered along every
 segment's path (`VarlenPlan.kv_index`; skipped when nothing is shared), and the gather's
 backward sums a shared token's gradients in float32. The kernel runs dense tiles on exactly the
-visible pairs, so it is faster than FlexAttention's masked blocks on the tree.
+visible pairs; on an H200 the whole step was as fast as FlexAttention's masked blocks or faster
+(the gather's copies eat most of the kernel's gain: docs/performance.md).
 
 Kernels, first found wins (never a dependency, never a download unless named):
 - `GRPO_AGENT_FLASH_KERNEL` names one, loaded through the `kernels` library: a local kernel
@@ -46,7 +47,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def varlen_kernel() -> Callable | None:
     """`flash_attn_varlen_func` of the configured, installed or built-in kernel, or None."""
     spec = os.environ.get(KERNEL_ENV, "").strip()
-    return load_varlen_kernel(spec) or load_varlen_kernel("") or torch_builtin_kernel()
+    return (spec and load_varlen_kernel(spec)) or load_varlen_kernel("") or torch_builtin_kernel()
 
 
 def load_varlen_kernel(spec: str) -> Callable | None:
