@@ -12,7 +12,12 @@ from grpo_agent.train.forward import forward_row
 from grpo_agent.train.loss import LossConfig, row_loss
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import enable_tree_attention
-from grpo_agent.train.varlen_attention import VarlenPlan, sdpa_varlen, torch_flash_varlen
+from grpo_agent.train.varlen_attention import (
+    VarlenPlan,
+    sdpa_varlen,
+    torch_flash_varlen,
+    tree_varlen_attention,
+)
 
 from .conftest import make_sample
 
@@ -67,8 +72,6 @@ def _big_shared_row(group_size=6, groups=3, prompt=300, vocab=96):
 def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
     """PyTorch's flash kernel on gathered paths: bottom-right causal, GQA, gradients through
     the gather, against the per-segment SDPA reference in float32."""
-    from grpo_agent.train.varlen_attention import tree_varlen_attention
-
     row = _big_shared_row()
     plan = VarlenPlan.build(row, "cuda", torch_flash_varlen)
     assert plan.kv_index is not None and plan.max_k > plan.max_q
