@@ -6,7 +6,7 @@ log-probs through the tiled LM head, `forward.py`), so wrapping the whole model,
 layer instead ("regional compilation") fuses its element-wise work (RMSNorm, rotary, SiLU,
 residual adds, casts) into a few kernels, and all layers share one compiled graph, so it
 compiles once however deep the model is. `dynamic=True` because packed rows change length
-every step; FlexAttention's tree mask is traced inside the layer graph.
+every step; the varlen and FlexAttention tree paths are traced inside the layer graph.
 """
 
 from __future__ import annotations

@@ -204,16 +204,17 @@ def tree_attention_forward(
     if getattr(module, "sinks", None) is not None:
         raise ValueError(_SINKS_ERROR)
     gqa = query.shape[1] != key.shape[1]
+    # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
-    if tree_mask.backend == "varlen" and plain:
+    if plain and tree_mask.backend == "varlen":
         # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
         return varlen_attention.tree_varlen_attention(
             query, key, value, tree_mask.varlen, scaling
         ), None
+    if plain and tree_mask.backend == "gather":
+        return _eager_gather_attention(query, key, value, tree_mask.varlen, scaling), None
     if tree_mask.backend != "flex":
-        # The gather and dense paths stay eager: the gather loops over the row's segments,
-        # which would recompile a compiled decoder layer for every new row.
-        return _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask,
+        return _dense_tree_attention(module, query, key, value, scaling, dropout, tree_mask,
                                      sliding_window, gqa)
     if sliding_window:
         raise NotImplementedError(
@@ -231,16 +232,15 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+# The gather and dense paths stay eager: the gather loops over the row's segments, which would
+# recompile a compiled decoder layer for every new row.
+_eager_gather_attention = torch.compiler.disable(varlen_attention.tree_varlen_attention)
+
+
 @torch.compiler.disable
-def _eager_tree_attention(module, query, key, value, scaling, dropout, tree_mask: TreeMask,
+def _dense_tree_attention(module, query, key, value, scaling, dropout, tree_mask: TreeMask,
                           sliding_window, gqa) -> tuple[torch.Tensor, None]:
-    """The gather and dense-mask backends (always eager)."""
-    # Sliding windows and attention dropout need the dense mask.
-    plain = not sliding_window and not (dropout and module.training)
-    if tree_mask.backend == "gather" and plain:
-        return varlen_attention.tree_varlen_attention(
-            query, key, value, tree_mask.varlen, scaling
-        ), None
+    """SDPA with the dense [N, N] mask: the reference, sliding windows and attention dropout."""
     if tree_mask.dense is None:
         tree_mask.dense = dense_tree_mask(tree_mask.segment_ids, tree_mask.ancestors)
     dense = _window_mask(tree_mask, sliding_window) if sliding_window else tree_mask.dense

@@ -183,8 +183,9 @@ def tree_varlen_attention(query, key, value, plan: VarlenPlan, scaling) -> torch
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if plan.kv_index is not None:
         k, v = _GatherRows.apply(k, plan.kv_index), _GatherRows.apply(v, plan.kv_index)
-    out = plan.kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-                 softmax_scale=scaling, causal=True)
+    out = plan.kernel(
+        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scaling, causal=True
+    )
     if isinstance(out, tuple):  # flash-attn 3 also returns the log-sum-exp
         out = out[0]
     return out[None]
