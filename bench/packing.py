@@ -26,7 +26,7 @@ from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
-from grpo_agent.train.tree_attention import choose_backend, enable_tree_attention
+from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
 
 SHAPES = {
@@ -267,7 +267,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=["auto", "varlen", "flex", "gather", "sdpa"],
+        choices=["auto", *BACKENDS],
         default="auto",
         help="tree attention backend of the packed path (auto: what the trainer picks)",
     )

@@ -7,10 +7,11 @@ per row (`TreeMask`) and hand it to every layer through the model's forward kwar
 the attention implementation name `grpo_tree` registered with `AttentionInterface`. Because
 that name has no mask function in transformers, the model builds no mask of its own.
 
-Kernels: "varlen" is one flash-attention varlen call in which each segment's queries attend
-to the keys/values gathered along its path (`varlen_attention`; PyTorch's own flash build or
-an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
-Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
+Kernels: "levels" splits the tree by depth into flash calls on the row's own keys, merged by
+their log-sum-exps (`level_attention`; PyTorch's own flash build), which "auto" picks on CUDA in
+half precision. "varlen" is one flash-attention varlen call in which each segment's queries
+attend to the keys/values gathered along its path (`varlen_attention`), which "auto" picks
+instead when a flash-attn kernel is installed or configured. Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
 blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import varlen_attention
+from grpo_agent.train import level_attention, varlen_attention
 from grpo_agent.train.packing import PackedRow
 
 ATTN_IMPLEMENTATION = "grpo_tree"
@@ -45,9 +46,10 @@ class TreeMask:
     segment_ids: torch.Tensor  # [N]
     ancestors: torch.Tensor  # [S, S] bool
     position_ids: torch.Tensor  # [N]
-    backend: str  # "flex", "varlen", "gather" or "sdpa"
+    backend: str  # one of BACKENDS
     block_mask: Any = None  # FlexAttention BlockMask (flex)
     varlen: varlen_attention.VarlenPlan | None = None  # query/key bounds, gather index
+    levels: level_attention.LevelPlan | None = None  # self and per-depth bounds
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
 
     @classmethod
@@ -58,14 +60,13 @@ class TreeMask:
         backend: str = "auto",
         dtype: torch.dtype | None = None,
     ) -> TreeMask:
-        """`dtype` (the model's) lets "auto" pick the varlen kernel, which is half-precision only."""
+        """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
             backend = choose_backend(device, dtype)
-        if backend not in ("flex", "varlen", "gather", "sdpa"):
+        if backend not in BACKENDS:
             raise ValueError(
-                f"tree attention backend {backend!r}: choose 'auto', 'flex', 'varlen', 'gather' "
-                "or 'sdpa'."
+                f"tree attention backend {backend!r}: choose 'auto' or one of {BACKENDS}."
             )
         kernel = varlen_attention.varlen_kernel() if backend == "varlen" else None
         if backend == "varlen" and kernel is None:
@@ -82,23 +83,35 @@ class TreeMask:
             mask.varlen = varlen_attention.VarlenPlan.build(
                 row, device, kernel or varlen_attention.sdpa_varlen
             )
+        elif backend == "levels":  # flash where it runs; the plain-math reference elsewhere
+            flash = (
+                device.type == "cuda"
+                and dtype in varlen_attention.HALF_DTYPES
+                and torch.backends.cuda.is_flash_attention_available()
+            )
+            mask.levels = level_attention.LevelPlan.build(
+                row, device, "flash" if flash else "reference"
+            )
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
 
 
+BACKENDS = ("levels", "varlen", "flex", "gather", "sdpa")
+
+
 def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
-    """gather on CPU; on CUDA varlen for half precision when a flash kernel exists (on an H200
-    it was as fast as flex or faster for every packing ratio, eager and compiled:
-    docs/performance.md), else flex."""
+    """gather on CPU. On CUDA in half precision with a flash-capable GPU: varlen when a
+    flash-attn kernel is installed or configured, else levels on PyTorch's flash build (the
+    fastest on an H200: docs/performance.md). Otherwise flex."""
     if device.type != "cuda":
         return "gather"
-    if (
-        dtype in varlen_attention.HALF_DTYPES
-        and varlen_attention.flash_capable(device)
-        and varlen_attention.varlen_kernel() is not None
-    ):
-        return "varlen"
+    if dtype in varlen_attention.HALF_DTYPES and varlen_attention.flash_capable(device):
+        kernel = varlen_attention.varlen_kernel()
+        if kernel not in (None, varlen_attention.torch_flash_varlen):
+            return "varlen"
+        if kernel is not None:
+            return "levels"
     return "flex"
 
 
@@ -206,6 +219,11 @@ def tree_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
+    if plain and tree_mask.backend == "levels":
+        # Custom ops: traced into a compiled decoder layer as one opaque call each way.
+        return level_attention.level_tree_attention(
+            query, key, value, tree_mask.levels, scaling
+        ), None
     if plain and tree_mask.backend == "varlen":
         # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
         return varlen_attention.tree_varlen_attention(
