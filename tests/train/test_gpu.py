@@ -1,5 +1,5 @@
-"""CUDA: the FlexAttention and flash-varlen tree paths equal unpacked attention (log-probs and
-gradients); the compiled LM-head tiles equal the eager ones."""
+"""CUDA: the FlexAttention, flash-varlen and level tree paths equal unpacked attention (log-probs
+and gradients); the compiled LM-head tiles equal the eager ones."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from grpo_agent.train.forward import forward_row
+from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
 from grpo_agent.train.loss import LossConfig, row_loss
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import enable_tree_attention
@@ -57,14 +58,24 @@ def test_flex_tree_attention_matches_unpacked(tiny_qwen3, shared_samples):
 
 
 def _big_shared_row(group_size=6, groups=3, prompt=300, vocab=96):
-    """Groups sharing long prompts: segments longer than one flash tile, GQA model shapes."""
+    """Groups sharing long prompts (segments longer than one flash tile), then a multi-turn
+    group whose untrained history forks twice: a tree three segments deep."""
     gen = torch.Generator().manual_seed(5)
+
+    def tokens(n):
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
     samples = []
     for g in range(groups):
-        head = torch.randint(1, vocab, (prompt,), generator=gen).tolist()
+        head = tokens(prompt)
         for i in range(group_size):
-            comp = torch.randint(1, vocab, (40 + 37 * i,), generator=gen).tolist()
+            comp = tokens(40 + 37 * i)
             samples.append(make_sample(head + comp, [0] * prompt + [1] * len(comp), group_id=g))
+    head, turn = tokens(170), tokens(90)
+    for i, history in enumerate([head + turn, head + turn, head]):
+        comp = tokens(60 + 50 * i)
+        samples.append(make_sample(history + comp, [0] * len(history) + [1] * len(comp),
+                                   group_id=groups))
     return pack_row(samples)
 
 
@@ -91,13 +102,38 @@ def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
 
 
-def test_flash_varlen_tree_matches_unpacked_in_bf16(tiny_qwen3, shared_samples):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_level_attention_on_flash_matches_the_reference(dtype):
+    """The level split on PyTorch's flash kernels (merge by log-sum-exp; each part's backward
+    from the merged output) against the same split in float32 plain math, which the CPU tests
+    hold to the dense tree mask."""
+    row = _big_shared_row()
+    plan = LevelPlan.build(row, "cuda", "flash")
+    assert len(plan.query_index) == 2  # prompts -> completions, and a second fork
+    n = row.num_tokens
+    q = torch.randn(1, 8, n, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=dtype) for _ in range(2))
+    grad = torch.randn(1, n, 8, 64, device="cuda", dtype=dtype)
+
+    def run(kernel, cast):
+        inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        out = level_tree_attention(*inputs, dataclasses.replace(plan, kernel=kernel), 0.125)
+        out.backward(grad.to(cast))
+        return [out, *(t.grad for t in inputs)]
+
+    got, ref = run("flash", dtype), run("reference", torch.float32)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["varlen", "levels"])
+def test_flash_tree_paths_match_unpacked_in_bf16(tiny_qwen3, shared_samples, backend):
     reference = tiny_qwen3.cuda()  # float32, unpacked
     ref = _unpacked(reference, shared_samples)
     packed = copy.deepcopy(reference).to(torch.bfloat16)
     enable_tree_attention(packed)
     row = pack_row(shared_samples)
-    got = forward_row(packed, row, temperature=1.0, backend="varlen").token.logprobs
+    got = forward_row(packed, row, temperature=1.0, backend=backend).token.logprobs
     flex = forward_row(packed, row, temperature=1.0, backend="flex").token.logprobs
     err, flex_err = (got - ref).abs().max().item(), (flex - ref).abs().max().item()
     assert err < 0.1 and err < 2 * flex_err + 1e-2, (err, flex_err)

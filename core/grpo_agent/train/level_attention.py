@@ -17,10 +17,12 @@ is read once per depth instead of G times, and its gradients need no scatter-add
 The work is exactly the tree's visible (query, key) pairs; the cost is one extra varlen call
 per tree depth (two in a prompt -> completions row).
 
-The forward and backward are custom ops: opaque to torch.compile (no graph break, no
-recompile for a new row shape), and the plan's loop over depths runs inside them.
+Everything is tensor ops with no host synchronisation, so torch.compile traces it into the
+compiled decoder layer, backward included (an opaque custom op cost ~0.5 ms of host time per
+layer on the H200 and made the compiled step host-bound). A row with a new tree depth traces
+once more; new lengths do not (the layers compile with dynamic shapes).
 Kernels: PyTorch's own flash build (CUDA, half precision) or `reference`, the same contract
-in plain tensor math (any device and dtype; the tests' oracle).
+in dense masked tensor math (any device and dtype; the tests' oracle).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class LevelPlan:
     key_index: list[torch.Tensor]  # per depth: rows of the depth's segments that have some
     cu_q: list[torch.Tensor]  # per depth: int32 bounds in query_index
     cu_k: list[torch.Tensor]  # per depth: int32 bounds in key_index
-    max_lens: list[int]  # per depth: max_q, max_k (flattened pairs)
+    max_q: list[int]  # per depth: longest query range
+    max_k: list[int]  # per depth: longest key range
 
     @classmethod
     def build(cls, row: PackedRow, device, kernel: str) -> LevelPlan:
@@ -59,7 +62,7 @@ class LevelPlan:
         depth = (ancestors.sum(1) - 1).tolist()
         # a segment's subtree ends where its last descendant (or itself) ends
         subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
-        plan = cls(kernel, _bounds(lens.tolist(), device), int(lens.max()), [], [], [], [], [])
+        plan = cls(kernel, _bounds(lens.tolist(), device), int(lens.max()), [], [], [], [], [], [])
         for d in range(max(depth)):  # the deepest segments have no descendants
             pairs = [
                 (range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
@@ -71,7 +74,8 @@ class LevelPlan:
             plan.key_index.append(torch.tensor([i for _, k in pairs for i in k], device=device))
             plan.cu_q.append(_bounds(q_lens, device))
             plan.cu_k.append(_bounds(k_lens, device))
-            plan.max_lens += [max(q_lens), max(k_lens)]
+            plan.max_q.append(max(q_lens))
+            plan.max_k.append(max(k_lens))
         return plan
 
 
@@ -84,11 +88,70 @@ def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.T
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out, _ = torch.ops.grpo_agent.level_attention(
-        q, k, v, plan.self_cu, plan.self_max, plan.query_index, plan.key_index, plan.cu_q,
-        plan.cu_k, plan.max_lens, float(scaling), plan.kernel,
-    )
+    depths = zip(plan.query_index, plan.key_index, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k)
+    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.self_cu,
+                                plan.self_max, *(x for depth in depths for x in depth))
     return out[None]
+
+
+class _LevelAttention(torch.autograd.Function):
+    """Forward: every part, merged. Backward: every part's share, from the merged out/lse.
+
+    Arguments after `self_max` are the depths, six each: query rows, key rows, their bounds,
+    and the longest query and key range."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernel, self_cu, self_max, *depths):
+        forward = _FORWARD[kernel]
+        out, lse = forward(q, k, v, self_cu, self_cu, self_max, self_max, True, scale)
+        work = _work_dtype(q)
+        merged, total = out.to(work), lse.to(work)
+        for qi, ki, cu_q, cu_k, max_q, max_k in _by_depth(depths):
+            part, part_lse = forward(q.index_select(0, qi), k.index_select(0, ki),
+                                     v.index_select(0, ki), cu_q, cu_k, max_q, max_k, False, scale)
+            before = total.index_select(0, qi)
+            after = torch.logaddexp(before, part_lse.to(work))
+            mixed = (merged.index_select(0, qi) * (before - after).exp()[..., None]
+                     + part.to(work) * (part_lse - after).exp()[..., None])
+            merged, total = merged.index_copy(0, qi, mixed), total.index_copy(0, qi, after)
+        out = merged.to(q.dtype)
+        tensors = [x for x in depths if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, total, self_cu, *tensors)
+        ctx.lengths = [self_max, *(x for x in depths if not isinstance(x, torch.Tensor))]
+        ctx.scale, ctx.kernel = scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, self_cu, *tensors = ctx.saved_tensors
+        self_max, *maxes = ctx.lengths
+        backward, scale = _BACKWARD[ctx.kernel], ctx.scale
+        dout = dout.contiguous()
+        grads = backward(dout, q, k, v, out, lse, self_cu, self_cu, self_max, self_max, True,
+                         scale)
+        work = _work_dtype(q)
+        dq, dk, dv = (g.to(work) for g in grads)
+        for d in range(len(maxes) // 2):
+            qi, ki, cu_q, cu_k = tensors[4 * d : 4 * d + 4]
+            part = backward(dout.index_select(0, qi), q.index_select(0, qi),
+                            k.index_select(0, ki), v.index_select(0, ki),
+                            out.index_select(0, qi), lse.index_select(0, qi), cu_q, cu_k,
+                            maxes[2 * d], maxes[2 * d + 1], False, scale)
+            # rows are distinct within a depth: an add per row, no accumulation races
+            dq = dq.index_add(0, qi, part[0].to(work))
+            dk = dk.index_add(0, ki, part[1].to(work))
+            dv = dv.index_add(0, ki, part[2].to(work))
+        n_inputs = 7 + 3 * len(maxes)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * (n_inputs - 3)
+
+
+def _by_depth(depths):
+    return (depths[i : i + 6] for i in range(0, len(depths), 6))
+
+
+def _work_dtype(q: torch.Tensor) -> torch.dtype:
+    """Merging and gradient sums run in float32 (float64 stays float64)."""
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 # --- kernels: (out, lse [rows, heads] float32) forward; (dq, dk, dv) backward from given out/lse
@@ -112,152 +175,52 @@ def _lse_rows(lse: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
     return lse.t()
 
 
-_NO_RNG = {}
-
-
 def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    key = q.device
-    if key not in _NO_RNG:  # dropout is 0: the kernel never reads its random-state tensors
-        _NO_RNG[key] = torch.empty(2, dtype=torch.uint64, device=q.device)
-    rng = _NO_RNG[key]
+    unused = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: no random state
     return torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse.t().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng, rng,
-        scale=scale,
+        dout, q, k, v, out, lse.t().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, unused,
+        unused, scale=scale,
     )
 
 
 def _reference_scores(q, k, cu_q, cu_k, causal, scale):
-    """Per sequence: (query rows, key rows, scores [heads, q, k] in float32+, -inf masked)."""
+    """Scores [heads, Q, K] in float32 (or wider) with every pair outside a sequence (or after
+    the bottom-right causal diagonal) at -inf: dense, but no host synchronisation."""
     work = _work_dtype(q)
+    rows_q = torch.arange(q.shape[0], device=q.device)
+    rows_k = torch.arange(k.shape[0], device=q.device)
+    seq_q = torch.searchsorted(cu_q, rows_q.to(cu_q.dtype), right=True) - 1
+    seq_k = torch.searchsorted(cu_k, rows_k.to(cu_k.dtype), right=True) - 1
+    visible = seq_q[:, None] == seq_k[None, :]
+    if causal:
+        q_from_end = cu_q[seq_q + 1] - rows_q  # 1 for a sequence's last query
+        k_from_end = cu_k[seq_k + 1] - rows_k
+        visible &= k_from_end[None, :] >= q_from_end[:, None]
     group = q.shape[1] // k.shape[1]
-    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
-                              cu_k[1:].tolist()):
-        qs, ks = q[q0:q1].to(work), k[k0:k1].to(work).repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:  # aligned bottom-right
-            keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
-            scores = scores.masked_fill(~keep.tril((k1 - k0) - (q1 - q0)), float("-inf"))
-        yield slice(q0, q1), slice(k0, k1), scores
+    scores = torch.einsum("qhd,khd->hqk", q.to(work), k.to(work).repeat_interleave(group, 1))
+    return (scores * scale).masked_fill(~visible, float("-inf"))
 
 
 def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=_work_dtype(q), device=q.device)
-    for qs, ks, scores in _reference_scores(q, k, cu_q, cu_k, causal, scale):
-        lse[qs] = scores.logsumexp(-1).t()
-        vs = v[ks].to(scores.dtype).repeat_interleave(group, 1)
-        out[qs] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs).to(q.dtype)
-    return out, lse
+    scores = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+    vs = v.to(scores.dtype).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+    return out.to(q.dtype), scores.logsumexp(-1).t()
 
 
 def _reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    dq, dk, dv = (torch.zeros_like(t, dtype=lse.dtype) for t in (q, k, v))
-    for qs, ks, scores in _reference_scores(q, k, cu_q, cu_k, causal, scale):
-        work = scores.dtype
-        probs = torch.exp(scores - lse[qs].t()[..., None])
-        do, o = dout[qs].to(work), out[qs].to(work)
-        kk, vv = (t[ks].to(work).repeat_interleave(group, 1) for t in (k, v))
-        dp = torch.einsum("qhd,khd->hqk", do, vv)
-        ds = probs * (dp - (do * o).sum(-1).t()[..., None])
-        dq[qs] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
-        heads_k = k.shape[1]
-        dk[ks] = (torch.einsum("hqk,qhd->khd", ds, q[qs].to(work)) * scale).unflatten(
-            1, (heads_k, group)).sum(2)
-        dv[ks] = torch.einsum("hqk,qhd->khd", probs, do).unflatten(1, (heads_k, group)).sum(2)
+    scores = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+    work, group, heads_k = scores.dtype, q.shape[1] // k.shape[1], k.shape[1]
+    probs = torch.exp(scores - lse.t()[..., None].to(work))
+    do, o = dout.to(work), out.to(work)
+    kk, vv = (t.to(work).repeat_interleave(group, 1) for t in (k, v))
+    dscores = probs * (torch.einsum("qhd,khd->hqk", do, vv) - (do * o).sum(-1).t()[..., None])
+    dq = torch.einsum("hqk,khd->qhd", dscores, kk) * scale
+    dk = torch.einsum("hqk,qhd->khd", dscores, q.to(work)) * scale
+    dv = torch.einsum("hqk,qhd->khd", probs, do)
+    dk, dv = (t.unflatten(1, (heads_k, group)).sum(2) for t in (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 _FORWARD = {"flash": _flash_forward, "reference": _reference_forward}
 _BACKWARD = {"flash": _flash_backward, "reference": _reference_backward}
-
-
-# --- the custom ops
-
-
-@torch.library.custom_op("grpo_agent::level_attention", mutates_args=())
-def _level_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, self_cu: torch.Tensor, self_max: int,
-    query_index: list[torch.Tensor], key_index: list[torch.Tensor], cu_q: list[torch.Tensor],
-    cu_k: list[torch.Tensor], max_lens: list[int], scale: float, kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged output [N, heads, dim] and log-sum-exp [N, heads] (float32) of all parts."""
-    forward = _FORWARD[kernel]
-    out, lse = forward(q, k, v, self_cu, self_cu, self_max, self_max, True, scale)
-    work = _work_dtype(q)
-    if not query_index:
-        return out, lse.to(work).contiguous()
-    merged, total = out.to(work), lse.to(work).contiguous()
-    for d, (qi, ki) in enumerate(zip(query_index, key_index)):
-        part, part_lse = forward(
-            q.index_select(0, qi), k.index_select(0, ki), v.index_select(0, ki), cu_q[d],
-            cu_k[d], max_lens[2 * d], max_lens[2 * d + 1], False, scale,
-        )
-        before = total.index_select(0, qi)
-        after = torch.logaddexp(before, part_lse.to(work))
-        merged.index_copy_(0, qi, merged.index_select(0, qi) * (before - after).exp()[..., None]
-                           + part.to(work) * (part_lse - after).exp()[..., None])
-        total.index_copy_(0, qi, after)
-    return merged.to(q.dtype), total
-
-
-@_level_attention.register_fake
-def _(q, k, v, self_cu, self_max, query_index, key_index, cu_q, cu_k, max_lens, scale, kernel):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=_work_dtype(q))
-
-
-def _work_dtype(q: torch.Tensor) -> torch.dtype:
-    """Merging and gradient sums run in float32 (float64 stays float64)."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
-@torch.library.custom_op("grpo_agent::level_attention_backward", mutates_args=())
-def _level_attention_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, self_cu: torch.Tensor, self_max: int, query_index: list[torch.Tensor],
-    key_index: list[torch.Tensor], cu_q: list[torch.Tensor], cu_k: list[torch.Tensor],
-    max_lens: list[int], scale: float, kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every part's backward from the merged out and log-sum-exp; shares summed in float32."""
-    backward = _BACKWARD[kernel]
-    grads = backward(dout, q, k, v, out, lse, self_cu, self_cu, self_max, self_max, True, scale)
-    if not query_index:
-        return tuple(g.contiguous() for g in grads)
-    work = _work_dtype(q)
-    dq, dk, dv = (g.to(work) for g in grads)
-    for d, (qi, ki) in enumerate(zip(query_index, key_index)):
-        part_dq, part_dk, part_dv = backward(
-            dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
-            v.index_select(0, ki), out.index_select(0, qi), lse.index_select(0, qi), cu_q[d],
-            cu_k[d], max_lens[2 * d], max_lens[2 * d + 1], False, scale,
-        )
-        dq.index_add_(0, qi, part_dq.to(work))  # rows are distinct within a depth: no races
-        dk.index_add_(0, ki, part_dk.to(work))
-        dv.index_add_(0, ki, part_dv.to(work))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-@_level_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, self_cu, self_max, query_index, key_index, cu_q, cu_k, max_lens,
-      scale, kernel):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, *plan = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.plan = plan
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = torch.ops.grpo_agent.level_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, *ctx.plan
-    )
-    self_cu, self_max, *index_lists, max_lens, scale, kernel = ctx.plan
-    # the plan has no gradient; each list of tensors takes a list of Nones
-    return *grads, None, None, *([None] * len(x) for x in index_lists), None, None, None
-
-
-_level_attention.register_autograd(_backward, setup_context=_setup_context)
