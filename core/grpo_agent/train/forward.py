@@ -30,6 +30,11 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def to_device(device, *tensors):
+    """Each tensor (or None) on `device`."""
+    return [None if t is None else t.to(device) for t in tensors]
+
+
 def forward_hidden(
     model, row: PackedRow, *, output_router_logits: bool = False, backend: str = "auto"
 ):
@@ -59,16 +64,19 @@ def forward_row(
 ) -> RowForward:
     """Trainer log-probs (and entropy, top-k log-probs, aux loss) for the row's trained tokens."""
     device = _model_device(model)
+    # Copies to the GPU first: a host->device copy waits for the GPU to drain, so one queued
+    # behind the decoder would leave the GPU idle while the host queues the rest of the step.
+    pred_index, targets, topk_ids, candidates = to_device(
+        device, row.pred_index, row.targets, row.sampler_topk_ids, row.sampling_mask
+    )
     hidden, router = forward_hidden(model, row, output_router_logits=with_aux_loss, backend=backend)
-    weight = model.get_output_embeddings().weight
-    pred_hidden = hidden[row.pred_index.to(device)]
     token = token_logprobs(
-        pred_hidden,
-        weight,
-        row.targets.to(device),
+        hidden[pred_index],
+        model.get_output_embeddings().weight,
+        targets,
         temperature=temperature,
-        topk_ids=None if row.sampler_topk_ids is None else row.sampler_topk_ids.to(device),
-        candidates=None if row.sampling_mask is None else row.sampling_mask.to(device),
+        topk_ids=topk_ids,
+        candidates=candidates,
     )
     aux = _load_balancing_loss(model, router) if with_aux_loss and router is not None else None
     return RowForward(token=token, aux_loss=aux)

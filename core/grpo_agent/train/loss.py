@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_agent.train.forward import forward_hidden, forward_row, is_moe
+from grpo_agent.train.forward import forward_hidden, forward_row, is_moe, to_device
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.types import TrainingSample, TrainingSequence
 
@@ -165,17 +165,19 @@ def row_loss(
     if row.num_trained == 0:
         return _zero_loss(model, row), {}
     with_aux = bool(cfg.router_aux_loss_coef) and bool(is_moe(model))
+    # on the device before the forward is queued (see forward_row)
+    sampler_logprobs, advantages, sampler_topk_logprobs = to_device(
+        next(model.parameters()).device, row.sampler_logprobs, row.advantages,
+        row.sampler_topk_logprobs,
+    )
     fwd = forward_row(model, row, temperature=cfg.temperature, with_aux_loss=with_aux)
-    device = fwd.token.logprobs.device
     inp = LossInputs(
         logprobs=fwd.token.logprobs,
-        sampler_logprobs=row.sampler_logprobs.to(device),
-        advantages=row.advantages.to(device),
+        sampler_logprobs=sampler_logprobs,
+        advantages=advantages,
         token_sample=row.token_sample,
         topk_logprobs=fwd.token.topk_logprobs,
-        sampler_topk_logprobs=(
-            None if row.sampler_topk_logprobs is None else row.sampler_topk_logprobs.to(device)
-        ),
+        sampler_topk_logprobs=sampler_topk_logprobs,
     )
     loss = policy_loss(inp, cfg) / num_trained_tokens_global
     metrics = loss_metrics(inp, cfg, fwd.token.entropy)
