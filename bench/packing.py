@@ -5,7 +5,8 @@ them into one row of `token_budget` unique tokens, and times forward+backward of
   packed:   one tree-packed row through the `grpo_tree` attention backend;
   unpacked: the same samples as one right-padded batch through the model's SDPA backend.
 Both read log-probs with the same tiled LM head, so the ratio isolates packing. One JSON line
-per case (`device`, `packing_ratio`, `speedup`, `max_logprob_diff`, ...); then one line for the
+per case (`device`, `packing_ratio`, `speedup`, `max_logprob_diff`, on CUDA each path's peak
+memory, ...); then one line for the
 LM-head memory (tiled vs full logits, CUDA only); the last line is the summary.
 
     python bench/packing.py                 # CPU: the tiny model
@@ -183,6 +184,10 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
 
     packed_s, packed_queued_s = time_fwd_bwd(packed_step, device, repeats)
     unpacked_s, unpacked_queued_s = time_fwd_bwd(unpacked_step, device, repeats)
+    memory = {}
+    if device == "cuda":
+        memory = {"packed_peak_gib": peak_memory_gib(packed_step),
+                  "unpacked_peak_gib": peak_memory_gib(unpacked_step)}
     with torch.no_grad():
         diff = (
             (
@@ -218,7 +223,18 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
             unpacked_s / packed_s / (row.unpacked_tokens / row.num_tokens), 3
         ),
         "max_logprob_diff": diff,
+        **memory,
     }
+
+
+def peak_memory_gib(step) -> float:
+    """Peak CUDA memory of one step above what was allocated before it (weights, grads)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
 
 
 def lm_head_memory(device: str, tokens: int = 16384, vocab: int = 151936, hidden: int = 1024):
