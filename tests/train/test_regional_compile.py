@@ -164,3 +164,23 @@ def test_varlen_tree_attention_traced_in_the_layer_reuses_its_graph(
         frames.append(counter.frame_count)
     # one graph per layer call: a graph break would add frames
     assert frames[0] == 1 and frames[-1] == frames[1], frames
+
+
+def test_level_tree_attention_traced_in_the_layer_reuses_its_graph(
+    tiny_qwen3, shared_samples, fresh_dynamo
+):
+    """The level split (autograd.Function, loop over depths) traces into the compiled layer,
+    backward included: one graph per layer and none new for rows of other lengths."""
+    enable_tree_attention(tiny_qwen3)
+    compiled = copy.deepcopy(tiny_qwen3)
+    counter = CompileCounter()
+    compile_decoder_layers(compiled, backend=counter)
+    frames = []
+    for k in (3, 5, 7, 8):
+        row = pack_row(shared_samples[:k])
+        ref = forward_row(tiny_qwen3, row, temperature=1.0, backend="sdpa").token.logprobs
+        got = forward_row(compiled, row, temperature=1.0, backend="levels").token.logprobs
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        got.sum().backward()
+        frames.append(counter.frame_count)
+    assert frames[0] == 1 and frames[-1] == frames[0], frames

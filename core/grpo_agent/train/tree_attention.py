@@ -7,11 +7,12 @@ per row (`TreeMask`) and hand it to every layer through the model's forward kwar
 the attention implementation name `grpo_tree` registered with `AttentionInterface`. Because
 that name has no mask function in transformers, the model builds no mask of its own.
 
-Kernels: "levels" splits the tree by depth into flash calls on the row's own keys, merged by
-their log-sum-exps (`level_attention`; PyTorch's own flash build), which "auto" picks on CUDA in
-half precision. "varlen" is one flash-attention varlen call in which each segment's queries
-attend to the keys/values gathered along its path (`varlen_attention`), which "auto" picks
-instead when a flash-attn kernel is installed or configured. Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
+Kernels: "varlen" is one flash-attention varlen call in which each segment's queries attend
+to the keys/values gathered along its path (`varlen_attention`; PyTorch's own flash build or
+an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
+"levels" (opt-in) splits the tree by depth into flash calls on the row's own keys, merged by
+their log-sum-exps (`level_attention`): less memory than "varlen" (no gathered keys are saved
+for backward), as fast in eager mode, slower in compiled layers. Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
 blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
@@ -97,21 +98,21 @@ class TreeMask:
         return mask
 
 
-BACKENDS = ("levels", "varlen", "flex", "gather", "sdpa")
+BACKENDS = ("varlen", "levels", "flex", "gather", "sdpa")
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
-    """gather on CPU. On CUDA in half precision with a flash-capable GPU: varlen when a
-    flash-attn kernel is installed or configured, else levels on PyTorch's flash build (the
-    fastest on an H200: docs/performance.md). Otherwise flex."""
+    """gather on CPU; on CUDA varlen for half precision when a flash kernel exists (on an H200
+    it was as fast as flex or faster for every packing ratio, eager and compiled, and faster
+    than levels when compiled: docs/performance.md), else flex."""
     if device.type != "cuda":
         return "gather"
-    if dtype in varlen_attention.HALF_DTYPES and varlen_attention.flash_capable(device):
-        kernel = varlen_attention.varlen_kernel()
-        if kernel not in (None, varlen_attention.torch_flash_varlen):
-            return "varlen"
-        if kernel is not None:
-            return "levels"
+    if (
+        dtype in varlen_attention.HALF_DTYPES
+        and varlen_attention.flash_capable(device)
+        and varlen_attention.varlen_kernel() is not None
+    ):
+        return "varlen"
     return "flex"
 
 
