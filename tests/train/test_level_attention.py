@@ -109,3 +109,12 @@ def test_model_path_matches_the_dense_tree_mask(tiny_qwen3, shared_samples, deep
     (got * weights).sum().backward(), (ref * weights).sum().backward()
     for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), other.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_levels_on_cuda_needs_half_precision_flash():
+    """On CUDA the dense reference would be quadratic in the row: float32 is refused clearly."""
+    from grpo_agent.train.tree_attention import _level_kernel
+
+    assert _level_kernel(torch.device("cpu"), torch.float32) == "reference"
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        _level_kernel(torch.device("cuda"), torch.float32)

@@ -15,6 +15,7 @@ from grpo_agent.train.loss import (
     build_loss_config,
     clipped_surrogate_loss,
     loss_metrics,
+    metric_floats,
     row_loss,
     score_centering_loss,
 )
@@ -101,7 +102,7 @@ def test_metrics_names_and_values():
         topk_logprobs=torch.zeros(4, 2),
         sampler_topk_logprobs=torch.log(torch.tensor([[0.5, 0.2]] * 4)),
     )
-    m = loss_metrics(inp, cfg, entropy=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    m = metric_floats(loss_metrics(inp, cfg, entropy=torch.tensor([1.0, 2.0, 3.0, 4.0])))
     # ratios 1.0, 0.4, 3.0, 0.2 -> 0.4 and 0.2 are below clip_min 0.5
     assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(0.2)
     assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)
@@ -143,6 +144,7 @@ def test_row_loss_on_a_packed_row(tiny_qwen3, shared_samples, score_centering):
     cfg = LossConfig(score_centering=score_centering)
     loss, metrics = row_loss(tiny_qwen3, row, cfg, num_trained_tokens_global=2 * row.num_trained)
     loss.backward()
+    metrics = metric_floats(metrics)
     assert torch.isfinite(loss)
     grads = [p.grad for p in tiny_qwen3.parameters()]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
@@ -216,6 +218,7 @@ def test_moe_aux_loss_is_added_with_its_coefficient():
     row = pack_row([TrainingSample(seq, advantage=1.0, model_version=0, group_id=0, row_index=0)])
     plain, m0 = row_loss(model, row, LossConfig(router_aux_loss_coef=0.0), 2 * row.num_trained)
     with_aux, m1 = row_loss(model, row, LossConfig(router_aux_loss_coef=0.1), 2 * row.num_trained)
+    m1 = metric_floats(m1)
     assert "aux_loss" not in m0 and m1["aux_loss"] > 0
     # the row holds half the micro-batch's trained tokens -> half of coef * aux
     assert (with_aux - plain).item() == pytest.approx(0.1 * m1["aux_loss"] * 0.5, rel=1e-5)

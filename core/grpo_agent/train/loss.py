@@ -61,7 +61,7 @@ class LossInputs:
     logprobs: torch.Tensor
     sampler_logprobs: torch.Tensor
     advantages: torch.Tensor
-    token_sample: torch.Tensor
+    token_sample: torch.Tensor  # the token's sample, numbered 0..K-1 over samples with tokens
     topk_logprobs: torch.Tensor | None = None
     sampler_topk_logprobs: torch.Tensor | None = None
 
@@ -110,8 +110,12 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     )
 
 
-def loss_metrics(inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor) -> dict[str, float]:
-    """The spec's sampling/*, clip_ratio/* and entropy metrics over one row's trained tokens."""
+def loss_metrics(
+    inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The spec's sampling/*, clip_ratio/* and entropy metrics over one row's trained tokens,
+    as 0-d tensors on the loss's device: reading them waits for the GPU, so the trainer reads
+    them after the backward is queued, all at once (`metric_floats`)."""
     if inp.logprobs.numel() == 0:
         return {}
     with torch.no_grad():
@@ -122,37 +126,55 @@ def loss_metrics(inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor) -> dic
         high = ratio > 1 + cfg.epsilon_high
         if not cfg.score_centering:  # where the surrogate's clip actually binds
             low, high = low & (adv < 0), high & (adv > 0)
+        low_frac, high_frac, has_tokens = _per_sample_fractions(low, high, inp.token_sample)
         metrics = {
-            "sampling/sampling_logp_difference/mean": diff.mean().item(),
-            "sampling/sampling_logp_difference/max": diff.max().item(),
-            "sampling/importance_sampling_ratio/min": ratio.min().item(),
-            "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
-            "sampling/importance_sampling_ratio/max": ratio.max().item(),
-            "sampling/masked_mean": (~in_clip_range(ratio, cfg)).float().mean().item(),
-            "entropy": entropy.mean().item(),
-            "clip_ratio/low_mean": low.float().mean().item(),
-            "clip_ratio/high_mean": high.float().mean().item(),
-            "clip_ratio/region_mean": (low | high).float().mean().item(),
-            "clip_ratio/low_min": _per_sample_fraction(low, inp.token_sample).min().item(),
-            "clip_ratio/high_max": _per_sample_fraction(high, inp.token_sample).max().item(),
+            "sampling/sampling_logp_difference/mean": diff.mean(),
+            "sampling/sampling_logp_difference/max": diff.max(),
+            "sampling/importance_sampling_ratio/min": ratio.min(),
+            "sampling/importance_sampling_ratio/mean": ratio.mean(),
+            "sampling/importance_sampling_ratio/max": ratio.max(),
+            "sampling/masked_mean": (~in_clip_range(ratio, cfg)).float().mean(),
+            "entropy": entropy.float().mean(),
+            "clip_ratio/low_mean": low.float().mean(),
+            "clip_ratio/high_mean": high.float().mean(),
+            "clip_ratio/region_mean": (low | high).float().mean(),
+            "clip_ratio/low_min": torch.where(has_tokens, low_frac, torch.inf).min(),
+            "clip_ratio/high_max": torch.where(has_tokens, high_frac, -torch.inf).max(),
         }
         if cfg.score_centering and inp.sampler_topk_logprobs is not None:
             mass = torch.exp(inp.sampler_topk_logprobs).sum(-1)  # exp(-inf) = 0 at padding
-            metrics["sampling/sampler_mass"] = mass.mean().item()
+            metrics["sampling/sampler_mass"] = mass.mean()
     return metrics
 
 
-def _per_sample_fraction(flags: torch.Tensor, token_sample: torch.Tensor) -> torch.Tensor:
-    n = int(token_sample.max()) + 1
-    hits = torch.zeros(n).index_add_(0, token_sample, flags.float().cpu())
-    counts = torch.zeros(n).index_add_(0, token_sample, torch.ones(flags.shape[0]))
-    return hits[counts > 0] / counts[counts > 0]
+def metric_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Plain numbers, read from the device in one transfer."""
+    if not metrics:
+        return {}
+    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values))
+
+
+def _per_sample_fractions(low: torch.Tensor, high: torch.Tensor, token_sample: torch.Tensor):
+    """Per sample of the row: fraction of its tokens low- and high-clipped, and whether it has
+    trained tokens at all; on the flags' device, without reading anything back."""
+    token_sample = token_sample.to(low.device)
+    n = token_sample.shape[0]  # bounds the (dense) sample numbers without reading them back
+    counts = torch.zeros(n, device=low.device).index_add_(0, token_sample, torch.ones_like(
+        low, dtype=torch.float32))
+    fractions = [
+        torch.zeros(n, device=low.device).index_add_(0, token_sample, flags.float())
+        / counts.clamp(min=1)
+        for flags in (low, high)
+    ]
+    return *fractions, counts > 0
 
 
 def row_loss(
     model, row: PackedRow, cfg: LossConfig, num_trained_tokens_global: int
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one packed row, normalised by the micro-batch's trained tokens on all processes.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one packed row, normalised by the micro-batch's trained tokens on all processes,
+    and its metrics as device tensors (read them with `metric_floats` after the backward).
 
     Backward this (divided by gradient_accumulation_steps, and multiplied by the number of
     processes when the gradient all-reduce averages) and sum over rows. An empty row still
@@ -166,16 +188,16 @@ def row_loss(
         return _zero_loss(model, row), {}
     with_aux = bool(cfg.router_aux_loss_coef) and bool(is_moe(model))
     # on the device before the forward is queued (see forward_row)
-    sampler_logprobs, advantages, sampler_topk_logprobs = to_device(
+    sampler_logprobs, advantages, sampler_topk_logprobs, token_sample = to_device(
         next(model.parameters()).device, row.sampler_logprobs, row.advantages,
-        row.sampler_topk_logprobs,
+        row.sampler_topk_logprobs, torch.unique(row.token_sample, return_inverse=True)[1],
     )
     fwd = forward_row(model, row, temperature=cfg.temperature, with_aux_loss=with_aux)
     inp = LossInputs(
         logprobs=fwd.token.logprobs,
         sampler_logprobs=sampler_logprobs,
         advantages=advantages,
-        token_sample=row.token_sample,
+        token_sample=token_sample,
         topk_logprobs=fwd.token.topk_logprobs,
         sampler_topk_logprobs=sampler_topk_logprobs,
     )
@@ -184,7 +206,7 @@ def row_loss(
     if fwd.aux_loss is not None:
         share = row.num_trained / num_trained_tokens_global
         loss = loss + cfg.router_aux_loss_coef * fwd.aux_loss * share
-        metrics["aux_loss"] = float(fwd.aux_loss.detach())
+        metrics["aux_loss"] = fwd.aux_loss.detach()
     return loss, metrics
 
 

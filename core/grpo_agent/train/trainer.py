@@ -36,7 +36,7 @@ from grpo_agent.train.checkpoint import (
     last_complete_checkpoint,
 )
 from grpo_agent.train.lora_sync import AdapterPusher
-from grpo_agent.train.loss import build_loss_config, row_loss
+from grpo_agent.train.loss import build_loss_config, metric_floats, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.step_source import StepSource
@@ -113,6 +113,7 @@ class AsyncGRPOTrainer(Trainer):
             )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
         self.window = MetricWindow()
+        self._row_metrics: dict[str, torch.Tensor] = {}  # the last row's, read after backward
         self.ledger = PromptLedger()
         self.model_version = 0
         self.source: StepSource | None = None
@@ -279,6 +280,8 @@ class AsyncGRPOTrainer(Trainer):
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_timings["fwd_bwd"] += time.perf_counter() - started
+        # read after the backward is queued: reading waits for the GPU to finish the row
+        self.window.update(metric_floats(self._row_metrics))
         return loss
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
@@ -289,7 +292,7 @@ class AsyncGRPOTrainer(Trainer):
             inputs.row, self._loss_config, inputs.num_trained_global
         )
         self.step_timings["fwd"] += time.perf_counter() - started
-        self.window.update(metrics)
+        self._row_metrics = metrics
         # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
         loss = loss * fsdp.world_size()
         return (loss, None) if return_outputs else loss

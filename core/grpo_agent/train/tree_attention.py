@@ -12,8 +12,8 @@ to the keys/values gathered along its path (`varlen_attention`; PyTorch's own fl
 an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
 "levels" (opt-in) splits the tree by depth into flash calls on the row's own keys, merged by
 their log-sum-exps (`level_attention`): less memory than "varlen" (no gathered keys are saved
-for backward), as fast in eager mode, slower in compiled layers. Otherwise on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse
-blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
+for backward), as fast in eager mode, slower in compiled layers. Otherwise on CUDA, "flex":
+FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
 "sdpa" (one SDPA call with the dense [N, N] boolean mask) is the simple reference and the
@@ -84,21 +84,26 @@ class TreeMask:
             mask.varlen = varlen_attention.VarlenPlan.build(
                 row, device, kernel or varlen_attention.sdpa_varlen
             )
-        elif backend == "levels":  # flash where it runs; the plain-math reference elsewhere
-            flash = (
-                device.type == "cuda"
-                and dtype in varlen_attention.HALF_DTYPES
-                and torch.backends.cuda.is_flash_attention_available()
-            )
-            mask.levels = level_attention.LevelPlan.build(
-                row, device, "flash" if flash else "reference"
-            )
+        elif backend == "levels":
+            mask.levels = level_attention.LevelPlan.build(row, device, _level_kernel(device, dtype))
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
 
 
 BACKENDS = ("varlen", "levels", "flex", "gather", "sdpa")
+
+
+def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
+    """flash on CUDA; on CPU the dense reference (quadratic memory: for tests and tiny rows)."""
+    if device.type != "cuda":
+        return "reference"
+    if dtype in varlen_attention.HALF_DTYPES and torch.backends.cuda.is_flash_attention_available():
+        return "flash"
+    raise ValueError(
+        f"the 'levels' tree attention backend needs flash attention on CUDA: a bf16/fp16 model "
+        f"and a torch build with flash (got {dtype}). Use backend='auto' (flex for float32)."
+    )
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
@@ -221,7 +226,7 @@ def tree_attention_forward(
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
     if plain and tree_mask.backend == "levels":
-        # Custom ops: traced into a compiled decoder layer as one opaque call each way.
+        # Tensor ops and flash calls: traced into a compiled decoder layer, backward included.
         return level_attention.level_tree_attention(
             query, key, value, tree_mask.levels, scaling
         ), None
