@@ -79,6 +79,24 @@ def _big_shared_row(group_size=6, groups=3, prompt=300, vocab=96):
     return pack_row(samples)
 
 
+def _assert_matches_reference(attend, n, dtype, device="cuda"):
+    """attend(q, k, v, fast) over a row of n tokens (8 query heads over 2 key/value heads):
+    the fast kernel in `dtype` against the reference in float32; out, dq, dk, dv."""
+    q = torch.randn(1, 8, n, 64, device=device, dtype=dtype)
+    k, v = (torch.randn(1, 2, n, 64, device=device, dtype=dtype) for _ in range(2))
+    grad = torch.randn(1, n, 8, 64, device=device, dtype=dtype)
+
+    def run(fast, cast):
+        inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs, fast)
+        out.backward(grad.to(cast))
+        return [out, *(t.grad for t in inputs)]
+
+    got, ref = run(True, dtype), run(False, torch.float32)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
     """PyTorch's flash kernel on gathered paths: bottom-right causal, GQA, gradients through
@@ -86,20 +104,12 @@ def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
     row = _big_shared_row()
     plan = VarlenPlan.build(row, "cuda", torch_flash_varlen)
     assert plan.kv_index is not None and plan.max_k > plan.max_q
-    n = row.num_tokens
-    q = torch.randn(1, 8, n, 64, device="cuda", dtype=dtype)
-    k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=dtype) for _ in range(2))
-    grad = torch.randn(1, n, 8, 64, device="cuda", dtype=dtype)
 
-    def run(kernel, cast):
-        inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
-        out = tree_varlen_attention(*inputs, dataclasses.replace(plan, kernel=kernel), 0.125)
-        out.backward(grad.to(cast))
-        return [out, *(t.grad for t in inputs)]
+    def attend(q, k, v, fast):
+        kernel = torch_flash_varlen if fast else sdpa_varlen
+        return tree_varlen_attention(q, k, v, dataclasses.replace(plan, kernel=kernel), 0.125)
 
-    got, ref = run(torch_flash_varlen, dtype), run(sdpa_varlen, torch.float32)
-    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
-        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+    _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -110,20 +120,12 @@ def test_level_attention_on_flash_matches_the_reference(dtype):
     row = _big_shared_row()
     plan = LevelPlan.build(row, "cuda", "flash")
     assert len(plan.query_index) == 2  # prompts -> completions, and a second fork
-    n = row.num_tokens
-    q = torch.randn(1, 8, n, 64, device="cuda", dtype=dtype)
-    k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=dtype) for _ in range(2))
-    grad = torch.randn(1, n, 8, 64, device="cuda", dtype=dtype)
 
-    def run(kernel, cast):
-        inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
-        out = level_tree_attention(*inputs, dataclasses.replace(plan, kernel=kernel), 0.125)
-        out.backward(grad.to(cast))
-        return [out, *(t.grad for t in inputs)]
+    def attend(q, k, v, fast):
+        kernel = "flash" if fast else "reference"
+        return level_tree_attention(q, k, v, dataclasses.replace(plan, kernel=kernel), 0.125)
 
-    got, ref = run("flash", dtype), run("reference", torch.float32)
-    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
-        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+    _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
 @pytest.mark.parametrize("backend", ["varlen", "levels"])

@@ -150,20 +150,27 @@ def test_varlen_tree_attention_traced_in_the_layer_reuses_its_graph(
     from grpo_agent.train import varlen_attention
 
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: _traceable_varlen)
-    enable_tree_attention(tiny_qwen3)
-    compiled = copy.deepcopy(tiny_qwen3)
+    frames = _compiled_frames_over_rows(tiny_qwen3, shared_samples, "varlen")
+    # one graph per layer call: a graph break would add frames
+    assert frames[0] == 1 and frames[-1] == frames[1], frames
+
+
+def _compiled_frames_over_rows(model, samples, backend):
+    """Forward+backward rows of 3, 5, 7 and 8 samples through compiled layers (checked against
+    the dense mask); the compiled frame count after each."""
+    enable_tree_attention(model)
+    compiled = copy.deepcopy(model)
     counter = CompileCounter()
     compile_decoder_layers(compiled, backend=counter)
     frames = []
     for k in (3, 5, 7, 8):
-        row = pack_row(shared_samples[:k])
-        ref = forward_row(tiny_qwen3, row, temperature=1.0, backend="sdpa").token.logprobs
-        got = forward_row(compiled, row, temperature=1.0, backend="varlen").token.logprobs
+        row = pack_row(samples[:k])
+        ref = forward_row(model, row, temperature=1.0, backend="sdpa").token.logprobs
+        got = forward_row(compiled, row, temperature=1.0, backend=backend).token.logprobs
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
         got.sum().backward()
         frames.append(counter.frame_count)
-    # one graph per layer call: a graph break would add frames
-    assert frames[0] == 1 and frames[-1] == frames[1], frames
+    return frames
 
 
 def test_level_tree_attention_traced_in_the_layer_reuses_its_graph(
@@ -171,16 +178,5 @@ def test_level_tree_attention_traced_in_the_layer_reuses_its_graph(
 ):
     """The level split (autograd.Function, loop over depths) traces into the compiled layer,
     backward included: one graph per layer and none new for rows of other lengths."""
-    enable_tree_attention(tiny_qwen3)
-    compiled = copy.deepcopy(tiny_qwen3)
-    counter = CompileCounter()
-    compile_decoder_layers(compiled, backend=counter)
-    frames = []
-    for k in (3, 5, 7, 8):
-        row = pack_row(shared_samples[:k])
-        ref = forward_row(tiny_qwen3, row, temperature=1.0, backend="sdpa").token.logprobs
-        got = forward_row(compiled, row, temperature=1.0, backend="levels").token.logprobs
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-        got.sum().backward()
-        frames.append(counter.frame_count)
+    frames = _compiled_frames_over_rows(tiny_qwen3, shared_samples, "levels")
     assert frames[0] == 1 and frames[-1] == frames[0], frames
