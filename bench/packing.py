@@ -6,8 +6,8 @@ them into one row of `token_budget` unique tokens, and times forward+backward of
   unpacked: the same samples as one right-padded batch through the model's SDPA backend.
 Both read log-probs with the same tiled LM head, so the ratio isolates packing. One JSON line
 per case (`device`, `packing_ratio`, `speedup`, `max_logprob_diff`, on CUDA each path's peak
-memory, ...); then one line for the
-LM-head memory (tiled vs full logits, CUDA only); the last line is the summary.
+memory, ...); then one line for the LM-head memory (tiled vs full logits, CUDA only); the last
+line is the summary.
 
     python bench/packing.py                 # CPU: the tiny model
     python bench/packing.py --model qwen3-0.6b   # GPU: a random Qwen3-0.6B-shaped model (bf16)
@@ -247,12 +247,7 @@ def lm_head_memory(device: str, tokens: int = 16384, vocab: int = 151936, hidden
         ("tiled", lambda: token_logprobs(h, weight, targets).logprobs),
         ("full_logits", lambda: naive_token_logprobs(h, weight, targets)),
     ):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn().sum().backward()
-        torch.cuda.synchronize()
-        out[f"{name}_peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+        out[f"{name}_peak_gib"] = peak_memory_gib(lambda fn=fn: fn().sum().backward())
         weight.grad = h.grad = None
     out["memory_ratio"] = round(out["full_logits_peak_gib"] / out["tiled_peak_gib"], 2)
     return out

@@ -158,16 +158,13 @@ def metric_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 def _per_sample_fractions(low: torch.Tensor, high: torch.Tensor, token_sample: torch.Tensor):
     """Per sample of the row: fraction of its tokens low- and high-clipped, and whether it has
     trained tokens at all; on the flags' device, without reading anything back."""
-    token_sample = token_sample.to(low.device)
     n = token_sample.shape[0]  # bounds the (dense) sample numbers without reading them back
-    counts = torch.zeros(n, device=low.device).index_add_(0, token_sample, torch.ones_like(
-        low, dtype=torch.float32))
-    fractions = [
-        torch.zeros(n, device=low.device).index_add_(0, token_sample, flags.float())
-        / counts.clamp(min=1)
-        for flags in (low, high)
-    ]
-    return *fractions, counts > 0
+    per_token = torch.stack([torch.ones_like(low), low, high], dim=1).float()
+    sums = torch.zeros(n, 3, device=low.device).index_add_(0, token_sample.to(low.device),
+                                                         per_token)
+    counts = sums[:, 0]
+    fractions = sums[:, 1:] / counts.clamp(min=1)[:, None]
+    return fractions[:, 0], fractions[:, 1], counts > 0
 
 
 def row_loss(

@@ -281,7 +281,8 @@ class AsyncGRPOTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_timings["fwd_bwd"] += time.perf_counter() - started
         # read after the backward is queued: reading waits for the GPU to finish the row
-        self.window.update(metric_floats(self._row_metrics))
+        metrics, self._row_metrics = self._row_metrics, {}
+        self.window.update(metric_floats(metrics))
         return loss
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
