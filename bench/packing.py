@@ -4,10 +4,13 @@ Each case builds groups of G rollouts sharing a long prompt (G sets the packing 
 them into one row of `token_budget` unique tokens, and times forward+backward of
   packed:   one tree-packed row through the `grpo_tree` attention backend;
   unpacked: the same samples as one right-padded batch through the model's SDPA backend.
-Both read log-probs with the same tiled LM head, so the ratio isolates packing. One JSON line
-per case (`device`, `packing_ratio`, `speedup`, `max_logprob_diff`, on CUDA each path's peak
-memory, ...); then one line for the LM-head memory (tiled vs full logits, CUDA only); the last
-line is the summary.
+Both read log-probs with the same tiled LM head, so the ratio isolates packing. Two timings:
+one row with the GPU drained before and after it (`speedup`), and `--rows` different rows
+back to back with one wait at the end, as the trainer runs the micro-batches of an optimizer
+step (`pipelined_speedup`: there the host queues row i+1 while the GPU runs row i). One JSON
+line per case (`device`, `packing_ratio`, `speedup`, `max_logprob_diff`, on CUDA each path's
+peak memory, ...); then one line for the LM-head memory (tiled vs full logits, CUDA only); the
+last line is the summary.
 
     python bench/packing.py                 # CPU: the tiny model
     python bench/packing.py --model qwen3-0.6b   # GPU: a random Qwen3-0.6B-shaped model (bf16)
@@ -27,6 +30,7 @@ from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
+from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
 
@@ -79,9 +83,11 @@ def build_model(shape: str, device: str):
     return model
 
 
-def make_samples(group_size: int, prompt_len: int, completion_len: int, budget: int, vocab: int):
+def make_samples(
+    group_size: int, prompt_len: int, completion_len: int, budget: int, vocab: int, seed: int = 0
+):
     """Whole groups until the packed row would pass the budget; completions vary in length."""
-    gen = random.Random(group_size)
+    gen = random.Random(group_size + 1000 * seed)
     samples, used, group = [], 0, 0
     while True:
         prompt = [gen.randrange(vocab) for _ in range(prompt_len)]
@@ -132,7 +138,7 @@ def padded_batch(samples):
 
 def unpacked_logprobs(model, batch, device):
     """Padded batch through the ordinary model; log-probs of trained tokens, in order."""
-    ids, attn, rows, cols, targets = (t.to(device) for t in batch)
+    ids, attn, rows, cols, targets = to_device(device, *batch)
     hidden = model.get_decoder()(
         input_ids=ids, attention_mask=attn, use_cache=False
     ).last_hidden_state
@@ -164,26 +170,40 @@ def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
 
 
 def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
-             compiled=False, backend="auto"):
+             compiled=False, backend="auto", rows=4):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
-    samples = make_samples(group_size, prompt_len, completion_len, budget, vocab)
-    row = pack_row(samples)
-    batch = padded_batch(samples)
+    row_samples = [
+        make_samples(group_size, prompt_len, completion_len, budget, vocab, seed)
+        for seed in range(rows)
+    ]
+    packed_rows = [pack_row(samples) for samples in row_samples]
+    batches = [padded_batch(samples) for samples in row_samples]
+    samples, row, batch = row_samples[0], packed_rows[0], batches[0]
 
-    def packed_step():
+    def packed_step(row=row):
         lp = forward_row(packed_model, row, temperature=1.0, backend=backend).token.logprobs
         lp.sum().backward()
         return lp
 
-    def unpacked_step():
+    def unpacked_step(batch=batch):
         lp = unpacked_logprobs(plain_model, batch, device)
         lp.sum().backward()
         return lp
 
     packed_s, packed_queued_s = time_fwd_bwd(packed_step, device, repeats)
     unpacked_s, unpacked_queued_s = time_fwd_bwd(unpacked_step, device, repeats)
+    # the micro-batches of an optimizer step: different rows, no wait between them
+    pipelined_packed_s = time_fwd_bwd(
+        lambda: [packed_step(r) for r in packed_rows], device, repeats
+    )[0] / rows
+    pipelined_unpacked_s = time_fwd_bwd(
+        lambda: [unpacked_step(b) for b in batches], device, repeats
+    )[0] / rows
+    pipelined_ratio = sum(r.unpacked_tokens for r in packed_rows) / sum(
+        r.num_tokens for r in packed_rows
+    )
     memory = {}
     if device == "cuda":
         memory = {"packed_peak_gib": peak_memory_gib(packed_step),
@@ -221,6 +241,14 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "speedup": round(unpacked_s / packed_s, 3),
         "speedup_over_ratio": round(
             unpacked_s / packed_s / (row.unpacked_tokens / row.num_tokens), 3
+        ),
+        "rows": rows,
+        "pipelined_packing_ratio": round(pipelined_ratio, 3),
+        "pipelined_packed_s": round(pipelined_packed_s, 5),
+        "pipelined_unpacked_s": round(pipelined_unpacked_s, 5),
+        "pipelined_speedup": round(pipelined_unpacked_s / pipelined_packed_s, 3),
+        "pipelined_speedup_over_ratio": round(
+            pipelined_unpacked_s / pipelined_packed_s / pipelined_ratio, 3
         ),
         "max_logprob_diff": diff,
         **memory,
@@ -263,6 +291,10 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--rows", type=int, default=4,
+        help="rows per pipelined measurement (the micro-batches of one optimizer step)",
+    )
+    parser.add_argument(
         "--token-budget", type=int, default=None, help="override the shape's budget"
     )
     parser.add_argument(
@@ -275,6 +307,12 @@ def main() -> None:
         "--compile",
         action="store_true",
         help="compile the decoder layers of both models (what torch_compile=True does)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode for --compile (the trainer's torch_compile_mode), e.g. "
+        "reduce-overhead (CUDA graphs)",
     )
     parser.add_argument(
         "--backend",
@@ -291,13 +329,13 @@ def main() -> None:
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
     if args.compile:
-        compile_decoder_layers(packed)
-        compile_decoder_layers(plain)
+        compile_decoder_layers(packed, mode=args.compile_mode)
+        compile_decoder_layers(plain, mode=args.compile_mode)
     results = []
     for group_size in args.group_sizes:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
-                     args.compile, args.backend)
+                     args.compile, args.backend, args.rows)
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":
@@ -314,6 +352,9 @@ def main() -> None:
                 "compiled": args.compile,
                 "mean_speedup_over_ratio": round(
                     statistics.mean(r["speedup_over_ratio"] for r in shared), 3
+                ),
+                "mean_pipelined_speedup_over_ratio": round(
+                    statistics.mean(r["pipelined_speedup_over_ratio"] for r in shared), 3
                 ),
                 "max_logprob_diff": max(r["max_logprob_diff"] for r in results),
                 "cases": [(r["packing_ratio"], r["speedup"]) for r in results],

@@ -50,6 +50,11 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     report_to: Any = _help("Integrations to report to, as in transformers.", default="none")
     optim: str = _help("Optimizer name, as in transformers.", default="adamw_torch_fused")
+    logging_nan_inf_filter: bool = _help(
+        "Replace a NaN/inf micro-batch loss in the logged loss. False: checking it makes the "
+        "host wait for the GPU after every row, so rows could not run back to back.",
+        default=False,
+    )
 
     # ---- model ----
     model_init_kwargs: dict[str, Any] | str | None = _help(

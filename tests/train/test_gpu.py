@@ -153,6 +153,26 @@ def test_row_loss_runs_on_cuda_in_bf16(tiny_qwen3, shared_samples):
     assert any(p.grad is not None and p.grad.float().abs().sum() > 0 for p in model.parameters())
 
 
+@pytest.mark.parametrize("backend", ["varlen", "levels"])
+def test_rows_queue_without_waiting_for_the_gpu(tiny_qwen3, shared_samples, backend):
+    """A row's loss and backward never make the host wait for the GPU (no pageable copies, no
+    reads), so the trainer's next row is queued while this one runs."""
+    model = tiny_qwen3.cuda().to(torch.bfloat16)
+    enable_tree_attention(model)
+    rows = [pack_row(shared_samples), pack_row(shared_samples[1:])]
+    cfg = LossConfig()
+    for row in rows:  # warm-up: lazy CUDA initialisation (handles, pinned pool) may sync
+        row_loss(model, row, cfg, num_trained_tokens_global=row.num_trained)[0].backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for row in reversed(rows):
+            loss, _ = row_loss(model, row, cfg, num_trained_tokens_global=row.num_trained)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("temperature,masked", [(1.0, False), (0.7, True)])
 def test_compiled_lm_head_matches_eager(monkeypatch, temperature, masked):
     """The compiled per-tile functions compute what the eager ones do (bf16, several tiles)."""

@@ -15,6 +15,7 @@ import torch
 
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
 
 
@@ -30,11 +31,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def to_device(device, *tensors):
-    """Each tensor (or None) on `device`."""
-    return [None if t is None else t.to(device) for t in tensors]
-
-
 def forward_hidden(
     model, row: PackedRow, *, output_router_logits: bool = False, backend: str = "auto"
 ):
@@ -45,12 +41,12 @@ def forward_hidden(
             "grpo_agent.train.tree_attention.enable_tree_attention(model) once after loading it."
         )
     param = next(model.parameters())
+    (input_ids,) = to_device(param.device, row.input_ids)
     tree = TreeMask.build(row, param.device, backend, dtype=param.dtype)
-    device = param.device
     kwargs = {"output_router_logits": True} if output_router_logits else {}
     out = model.get_decoder()(
-        input_ids=row.input_ids.to(device)[None],
-        position_ids=row.position_ids.to(device)[None],
+        input_ids=input_ids[None],
+        position_ids=tree.position_ids[None],
         use_cache=False,
         tree_mask=tree,
         **kwargs,
@@ -64,8 +60,8 @@ def forward_row(
 ) -> RowForward:
     """Trainer log-probs (and entropy, top-k log-probs, aux loss) for the row's trained tokens."""
     device = _model_device(model)
-    # Copies to the GPU first: a host->device copy waits for the GPU to drain, so one queued
-    # behind the decoder would leave the GPU idle while the host queues the rest of the step.
+    # Copied before the forward is queued (`transfer`): with a pageable copy queued behind
+    # the decoder, the GPU idled while the host queued the rest of the step.
     pred_index, targets, topk_ids, candidates = to_device(
         device, row.pred_index, row.targets, row.sampler_topk_ids, row.sampling_mask
     )

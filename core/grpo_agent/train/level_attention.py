@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.transfer import to_device
 
 KERNELS = ("flash", "reference")
 
@@ -68,7 +69,8 @@ class LevelPlan:
         depth = (ancestors.sum(1) - 1).tolist()
         # a segment's subtree ends where its last descendant (or itself) ends
         subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
-        plan = cls(kernel, _bounds(lens.tolist(), device), int(lens.max()), [], [], [], [], [], [])
+        (self_cu,) = to_device(device, _bounds(lens.tolist()))
+        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [])
         for d in range(max(depth)):  # the deepest segments have no descendants
             pairs = [
                 (range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
@@ -76,17 +78,24 @@ class LevelPlan:
                 if depth[s] == d and subtree_end[s] > ends[s]
             ]
             q_lens, k_lens = [len(q) for q, _ in pairs], [len(k) for _, k in pairs]
-            plan.query_index.append(torch.tensor([i for q, _ in pairs for i in q], device=device))
-            plan.key_index.append(torch.tensor([i for _, k in pairs for i in k], device=device))
-            plan.cu_q.append(_bounds(q_lens, device))
-            plan.cu_k.append(_bounds(k_lens, device))
+            query_index, key_index, cu_q, cu_k = to_device(
+                device,
+                torch.tensor([i for q, _ in pairs for i in q]),
+                torch.tensor([i for _, k in pairs for i in k]),
+                _bounds(q_lens),
+                _bounds(k_lens),
+            )
+            plan.query_index.append(query_index)
+            plan.key_index.append(key_index)
+            plan.cu_q.append(cu_q)
+            plan.cu_k.append(cu_k)
             plan.max_q.append(max(q_lens))
             plan.max_k.append(max(k_lens))
         return plan
 
 
-def _bounds(lengths: list[int], device) -> torch.Tensor:
-    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device, torch.int32)
+def _bounds(lengths: list[int]) -> torch.Tensor:
+    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
 
 
 def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.Tensor:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_agent.train.forward import forward_hidden, forward_row, is_moe, to_device
+from grpo_agent.train.forward import forward_hidden, forward_row, is_moe
+from grpo_agent.train.transfer import to_device
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.types import TrainingSample, TrainingSequence
 
@@ -149,10 +150,14 @@ def loss_metrics(
 
 def metric_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     """Plain numbers, read from the device in one transfer."""
-    if not metrics:
-        return {}
-    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values))
+    return rows_metric_floats([metrics])[0]
+
+
+def rows_metric_floats(rows: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Each row's metrics as plain numbers, all read from the device in one transfer."""
+    flat = [v.detach().float().reshape(()) for metrics in rows for v in metrics.values()]
+    values = iter(torch.stack(flat).tolist() if flat else [])
+    return [{name: next(values) for name in metrics} for metrics in rows]
 
 
 def _per_sample_fractions(low: torch.Tensor, high: torch.Tensor, token_sample: torch.Tensor):

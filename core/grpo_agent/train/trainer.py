@@ -36,9 +36,10 @@ from grpo_agent.train.checkpoint import (
     last_complete_checkpoint,
 )
 from grpo_agent.train.lora_sync import AdapterPusher
-from grpo_agent.train.loss import build_loss_config, metric_floats, row_loss
+from grpo_agent.train.loss import build_loss_config, row_loss, rows_metric_floats
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
+from grpo_agent.train.row_clock import RowClock
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
@@ -113,13 +114,17 @@ class AsyncGRPOTrainer(Trainer):
             )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
         self.window = MetricWindow()
-        self._row_metrics: dict[str, torch.Tensor] = {}  # the last row's, read after backward
+        # This step's rows: metrics stay on the device and are read at the optimizer step, so
+        # the host queues row i+1 while the GPU still runs row i (no wait between rows).
+        self._row_metrics: dict[str, torch.Tensor] = {}
+        self._step_row_metrics: list[dict[str, torch.Tensor]] = []
+        self.row_clock = RowClock(args.device)
         self.ledger = PromptLedger()
         self.model_version = 0
         self.source: StepSource | None = None
         self.pusher: WeightPusher | AdapterPusher | None = None
         self._step_samples: list[TrainingSample] = []
-        self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
+        self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
         self.add_callback(_AsyncStepCallback(self))
 
@@ -277,22 +282,27 @@ class AsyncGRPOTrainer(Trainer):
         return inputs  # rows move to the device inside the forward
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        started = time.perf_counter()
+        self.row_clock.start_row()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.step_timings["fwd_bwd"] += time.perf_counter() - started
-        # read after the backward is queued: reading waits for the GPU to finish the row
-        metrics, self._row_metrics = self._row_metrics, {}
-        self.window.update(metric_floats(metrics))
+        self.row_clock.end_row()
+        self._step_row_metrics.append(self._row_metrics)
+        self._row_metrics = {}
         return loss
+
+    def read_step_rows(self) -> None:
+        """The step's row metrics and device timings, read once its last backward has run."""
+        for metrics in rows_metric_floats(self._step_row_metrics):
+            self.window.update(metrics)
+        self._step_row_metrics = []
+        self.step_timings = self.row_clock.read()
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
         if not hasattr(self, "_loss_config"):
             self._loss_config = build_loss_config(self.args, self.model)
-        started = time.perf_counter()
         loss, metrics = self.model.grpo_row_loss(
             inputs.row, self._loss_config, inputs.num_trained_global
         )
-        self.step_timings["fwd"] += time.perf_counter() - started
+        self.row_clock.forward_done()
         self._row_metrics = metrics
         # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
         loss = loss * fsdp.world_size()
@@ -335,6 +345,7 @@ class _AsyncStepCallback(TrainerCallback):
         self._step_started = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.read_step_rows()
         self._optimizer_started = time.perf_counter()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -363,7 +374,6 @@ class _AsyncStepCallback(TrainerCallback):
         step_s = now - self._step_started
         self._step_started = now
         fwd_bwd_s, fwd_s = trainer.step_timings["fwd_bwd"], trainer.step_timings["fwd"]
-        trainer.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}
         forwarded = sum(s.num_tokens for s in samples)
         trained = sum(s.sequence.num_trained for s in samples)
         window = trainer.window

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from grpo_agent.train import level_attention, varlen_attention
 from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.transfer import to_device
 
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
@@ -72,12 +73,10 @@ class TreeMask:
         kernel = varlen_attention.varlen_kernel() if backend == "varlen" else None
         if backend == "varlen" and kernel is None:
             raise ValueError(_NO_VARLEN_KERNEL)
-        mask = cls(
-            segment_ids=row.segment_ids.to(device),
-            ancestors=row.segment_ancestors.to(device),
-            position_ids=row.position_ids.to(device),
-            backend=backend,
+        segment_ids, ancestors, position_ids = to_device(
+            device, row.segment_ids, row.segment_ancestors, row.position_ids
         )
+        mask = cls(segment_ids, ancestors, position_ids, backend)
         if backend == "flex":
             mask.block_mask = _flex_block_mask(mask.segment_ids, mask.ancestors)
         elif backend in ("varlen", "gather"):

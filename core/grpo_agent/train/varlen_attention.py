@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +149,17 @@ class VarlenPlan:
         path_lens = torch.tensor([len(p) for p in row.segment_paths])
         index = None
         if not row_is_unshared(row.segment_ancestors):
-            index = torch.tensor([i for p in row.segment_paths for i in p], device=device)
+            index = torch.tensor([i for p in row.segment_paths for i in p])
+        cu_q, cu_k, index = to_device(
+            device,
+            F.pad(own_lens.cumsum(0), (1, 0)).to(torch.int32),
+            F.pad(path_lens.cumsum(0), (1, 0)).to(torch.int32),
+            index,
+        )
         return cls(
             kernel=kernel,
-            cu_q=F.pad(own_lens.cumsum(0), (1, 0)).to(device, torch.int32),
-            cu_k=F.pad(path_lens.cumsum(0), (1, 0)).to(device, torch.int32),
+            cu_q=cu_q,
+            cu_k=cu_k,
             max_q=int(own_lens.max()),
             max_k=int(path_lens.max()),
             kv_index=index,
