@@ -7,6 +7,8 @@ layer instead ("regional compilation") fuses its element-wise work (RMSNorm, rot
 residual adds, casts) into a few kernels, and all layers share one compiled graph, so it
 compiles once however deep the model is. `dynamic=True` because packed rows change length
 every step; the varlen and FlexAttention tree paths are traced inside the layer graph.
+With inductor, linears that read the same input (q/k/v, gate/up) run as one matmul in the
+compiled graph (`fused_projections`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
+
+from grpo_agent.train import fused_projections
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -36,6 +40,8 @@ def compile_decoder_layers(
     `backend` and `mode` are `torch.compile`'s (the config's `torch_compile_backend` and
     `torch_compile_mode`); inductor by default."""
     layers = decoder_layers(model)
+    if backend in (None, "inductor"):
+        fused_projections.install()
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:
             layer.compile(backend=backend or "inductor", mode=mode, dynamic=True)
