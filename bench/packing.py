@@ -29,6 +29,7 @@ import torch
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
+from grpo_agent.train import fused_projections
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention
@@ -223,6 +224,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     return {
         "case": f"{shape}/G={group_size}",
         "compiled": compiled,
+        "fused_projections": compiled and fused_projections.fused_groups > 0,
         "backend": (
             choose_backend(torch.device(device), SHAPES[shape][1]) if backend == "auto" else backend
         ),
@@ -315,6 +317,11 @@ def main() -> None:
         "reduce-overhead (CUDA graphs)",
     )
     parser.add_argument(
+        "--no-fused-projections",
+        action="store_true",
+        help="with --compile: keep q/k/v and gate/up as separate matmuls",
+    )
+    parser.add_argument(
         "--backend",
         choices=["auto", *BACKENDS],
         default="auto",
@@ -329,6 +336,7 @@ def main() -> None:
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
     if args.compile:
+        fused_projections.ENABLED = not args.no_fused_projections
         compile_decoder_layers(packed, mode=args.compile_mode)
         compile_decoder_layers(plain, mode=args.compile_mode)
     results = []

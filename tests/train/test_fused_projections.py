@@ -88,14 +88,16 @@ def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_d
         torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
 
 
-def test_install_keeps_a_pass_the_user_set(monkeypatch):
+def test_install_keeps_a_pass_the_user_set():
     import torch._inductor.config as inductor_config
 
-    mine = object()
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", mine)
-    fused_projections.install()
-    assert inductor_config.pre_grad_custom_pass is mine
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", None)
-    fused_projections.install()
-    fused_projections.install()
-    assert inductor_config.pre_grad_custom_pass is fused_projections.FUSE_PASS
+    def mine(graph):
+        pass
+
+    with inductor_config.patch(pre_grad_custom_pass=mine):
+        fused_projections.install()
+        assert inductor_config.pre_grad_custom_pass is mine
+    with inductor_config.patch(pre_grad_custom_pass=None):
+        fused_projections.install()
+        fused_projections.install()
+        assert inductor_config.pre_grad_custom_pass is fused_projections.FUSE_PASS

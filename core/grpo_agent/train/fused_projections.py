@@ -22,7 +22,8 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-fused_groups = 0  # groups rewritten so far in this process (tests read it)
+ENABLED = True  # set False before compiling to keep the linears apart (benchmarks compare)
+fused_groups = 0  # groups rewritten so far in this process
 
 
 def fuse_shared_input_linears(graph: fx.Graph) -> None:
@@ -109,5 +110,5 @@ def install() -> None:
     there is kept and this one is not installed (inductor takes only one on some versions)."""
     import torch._inductor.config as inductor_config
 
-    if inductor_config.pre_grad_custom_pass is None:
+    if ENABLED and inductor_config.pre_grad_custom_pass is None:
         inductor_config.pre_grad_custom_pass = FUSE_PASS
