@@ -226,7 +226,8 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "compiled": compiled,
         "fused_projections": compiled and fused_projections.fused_groups > 0,
         "backend": (
-            choose_backend(torch.device(device), SHAPES[shape][1]) if backend == "auto" else backend
+            choose_backend(torch.device(device), SHAPES[shape][1], row.num_tokens)
+            if backend == "auto" else backend
         ),
         "device": device,
         "token_budget": budget,

@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from grpo_agent.train import varlen_attention
+from grpo_agent.train import tree_attention, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import (
@@ -210,6 +210,14 @@ def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
     assert choose_backend(cuda, torch.bfloat16) == "varlen"
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    long_row = tree_attention.LEVELS_MIN_TOKENS
+    assert choose_backend(cuda, torch.bfloat16, long_row - 1) == "varlen"
+    assert choose_backend(cuda, torch.bfloat16, long_row) == "levels"  # GPU-bound rows
+    assert choose_backend(cuda, torch.float32, long_row) == "flex"
+    assert choose_backend(cpu, torch.bfloat16, long_row) == "gather"
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    assert choose_backend(cuda, torch.bfloat16, long_row) == "varlen"  # an external kernel
     assert choose_backend(cuda, torch.float32) == "flex"  # flash is half precision
     assert choose_backend(cpu, torch.bfloat16) == "gather"
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: False)  # pre-Ampere

@@ -9,10 +9,12 @@ that name has no mask function in transformers, the model builds no mask of its 
 
 Kernels: "varlen" is one flash-attention varlen call in which each segment's queries attend
 to the keys/values gathered along its path (`varlen_attention`; PyTorch's own flash build or
-an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision.
-"levels" (opt-in) splits the tree by depth into flash calls on the row's own keys, merged by
-their log-sum-exps (`level_attention`): less memory than "varlen" (no gathered keys are saved
-for backward), as fast in eager mode, slower in compiled layers. Otherwise on CUDA, "flex":
+an installed/configured flash-attn kernel), which "auto" picks on CUDA in half precision for
+rows under LEVELS_MIN_TOKENS. "levels" splits the tree by depth into flash calls on the row's
+own keys, merged by their log-sum-exps (`level_attention`): less GPU work and memory than
+"varlen" (no gathered keys, no scatter-add of their gradients) but more kernels per layer, so
+"auto" picks it for rows long enough that the GPU, not the host queueing kernels, sets the
+pace (measured on an H200: docs/performance.md). Otherwise on CUDA, "flex":
 FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
@@ -38,6 +40,9 @@ from grpo_agent.train.transfer import to_device
 
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
+# Rows of at least this many tokens take "levels" under "auto": on an H200 (Qwen3-0.6B shape,
+# compiled) it was 7-10% faster than "varlen" at 14-16k-token rows and slower at 6-7k.
+LEVELS_MIN_TOKENS = 12288
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
 
@@ -65,7 +70,7 @@ class TreeMask:
         """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
-            backend = choose_backend(device, dtype)
+            backend = choose_backend(device, dtype, row.num_tokens)
         if backend not in BACKENDS:
             raise ValueError(
                 f"tree attention backend {backend!r}: choose 'auto' or one of {BACKENDS}."
@@ -105,19 +110,17 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
     )
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype | None) -> str:
-    """gather on CPU; on CUDA varlen for half precision when a flash kernel exists (on an H200
-    it was as fast as flex or faster for every packing ratio, eager and compiled, and faster
-    than levels when compiled: docs/performance.md), else flex."""
+def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0) -> str:
+    """gather on CPU. On CUDA in half precision with flash kernels: levels for rows of at least
+    LEVELS_MIN_TOKENS, varlen below (as fast as flex or faster for every packing ratio on an
+    H200, eager and compiled); else flex."""
     if device.type != "cuda":
         return "gather"
-    if (
-        dtype in varlen_attention.HALF_DTYPES
-        and varlen_attention.flash_capable(device)
-        and varlen_attention.varlen_kernel() is not None
-    ):
-        return "varlen"
-    return "flex"
+    if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
+        return "flex"
+    if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
+        return "levels"
+    return "varlen" if varlen_attention.varlen_kernel() is not None else "flex"
 
 
 _NO_VARLEN_KERNEL = (
