@@ -18,10 +18,10 @@ backward saves the row's keys, not every path's. The work is exactly the tree's 
 (query, key) pairs; the cost is one more varlen call, with its index copies and merge, per
 tree depth (two in a prompt -> completions row).
 
-Measured on an H200 (docs/performance.md): 12% less peak memory than "varlen" and as fast in
-eager mode (16k-token rows), but slower in compiled layers, where the packed step is bound by
-the host queueing kernels and this path queues more of them per layer. So it is opt-in
-(`backend="levels"`), not what "auto" picks.
+Measured on an H200 (docs/performance.md): less GPU time and 12-15% less peak memory than
+"varlen", but more kernels per layer. Compiled, it is 7-10% faster at 14-16k-token rows and
+slower at 6-7k, where the packed step is bound by the host queueing kernels; so "auto" picks
+it for rows of at least `tree_attention.LEVELS_MIN_TOKENS`.
 
 Everything is tensor ops with no host synchronisation, so torch.compile traces it into the
 compiled decoder layer, backward included. (A first version wrapped it in custom ops; their
