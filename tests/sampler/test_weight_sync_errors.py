@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_agent.sampler import ServerUnreachableError, WeightSyncError
-from grpo_agent.sampler.weight_sync import build_weight_sync
+from grpo_agent.sampler.weight_sync import RENDEZVOUS_THREAD, build_weight_sync
 
 
 class NoTransferEngineHandler(BaseHTTPRequestHandler):
@@ -46,6 +46,8 @@ def test_gloo_push_to_a_server_without_the_engine_fails_fast_and_says_why():
         httpd.shutdown()
         httpd.server_close()
     assert time.monotonic() - began < 20
+    # the trainer's end of the rendezvous was released, not left waiting out the timeout
+    assert not [t for t in threading.enumerate() if t.name == RENDEZVOUS_THREAD]
 
 
 def test_push_to_nothing_listening_names_the_url():

@@ -146,6 +146,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+RENDEZVOUS_THREAD = "weight-sync-rendezvous"
+
+
+def _release_rendezvous(opener: threading.Thread, host: str, init_info: dict[str, Any],
+                        timeout: float) -> None:
+    """The server refused to join: join the trainer's waiting group as its missing ranks, so
+    the opener thread ends now instead of sitting in C++ until the rendezvous timeout (a
+    thread blocked there when the interpreter exits aborts the process)."""
+    world_size = init_info["world_size"]
+
+    def join_as(rank: int) -> None:
+        try:
+            open_group(host, init_info["master_port"], rank, world_size, timeout)
+        except Exception as error:  # noqa: BLE001 -- a rank the server's workers did take
+            logger.debug("releasing the gloo rendezvous as rank %d: %s", rank, error)
+
+    stand_ins = [threading.Thread(target=join_as, args=(rank,), daemon=True)
+                 for rank in range(1, world_size)]
+    for thread in stand_ins:
+        thread.start()
+    opener.join(10.0)
+
+
 class GlooWeightSync:
     """Broadcast raw parameter bytes to the server's `gloo` engine (CPU servers)."""
 
@@ -175,10 +198,12 @@ class GlooWeightSync:
 
         # A daemon thread, so a server that refuses the init cannot leave us (or the
         # interpreter's exit) waiting out the rendezvous timeout.
-        opener = threading.Thread(target=open_trainer_end, daemon=True)
+        opener = threading.Thread(target=open_trainer_end, daemon=True,
+                                  name=RENDEZVOUS_THREAD)
         opener.start()
         while opener.is_alive():
             if rpc.done() and rpc.exception() is not None:
+                _release_rendezvous(opener, self.master_address, init_info, self.timeout)
                 raise WeightSyncError(
                     f"{self.control.base_url} refused to start gloo weight transfer: "
                     f"{rpc.exception()}. Start the server with --weight-transfer-config "
