@@ -41,10 +41,15 @@ def fuse_shared_input_linears(graph: fx.Graph) -> None:
             fused_groups += 1
 
 
-def _fusable(nodes: list[fx.Node], order: dict[fx.Node, int]) -> bool:
-    first = min(order[n] for n in nodes)
+def _weights_and_biases(nodes: list[fx.Node]) -> tuple[list, list]:
     weights = [n.args[1] for n in nodes]
     biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]
+    return weights, biases
+
+
+def _fusable(nodes: list[fx.Node], order: dict[fx.Node, int]) -> bool:
+    first = min(order[n] for n in nodes)
+    weights, biases = _weights_and_biases(nodes)
     metas = [_meta(w) for w in weights + biases]
     return (
         all(isinstance(p, fx.Node) and order.get(p, first) < first for p in weights + biases)
@@ -57,8 +62,7 @@ def _fusable(nodes: list[fx.Node], order: dict[fx.Node, int]) -> bool:
 
 def _fuse(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     x = nodes[0].args[0]
-    weights = [n.args[1] for n in nodes]
-    biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]
+    weights, biases = _weights_and_biases(nodes)
     sizes = [_meta(w).shape[0] for w in weights]
     with graph.inserting_before(nodes[0]):
         args = [x, _cat(graph, weights)]

@@ -116,7 +116,6 @@ class AsyncGRPOTrainer(Trainer):
         self.window = MetricWindow()
         # This step's rows: metrics stay on the device and are read at the optimizer step, so
         # the host queues row i+1 while the GPU still runs row i (no wait between rows).
-        self._row_metrics: dict[str, torch.Tensor] = {}
         self._step_row_metrics: list[dict[str, torch.Tensor]] = []
         self.row_clock = RowClock(args.device)
         self.ledger = PromptLedger()
@@ -285,8 +284,6 @@ class AsyncGRPOTrainer(Trainer):
         self.row_clock.start_row()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.row_clock.end_row()
-        self._step_row_metrics.append(self._row_metrics)
-        self._row_metrics = {}
         return loss
 
     def read_step_rows(self) -> None:
@@ -303,7 +300,7 @@ class AsyncGRPOTrainer(Trainer):
             inputs.row, self._loss_config, inputs.num_trained_global
         )
         self.row_clock.forward_done()
-        self._row_metrics = metrics
+        self._step_row_metrics.append(metrics)
         # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
         loss = loss * fsdp.world_size()
         return (loss, None) if return_outputs else loss
