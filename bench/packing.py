@@ -26,10 +26,10 @@ import statistics
 import time
 
 import torch
+from grpo_agent.train import fused_projections
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
-from grpo_agent.train import fused_projections
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention

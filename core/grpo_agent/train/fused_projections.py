@@ -33,7 +33,7 @@ def fuse_shared_input_linears(graph: fx.Graph) -> None:
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in LINEARS and not node.kwargs:
-            x, weight, bias = (list(node.args) + [None])[:3]
+            x, _, bias = (list(node.args) + [None])[:3]
             groups[(x, bias is None)].append(node)
     for nodes in groups.values():
         if len(nodes) >= 2 and _fusable(nodes, order):
