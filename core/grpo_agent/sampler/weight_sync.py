@@ -77,9 +77,11 @@ class ServerControl:
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
 
     def call(self, method: str, path: str, *, json_body: Any = None,
-             params: dict | None = None) -> Any:
+             params: dict | None = None, timeout: float | None = None) -> Any:
+        """`timeout` overrides the client's for this call."""
+        extra = {} if timeout is None else {"timeout": timeout}
         try:
-            response = self._http.request(method, path, json=json_body, params=params)
+            response = self._http.request(method, path, json=json_body, params=params, **extra)
         except httpx.ConnectError as error:
             raise ServerUnreachableError(
                 f"No vLLM server answered at {self.base_url} ({error}); is it running?"
@@ -147,6 +149,7 @@ def _free_port() -> int:
 
 
 RENDEZVOUS_THREAD = "weight-sync-rendezvous"
+CLOSE_TIMEOUT_S = 10.0  # best-effort engine shutdown when the trainer closes the sync
 
 
 def _release_rendezvous(opener: threading.Thread, host: str, init_info: dict[str, Any],
@@ -244,7 +247,10 @@ class GlooWeightSync:
     def close(self) -> None:
         if self._group is not None:
             try:
-                self.control.call("POST", "/shutdown_weight_transfer_engine")
+                # Bounded: a push cut off by a signal leaves the server's update waiting for
+                # bytes, and the shutdown queues behind it; exiting must not wait that out.
+                self.control.call("POST", "/shutdown_weight_transfer_engine",
+                                  timeout=CLOSE_TIMEOUT_S)
             except (ServerUnreachableError, RequestRejectedError, httpx.HTTPError) as error:
                 # Best effort at exit: never mask the error that ended the run.
                 logger.warning("could not shut down the server's transfer engine: %s", error)
