@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from grpo_agent import AsyncGRPOConfig
-from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.trainer.async_grpo_trainer import AsyncRolloutLoop  # the spec's import path
 
 
 def token_sum_reward(completion_ids, **kwargs):
