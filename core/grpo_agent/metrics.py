@@ -1,12 +1,13 @@
 """Window aggregation of metrics, following the spec's rules.
 
 Everything observed since the last log (the last `logging_steps` optimizer steps) is reduced
-once per window, by the last part of the metric name:
+once per window, by the words (split at ``_``) of the last part of the metric name, so
+``completions/mean_terminated_length`` is a mean although "terminated" holds "min":
 
-- contains ``count``: summed (``sample/dropped_stale_count`` = drops since the last log);
-- contains ``max`` / ``min``: the extreme is kept (``completions/max_length``);
-- a rate (recorded with `add_rate`, e.g. ``rollout/generated_tokens_per_s``): total amount
-  over total seconds;
+- a rate (the last part ends in ``_per_s``, e.g. ``rollout/generated_tokens_per_s``; recorded
+  with `add_rate`): total amount over total seconds;
+- has the word ``count``: summed (``sample/dropped_stale_count`` = drops since the last log);
+- has the word ``max`` / ``min``: the extreme is kept (``completions/max_length``);
 - anything else: the mean of the observations in the window.
 
 Observations cross the process boundary (rollout worker -> trainer) as plain tuples, so the
@@ -19,20 +20,19 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Union
 
-Observation = tuple[str, Union[float, tuple[float, float]]]
+Observation = tuple[str, float | tuple[float, float]]
 
 
 def reduction_for(name: str) -> str:
-    """The reduction the spec prescribes for a metric name: sum, max, min or mean."""
+    """The reduction the spec prescribes for a metric name: rate, sum, max, min or mean."""
     last = name.rsplit("/", 1)[-1]
-    if "count" in last:
-        return "sum"
-    if "max" in last:
-        return "max"
-    if "min" in last:
-        return "min"
+    if last.endswith("_per_s"):
+        return "rate"
+    words = last.split("_")
+    for word, kind in (("count", "sum"), ("max", "max"), ("min", "min")):
+        if word in words:
+            return kind
     return "mean"
 
 
@@ -44,9 +44,11 @@ class MetricWindow:
         self._rates: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     def add(self, name: str, value: float) -> None:
-        self._values[name].append(float(value))
+        self.add_many(name, (value,))
 
     def add_many(self, name: str, values: Iterable[float]) -> None:
+        if reduction_for(name) == "rate":  # a mean of rates is not the spec's total over total
+            raise ValueError(f"{name} is a rate: record it with add_rate(name, amount, seconds).")
         self._values[name].extend(float(v) for v in values)
 
     def add_rate(self, name: str, amount: float, seconds: float) -> None:

@@ -1,7 +1,13 @@
-"""The spec's window aggregation rules, one case each."""
+"""The spec's window aggregation rules, one case each, and every documented metric's reduction."""
+import itertools
 import math
+import re
+from pathlib import Path
 
+import pytest
 from grpo_agent.metrics import MetricWindow, reduction_for
+
+METRICS_MD = Path(__file__).parents[2] / "docs" / "metrics.md"
 
 
 def test_reduction_is_chosen_from_the_last_part_of_the_name():
@@ -13,6 +19,11 @@ def test_reduction_is_chosen_from_the_last_part_of_the_name():
     assert reduction_for("reward") == "mean"
     # "max" in an earlier part of the name does not count: only the last part decides.
     assert reduction_for("max_things/value") == "mean"
+    # Whole words only: "terminated" holds "min", "maximal" holds "max", "counter" holds "count".
+    assert reduction_for("completions/mean_terminated_length") == "mean"
+    assert reduction_for("x/maximal_gain") == "mean"
+    assert reduction_for("env/counter_value") == "mean"
+    assert reduction_for("rollout/generated_tokens_per_s") == "rate"
 
 
 def test_window_sums_counts_keeps_extremes_and_averages_the_rest():
@@ -45,3 +56,94 @@ def test_summarize_starts_a_new_window_and_nan_stays_out_of_means():
     assert out["entropy"] == 2.0
     assert w.summarize() == {}
     assert not w
+
+
+def test_a_rate_observed_as_plain_values_is_refused():
+    with pytest.raises(ValueError, match="add_rate"):
+        MetricWindow().add("perf/wall_clock_trained_tokens_per_s", 10.0)
+
+
+# Every metric docs/metrics.md names, with the reduction the spec's window rule gives it.
+EXPECTED_REDUCTIONS = {
+    "num_tokens": "mean", "reward": "mean", "reward_kept": "mean", "reward_dropped": "mean",
+    "reward_group_std": "mean", "frac_reward_zero_std": "mean", "entropy": "mean",
+    "aux_loss": "mean",
+    "rewards/{name}/mean": "mean", "rewards/{name}/group_std": "mean",
+    "completions/mean_length": "mean", "completions/min_length": "min",
+    "completions/max_length": "max", "completions/mean_terminated_length": "mean",
+    "completions/min_terminated_length": "min", "completions/max_terminated_length": "max",
+    "completions/clipped_ratio": "mean", "completions/duplicate_frac": "mean",
+    "sampling/sampling_logp_difference/mean": "mean",
+    "sampling/sampling_logp_difference/max": "max",
+    "sampling/importance_sampling_ratio/min": "min",
+    "sampling/importance_sampling_ratio/mean": "mean",
+    "sampling/importance_sampling_ratio/max": "max",
+    "sampling/masked_mean": "mean", "sampling/sampler_mass": "mean",
+    "clip_ratio/region_mean": "mean", "clip_ratio/low_mean": "mean", "clip_ratio/low_min": "min",
+    "clip_ratio/high_mean": "mean", "clip_ratio/high_max": "max",
+    "rollout/duration_s": "mean", "rollout/generated_tokens_per_s": "rate",
+    "rollout/concurrency": "mean", "rollout/concurrency_cap": "mean",
+    "rollout/turns_mean": "mean", "rollout/turns_max": "max",
+    "rollout/samples_per_rollout": "mean", "rollout/fork_frac": "mean",
+    "rollout/drift_tokens_mean": "mean", "rollout/drift_tokens_max": "max",
+    "rollout/score_queue_size": "mean", "rollout/queue_size": "mean", "rollout/score_s": "mean",
+    "rollout/score_wait_s": "mean", "rollout/score_block_s": "mean",
+    "rollout/backpressure_s": "mean", "rollout/vllm_retry_count": "sum",
+    "rollout/vllm_kv_cache_usage_frac": "mean", "rollout/vllm_running_requests": "mean",
+    "rollout/vllm_queued_requests": "mean", "rollout/vllm_preemption_count": "sum",
+    "rollout/reward_error_count": "sum",
+    "tools/call_frequency": "mean", "tools/failure_frequency": "mean", "tools/latency_s": "mean",
+    "tools/{tool}/latency_s": "mean", "tools/{tool}/call_count": "sum",
+    "tools/{tool}/failure_count": "sum", "tools/unknown_name_count": "sum",
+    "tools/malformed_call_count": "sum", "tools/parallel_calls_mean": "mean",
+    "tools/loop_exhausted_frac": "mean", "env/reset_s": "mean", "env/reward_s": "mean",
+    "sample/forwarded_tokens_mean": "mean", "sample/forwarded_tokens_max": "max",
+    "sample/trained_tokens_mean": "mean", "sample/time_in_queue_s": "mean",
+    "sample/staleness_mean": "mean", "sample/staleness_max": "max",
+    "sample/dropped_stale_count": "sum",
+    "batch/forwarded_tokens_per_step": "mean", "batch/trained_tokens_per_step": "mean",
+    "batch/samples_per_step": "mean", "batch/groups_per_step": "mean",
+    "batch/microbatches_per_step": "mean", "batch/masked_token_frac": "mean",
+    "batch/samples_per_row": "mean", "batch/row_tokens_mean": "mean",
+    "batch/row_tokens_max": "max", "batch/row_fill_frac": "mean", "batch/row_imbalance": "mean",
+    "batch/packing_ratio": "mean", "batch/pad_frac": "mean",
+    "batch/dropped_oversize_count": "sum",
+    "perf/step_s": "mean", "perf/fwd_bwd_s": "mean", "perf/fwd_s": "mean",
+    "perf/optimizer_s": "mean", "perf/rollout_wait_s": "mean", "perf/weight_sync_s": "mean",
+    "perf/weight_sync_pause_s": "mean", "perf/weight_sync_barrier_s": "mean",
+    "perf/weight_sync_transfer_s": "mean", "perf/fwd_bwd_forwarded_tokens_per_s": "rate",
+    "perf/wall_clock_forwarded_tokens_per_s": "rate",
+    "perf/wall_clock_trained_tokens_per_s": "rate", "perf/fwd_bwd_mfu": "mean",
+    "perf/wall_clock_mfu": "mean",
+}
+
+
+def documented_metric_names() -> set[str]:
+    """Backticked names with a '/' in docs/metrics.md, `{a,b}` alternatives expanded, plus the
+    top-level names of EXPECTED_REDUCTIONS the page mentions."""
+    spans = set(re.findall(r"`([^`]+)`", METRICS_MD.read_text()))
+    names = {name for name in EXPECTED_REDUCTIONS if "/" not in name and name in spans}
+    for span in spans:
+        if "/" not in span or " " in span or span.startswith("*"):
+            continue
+        parts = re.split(r"\{([^{}]*,[^{}]*)\}", span)  # odd parts: comma alternatives
+        choices = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
+        names.update("".join(c) for c in itertools.product(*choices))
+    return names
+
+
+def test_every_documented_metric_has_the_reduction_the_spec_rule_gives_it():
+    documented = documented_metric_names()
+    assert documented == set(EXPECTED_REDUCTIONS), (
+        "docs/metrics.md and this table disagree; documented only: "
+        f"{sorted(documented - set(EXPECTED_REDUCTIONS))}, "
+        f"expected only: {sorted(set(EXPECTED_REDUCTIONS) - documented)}")
+    wrong = {name: reduction_for(name) for name, kind in EXPECTED_REDUCTIONS.items()
+             if reduction_for(name) != kind}
+    assert wrong == {}
+
+
+def test_the_window_reduces_a_terminated_length_as_a_mean():
+    w = MetricWindow()
+    w.add_many("completions/mean_terminated_length", [3, 10, 20])
+    assert w.summarize()["completions/mean_terminated_length"] == 11.0  # min would give 3

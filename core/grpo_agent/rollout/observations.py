@@ -43,7 +43,8 @@ def duplicate_flags(rollouts: list[Rollout]) -> list[bool]:
 
 
 def completion_observations(rollouts: list[Rollout], with_tools: bool) -> list[Observation]:
-    """`completions/*`, `rollout/turns_*` and (with tools) `tools/*frequency` for one group."""
+    """`completions/*`, `rollout/turns_*`, the rollouts' own metrics and, only when the
+    trainer has tools, `tools/*` for one group (the tool loop counts calls either way)."""
     obs: list[Observation] = []
     for rollout, duplicate in zip(rollouts, duplicate_flags(rollouts)):
         length = generated_length(rollout)
@@ -61,7 +62,8 @@ def completion_observations(rollouts: list[Rollout], with_tools: bool) -> list[O
                     ("tools/failure_frequency",
                      (float(rollout.tool_failure_count), float(rollout.tool_call_count)))]
         for name, values in rollout.metrics.items():
-            obs += [(name, value) for value in values]
+            if with_tools or not name.startswith("tools/"):  # the spec: only with tools
+                obs += [(name, value) for value in values]
     return obs
 
 
