@@ -144,18 +144,50 @@ def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_
     assert sequences[0].num_trained == len(rollout.completion_ids)
 
 
-def test_the_loop_ends_when_tool_results_no_longer_fit_the_context(scripted_loop):
-    first_prompt_len = len(run(scripted_loop(["no tools"])).turns[0].prompt_ids)
-
+def _with_context(loop, max_model_len: int):
     class Sampler:  # what the loop reads from the real SamplerClient
         async def model_info(self):
-            return SimpleNamespace(id="tiny", max_model_len=first_prompt_len + 5)
+            return SimpleNamespace(id="tiny", max_model_len=max_model_len)
 
-    loop = scripted_loop([call("multiply", a=3, b=4)] * 3)
     loop.sampler = Sampler()
+    return loop
+
+
+def test_max_completion_length_bounds_each_turn_not_the_rollout(scripted_loop):
+    """The spec: each turn adds at most max_completion_length tokens; with
+    max_tool_calling_iterations=None the turns are not capped (here 3 turns of ~26 tokens
+    under max_completion_length=40, every call executed)."""
+    texts = [call("multiply", a=3, b=4), call("async_add", a=12, b=1), "It is 13."]
+    rollout = run(scripted_loop(texts, max_completion_length=40))
+    assert max(len(turn.output_ids) for turn in rollout.turns) <= 40
+    assert sum(len(turn.output_ids) for turn in rollout.turns) > 40
+    assert len(rollout.turns) == 3 and rollout.tool_call_count == 2
+    assert rollout.completion[-1] == {"role": "assistant", "content": "It is 13."}
+    assert rollout.metrics["rollout/context_full_frac"] == [0.0]
+
+
+def test_the_loop_ends_cleanly_when_the_next_turn_cannot_fit_the_context(scripted_loop):
+    """A turn starts only when its prompt plus max_completion_length fits max_model_len;
+    otherwise the rollout ends after the last tool results and is counted."""
+    texts = [call("multiply", a=3, b=4), call("async_add", a=12, b=1), "It is 13."]
+    turn_tokens = 64
+    prompts = [turn.prompt_ids for turn in run(scripted_loop(texts)).turns]
+    max_model_len = len(prompts[1]) + turn_tokens  # the second turn fits exactly, the third not
+    assert len(prompts[2]) < max_model_len  # the prompt alone would still fit
+    loop = _with_context(scripted_loop(texts, max_completion_length=turn_tokens), max_model_len)
     rollout = run(loop)
-    assert len(rollout.turns) == 1  # the tool result made the next prompt too long
-    assert rollout.tool_call_count == 1
+    assert len(rollout.turns) == 2
+    assert rollout.tool_call_count == 2  # the second turn's call ran before the rollout ended
+    assert rollout.completion[-1]["role"] == "tool" and rollout.completion[-1]["content"] == "13"
+    assert rollout.metrics["rollout/context_full_frac"] == [1.0]
+
+
+def test_without_tools_a_tool_call_in_the_text_stays_one_turn(scripted_loop):
+    text = "Let me try " + call("multiply", a=3, b=4)
+    rollout = run(scripted_loop([text, "never sampled"]), tools=())
+    assert len(rollout.turns) == 1
+    assert rollout.completion == [{"role": "assistant", "content": text}]
+    assert rollout.tool_call_count == 0
 
 
 def test_a_malformed_call_keeps_the_raw_text_in_history(scripted_loop):

@@ -1,10 +1,12 @@
 """The default multi-turn tool loop (`AsyncRolloutLoop.generate_one` with tools).
 
 Each turn renders the whole conversation with the (training) chat template, samples one
-assistant turn, parses its tool calls, runs them in the order emitted and appends their
-results as tool messages, until a turn calls no tool, `max_tool_calling_iterations` rounds
-have run, the completion budget is spent, the sampler stops on length or the conversation
-no longer fits the server's context.
+assistant turn of at most `max_completion_length` tokens, parses its tool calls, runs them in
+the order emitted and appends their results as tool messages, until a turn calls no tool,
+`max_tool_calling_iterations` rounds have run (None: no cap), the sampler stops on length or
+the next turn no longer fits the server's context (`rollout/context_full_frac`). Without tools
+a turn is never parsed for calls: a plain completion that happens to contain `<tool_call>`
+stays one turn.
 
 Design decisions: everything the policy gets wrong (unknown tool, unreadable call JSON, a
 tool that raises or times out) becomes a tool message the model sees and a counted failure,
@@ -178,6 +180,14 @@ async def _context_limit(loop) -> int | None:
     return (await sampler.model_info()).max_model_len
 
 
+def fits_context(prompt_tokens: int, turn_tokens: int, context_limit: int | None) -> bool:
+    """Whether a turn's prompt plus a full turn (`max_completion_length`) fits the context.
+
+    The first turn is always sent: a prompt that does not fit is the server's error to report.
+    """
+    return context_limit is None or prompt_tokens + turn_tokens <= context_limit
+
+
 async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_id: int) -> Rollout:
     """Sample one multi-turn rollout; see the module docstring for the stopping rules."""
     config = loop.config
@@ -188,23 +198,23 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
     )
     tools_by_name = {tool.__name__: tool for tool in tools}
     max_rounds = getattr(config, "max_tool_calling_iterations", None)
-    budget = getattr(config, "max_completion_length", None)
+    turn_tokens = getattr(config, "max_completion_length", None) or 0
     timeout_s = getattr(config, "tool_timeout_s", DEFAULT_TOOL_TIMEOUT_S)
     messages = [dict(m) for m in prompt]
     completion: list[dict] = []
     turns: list[TurnRecord] = []
     stats = _ToolStats()
     context_limit = await _context_limit(loop)
-    rounds, exhausted, generated = 0, False, 0
+    rounds, exhausted, context_full = 0, False, False
     while True:
         prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
-        if turns and context_limit is not None and len(prompt_ids) >= context_limit:
-            break  # the tool results no longer fit the server's context: end the rollout here
+        if turns and not fits_context(len(prompt_ids), turn_tokens, context_limit):
+            context_full = True  # end cleanly after the last tool results (not a server error)
+            break
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
-        generated += len(turn.output_ids)
         text = _strip_stop_tokens(loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False), loop.tokenizer)
-        parsed = renderer.parser.parse(text)
+        parsed = renderer.parser.parse(text) if tools else ParsedTurn(text.rstrip())
         assistant = _assistant_message(text, parsed)
         messages.append(assistant)
         completion.append(assistant)
@@ -212,8 +222,6 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
             break
         if max_rounds is not None and rounds >= max_rounds:
             exhausted = True
-            break
-        if budget and generated >= budget:
             break
         stats.observations["tools/parallel_calls_mean"].append(float(len(parsed.calls)))
         for call in parsed.calls:  # in the order the model emitted them
@@ -229,5 +237,5 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
         turns=turns,
         tool_call_count=stats.calls,
         tool_failure_count=stats.failures,
-        metrics=stats.as_metrics(exhausted),
+        metrics={**stats.as_metrics(exhausted), "rollout/context_full_frac": [float(context_full)]},
     )
