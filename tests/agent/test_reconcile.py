@@ -173,3 +173,14 @@ def test_misaligned_columns_name_the_problem():
     turn = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[-1.0])
     with pytest.raises(ValueError, match="output_log_probs has 1 entries but output_ids has 2"):
         reconcile_turns([turn])
+
+
+def test_trained_tokens_without_sampler_log_probs_are_refused():
+    """The spec makes output_log_probs required when any output token is trained (a custom
+    generate_one used to get zeros, i.e. importance ratios against probability 1)."""
+    turn = TurnRecord(prompt_ids=[1], output_ids=[2, 3, 4], output_mask=[1, 0, 1])
+    with pytest.raises(ValueError, match="turn 0: output_log_probs is empty but 2 of its 3 output "
+                                         "tokens are trained"):
+        reconcile_turns([turn])
+    context_only = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_mask=[0, 0])
+    assert reconcile_turns([context_only])[0] == []  # nothing trained: no log-probs needed

@@ -11,7 +11,8 @@ tokens are trained exactly once, in the sequence that was current when they were
 forked sequence repeats earlier generated tokens only as context (mask 0), so forks add
 forward-pass tokens but never extra training signal. Sampler log-probs, top-k dictionaries
 and sampling masks travel with their generated tokens; context positions get placeholders
-(0.0 / None). `TurnRecord.output_mask` decides which generated tokens are trained.
+(0.0 / None). `TurnRecord.output_mask` decides which generated tokens are trained; a turn that
+trains tokens without `output_log_probs` is refused (the spec makes them required then).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class _Builder:
         n = len(turn.output_ids)
         self.token_ids.extend(turn.output_ids)
         self.trained_mask.extend(turn.output_mask if turn.output_mask is not None else [1] * n)
-        self.sampler_logprobs.extend(turn.output_log_probs or [0.0] * n)
+        self.sampler_logprobs.extend(turn.output_log_probs or [0.0] * n)  # empty: none trained
         self.top_logprobs = _extend_column(
             self.top_logprobs, turn.output_sampler_logprobs, len(self.token_ids) - n, n
         )
@@ -103,6 +104,14 @@ def _check_turn(index: int, turn: TurnRecord) -> None:
                 f"turn {index}: {name} has {len(values)} entries but output_ids has {n}; "
                 "every per-token column must have one entry per generated token."
             )
+    trained = n if turn.output_mask is None else sum(turn.output_mask)
+    if trained and not turn.output_log_probs:
+        raise ValueError(
+            f"turn {index}: output_log_probs is empty but {trained} of its {n} output tokens are "
+            "trained; the loss needs the sampler's log-prob of every trained token. Return the "
+            "TurnRecord that generate_one_turn gives (it carries them), fill output_log_probs, "
+            "or set output_mask to 0 for tokens that are context only."
+        )
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
