@@ -83,7 +83,7 @@ EXPECTED_REDUCTIONS = {
     "clip_ratio/high_mean": "mean", "clip_ratio/high_max": "max",
     "rollout/duration_s": "mean", "rollout/generated_tokens_per_s": "rate",
     "rollout/concurrency": "mean", "rollout/concurrency_cap": "mean",
-    "rollout/turns_mean": "mean", "rollout/turns_max": "max",
+    "rollout/turns_mean": "mean", "rollout/turns_max": "max", "rollout/context_full_frac": "mean",
     "rollout/samples_per_rollout": "mean", "rollout/fork_frac": "mean",
     "rollout/drift_tokens_mean": "mean", "rollout/drift_tokens_max": "max",
     "rollout/score_queue_size": "mean", "rollout/queue_size": "mean", "rollout/score_s": "mean",
