@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import level_attention, varlen_attention
+from grpo_agent.train import gated_deltanet, level_attention, varlen_attention
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
@@ -58,6 +58,7 @@ class TreeMask:
     varlen: varlen_attention.VarlenPlan | None = None  # query/key bounds, gather index
     levels: level_attention.LevelPlan | None = None  # self and per-depth bounds
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
+    linear: Any = None  # gated_deltanet.DeltaPlan for Gated DeltaNet layers (hybrid models)
 
     @classmethod
     def build(
@@ -300,15 +301,7 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
     for name, sub in model.named_modules():
         if getattr(sub, "sinks", None) is not None:
             raise ValueError(f"{_SINKS_ERROR} (found at module {name!r})")
-    unsupported = sorted(
-        set(getattr(model.config, "layer_types", None) or [])
-        - {"full_attention", "sliding_attention"}
-    )
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(model).__name__} has {unsupported} layers (e.g. Gated DeltaNet hybrids): their "
-            "recurrent state would run across the packed row's segments. Tree packing supports "
-            "attention-only models for now."
-        )
+    # Gated DeltaNet layers take the tree path; other recurrent layer types are refused.
+    gated_deltanet.install(model)
     register_tree_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -7,8 +7,9 @@ Three things stand between a training model and the names a vLLM model loads:
 - PEFT wraps names (`base_model.model.` prefix, `.base_layer.` infix, `lora_*` leaves): for a
   merged push the adapters are merged into the base weights for the duration of the push and the
   wrapper parts of the names are removed.
-- A vision-language model's vision tower is frozen here, so the server's copy never goes stale
-  and pushing it would only cost time.
+- A vision-language model's vision tower and its multimodal projector (the layers that map
+  image features into the text model's embedding space) are frozen here, so the server's copy
+  never goes stale and pushing them would only cost time.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import torch
 from torch import nn
 
 VISION_TOWER_MARKERS = ("visual.", "vision_tower.", "vision_model.", "vision_encoder.")
+# Projectors outside the tower (Qwen-VL's merger lives inside `visual.`): LLaVA, Gemma 3,
+# Mistral 3, Llama 4, InternVL (`multi_modal_projector`), Idefics3/SmolVLM (`connector`).
+PROJECTOR_MARKERS = ("multi_modal_projector.", "mm_projector.", "model.connector.")
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -27,7 +31,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def is_vision_tower_param(name: str) -> bool:
-    return any(marker in name for marker in VISION_TOWER_MARKERS)
+    """Vision tower or multimodal projector: frozen, never pushed."""
+    return any(marker in name for marker in VISION_TOWER_MARKERS + PROJECTOR_MARKERS)
 
 
 def server_name(name: str) -> str:
