@@ -24,6 +24,8 @@ _LAZY = {
     "reward": "grpo_agent.plugins.decorators",
     "advantage_estimator": "grpo_agent.plugins.decorators",
     "prompt_filter": "grpo_agent.plugins.decorators",
+    "Option": "grpo_agent.plugins.options",
+    "load_environment": "grpo_agent.plugins.manager",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
         tool,
     )
     from grpo_agent.plugins.hookspecs import hookimpl
+    from grpo_agent.plugins.manager import load_environment
+    from grpo_agent.plugins.options import Option
     from grpo_agent.rollout.loop import AsyncRolloutLoop
     from grpo_agent.train.trainer import AsyncGRPOTrainer
     from grpo_agent.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord

@@ -123,6 +123,11 @@ class AsyncGRPOConfig(TrainingArguments):
         "Registered prompt filter names, all of which must accept a prompt.",
         default_factory=list,
     )
+    plugin_args: dict[str, Any] = _help(
+        "Options of the selected plugins, by registered name: {name: {option: value}} "
+        "(`--plugin-arg name.option=value`; `grpo-agent plugins list` shows each plugin's).",
+        default_factory=dict,
+    )
 
     # ---- logging ----
     log_completions: bool = _help("Log a sample of completions every logging window.", default=False)

@@ -48,14 +48,20 @@ def test_all_prompt_filter_accepts_everything():
 
 def test_curriculum_records_pass_rates_and_filters_solved_prompts(monkeypatch):
     import grpo_agent_curriculum as curriculum
+    from grpo_agent.plugins import load_registry
 
     monkeypatch.setattr(curriculum, "PASS_RATES", {})
-    monkeypatch.setenv(curriculum.CAP_ENV, "0.75")
+    registry = load_registry()  # the installed plugin, found through its entry point
+    args = {"curriculum": {"pass_rate_cap": "0.75"}}  # as --plugin-arg gives it: text
+    keep = registry.bind_plugin("prompt_filter", "curriculum", args)
+    estimate = registry.bind_plugin("advantage_estimator", "curriculum", args)
     solved = SimpleNamespace(rewards=np.array([1.0, 1.0, 1.0, 0.0]), row_index=4)
     hard = SimpleNamespace(rewards=np.array([1.0, 0.0, np.nan, 0.0]), row_index=5)
-    np.testing.assert_allclose(curriculum.record_pass_rate(solved), [0.57735, 0.57735, 0.57735, -1.73205], atol=1e-5)
-    curriculum.record_pass_rate(hard)
+    np.testing.assert_allclose(estimate(solved), [0.57735, 0.57735, 0.57735, -1.73205], atol=1e-5)
+    estimate(hard)
     assert curriculum.PASS_RATES == {4: 0.75, 5: 1 / 3}
-    assert curriculum.below_pass_rate_cap(4, {}, 1) is False
-    assert curriculum.below_pass_rate_cap(5, {}, 1) is True
-    assert curriculum.below_pass_rate_cap(6, {}, 1) is True
+    assert keep(4, {}, 1) is False
+    assert keep(5, {}, 1) is True
+    assert keep(6, {}, 1) is True
+    # the declared default (0.9) applies without plugin_args: 0.75 < 0.9 keeps row 4
+    assert registry.bind_plugin("prompt_filter", "curriculum", None)(4, {}, 1) is True

@@ -13,6 +13,10 @@ from typing import Any
 
 from grpo_agent.cli.errors import CliError
 
+# Run-file keys that pick the env rather than set a config field: `env = "NAME"` and an
+# `[env_args]` table of its options (the run-file form of `--env` and `--env-arg`).
+ENV_KEYS = ("env", "env_args")
+
 
 def read_run_file(path: Path) -> dict[str, Any]:
     """The key/value table of a `.toml`, `.yaml` or `.yml` run file."""
@@ -54,6 +58,30 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
     return values
 
 
+def read_env_choice(config_file: Path | None) -> tuple[str | None, dict[str, Any]]:
+    """The run file's `env` name and `[env_args]` table (None and {} when absent)."""
+    data = read_run_file(config_file) if config_file else {}
+    env_args = data.get("env_args", {})
+    if not isinstance(env_args, dict):
+        raise CliError(f"Config file {config_file}: env_args must be a table of option = value.")
+    return data.get("env"), env_args
+
+
+def parse_plugin_args(pairs: list[str]) -> dict[str, dict[str, str]]:
+    """`["curriculum.pass_rate_cap=0.8"]` -> `{"curriculum": {"pass_rate_cap": "0.8"}}`."""
+    values: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        plugin, dot, option = key.strip().rpartition(".")
+        if not sep or not dot or not plugin or not option:
+            raise CliError(
+                f"--plugin-arg {pair!r}: write it as name.option=value, e.g. "
+                "--plugin-arg curriculum.pass_rate_cap=0.8."
+            )
+        values.setdefault(plugin, {})[option] = value.strip()
+    return values
+
+
 def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
     """Merge run file < --set < explicit flags (None = not given) into an `AsyncGRPOConfig`."""
     from dataclasses import fields
@@ -61,6 +89,8 @@ def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
     from grpo_agent.config import AsyncGRPOConfig
 
     data = read_run_file(config_file) if config_file else {}
+    for key in ENV_KEYS:
+        data.pop(key, None)
     data.update(parse_sets(sets))
     data.update({key: value for key, value in overrides.items() if value is not None})
     known = {f.name for f in fields(AsyncGRPOConfig) if f.init}

@@ -10,6 +10,17 @@ from grpo_agent.cli.errors import CliError
 
 app = typer.Typer(help="Inspect and check registered environments.", no_args_is_help=True)
 
+EnvArgs = Annotated[
+    list[str] | None,
+    typer.Option("--env-arg", help="Env option key=value (repeatable), as for `train`."),
+]
+
+
+def _spec(registry, name: str, env_args: list[str] | None):
+    from grpo_agent.plugins.options import parse_pairs
+
+    return registry.environment_spec(name, parse_pairs(env_args or [], "--env-arg"))
+
 
 @app.callback()
 def env() -> None:
@@ -32,16 +43,25 @@ def list_envs() -> None:
 
 
 @app.command("show")
-def show(name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")]) -> None:
-    """Show an environment's tools with JSON schemas, reward sources and dataset columns.
+def show(
+    name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")],
+    env_args: EnvArgs = None,
+) -> None:
+    """Show an environment's options, tools with JSON schemas, reward sources and dataset.
 
-    Example: grpo-agent env show counter
+    Example: grpo-agent env show reasoning-gym --env-arg task=countdown
     """
     from grpo_agent.plugins import load_registry
 
-    spec = load_registry().environment_spec(name)
+    spec = _spec(load_registry(), name, env_args)
     typer.echo(f"{spec.id}  [{spec.distribution}]  {spec.factory.__module__}:{spec.factory.__qualname__}")
     typer.echo(f"description: {spec.description}")
+    typer.echo("options (--env-arg key=value):" if spec.options else "options: (none)")
+    for option in spec.options:
+        typer.echo(f"  {option.summary()}  [now {spec.option_values[option.name]!r}]")
+        allowed = option.allowed()
+        if allowed is not None:
+            typer.echo(f"    choices: {', '.join(map(str, allowed))}")
     sources = [r if isinstance(r, str) else getattr(r, "__name__", repr(r)) for r in spec.rewards]
     if callable(getattr(spec.factory, "get_reward", None)):
         sources.append("get_reward (env)")
@@ -60,6 +80,7 @@ def show(name: Annotated[str, typer.Argument(help="Environment name, id or modul
 def check(
     name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")],
     rows: Annotated[int, typer.Option("--rows", help="Sample rows to reset on.")] = 2,
+    env_args: EnvArgs = None,
 ) -> None:
     """Instantiate the env, reset it on sample rows, call its tools, score its gold answer.
 
@@ -69,7 +90,7 @@ def check(
     from grpo_agent.plugins.check import check_environment
 
     registry = load_registry()
-    steps = check_environment(registry.environment_spec(name), registry, num_rows=rows)
+    steps = check_environment(_spec(registry, name, env_args), registry, num_rows=rows)
     for step in steps:
         typer.echo(f"{'ok ' if step.ok else 'FAIL'} {step.name}: {step.detail}")
     failed = [step.name for step in steps if not step.ok]

@@ -23,8 +23,10 @@ def list_plugins(
     Example: grpo-agent plugins list
     """
     from grpo_agent.plugins import load_registry
+    from grpo_agent.plugins.options import declared_options
 
-    rows = load_registry().plugins
+    registry = load_registry()
+    rows = registry.plugins
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -32,5 +34,10 @@ def list_plugins(
         typer.echo(f"{row['distribution']} {row['version']}  (plugin {row['name']})")
         for kind, names in row["registered"].items():
             typer.echo(f"    {kind}: {', '.join(names)}")
+            if kind == "environment":
+                continue  # env options: `grpo-agent env show NAME`
+            for name in names:
+                for option in declared_options(registry.entries[kind][name].obj):
+                    typer.echo(f"      --plugin-arg {name}.{option.summary()}")
         if not row["registered"]:
             typer.echo(f"    hooks: {', '.join(row['hooks']) or '(none)'}")

@@ -14,7 +14,18 @@ from grpo_agent.cli.errors import CliError
 
 
 def train(
-    env: Annotated[str, typer.Option("--env", help="Registered environment name (see `env list`).")],
+    env: Annotated[
+        str | None,
+        typer.Option("--env", help="Registered environment name (see `env list`); or `env` in the run file."),
+    ] = None,
+    env_args: Annotated[
+        list[str] | None,
+        typer.Option("--env-arg", help="Env option key=value (repeatable; `env show NAME` lists them)."),
+    ] = None,
+    plugin_args: Annotated[
+        list[str] | None,
+        typer.Option("--plugin-arg", help="Plugin option name.key=value (repeatable; see `plugins list`)."),
+    ] = None,
     config_file: Annotated[
         Path | None, typer.Option("--config", help="Run file (.toml or .yaml).")
     ] = None,
@@ -48,6 +59,8 @@ def train(
 
     Example: grpo-agent train --env counter --model Qwen/Qwen3-0.6B --set max_steps=20
 
+    Example: grpo-agent train --env reasoning-gym --env-arg task=countdown --env-arg size=200
+
     Without --model the built-in tiny random model is trained: it learns the `words` demo
     (make demo), but it does not emit tool calls, so tool envs such as `counter` give it no
     reward signal (every group scores the same and is dropped).
@@ -55,19 +68,30 @@ def train(
     With --lora-rank the policy is a LoRA adapter; a managed server is started with
     --enable-lora so the trainer pushes the adapter, not merged weights.
     """
-    from grpo_agent.cli.config_files import build_config
+    from grpo_agent.cli.config_files import build_config, parse_plugin_args, read_env_choice
     from grpo_agent.plugins import load_registry
+    from grpo_agent.plugins.options import parse_pairs
+    from grpo_agent.rollout.plugins import check_plugin_args
 
     if lora_rank is None and lora_alpha is not None:
         raise CliError("--lora-alpha needs --lora-rank (the rank of the adapter to train).")
     config = build_config(config_file, sets or [], output_dir=output_dir)
-    spec = load_registry().environment_spec(env)
+    for name, values in parse_plugin_args(plugin_args or []).items():
+        config.plugin_args[name] = {**config.plugin_args.get(name, {}), **values}
+    file_env, options = read_env_choice(config_file)
+    env = env or file_env
+    if not env:
+        raise CliError("No environment: pass --env NAME or put env = \"NAME\" in the run file.")
+    options.update(parse_pairs(env_args or [], "--env-arg"))
+    spec = load_registry().environment_spec(env, options)
+    check_plugin_args(config)
     lora = None
     if lora_rank is not None:
         lora = {"r": lora_rank, "lora_alpha": lora_alpha or 2 * lora_rank,
                 "target_modules": _target_modules(lora_target_modules)}
     if dry_run:
-        typer.echo(f"env: {spec.id} [{spec.distribution}]")
+        options = f"  options: {spec.option_values}" if spec.options else ""
+        typer.echo(f"env: {spec.id} [{spec.distribution}]{options}")
         typer.echo(f"model: {model or '(tiny test model)'}  vllm: {vllm_url or '(managed here)'}")
         if lora:
             typer.echo(f"lora: {lora}")
@@ -77,7 +101,8 @@ def train(
         from grpo_agent.train.run import run_training
     except ImportError as err:
         raise CliError(f"Training is not available in this install ({err}).") from err
-    out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora)
+    out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
+                       env_args=spec.option_values)
     typer.echo(f"Run finished: {out}")
 
 

@@ -12,19 +12,23 @@ from grpo_agent.plugins.decorators import (
 )
 from grpo_agent.plugins.errors import (
     DuplicateNameError,
+    OptionError,
     PluginError,
     PluginImportError,
     ToolSchemaError,
     UnknownNameError,
 )
 from grpo_agent.plugins.hookspecs import hookimpl, hookspec
-from grpo_agent.plugins.manager import build_registry, clear_cache, load_registry
+from grpo_agent.plugins.manager import build_registry, clear_cache, load_environment, load_registry
+from grpo_agent.plugins.options import Option
 from grpo_agent.plugins.pickling import check_picklable
 from grpo_agent.plugins.registry import EnvironmentSpec, Registry
 
 __all__ = [
     "DuplicateNameError",
     "EnvironmentSpec",
+    "Option",
+    "OptionError",
     "PluginError",
     "PluginImportError",
     "Registry",
@@ -37,6 +41,7 @@ __all__ = [
     "environment",
     "hookimpl",
     "hookspec",
+    "load_environment",
     "load_registry",
     "prompt_filter",
     "reward",

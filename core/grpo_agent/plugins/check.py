@@ -46,7 +46,7 @@ def sample_rows(spec: EnvironmentSpec, num_rows: int) -> list[dict[str, Any]]:
 
 def score_gold(spec: EnvironmentSpec, registry: Registry, row: dict[str, Any]) -> float:
     """Total reward of the env's gold answer on one row (rewards + `get_reward`)."""
-    env = spec.factory()
+    env = spec()
     env.reset(**row)
     completion = spec.gold(env, row)
     total = 0.0
@@ -91,14 +91,14 @@ def _schema_names(spec: EnvironmentSpec) -> str:
 
 
 def _check_reset(spec: EnvironmentSpec, row: dict[str, Any]) -> str:
-    prompt = spec.factory().reset(**row)
+    prompt = spec().reset(**row)
     if prompt is None and "prompt" not in row:
         raise ValueError("reset() returned None and the row has no 'prompt' column: no prompt.")
     return repr(prompt if prompt is not None else row["prompt"])[:100]
 
 
 def _call_tool(spec: EnvironmentSpec, row: dict[str, Any], tool: str, args: dict) -> str:
-    env = spec.factory()
+    env = spec()
     env.reset(**row)
     return f"returned {_await(getattr(env, tool)(**args))!r}"[:100]
 

@@ -58,6 +58,8 @@ def environment(
     tool_examples: Mapping[str, Mapping[str, Any]] | None = None,
     gold: Callable[[Any, dict], str | None] | None = None,
     description: str | None = None,
+    options: Sequence[Any] = (),
+    eval_dataset: Callable[..., Any] | None = None,
 ):
     """Mark an environment class (`reset(**row)`, optional `get_reward()`, public tool methods).
 
@@ -70,16 +72,21 @@ def environment(
         gold: `gold(env, row)` solves a reset env: it returns a gold completion text (scored by
             `rewards`) or None after driving the env to its solved state (scored by `get_reward`).
         description: One line for `grpo-agent env list` (default: the docstring's first line).
+        options: `grpo_agent.Option`s; their values reach the class, `dataset` and
+            `eval_dataset` as keyword arguments (`--env-arg key=value` on the command line).
+        eval_dataset: Like `dataset`, for the env's evaluation split.
     """
-    options = {
+    marks = {
         "version": version,
         "dataset": dataset,
         "rewards": tuple(rewards),
         "tool_examples": dict(tool_examples or {}),
         "gold": gold,
         "description": description,
+        "options": tuple(options),
+        "eval_dataset": eval_dataset,
     }
-    return _named_decorator("environment", name, options)
+    return _named_decorator("environment", name, marks)
 
 
 def tool(name_or_fn: Any = None):
@@ -87,16 +94,20 @@ def tool(name_or_fn: Any = None):
     return _named_decorator("tool", name_or_fn)
 
 
-def reward(name_or_fn: Any = None):
+# The plugin kinds below take `options=[Option(...)]`: values from the config's `plugin_args`
+# reach the function as keyword arguments (see grpo_agent.plugins.options).
+
+
+def reward(name_or_fn: Any = None, *, options: Sequence[Any] = ()):
     """Mark a reward function `(prompts, completions, completion_ids, **columns) -> list`."""
-    return _named_decorator("reward", name_or_fn)
+    return _named_decorator("reward", name_or_fn, {"options": tuple(options)})
 
 
-def advantage_estimator(name_or_fn: Any = None):
+def advantage_estimator(name_or_fn: Any = None, *, options: Sequence[Any] = ()):
     """Mark an advantage estimator `(group: RolloutGroup) -> np.ndarray`."""
-    return _named_decorator("advantage_estimator", name_or_fn)
+    return _named_decorator("advantage_estimator", name_or_fn, {"options": tuple(options)})
 
 
-def prompt_filter(name_or_fn: Any = None):
+def prompt_filter(name_or_fn: Any = None, *, options: Sequence[Any] = ()):
     """Mark a prompt filter `(row_index, row, epoch) -> bool`."""
-    return _named_decorator("prompt_filter", name_or_fn)
+    return _named_decorator("prompt_filter", name_or_fn, {"options": tuple(options)})

@@ -27,6 +27,10 @@ class PluginImportError(PluginError):
     """An installed plugin failed to import."""
 
 
+class OptionError(PluginError):
+    """An option that is not declared, or a value that does not fit its declaration."""
+
+
 class ToolSchemaError(PluginError):
     """A tool lacks the type hints or docstring its JSON schema is derived from."""
 

@@ -20,7 +20,7 @@ import pluggy
 
 from grpo_agent.plugins import hookspecs
 from grpo_agent.plugins.errors import DuplicateNameError, PluginError, PluginImportError
-from grpo_agent.plugins.registry import Registry
+from grpo_agent.plugins.registry import EnvironmentSpec, Registry
 
 BUILTIN_DISTRIBUTION = "grpo-agent (built-in)"
 BUILTIN_MODULES = ("grpo_agent.plugins.builtins", "grpo_agent.demo")
@@ -206,6 +206,15 @@ def load_registry(*, load_entry_points: bool = True) -> Registry:
     if key not in _cache:
         _cache[key] = resolve_hooks(plugin_manager(load_entry_points=load_entry_points))
     return _cache[key]
+
+
+def load_environment(name: str, **options: Any) -> EnvironmentSpec:
+    """The registered env `name` with `options` checked and bound: a zero-argument factory.
+
+    The one Python form of env options: `environment_factory=load_environment("coding",
+    suite="humaneval")`, with `train_dataset=env.load_dataset()` for envs that ship data.
+    """
+    return load_registry().environment_spec(name, options)
 
 
 def build_registry(*plugins: Any, load_entry_points: bool = False) -> Registry:

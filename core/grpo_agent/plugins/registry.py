@@ -8,18 +8,21 @@ change meaning with install order). Wherever a name is accepted, an import path
 """
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from grpo_agent.plugins.decorators import get_marker
 from grpo_agent.plugins.errors import (
     DuplicateNameError,
+    OptionError,
     PluginError,
     UnknownNameError,
     unknown_name_message,
 )
+from grpo_agent.plugins.options import Option, bind_options, declared_options
 from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, tool_schema
 
 KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter")
@@ -27,7 +30,13 @@ KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter"
 
 @dataclass
 class EnvironmentSpec:
-    """A registered environment: the class plus the data and rewards it declares."""
+    """A registered environment: the class plus the data and rewards it declares.
+
+    `option_values` are the typed option values (defaults unless bound with `bind`); they are
+    passed as keyword arguments to the class, `dataset` and `eval_dataset`. A spec is itself a
+    zero-argument environment factory, so `environment_factory=load_environment(name, **opts)`
+    works wherever a factory does.
+    """
 
     name: str
     factory: type
@@ -38,6 +47,17 @@ class EnvironmentSpec:
     description: str = ""
     tool_examples: dict[str, dict[str, Any]] = field(default_factory=dict)
     gold: Callable[[Any, dict], str | None] | None = None
+    options: tuple[Option, ...] = ()
+    option_values: dict[str, Any] = field(default_factory=dict)
+    eval_dataset: Callable[..., Any] | None = None
+
+    def __call__(self) -> Any:
+        """A new environment instance built with this spec's option values."""
+        return self.factory(**self.option_values)
+
+    def bind(self, given: Mapping[str, Any] | None) -> EnvironmentSpec:
+        """A copy with `given` options checked and typed over the defaults."""
+        return replace(self, option_values=bind_options(self.options, given, f"environment {self.name!r}"))
 
     @property
     def id(self) -> str:
@@ -45,8 +65,11 @@ class EnvironmentSpec:
         return f"{self.name}-v{self.version}" if self.version is not None else self.name
 
     @property
-    def environment_factory(self) -> type:
-        return self.factory
+    def environment_factory(self) -> Callable[[], Any]:
+        """The class, or the class with the option values bound (it pickles either way)."""
+        if not self.option_values:
+            return self.factory
+        return functools.partial(self.factory, **self.option_values)
 
     @property
     def tools(self) -> list[Callable]:
@@ -62,7 +85,15 @@ class EnvironmentSpec:
 
     def load_dataset(self) -> Any:
         """The env's `datasets.Dataset`, or None when `reset` samples its own tasks."""
-        return None if self.dataset is None else self.dataset()
+        return None if self.dataset is None else self.dataset(**self.option_values)
+
+    def load_eval_dataset(self) -> Any:
+        """The env's evaluation split, or None when it declares none."""
+        return None if self.eval_dataset is None else self.eval_dataset(**self.option_values)
+
+    def reward_funcs(self, registry: Registry) -> list[Callable]:
+        """The env's declared rewards, resolved to functions."""
+        return [registry.resolve_reward(ref) for ref in self.rewards]
 
 
 @dataclass
@@ -182,19 +213,50 @@ class Registry:
     def resolve_prompt_filter(self, ref: str | Callable) -> Callable:
         return self._lookup("prompt_filter", ref)
 
-    def environment_spec(self, name: str) -> EnvironmentSpec:
-        """The full spec (class, dataset, rewards) of a registered environment name or alias."""
+    def bind_plugin(self, kind: str, ref: str | Callable, plugin_args: Mapping[str, Mapping] | None) -> Callable:
+        """`kind`'s object for `ref` with its options from `plugin_args[ref]` bound as keywords.
+
+        `plugin_args` maps a registered name to its options; every object of that name gets the
+        options it declares, so one entry configures a plugin's filter and estimator alike.
+        """
+        obj = self._lookup(kind, ref)
+        given = dict((plugin_args or {}).get(ref, {})) if isinstance(ref, str) else {}
+        declared = declared_options(obj)
+        if not declared:
+            return obj
+        mine = {key: value for key, value in given.items() if key in {o.name for o in declared}}
+        return functools.partial(obj, **bind_options(declared, mine, f"{kind.replace('_', ' ')} {ref!r}"))
+
+    def check_plugin_args(self, plugin_args: Mapping[str, Mapping] | None, used: Mapping[str, list]) -> None:
+        """Every `plugin_args` entry names a plugin in use and only options it declares.
+
+        `used` maps a kind to the names the config selects (e.g. {"prompt_filter": [...]}).
+        """
+        for name, given in (plugin_args or {}).items():
+            objects = [self._lookup(kind, name) for kind, names in used.items() if name in names]
+            if not objects:
+                in_use = sorted({n for names in used.values() for n in names if isinstance(n, str)})
+                raise OptionError(
+                    f"plugin_args names {name!r}, which this run does not use. Plugins in use: "
+                    f"{', '.join(in_use) or '(none)'}; name one of them, or select {name!r} first."
+                )
+            declared = {o.name: o for obj in objects for o in declared_options(obj)}
+            bind_options(tuple(declared.values()), given, f"plugin {name!r}")
+
+    def environment_spec(self, name: str, options: Mapping[str, Any] | None = None) -> EnvironmentSpec:
+        """The full spec (class, dataset, rewards) of an environment, its options bound."""
         if ":" in name:
             cls = import_object(name)
-            return environment_spec_from_class(cls, None, cls.__module__)
-        return self.entries["environment"][self._canonical("environment", name)].obj
+            return environment_spec_from_class(cls, None, cls.__module__).bind(options)
+        spec = self.entries["environment"][self._canonical("environment", name)].obj
+        return spec.bind(options)
 
     def resolve_environment(self, ref: Any) -> Callable | dict[str, Callable]:
         """A name, import path, class, or dict of those -> the factory (or dict of factories)."""
         if isinstance(ref, dict):
             return {key: self.resolve_environment(value) for key, value in ref.items()}
         if isinstance(ref, str):
-            return self.environment_spec(ref).factory
+            return self.environment_spec(ref).environment_factory
         return ref
 
 
@@ -217,6 +279,9 @@ def environment_spec_from_class(cls: type, name: str | None, distribution: str) 
         description=options.get("description") or _describe(cls),
         tool_examples=dict(options.get("tool_examples", {})),
         gold=options.get("gold"),
+        options=tuple(options.get("options", ())),
+        option_values={option.name: option.default for option in options.get("options", ())},
+        eval_dataset=options.get("eval_dataset"),
     )
 
 

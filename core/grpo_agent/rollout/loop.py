@@ -27,7 +27,11 @@ import numpy as np
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import observations
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
-from grpo_agent.rollout.plugins import resolve_advantage_estimator, resolve_prompt_filters
+from grpo_agent.rollout.plugins import (
+    check_plugin_args,
+    resolve_advantage_estimator,
+    resolve_prompt_filters,
+)
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.sampling import ServerFacts, build_sampling_params, probe_server
 from grpo_agent.rollout.scoring import (
@@ -95,8 +99,10 @@ class AsyncRolloutLoop:
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         self.stop_event = None  # a multiprocessing.Event set by RolloutWorker.stop()
-        self._advantage_estimator = resolve_advantage_estimator(config.advantage_estimator)
-        self._prompt_filters = resolve_prompt_filters(config.prompt_filters)
+        plugin_args = getattr(config, "plugin_args", None)
+        check_plugin_args(config)
+        self._advantage_estimator = resolve_advantage_estimator(config.advantage_estimator, plugin_args)
+        self._prompt_filters = resolve_prompt_filters(config.prompt_filters, plugin_args)
         self._tool_loop = _agent_tool_loop()
 
     # ------------------------------------------------------------------ hooks

@@ -30,10 +30,11 @@ def _registry():
     return load_registry()
 
 
-def resolve_advantage_estimator(name: str) -> AdvantageEstimator:
+def resolve_advantage_estimator(name: str, plugin_args: dict | None = None) -> AdvantageEstimator:
+    """The estimator with its options from `plugin_args` bound (see grpo_agent.plugins.options)."""
     registry = _registry()
     if registry is not None:
-        return registry.resolve_advantage_estimator(name)
+        return registry.bind_plugin("advantage_estimator", name, plugin_args)
     if name == "group_norm":
         return group_norm
     raise ValueError(
@@ -41,7 +42,7 @@ def resolve_advantage_estimator(name: str) -> AdvantageEstimator:
         "without the plugin host. Install the plugin that provides it or use 'group_norm'.")
 
 
-def resolve_prompt_filters(names: list[str]) -> list[PromptFilter]:
+def resolve_prompt_filters(names: list[str], plugin_args: dict | None = None) -> list[PromptFilter]:
     if not names:
         return []
     registry = _registry()
@@ -49,4 +50,17 @@ def resolve_prompt_filters(names: list[str]) -> list[PromptFilter]:
         raise ValueError(
             f"prompt_filters={names!r} need the plugin host (grpo_agent.plugins), which is not "
             "installed; remove them or install the plugins that provide them.")
-    return [registry.resolve_prompt_filter(name) for name in names]
+    return [registry.bind_plugin("prompt_filter", name, plugin_args) for name in names]
+
+
+def check_plugin_args(config) -> None:
+    """Fail before any rollout when `config.plugin_args` names an unused plugin or option."""
+    if not getattr(config, "plugin_args", None):
+        return
+    registry = _registry()
+    if registry is None:
+        raise ValueError("plugin_args need the plugin host (grpo_agent.plugins), which is not installed.")
+    registry.check_plugin_args(config.plugin_args, {
+        "advantage_estimator": [config.advantage_estimator],
+        "prompt_filter": list(config.prompt_filters),
+    })

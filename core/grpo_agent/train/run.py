@@ -35,11 +35,13 @@ def run_training(
     vllm_url: str | None = None,
     resume_from_checkpoint: str | bool | None = None,
     lora: dict[str, Any] | None = None,
+    env_args: dict[str, Any] | None = None,
 ) -> Path:
     """Train on a registered environment; returns the output directory.
 
     `lora` holds peft `LoraConfig` fields (r, lora_alpha, target_modules): the run trains an
-    adapter, and a managed server is started with LoRA enabled so the adapter is what syncs."""
+    adapter, and a managed server is started with LoRA enabled so the adapter is what syncs.
+    `env_args` are the env's options (`--env-arg key=value`), checked against its declaration."""
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_agent.train.reporting import (
@@ -51,7 +53,7 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
-    task = resolve_env_task(env)
+    task = resolve_env_task(env, env_args)
     model_path = model or _tiny_model_path()
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -87,17 +89,17 @@ def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | b
     return value
 
 
-def resolve_env_task(name: str) -> dict[str, Any]:
-    """The env's dataset, rewards and environment factory, through the plugin host."""
+def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The env's dataset, rewards and environment factory (options bound), via the plugin host."""
     from grpo_agent.plugins import load_registry
 
     registry = load_registry()
-    spec = registry.environment_spec(name)
+    spec = registry.environment_spec(name, options)
     return {
-        "dataset": spec.dataset() if spec.dataset is not None else None,
-        "reward_funcs": [registry.resolve_reward(r) for r in spec.rewards],
+        "dataset": spec.load_dataset(),
+        "reward_funcs": spec.reward_funcs(registry),
         "tools": None,
-        "environment_factory": spec.factory,
+        "environment_factory": spec.environment_factory,
     }
 
 

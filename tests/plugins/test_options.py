@@ -1,0 +1,170 @@
+"""Env and plugin options: declaration, typing, binding, and the errors that list valid ones."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from grpo_agent import Option, environment, hookimpl, load_environment
+from grpo_agent.plugins import OptionError, build_registry
+from grpo_agent.plugins.options import bind_options, parse_pairs
+
+SIZE = Option("size", int, 3, "rows in the dataset")
+OPTIONS = [
+    Option("word", str, "hi", "what to repeat", choices=lambda: ["hi", "yo"]),
+    SIZE,
+    Option("scale", float, 1.0, "reward multiplier"),
+    Option("shout", bool, False, "upper-case the prompt"),
+]
+
+
+def rows(word: str, size: int, **_):
+    return [{"prompt": f"{word} {i}"} for i in range(size)]
+
+
+@environment("repeat", options=OPTIONS, dataset=rows)
+class RepeatEnv:
+    """Repeat a word; options reach the class as keywords."""
+
+    def __init__(self, word: str, size: int, scale: float, shout: bool):
+        self.word, self.scale, self.shout = word, scale, shout
+
+    def reset(self, **row):
+        return self.word.upper() if self.shout else self.word
+
+
+class RepeatPlugin:
+    @staticmethod
+    @hookimpl
+    def register_environments(register):
+        register(RepeatEnv)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry(RepeatPlugin)
+
+
+def test_text_values_are_typed_by_the_declaration(registry):
+    spec = registry.environment_spec("repeat", {"word": "yo", "size": "2", "scale": "0.5", "shout": "true"})
+    assert spec.option_values == {"word": "yo", "size": 2, "scale": 0.5, "shout": True}
+    env = spec()  # the bound spec is a zero-argument factory
+    assert (env.word, env.scale, env.reset()) == ("yo", 0.5, "YO")
+    assert spec.load_dataset() == [{"prompt": "yo 0"}, {"prompt": "yo 1"}]
+
+
+def test_defaults_apply_and_the_factory_pickles_with_its_values(registry):
+    spec = registry.environment_spec("repeat")
+    assert spec.option_values == {"word": "hi", "size": 3, "scale": 1.0, "shout": False}
+    factory = pickle.loads(pickle.dumps(registry.environment_spec("repeat", {"size": 1}).environment_factory))
+    assert factory().word == "hi"
+    assert registry.resolve_environment("repeat")().reset() == "hi"
+
+
+def test_python_values_must_have_the_type_ints_are_floats_bools_are_not_ints():
+    assert bind_options(OPTIONS, {"scale": 2, "size": 4}, "x") == {
+        "word": "hi", "size": 4, "scale": 2.0, "shout": False}
+    with pytest.raises(OptionError, match=r"Option 'size' of x takes a int, got True"):
+        bind_options(OPTIONS, {"size": True}, "x")
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"sise": "2"}, ("Unknown option 'sise' for environment 'repeat'. Did you mean: size? Valid options: "
+                        "word (str, default 'hi'): what to repeat; size (int, default 3): rows in the dataset")),
+        ({"size": "two"}, "Option 'size' of environment 'repeat' takes a int, got 'two'. Valid options: word"),
+        ({"shout": "maybe"}, "Option 'shout' of environment 'repeat' takes a bool, got 'maybe'."),
+        ({"word": "yoo"}, ("Option 'word' of environment 'repeat' has no choice 'yoo' (did you mean: yo?); "
+                          "choices: hi, yo.")),
+    ],
+)
+def test_bad_options_name_the_problem_and_the_valid_ones(registry, given, message):
+    with pytest.raises(OptionError) as err:
+        registry.environment_spec("repeat", given)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_an_env_without_options_refuses_any():
+    with pytest.raises(OptionError, match="environment 'counter' takes no options, but got 'size'"):
+        load_environment("counter", size=3)
+
+
+def test_pairs_need_key_equals_value():
+    assert parse_pairs(["task=a=b", " size = 3"], "--env-arg") == {"task": "a=b", "size": "3"}
+    with pytest.raises(OptionError, match="--env-arg 'task': write it as key=value"):
+        parse_pairs(["task"], "--env-arg")
+
+
+def test_plugin_args_are_checked_against_the_plugins_in_use():
+    from grpo_agent.plugins import load_registry
+
+    registry = load_registry()
+    used = {"advantage_estimator": ["curriculum"], "prompt_filter": ["curriculum"]}
+    registry.check_plugin_args({"curriculum": {"pass_rate_cap": 0.5}}, used)
+    with pytest.raises(OptionError, match=r"Unknown option 'pass_rate' for plugin 'curriculum'\. Did you mean: "
+                                          r"pass_rate_cap\? Valid options: pass_rate_cap \(float, default 0.9\)"):
+        registry.check_plugin_args({"curriculum": {"pass_rate": 0.5}}, used)
+    with pytest.raises(OptionError, match="plugin_args names 'curriculum', which this run does not use. "
+                                          "Plugins in use: all, group_norm"):
+        registry.check_plugin_args({"curriculum": {"pass_rate_cap": 0.5}},
+                                   {"advantage_estimator": ["group_norm"], "prompt_filter": ["all"]})
+
+
+# ---- through the CLI -------------------------------------------------------------------------
+
+
+def test_train_takes_env_and_plugin_options_from_flags_and_run_files(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        'env = "counter"\nmax_steps = 2\nadvantage_estimator = "curriculum"\n'
+        'prompt_filters = ["curriculum"]\n[plugin_args.curriculum]\npass_rate_cap = 0.5\n'
+    )
+    code, out, err = cli("train", "--config", str(run_file), "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 0, err
+    assert out.startswith("env: counter-v1 [grpo-agent-env-counter]\n")
+    assert json.loads(out.split("\n", 2)[2])["plugin_args"] == {"curriculum": {"pass_rate_cap": 0.5}}
+    code, out, _ = cli("train", "--config", str(run_file), "--plugin-arg", "curriculum.pass_rate_cap=0.7",
+                       "--dry-run", "--output-dir", str(tmp_path))
+    assert json.loads(out.split("\n", 2)[2])["plugin_args"] == {"curriculum": {"pass_rate_cap": "0.7"}}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env", "counter", "--env-arg", "size=3"],
+         "Error: environment 'counter' takes no options, but got 'size'. Remove it."),
+        (["--env", "counter", "--set", 'prompt_filters=["curriculum"]', "--plugin-arg",
+          "curriculum.pass_rate_cap=high"],
+         ("Error: Option 'pass_rate_cap' of plugin 'curriculum' takes a float, got 'high'. "
+         "Valid options: pass_rate_cap (float, default 0.9)")),
+        (["--env", "counter", "--plugin-arg", "curriculum=0.5"],
+         "Error: --plugin-arg 'curriculum=0.5': write it as name.option=value"),
+        ([], "Error: No environment: pass --env NAME or put env = \"NAME\" in the run file."),
+    ],
+)
+def test_option_errors_are_one_line(cli, tmp_path, args, message):
+    code, _, err = cli("train", *args, "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 1
+    assert err.startswith(message), err
+    assert "Traceback" not in err
+
+
+def test_plugins_list_shows_plugin_options(cli):
+    code, out, _ = cli("plugins", "list")
+    assert code == 0
+    assert "--plugin-arg curriculum.pass_rate_cap (float, default 0.9)" in out
+
+
+def test_the_rollout_loop_resolves_plugins_with_their_options():
+    from types import SimpleNamespace
+
+    from grpo_agent.rollout.plugins import check_plugin_args, resolve_prompt_filters
+
+    keep = resolve_prompt_filters(["curriculum"], {"curriculum": {"pass_rate_cap": 0.0}})[0]
+    assert keep(12345, {}, 0) is False  # cap 0: even an unseen prompt (pass rate 0) is skipped
+    assert resolve_prompt_filters(["curriculum"])[0](12345, {}, 0) is True
+    config = SimpleNamespace(plugin_args={"curriculum": {"pass_rate_cap": "x"}},
+                             advantage_estimator="group_norm", prompt_filters=["curriculum"])
+    with pytest.raises(OptionError, match="Option 'pass_rate_cap' of plugin 'curriculum' takes a float"):
+        check_plugin_args(config)
