@@ -72,7 +72,8 @@ def train_step(model, optimizer, samples, cfg, rank, world):
     summed = loss.detach().clone()
     if world > 1:
         dist.all_reduce(summed)
-    return summed.item(), sum(r.num_tokens for r in rows), plan.trained_tokens(0)
+    flops = perf.packed_training_flops(model.config, rows)  # every process's rows
+    return summed.item(), sum(r.num_tokens for r in rows), plan.trained_tokens(0), flops
 
 
 def reference_loss(model, samples, cfg, world) -> float:
@@ -109,11 +110,11 @@ def main() -> None:
         ref = None
     install_forward_method(model, "grpo_row_loss", row_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    times, tokens, trained = [], [], []
+    times, tokens, trained, flops = [], [], [], []
     for step in range(opts.steps + 3):
         torch.cuda.synchronize()
         started = time.perf_counter()
-        loss, fwd_tokens, trained_tokens = train_step(
+        loss, fwd_tokens, trained_tokens, step_flops = train_step(
             model, optimizer, stand_in_samples(step, groups), cfg, rank, world)
         torch.cuda.synchronize()
         if step == 0 and ref is not None:
@@ -122,16 +123,16 @@ def main() -> None:
             times.append(time.perf_counter() - started)
             tokens.append(fwd_tokens)
             trained.append(trained_tokens)
+            flops.append(step_flops)
     if rank == 0:
         seconds = sum(times)
-        flops = perf.training_flops(model.config, sum(tokens) * world, PROMPT_LEN + COMPLETION_LEN / 2)
         peak = perf.peak_flops_per_s(torch.cuda.get_device_name(), "bf16" if world > 1 else "fp32")
         print(json.dumps({
             "summary": "fsdp2_gpu", "world": world, "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,  # DTensor numel is global
             "step_s": seconds / len(times), "trained_tokens_per_s": sum(trained) / seconds,
-            "forwarded_tokens_per_s_per_gpu": sum(tokens) / seconds,
-            "mfu": perf.mfu(flops, seconds, peak, world),
+            "forwarded_tokens_per_s_per_gpu": sum(tokens) / seconds / world,  # all rows / GPUs
+            "mfu": perf.mfu(sum(flops), seconds, peak, world),
             "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             **({"loss_check": check} if check else {}),
         }))

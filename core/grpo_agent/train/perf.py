@@ -2,12 +2,17 @@
 
 MFU is only honest when both halves are known, so both return None otherwise and the trainer
 omits `perf/*_mfu` (as on CPU, whose peak depends on cores, clocks and vector units). FLOPs are
-counted from the config (matmuls only, 3x forward for forward+backward, attention over the
-tokens each position attends to), the way the PaLM appendix counts them.
+counted from the config, matmuls only and 3x forward for forward+backward as in the PaLM
+appendix, for the work a packed row really does: projections and MLP at every forwarded
+(unique) token, attention over the query-key pairs the tree makes visible (a token sees the
+depth + 1 tokens of its path, fewer on a sliding-window layer), and the LM head only at the
+positions that predict a trained token (the loss never builds the other logits).
 """
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 # Dense peak FLOP/s per device (SXM parts) for each training precision; fp32 counts TF32 off.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -35,8 +40,18 @@ def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def forward_flops_per_token(config: Any, context_len: float) -> float | None:
-    """Matmul FLOPs of one token's forward pass attending over `context_len` tokens."""
+def _sliding_windows(cfg: Any) -> list[int | None]:
+    """Per layer, the attention window the model applies (None: the whole path)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [window] * cfg.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def forward_flops(config: Any, depths: torch.Tensor, num_trained: int) -> float | None:
+    """Matmul FLOPs of one packed row's forward: `depths` is each forwarded token's depth in
+    its sample (the row's `position_ids`), `num_trained` the positions the LM head runs at."""
     cfg = _text_config(config)
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return None
@@ -50,15 +65,25 @@ def forward_flops_per_token(config: Any, context_len: float) -> float | None:
         mlp = 3 * d * cfg.moe_intermediate_size * experts_per_token + d * cfg.num_experts
     else:
         mlp = 3 * d * cfg.intermediate_size
-    attention_scores = 2 * heads * head_dim * context_len  # QK^T and AV
-    per_layer = 2 * (attn_proj + mlp) + 2 * attention_scores
-    return cfg.num_hidden_layers * per_layer + 2 * d * cfg.vocab_size
+    keys = depths.to(torch.int64) + 1  # keys each token attends to: its path
+    pairs = {w: int((keys if w is None else keys.clamp(max=w)).sum())
+             for w in set(_sliding_windows(cfg))}
+    per_pair = 4 * heads * head_dim  # QK^T and AV, 2 FLOPs per multiply-add
+    layers = sum(2 * (attn_proj + mlp) * len(depths) + per_pair * pairs[w]
+                 for w in _sliding_windows(cfg))
+    return float(layers + 2 * d * cfg.vocab_size * num_trained)
 
 
-def training_flops(config: Any, num_tokens: int, mean_context_len: float) -> float | None:
-    """Forward + backward FLOPs for `num_tokens` tokens (backward counted as 2x forward)."""
-    per_token = forward_flops_per_token(config, mean_context_len)
-    return None if per_token is None else 3.0 * per_token * num_tokens
+def training_flops(config: Any, depths: torch.Tensor, num_trained: int) -> float | None:
+    """Forward + backward FLOPs of one packed row (backward counted as 2x forward)."""
+    forward = forward_flops(config, depths, num_trained)
+    return None if forward is None else 3.0 * forward
+
+
+def packed_training_flops(config: Any, rows: list) -> float | None:
+    """Forward + backward FLOPs of packed rows (`PackedRow`s), summed."""
+    flops = [training_flops(config, row.position_ids, row.num_trained) for row in rows]
+    return None if None in flops else float(sum(flops))
 
 
 def mfu(flops: float | None, seconds: float, peak: float | None, num_devices: int = 1) -> float | None:

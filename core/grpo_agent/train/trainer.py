@@ -125,6 +125,8 @@ class AsyncGRPOTrainer(Trainer):
         self._step_samples: list[TrainingSample] = []
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
+        self.step_forwarded_tokens = 0  # this step's, over all processes
+        self.step_flops: float | None = None  # this step's training FLOPs (perf/*_mfu)
         self.add_callback(_AsyncStepCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -201,7 +203,10 @@ class AsyncGRPOTrainer(Trainer):
         """One step's micro-batches for this process, planned from the queue on rank 0."""
         plan = self._next_step_plan()
         self.window.update(plan.metrics)
-        self.forwarded_tokens_total += sum(row.num_tokens for rows in plan.microbatches for row in rows)
+        rows = [row for rows in plan.microbatches for row in rows]  # every process's
+        self.step_forwarded_tokens = sum(row.num_tokens for row in rows)  # packed, as batch/*
+        self.step_flops = perf.packed_training_flops(self.model.config, rows)
+        self.forwarded_tokens_total += self.step_forwarded_tokens
         rank = torch.distributed.get_rank() if fsdp.world_size() > 1 else 0
         batches = [
             Microbatch(rows[rank], plan.trained_tokens(i)) for i, rows in enumerate(plan.microbatches)
@@ -306,9 +311,7 @@ class AsyncGRPOTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def floating_point_ops(self, inputs: Microbatch) -> int:
-        row = inputs.row
-        flops = perf.training_flops(self.model.config, row.num_tokens, row.num_tokens / 2)
-        return int(flops or 0)
+        return int(perf.packed_training_flops(self.model.config, [inputs.row]) or 0)
 
     # ------------------------------------------------------------------ logging
 
@@ -371,7 +374,7 @@ class _AsyncStepCallback(TrainerCallback):
         step_s = now - self._step_started
         self._step_started = now
         fwd_bwd_s, fwd_s = trainer.step_timings["fwd_bwd"], trainer.step_timings["fwd"]
-        forwarded = sum(s.num_tokens for s in samples)
+        forwarded = trainer.step_forwarded_tokens
         trained = sum(s.sequence.num_trained for s in samples)
         window = trainer.window
         window.add("perf/step_s", step_s)
@@ -381,10 +384,8 @@ class _AsyncStepCallback(TrainerCallback):
         window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
         peak = _device_peak(trainer.args)
-        mean_len = forwarded / max(len(samples), 1)
-        flops = perf.training_flops(trainer.model.config, forwarded, mean_len / 2)
         for name, seconds in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
-            value = perf.mfu(flops, seconds, peak, fsdp.world_size())
+            value = perf.mfu(trainer.step_flops, seconds, peak, fsdp.world_size())
             if value is not None:
                 window.add(name, value)
 
