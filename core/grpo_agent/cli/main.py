@@ -59,14 +59,17 @@ def root(
 def tiny_model(
     out_dir: Annotated[str, typer.Argument(help="Folder to write the model and tokenizer to.")],
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if it exists.")] = False,
+    arch: Annotated[
+        str, typer.Option("--arch", help="qwen3 (attention only) or qwen3_5 (Gated DeltaNet hybrid).")
+    ] = "qwen3",
 ) -> None:
-    """Build the deterministic tiny Qwen3 test model (no download) into OUT_DIR.
+    """Build the deterministic tiny Qwen3 (or Qwen3.5 hybrid) test model, no download, into OUT_DIR.
 
-    Example: grpo-agent tiny-model /tmp/tiny
+    Example: grpo-agent tiny-model /tmp/tiny; grpo-agent tiny-model /tmp/tiny35 --arch qwen3_5
     """
     from grpo_agent.testing import build_tiny_model
 
-    typer.echo(str(build_tiny_model(out_dir, force=force)))
+    typer.echo(str(build_tiny_model(out_dir, force=force, arch=arch)))
 
 
 @functools.cache

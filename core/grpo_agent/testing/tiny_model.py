@@ -4,7 +4,9 @@ Design decision: tests and demos must never download anything, yet they must exe
 real stack (transformers, vLLM, chat templates with tools). So we train a byte-level BPE
 tokenizer on a corpus shipped in `testing/data/`, attach a Qwen3-style ChatML template
 (tools, `<tool_call>`, `<tool_response>`, `<think>`), and save a seeded random
-`Qwen3ForCausalLM` of about 0.8M parameters in float32 with `save_pretrained`. The result is
+`Qwen3ForCausalLM` of about 0.8M parameters in float32 with `save_pretrained` (or, with
+`arch="qwen3_5"`, a Gated DeltaNet hybrid `Qwen3_5ForCausalLM` with Qwen3.5's layer layout:
+three linear-attention layers, then one full-attention layer). The result is
 cached under a versioned folder and built behind a file lock, so concurrent test sessions
 build it once and never see a half-written folder. Bump `KIT_VERSION` whenever the output
 changes.
@@ -27,6 +29,7 @@ SPECIAL_TOKENS = [
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 _COMPLETE_MARKER = ".complete"
+ARCHS = ("qwen3", "qwen3_5")
 
 
 def default_cache_dir() -> Path:
@@ -35,15 +38,19 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def build_tiny_model(out_dir: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike | None = None, *, force: bool = False, arch: str = "qwen3"
+) -> Path:
     """Return a folder holding the tiny model and tokenizer, building it if needed.
 
-    Without `out_dir` the shared cache folder `tiny-qwen3-v<KIT_VERSION>` is used. An existing
+    Without `out_dir` the shared cache folder `tiny-<arch>-v<KIT_VERSION>` is used. An existing
     complete build is reused unless `force`. The build is deterministic: the same files come
-    out on every machine.
+    out on every machine. `arch`: "qwen3" (attention only) or "qwen3_5" (hybrid).
     """
+    if arch not in ARCHS:
+        raise ValueError(f"tiny model arch {arch!r}: choose one of {ARCHS}.")
     if out_dir is None:
-        out_dir = default_cache_dir() / f"tiny-qwen3-v{KIT_VERSION}"
+        out_dir = default_cache_dir() / f"tiny-{arch}-v{KIT_VERSION}"
     target = Path(out_dir).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -53,7 +60,7 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, *, force: bool = 
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         staging.chmod(0o755)
         try:
-            _write_model(staging)
+            _write_model(staging, arch)
             (staging / _COMPLETE_MARKER).write_text(f"{KIT_VERSION}\n")
             if target.exists():
                 shutil.rmtree(target)
@@ -63,10 +70,10 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, *, force: bool = 
     return target
 
 
-def _write_model(folder: Path) -> None:
+def _write_model(folder: Path, arch: str = "qwen3") -> None:
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(folder)
-    model = build_random_qwen3(tokenizer)
+    model = build_random_qwen3_5(tokenizer) if arch == "qwen3_5" else build_random_qwen3(tokenizer)
     model.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
 
@@ -117,6 +124,34 @@ def build_random_qwen3(tokenizer):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 0.2)
+    return model.to(torch.float32)
+
+
+def build_random_qwen3_5(tokenizer):
+    """A seeded random Gated DeltaNet hybrid (Qwen3.5 text model) in float32.
+
+    Four layers in Qwen3.5's layout (`full_attention_interval` 4: three linear-attention
+    layers, then one full-attention layer), the real head structure (more value heads than key
+    heads in the linear layers, grouped-query full attention with an output gate, partial
+    rotary), a width-4 causal convolution; about 1M parameters, LM head drawn as in the Qwen3.
+    """
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3_5ForCausalLM(config)
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, 0.2)
     return model.to(torch.float32)
