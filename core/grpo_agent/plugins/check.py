@@ -16,6 +16,11 @@ from typing import Any
 from grpo_agent.plugins.registry import EnvironmentSpec, Registry
 
 
+class NoGoldAnswer(Exception):
+    """Raised by an env's `gold(env, row)` for a row with no reference answer (a task with many
+    valid answers); `env check` reports the step as skipped instead of failed."""
+
+
 @dataclass
 class CheckStep:
     """One check: what was checked, whether it passed, and what was seen."""
@@ -104,7 +109,10 @@ def _call_tool(spec: EnvironmentSpec, row: dict[str, Any], tool: str, args: dict
 
 
 def _check_gold(spec: EnvironmentSpec, registry: Registry, row: dict[str, Any]) -> str:
-    total = score_gold(spec, registry, row)
+    try:
+        total = score_gold(spec, registry, row)
+    except NoGoldAnswer as why:
+        return f"skipped: {why}"
     if total <= 0:
         raise ValueError(f"the gold answer scored {total}; expected a positive reward.")
     return f"reward {total}"
