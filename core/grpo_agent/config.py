@@ -51,9 +51,9 @@ class AsyncGRPOConfig(TrainingArguments):
     report_to: Any = _help("Integrations to report to, as in transformers.", default="none")
     optim: str = _help("Optimizer name, as in transformers.", default="adamw_torch_fused")
     logging_nan_inf_filter: bool = _help(
-        "Replace a NaN/inf micro-batch loss in the logged loss. False: checking it makes the "
-        "host wait for the GPU after every row, so rows could not run back to back.",
-        default=False,
+        "Leave optimizer steps whose loss is NaN/inf out of the logged loss. Checked once per "
+        "step, on the values the step's metric read already brings back (no wait per row).",
+        default=True,
     )
 
     # ---- model ----

@@ -17,7 +17,6 @@ from grpo_agent.train.loss import (
     loss_metrics,
     metric_floats,
     row_loss,
-    rows_metric_floats,
     score_centering_loss,
 )
 from grpo_agent.train.packing import pack_row
@@ -237,10 +236,3 @@ def test_score_centering_ignores_padded_topk_entries():
     a, b = score_centering_loss(full, cfg), score_centering_loss(padded, cfg)
     assert torch.isfinite(b)
     torch.testing.assert_close(a, b)
-
-
-def test_rows_metric_floats_reads_every_row_in_order():
-    rows = [{"a": torch.tensor(1.5), "b": torch.tensor(2, dtype=torch.int64)}, {},
-            {"a": torch.tensor([0.25])}]
-    assert rows_metric_floats(rows) == [{"a": 1.5, "b": 2.0}, {}, {"a": 0.25}]
-    assert rows_metric_floats([]) == []

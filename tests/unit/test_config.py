@@ -21,6 +21,7 @@ def test_spec_defaults(tmp_path):
     assert (c.max_concurrent_rollouts, c.max_staleness, c.weight_sync_steps) == (512, 4, 1)
     assert c.rollout_worker_timeout == 300.0
     assert c.dtype == "float32"
+    assert c.logging_nan_inf_filter is True
 
 
 def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):

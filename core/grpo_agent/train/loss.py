@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo_agent.train.forward import forward_hidden, forward_row, is_moe
-from grpo_agent.train.transfer import to_device
 from grpo_agent.train.packing import PackedRow, pack_row
+from grpo_agent.train.transfer import to_device
 from grpo_agent.types import TrainingSample, TrainingSequence
 
 
@@ -111,12 +111,22 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     )
 
 
+# Every metric `row_loss` can return, in a fixed order: processes reduce them by position.
+LOSS_METRIC_NAMES = (
+    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max", "sampling/masked_mean", "sampling/sampler_mass",
+    "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+    "clip_ratio/low_min", "clip_ratio/high_max", "aux_loss",
+)
+
+
 def loss_metrics(
     inp: LossInputs, cfg: LossConfig, entropy: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The spec's sampling/*, clip_ratio/* and entropy metrics over one row's trained tokens,
     as 0-d tensors on the loss's device: reading them waits for the GPU, so the trainer reads
-    them after the backward is queued, all at once (`metric_floats`)."""
+    them once per optimizer step, over all processes (`step_rows`)."""
     if inp.logprobs.numel() == 0:
         return {}
     with torch.no_grad():
@@ -149,15 +159,9 @@ def loss_metrics(
 
 
 def metric_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Plain numbers, read from the device in one transfer."""
-    return rows_metric_floats([metrics])[0]
-
-
-def rows_metric_floats(rows: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
-    """Each row's metrics as plain numbers, all read from the device in one transfer."""
-    flat = [v.detach().float().reshape(()) for metrics in rows for v in metrics.values()]
-    values = iter(torch.stack(flat).tolist() if flat else [])
-    return [{name: next(values) for name in metrics} for metrics in rows]
+    """One row's metrics as plain numbers, read from the device in one transfer."""
+    flat = [v.detach().float().reshape(()) for v in metrics.values()]
+    return dict(zip(metrics, torch.stack(flat).tolist() if flat else []))
 
 
 def _per_sample_fractions(low: torch.Tensor, high: torch.Tensor, token_sample: torch.Tensor):
@@ -176,7 +180,7 @@ def row_loss(
     model, row: PackedRow, cfg: LossConfig, num_trained_tokens_global: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one packed row, normalised by the micro-batch's trained tokens on all processes,
-    and its metrics as device tensors (read them with `metric_floats` after the backward).
+    and its metrics as device tensors (the trainer reads them once per step: `step_rows`).
 
     Backward this (divided by gradient_accumulation_steps, and multiplied by the number of
     processes when the gradient all-reduce averages) and sum over rows. An empty row still

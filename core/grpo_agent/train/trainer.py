@@ -36,10 +36,11 @@ from grpo_agent.train.checkpoint import (
     last_complete_checkpoint,
 )
 from grpo_agent.train.lora_sync import AdapterPusher
-from grpo_agent.train.loss import build_loss_config, row_loss, rows_metric_floats
+from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.row_clock import RowClock
+from grpo_agent.train.step_rows import StepRows
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.train.sync import WeightPusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
@@ -114,9 +115,14 @@ class AsyncGRPOTrainer(Trainer):
             )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
         self.window = MetricWindow()
-        # This step's rows: metrics stay on the device and are read at the optimizer step, so
-        # the host queues row i+1 while the GPU still runs row i (no wait between rows).
-        self._step_row_metrics: list[dict[str, torch.Tensor]] = []
+        # This step's rows: losses and metrics stay on the device and are read at the optimizer
+        # step, so the host queues row i+1 while the GPU still runs row i (no wait between rows).
+        self.step_rows = StepRows()
+        # NaN/inf steps are filtered from the logged loss once per step, on the values read
+        # there; the Trainer's own check waits for the GPU after every row (see read_step_rows).
+        self.nan_inf_filter = args.logging_nan_inf_filter
+        self._window_losses: list[float] = []
+        self._tr_loss_before_step: torch.Tensor | None = None
         self.row_clock = RowClock(args.device)
         self.ledger = PromptLedger()
         self.model_version = 0
@@ -150,6 +156,7 @@ class AsyncGRPOTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
+            self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
             self._stop_pipeline()
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
@@ -203,6 +210,8 @@ class AsyncGRPOTrainer(Trainer):
         """One step's micro-batches for this process, planned from the queue on rank 0."""
         plan = self._next_step_plan()
         self.window.update(plan.metrics)
+        self.args.logging_nan_inf_filter = False  # the Trainer's per-row check; back at the read
+        self._tr_loss_before_step = self._tr_loss.clone() if hasattr(self, "_tr_loss") else None
         rows = [row for rows in plan.microbatches for row in rows]  # every process's
         self.step_forwarded_tokens = sum(row.num_tokens for row in rows)  # packed, as batch/*
         self.step_flops = perf.packed_training_flops(self.model.config, rows)
@@ -289,14 +298,20 @@ class AsyncGRPOTrainer(Trainer):
         self.row_clock.start_row()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.row_clock.end_row()
+        self.step_rows.add_loss(loss)
         return loss
 
     def read_step_rows(self) -> None:
-        """The step's row metrics and device timings, read once its last backward has run."""
-        for metrics in rows_metric_floats(self._step_row_metrics):
-            self.window.update(metrics)
-        self._step_row_metrics = []
+        """The step's losses, loss metrics (over all processes) and device timings, read once
+        its last backward has run. A NaN/inf step loss is kept out of the Trainer's running
+        loss and of the logged one (`logging_nan_inf_filter`)."""
+        reading = self.step_rows.read(next(self.model.parameters()).device, fsdp.world_size())
+        self.args.logging_nan_inf_filter = self.nan_inf_filter
+        self.window.update(reading.metrics)
         self.step_timings = self.row_clock.read()
+        self._window_losses.append(reading.loss)
+        if self.nan_inf_filter and not math.isfinite(reading.loss) and self._tr_loss_before_step is not None:
+            self._tr_loss.copy_(self._tr_loss_before_step)
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
         if not hasattr(self, "_loss_config"):
@@ -305,7 +320,7 @@ class AsyncGRPOTrainer(Trainer):
             inputs.row, self._loss_config, inputs.num_trained_global
         )
         self.row_clock.forward_done()
-        self._step_row_metrics.append(metrics)
+        self.step_rows.add_metrics(metrics, inputs.row.num_trained)
         # Each rank's loss is normalised by all ranks' trained tokens; FSDP averages gradients.
         loss = loss * fsdp.world_size()
         return (loss, None) if return_outputs else loss
@@ -317,6 +332,12 @@ class AsyncGRPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            # The Trainer's number (mean step loss over the window), without NaN/inf steps
+            # when filtering: their loss is replaced by the window's mean, as HF documents.
+            losses = [loss for loss in self._window_losses
+                      if math.isfinite(loss) or not self.nan_inf_filter]
+            logs["loss"] = sum(losses) / len(losses) if losses else math.nan
+            self._window_losses = []
             logs.update(self.window_summary())
             logs["num_tokens"] = float(self.forwarded_tokens_total)
             if self.args.log_completions and fsdp.is_main_process():

@@ -1,0 +1,226 @@
+"""The trainer reads a step's rows once, at the optimizer step: loss metrics weighted by trained
+tokens, the NaN/inf loss filter, and throughput/MFU from the packed rows. The trainer runs for
+real on the tiny model; only the rollout worker and the weight push are stand-ins."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+from grpo_agent.train import perf
+from grpo_agent.train import trainer as trainer_module
+from grpo_agent.train.batching import plan_step
+from grpo_agent.train.forward import forward_row
+from grpo_agent.train.loss import build_loss_config, row_loss
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.step_rows import StepRows
+from grpo_agent.train.step_source import StepSource
+from grpo_agent.types import TrainingSample, TrainingSequence
+from transformers import TrainerCallback
+
+TOKEN_BUDGET = 40  # one group of 3 samples (8-token prompt shared, 8-token completions) per row
+
+
+def group(group_id: int, sampler_shift: float = 0.0) -> list[TrainingSample]:
+    gen = torch.Generator().manual_seed(group_id)
+    prompt = torch.randint(3, 90, (8,), generator=gen).tolist()
+    samples = []
+    for i in range(3):
+        completion = torch.randint(3, 90, (8,), generator=gen).tolist()
+        logps = [0.0] * 8 + (-6.0 - sampler_shift + torch.rand(8, generator=gen)).tolist()
+        samples.append(TrainingSample(
+            TrainingSequence(prompt + completion, [0] * 8 + [1] * 8, logps),
+            advantage=1.0 - i, model_version=0, group_id=group_id, row_index=group_id,
+            prompt_index=group_id, group_num_samples=3))
+    return samples
+
+
+class ScriptedWorker:
+    """The rollout worker's seam: every group at the first pull, nothing after."""
+
+    def __init__(self, samples):
+        self.batches = [samples]
+
+    def pull(self, timeout):
+        return self.batches.pop(0) if self.batches else []
+
+    def set_model_version(self, version): ...
+    def hold_admission(self): ...
+    def report_step_tokens(self, tokens): ...
+    def drain_metrics(self): return []
+    def stop(self): ...
+
+
+class NoPush:
+    lora_name = None
+
+    def push(self, model, version):
+        return {}
+
+    def close(self): ...
+
+
+class OfflineTrainer(AsyncGRPOTrainer):
+    """AsyncGRPOTrainer with scripted samples (`self.samples`) instead of a server and a
+    rollout worker."""
+
+    def start_pipeline(self):
+        self.token_budget = self.args.token_budget
+        self.pusher = NoPush()
+        self.source = StepSource(ScriptedWorker(list(self.samples)), self)
+
+
+class Logs(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, **config):
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=steps, gradient_accumulation_steps=grad_accum,
+        logging_steps=logging_steps, token_budget=TOKEN_BUDGET, learning_rate=1e-4,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=True, **config)
+    from grpo_agent.testing import build_tiny_model
+
+    trainer = OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                             train_dataset=Dataset.from_dict({"prompt": [[]] * 64}))
+    # Enough groups for every row of every step, plus one that closes the last step.
+    trainer.samples = [s for g in range(steps * grad_accum + 1) for s in group(g)]
+    logs = Logs()
+    trainer.add_callback(logs)
+    if setup is not None:
+        setup(trainer)
+    output = trainer.train()
+    return trainer, [log for log in logs.logs if "loss" in log], output
+
+
+def record_row_losses(trainer):
+    """Each row's loss as the Trainer sums it, per step (reads it: only for the expectation)."""
+    losses: list[list[float]] = []
+    inner = trainer.training_step
+
+    def training_step(model, inputs, num_items_in_batch=None):
+        loss = inner(model, inputs, num_items_in_batch)
+        if len(losses) <= trainer.state.global_step:
+            losses.append([])
+        losses[trainer.state.global_step].append(loss.item())
+        return loss
+
+    trainer.training_step = training_step
+    return losses
+
+
+def poison_step(trainer, step):
+    """The rows of one step return a NaN loss; their gradients stay those of the real loss."""
+    inner = trainer.compute_loss
+
+    def compute_loss(model, inputs, **kwargs):
+        loss = inner(model, inputs, **kwargs)
+        return loss + torch.tensor(math.nan) if trainer.state.global_step == step else loss
+
+    trainer.compute_loss = compute_loss
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_a_nan_step_is_left_out_of_the_logged_loss(tmp_path, nan_filter):
+    def setup(trainer):
+        setup.losses = record_row_losses(trainer)
+        poison_step(trainer, step=1)
+
+    trainer, logs, output = train(tmp_path, steps=3, logging_steps=3, setup=setup,
+                                  logging_nan_inf_filter=nan_filter)
+    steps = [sum(rows) for rows in setup.losses]
+    assert math.isnan(steps[1]) and math.isfinite(steps[0]) and math.isfinite(steps[2])
+    assert len(logs) == 1
+    if nan_filter:
+        assert logs[0]["loss"] == pytest.approx((steps[0] + steps[2]) / 2, rel=1e-6)
+        assert math.isfinite(output.training_loss)
+    else:
+        assert math.isnan(logs[0]["loss"])
+    assert trainer.args.logging_nan_inf_filter is nan_filter  # as the user set it, after train
+
+
+def test_the_filter_adds_no_read_per_row(tmp_path, monkeypatch):
+    """Transformers' own filter reads every row's loss (a host wait per row on a GPU); here the
+    only read of the rows is StepRows.read, once per optimizer step, whatever the rows."""
+    checked, reads = [], []
+    real_isnan, real_read = torch.isnan, StepRows.read
+
+    def isnan(tensor, *args, **kwargs):
+        checked.append(tensor)
+        return real_isnan(tensor, *args, **kwargs)
+
+    def read(self, *args, **kwargs):
+        reads.append(len(self._losses))
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "isnan", isnan)
+    monkeypatch.setattr(StepRows, "read", read)
+
+    def setup(trainer):
+        returned = setup.returned = []
+        inner = trainer.training_step
+
+        def training_step(*args, **kwargs):
+            returned.append(inner(*args, **kwargs))
+            return returned[-1]
+
+        trainer.training_step = training_step
+
+    trainer, logs, _ = train(tmp_path, steps=2, grad_accum=3, setup=setup)
+    assert trainer.args.logging_nan_inf_filter is True  # the spec's default
+    assert len(setup.returned) == 6
+    assert not [t for t in checked if any(t is loss for loss in setup.returned)]
+    assert reads == [3, 3]  # one read per optimizer step, of its three rows
+    assert all(math.isfinite(log["loss"]) and "entropy" in log for log in logs)
+
+
+def test_throughput_and_mfu_count_the_packed_rows(tmp_path, monkeypatch):
+    peak = 1e12
+    monkeypatch.setattr(trainer_module, "_device_peak", lambda args: peak)
+    trainer, logs, _ = train(tmp_path, steps=1)
+    (log,) = logs
+    rows = plan_step(group(0), token_budget=TOKEN_BUDGET, num_processes=1,
+                     grad_accum_steps=1).microbatches[0]
+    packed = sum(row.num_tokens for row in rows)
+    assert packed == 7 + 3 * 9 and sum(row.unpacked_tokens for row in rows) == 3 * 16
+    assert log["batch/forwarded_tokens_per_step"] == packed
+    seconds = log["perf/fwd_bwd_s"]
+    assert log["perf/fwd_bwd_forwarded_tokens_per_s"] * seconds == pytest.approx(packed)
+    flops = perf.packed_training_flops(trainer.model.config, rows)
+    assert log["perf/fwd_bwd_mfu"] * seconds * peak == pytest.approx(flops)
+    assert log["perf/wall_clock_mfu"] * log["perf/step_s"] * peak == pytest.approx(flops)
+
+
+def test_loss_metrics_are_means_over_the_steps_trained_tokens(tiny_qwen3):
+    """Two rows with 8 and 16 trained tokens: entropy and the log-prob difference are means
+    over the 24 tokens, not over the two rows (whose sampler log-probs differ by about 2)."""
+    from grpo_agent.train.tree_attention import enable_tree_attention
+
+    enable_tree_attention(tiny_qwen3)
+    cfg = build_loss_config(AsyncGRPOConfig(output_dir="/tmp/unused", score_centering=False))
+    rows = [pack_row(group(0)[:1]), pack_row(group(1, sampler_shift=2.0)[:2])]
+    step = StepRows()
+    for row in rows:
+        loss, metrics = row_loss(tiny_qwen3, row, cfg, 24)
+        step.add_metrics(metrics, row.num_trained)
+        step.add_loss(loss)
+    reading = step.read(torch.device("cpu"))
+    with torch.no_grad():
+        tokens = [forward_row(tiny_qwen3, row, temperature=1.0).token for row in rows]
+    entropy = torch.cat([t.entropy for t in tokens])
+    diff = torch.cat([(t.logprobs - row.sampler_logprobs).abs() for t, row in zip(tokens, rows)])
+    assert len(entropy) == 24
+    assert reading.metrics["entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
+    assert reading.metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(
+        diff.mean().item(), rel=1e-5)
+    assert reading.metrics["sampling/sampling_logp_difference/max"] == pytest.approx(
+        diff.max().item(), rel=1e-5)
+    row_means = sum(d.mean().item() for d in diff.split([8, 16])) / 2
+    assert abs(reading.metrics["sampling/sampling_logp_difference/mean"] - row_means) > 0.1
