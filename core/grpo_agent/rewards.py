@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from grpo_agent.math_verifier import check_answer
+
 THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL)
 
 
@@ -27,30 +29,12 @@ def accuracy_reward(completions: list, solution: list[str], **kwargs: Any) -> li
     """1.0 when the completion's final answer equals the `solution` column, else 0.0.
 
     Gold and answer are parsed with math-verify; the answer must be in LaTeX (e.g. `\\boxed{}`).
-    A gold solution that cannot be parsed gives None (unscorable), not a wrong-answer 0.
+    A gold solution that cannot be parsed gives None (unscorable), not a wrong-answer 0. The
+    checks run in a helper process (`grpo_agent.math_verifier`), so this works from the rollout
+    worker's scorer threads, where math-verify's signal-based timeouts cannot.
     """
-    from math_verify import LatexExtractionConfig, parse, verify
-    from math_verify.parser import NormalizationConfig
-
-    answer_config = [
-        LatexExtractionConfig(
-            normalization_config=NormalizationConfig(
-                nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True
-            ),
-            boxed_match_priority=0,
-            try_extract_without_anchor=False,
-        )
-    ]
-    rewards: list[float | None] = []
-    for completion, gold in zip(completions, solution, strict=True):
-        gold_parsed = parse(str(gold), extraction_mode="first_match")
-        if not gold_parsed:
-            rewards.append(None)
-            continue
-        answer = parse(completion_text(completion), extraction_config=answer_config,
-                       extraction_mode="first_match")
-        rewards.append(float(verify(gold_parsed, answer)))
-    return rewards
+    return [check_answer(completion_text(completion), str(gold))
+            for completion, gold in zip(completions, solution, strict=True)]
 
 
 def format_reward(completions: list, **kwargs: Any) -> list[float]:
