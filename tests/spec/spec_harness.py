@@ -27,6 +27,8 @@ class RecordedRun:
     observations: list = field(default_factory=list)
     windows: list = field(default_factory=list)
     step_samples: list = field(default_factory=list)
+    notices: list = field(default_factory=list)  # prompts consumed without samples (reason)
+    versions: list = field(default_factory=list)  # the trainer's model version after each step
 
     @property
     def logs(self) -> list[dict]:
@@ -74,8 +76,19 @@ def record_run(trainer, **train_kwargs) -> RecordedRun:
     workers = []
 
     class StepRecorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            ledger = trainer.ledger
+            record_consumed = ledger.record_consumed
+
+            def record(notice):
+                run.notices.append(notice)
+                record_consumed(notice)
+
+            ledger.record_consumed = record
+
         def on_step_end(self, args, state, control, **kwargs):
             run.step_samples.append(list(trainer._step_samples))
+            run.versions.append(trainer.model_version)
             if trainer.source is not None and not workers:
                 workers.append(trainer.source.worker)
 

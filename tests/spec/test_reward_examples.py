@@ -87,3 +87,38 @@ def test_mixed_sync_and_async_reward_functions_are_summed(spec_server, tmp_path)
     assert run.trained and trainer.state.global_step == 1
     assert {"rewards/reward_func/mean", "rewards/async_reward_func/mean",
             "rewards/async_reward_func2/mean", "reward"} <= set(run.logs[-1])
+
+
+def test_examples_2_3_and_4_score_every_rollout_they_apply_to(spec_server, tmp_path):
+    """Example 4 as the spec writes it (its dataset, `reward_funcs=[math_reward_func,
+    coding_reward_func]`), with examples 2 and 3 in the same list and a `ground_truth` column
+    for example 3. Each task-specific function scores exactly the rollouts of its task (None
+    elsewhere keeps it out of that rollout), every rollout's reward is the sum of the functions
+    that scored it, and the dataset columns reach the functions (no reward raised)."""
+    from grpo_agent import AsyncGRPOTrainer
+    from spec_examples.reward_format import format_reward_func
+    from spec_examples.reward_ground_truth import reward_func
+    from spec_examples.reward_multitask import coding_reward_func, dataset, math_reward_func
+
+    dataset = dataset.add_column("ground_truth", ["4", None, "12", None])
+    trainer = AsyncGRPOTrainer(
+        model=str(spec_server.model_path),
+        reward_funcs=[math_reward_func, coding_reward_func, format_reward_func, reward_func],
+        args=spec_args(spec_server, tmp_path, max_steps=-1, num_train_epochs=1),
+        train_dataset=dataset,
+    )
+    run = record_run(trainer)
+
+    rewards = run.values("reward")
+    math, code = run.values("rewards/math_reward_func/mean"), run.values("rewards/coding_reward_func/mean")
+    # The worker runs ahead of the trainer, so it may score more than the epoch's 4 groups.
+    assert len(rewards) >= 4 * 4 and len(rewards) % 4 == 0
+    assert len(math) + len(code) == len(rewards)  # one of the two applies, None elsewhere
+    assert math and code and len(math) % 4 == len(code) % 4 == 0
+    assert set(math + code) <= {-1.0, 1.0}
+    formatted, boxed = run.values("rewards/format_reward_func/mean"), run.values("rewards/reward_func/mean")
+    assert len(formatted) == len(boxed) == len(rewards) and set(formatted + boxed) <= {0.0, 1.0}
+    assert sum(rewards) == pytest.approx(sum(math) + sum(code) + sum(formatted) + sum(boxed))
+    assert not run.values("rollout/reward_error_count")
+    assert {n.reason for n in run.notices} <= {"zero_std"}
+    assert trainer.ledger.frontier == 4  # the epoch ends the run, kept groups or not
