@@ -89,3 +89,33 @@ class DiesMidMessageLoop:
         writer._send(struct.pack("!i", 1_000_000) + b"\0" * 100)  # a header promising 1 MB
         time.sleep(0.5)
         os._exit(0)
+
+
+class BoxedAnswerLoop(AsyncRolloutLoop):
+    """Samples from the server, then answers `What is a + a?` in `\\boxed{}`: right on the odd
+    rollouts of each group, wrong on the even ones, so accuracy_reward must tell them apart.
+
+    It also checks two rules on the real path: no image part reaches `generate_one`, and
+    `RolloutGroup.queued_at` is on the `time.monotonic()` clock (the spec's).
+    """
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        import re
+
+        for message in prompt:
+            if not isinstance(message["content"], str):
+                raise TypeError(f"generate_one got a prompt with content parts: {prompt}")
+        self.answered = getattr(self, "answered", {})
+        self.answered[group_id] = count = self.answered.get(group_id, 0) + 1
+        rollout = await super().generate_one(prompt, tools, group_id)
+        a = int(re.search(r"What is (\d+)", prompt[-1]["content"]).group(1))
+        answer = 2 * a if count % 2 else 2 * a + 1
+        rollout.completion = [{"role": "assistant", "content": f"It is \\boxed{{{answer}}}."}]
+        return rollout
+
+    def compute_advantages(self, group):
+        import time
+
+        if abs(time.monotonic() - group.queued_at) > 600:
+            raise ValueError(f"queued_at={group.queued_at} is not a time.monotonic() reading")
+        return super().compute_advantages(group)

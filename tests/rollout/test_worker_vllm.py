@@ -162,6 +162,41 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
         assert _values(observations, name), f"{name} was never observed"
 
 
+def test_accuracy_reward_scores_boxed_answers_in_the_workers_scorer_threads(
+        rollout_server, rollout_tokenizer, tmp_path):
+    """The built-in accuracy_reward on the real path: spawned worker, scorer thread pool.
+    Prompts carry an image part, which must be stripped before generate_one (spec)."""
+    from grpo_agent.rewards import accuracy_reward
+
+    rows = [{"prompt": [{"role": "user", "content": [
+                {"type": "image", "text": None}, {"type": "text", "text": f"What is {a} + {a}?"}]}],
+             "solution": str(2 * a)} for a in range(1, 7)]
+    worker = _worker(rollout_server, rollout_tokenizer, tmp_path, [accuracy_reward],
+                     loop_cls=helpers.BoxedAnswerLoop, dataset=Dataset.from_list(rows))
+    groups: dict[int, list[TrainingSample]] = defaultdict(list)
+    notices, observations = [], []
+
+    def take(items):
+        for item in items:
+            (groups[item.group_id] if isinstance(item, TrainingSample) else notices).append(item)
+        observations.extend(worker.drain_metrics())
+
+    def two_whole_groups():
+        return len(groups) >= 2 and all(len(g) == g[0].group_num_samples for g in groups.values())
+
+    with worker:
+        _pull_until(worker, lambda: two_whole_groups() or notices, 180, take)
+    observations.extend(worker.drain_metrics())  # what the worker flushed while stopping
+    assert not notices, f"groups were dropped: {notices}"  # reward_error before the fix
+    assert two_whole_groups()
+    scores = _values(observations, "rewards/accuracy_reward/mean")
+    assert scores.count(1.0) == scores.count(0.0) >= 4 and set(scores) == {0.0, 1.0}
+    for samples in groups.values():  # 2 right, 2 wrong: advantages +1 and -1
+        by_rollout = {s.rollout_id: s.advantage for s in samples}
+        assert sorted(by_rollout.values()) == pytest.approx([-1.0, -1.0, 1.0, 1.0])
+    assert sum(_values(observations, "rollout/reward_error_count")) == 0
+
+
 def test_the_spec_curriculum_loop_filters_prompts_it_has_solved(rollout_server, rollout_tokenizer, tmp_path):
     texts = ["easy one", "hard one", "easy two", "hard two"]
     config = _config(rollout_server[0], tmp_path, cls=helpers.CurriculumConfig, pass_rate_cap=0.9)

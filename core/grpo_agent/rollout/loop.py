@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib
 import itertools
 import logging
 import math
@@ -26,7 +25,9 @@ import numpy as np
 
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import observations
+from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
+from grpo_agent.rollout.images import strip_images
 from grpo_agent.rollout.plugins import (
     check_plugin_args,
     resolve_advantage_estimator,
@@ -103,7 +104,6 @@ class AsyncRolloutLoop:
         check_plugin_args(config)
         self._advantage_estimator = resolve_advantage_estimator(config.advantage_estimator, plugin_args)
         self._prompt_filters = resolve_prompt_filters(config.prompt_filters, plugin_args)
-        self._tool_loop = _agent_tool_loop()
 
     # ------------------------------------------------------------------ hooks
 
@@ -113,9 +113,7 @@ class AsyncRolloutLoop:
 
     async def generate_one(self, prompt: list[dict], tools: list[Callable], group_id: int = 0) -> Rollout:
         """One rollout: the multi-turn tool loop (rendering, sampling, tool calls)."""
-        if self._tool_loop is not None:
-            return await self._tool_loop(self, prompt, tools, group_id)
-        return await self._single_turn(prompt, tools)
+        return await run_tool_loop(self, prompt, tools, group_id)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One vLLM request with the config's sampling settings, on the rollout's policy."""
@@ -192,6 +190,7 @@ class AsyncRolloutLoop:
         self._completed_rollouts = 0
         self._generated_tokens = 0
         self._progress_mark = (time.perf_counter(), 0, 0)
+        self._warned_images = False
 
     async def _run_pipeline(self) -> None:
         tasks = [asyncio.create_task(coro) for coro in (
@@ -276,6 +275,7 @@ class AsyncRolloutLoop:
                 prompt, tools = episode.prompt, [*self.tools, *episode.tools]
             else:
                 prompt, tools = _row_prompt(slot.row), self.tools
+            prompt = self._without_images(prompt, slot.row_index)
             rollout = await self.generate_one(prompt, tools, group_id)
             env_reward = await self._env_runner.finish(episode) if episode is not None else None
         finally:
@@ -287,6 +287,16 @@ class AsyncRolloutLoop:
             for name, values in episode.metrics.items():
                 rollout.metrics.setdefault(name, []).extend(values)
         return prompt, rollout, env_reward
+
+    def _without_images(self, prompt: list[dict], row_index: int) -> list[dict]:
+        prompt, removed = strip_images(prompt)
+        if removed and not self._warned_images:
+            self._warned_images = True
+            logger.warning(
+                "The prompt of row %d holds %d image(s). Images are not supported yet, so they "
+                "are stripped from every prompt (the model sees only the text); use a text-only "
+                "dataset to silence this.", row_index, removed)
+        return prompt
 
     async def _build_group(self, slot, group_id, version, results) -> RolloutGroup:
         prompts, rollouts, env_rewards = (list(column) for column in zip(*results))
@@ -310,7 +320,7 @@ class AsyncRolloutLoop:
             tool_failure_counts=[r.tool_failure_count for r in rollouts],
             model_version=version, group_id=group_id, row_index=slot.row_index,
             env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
-            queued_at=time.time(), rollouts=rollouts, prompt_index=slot.prompt_index,
+            queued_at=time.monotonic(), rollouts=rollouts, prompt_index=slot.prompt_index,
         )
 
     # ------------------------------------------------------------------ scoring
@@ -318,7 +328,7 @@ class AsyncRolloutLoop:
     async def _score_forever(self) -> None:
         while True:
             group = await self.score_queue.get()
-            self._observe("rollout/score_wait_s", time.time() - group.queued_at)
+            self._observe("rollout/score_wait_s", time.monotonic() - group.queued_at)
             started = time.perf_counter()
             await self._score(group)
             self._observe("rollout/score_s", time.perf_counter() - started)
@@ -441,23 +451,6 @@ class AsyncRolloutLoop:
             batch, self._observations = self._observations, []
             self.metrics_queue.put(batch)
 
-    # ------------------------------------------------------------------ fallbacks
-
-    async def _single_turn(self, prompt: list[dict], tools: list[Callable]) -> Rollout:
-        """A one-request rollout, used only while the agent tool loop is not installed."""
-        loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(self.tool_executor, self._render, prompt, tools)
-        turn = await self.generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}],
-                       completion_ids=list(turn.output_ids), turns=[turn])
-
-    def _render(self, prompt: list[dict], tools: list[Callable]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            prompt, tools=tools or None, add_generation_prompt=True, tokenize=False,
-            **(self.config.chat_template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
 
 def _named_reward_funcs(reward_funcs) -> dict[str, Callable]:
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
@@ -484,17 +477,6 @@ def _row_prompt(row: dict[str, Any]) -> list[dict]:
 def _reconcile_all(turn_lists: list[list[TurnRecord]]) -> list:
     from grpo_agent.rollout.reconcile import reconcile_turns
     return [reconcile_turns(turns) for turns in turn_lists]
-
-
-def _agent_tool_loop() -> Callable | None:
-    """The agent engineer's multi-turn tool loop, when that module is installed."""
-    try:
-        module = importlib.import_module("grpo_agent.rollout.agent")
-    except ModuleNotFoundError as error:
-        if error.name != "grpo_agent.rollout.agent":
-            raise
-        return None
-    return getattr(module, "run_tool_loop", None)
 
 
 def _environment_runner(factory, executor):
