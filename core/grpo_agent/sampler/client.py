@@ -185,13 +185,13 @@ class SamplerClient:
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter saved in `path` as model `name` (needs `--enable-lora` and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server)."""
-        await self._request("POST", "/v1/load_lora_adapter", timeout=CONTROL_TIMEOUT_S,
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server).
+        A weight-sync call: it takes the client's timeout (`vllm_server_timeout`)."""
+        await self._request("POST", "/v1/load_lora_adapter",
                             json={"lora_name": name, "lora_path": str(path)})
 
     async def unload_lora_adapter(self, name: str) -> None:
-        await self._request("POST", "/v1/unload_lora_adapter", timeout=CONTROL_TIMEOUT_S,
-                            json={"lora_name": name})
+        await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     # ------------------------------------------------------------------ transport
 

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 CACHE_DIR_NAME = ".vllm_lora"
 # The values vLLM accepts for --max-lora-rank.
 SERVER_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-CONTROL_TIMEOUT_S = 120.0
 _RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
@@ -281,8 +280,8 @@ class AdapterPusher:
     def _client(self) -> Any:
         from grpo_agent.sampler.client import SamplerClient
 
-        return SamplerClient(self.args.vllm_server_base_url, timeout=CONTROL_TIMEOUT_S,
-                             max_retries=2)
+        return SamplerClient(self.args.vllm_server_base_url,
+                             timeout=self.args.vllm_server_timeout, max_retries=2)
 
     @staticmethod
     def _run(coroutine) -> Any:

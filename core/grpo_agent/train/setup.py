@@ -89,7 +89,8 @@ class ServerFacts:
 
 
 def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
-    """Reachable, serving this model, long enough for `max_completion_length`; warn on dtype."""
+    """Ready (waited for up to `vllm_server_timeout`: `sampler.readiness`), serving this model,
+    long enough for `max_completion_length`; warn on dtype."""
     facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout))
     expected = str(model.config._name_or_path)
     if not same_model(expected, facts.model_id):
@@ -131,7 +132,9 @@ def same_model(trainer_name: str, served_id: str) -> bool:
 
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
     from grpo_agent.sampler.client import SamplerClient, SamplingParams
+    from grpo_agent.sampler.readiness import wait_until_ready
 
+    await wait_until_ready(base_url, timeout)  # a server still loading is waited for
     async with SamplerClient(base_url, timeout=timeout) as client:
         info = await client.model_info()
         probe = await client.generate([0], SamplingParams(max_tokens=1, num_logprobs=0))

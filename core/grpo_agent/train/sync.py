@@ -43,7 +43,8 @@ class WeightPusher:
         if fsdp.is_main_process():
             from grpo_agent.sampler.weight_sync import build_weight_sync
 
-            self._sync = build_weight_sync(args.vllm_server_base_url)
+            self._sync = build_weight_sync(args.vllm_server_base_url,
+                                           timeout=args.vllm_server_timeout)
 
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
         """A fresh server already serves the model's weights; one an earlier run pushed into

@@ -1,0 +1,164 @@
+"""Start-up wait for a vLLM server that is still loading (spec: `vllm_server_timeout` covers
+waiting for the server to become ready), against real sockets on localhost.
+
+`LoadingServer` behaves like `vllm serve`: it binds its port at once, but listens (and answers)
+only after `delay` seconds, so until then every connection is refused."""
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from grpo_agent.sampler import ServerUnreachableError
+from grpo_agent.sampler.readiness import port_state, wait_until_ready
+from grpo_agent.train import setup
+
+GENERATED = {"choices": [{"token_ids": [5], "finish_reason": "length",
+                          "weight_versions": [{"version": "default", "start": 0, "end": 1}],
+                          "logprobs": {"content": [{"token_id": 5, "logprob": -0.1,
+                                                    "top_logprobs": []}]}}]}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path.startswith("/v1/models"):
+            self._reply({"data": [{"id": "tiny", "max_model_len": 64}]})
+        else:
+            self._reply({"model_config": {"dtype": "torch.float32"}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._reply(GENERATED)
+
+    def _reply(self, body):
+        payload = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+class LoadingServer:
+    def __init__(self, delay: float):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler, bind_and_activate=False)
+        self.httpd.server_bind()  # the port is taken now; connections are refused until listen
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.ready_at = time.monotonic() + delay
+        self._timer = threading.Timer(delay, self._start)
+        self._timer.start()
+
+    def _start(self):
+        self.httpd.server_activate()
+        self.serving = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.serving.start()
+
+    def close(self):
+        self._timer.cancel()
+        if getattr(self, "serving", None) is not None:  # shutdown() waits for serve_forever
+            self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def loading_server():
+    servers = []
+    yield lambda delay: servers.append(LoadingServer(delay)) or servers[-1]
+    for server in servers:
+        server.close()
+
+
+def test_server_facts_wait_for_a_server_that_is_still_loading(loading_server, caplog):
+    """Loading for 9 s: past the client's own retries (about 8 s), far below the timeout."""
+    server = loading_server(9.0)
+    caplog.set_level(logging.INFO, logger="grpo_agent.sampler.readiness")
+    facts = asyncio.run(setup._server_facts(server.url, 1800.0))
+    assert time.monotonic() >= server.ready_at
+    assert facts.model_id == "tiny" and facts.max_model_len == 64
+    waiting = [r.getMessage() for r in caplog.records if "Waiting for the vLLM server" in r.message]
+    assert waiting, caplog.text  # a log line every few seconds: what is awaited, the last error
+    assert "of 1800 s" in waiting[0] and "connection refused" in waiting[0]
+    assert "held on this machine" in waiting[0]
+
+
+def test_a_held_port_is_waited_for_past_the_grace_for_free_ports(loading_server):
+    server = loading_server(2.5)
+    waited = asyncio.run(wait_until_ready(server.url, 60.0, refused_grace_s=0.5))
+    assert waited >= 2.0
+
+
+def test_nothing_listening_on_a_local_port_fails_after_the_grace_not_the_timeout():
+    port = _free_port()
+    assert port_state("127.0.0.1", port) == "free"
+    began = time.monotonic()
+    with pytest.raises(ServerUnreachableError,
+                       match=f"(?s)refused for 2 s.*holds port {port}.*vllm serve"):
+        asyncio.run(wait_until_ready(f"http://127.0.0.1:{port}", 1800.0, refused_grace_s=2.0))
+    assert time.monotonic() - began < 5
+
+
+def test_the_timeout_bounds_the_wait_and_names_the_setting(loading_server):
+    server = loading_server(30.0)
+    began = time.monotonic()
+    with pytest.raises(ServerUnreachableError, match="not ready after 2 s .vllm_server_timeout.*"
+                                                     "connection refused"):
+        asyncio.run(wait_until_ready(server.url, 2.0))
+    assert time.monotonic() - began < 4
+
+
+def test_a_host_that_does_not_resolve_fails_at_once():
+    began = time.monotonic()
+    with pytest.raises(ServerUnreachableError, match="does not resolve.*vllm_server_base_url"):
+        asyncio.run(wait_until_ready("http://no-such-host.invalid:8000", 1800.0))
+    assert time.monotonic() - began < 15
+
+
+def test_port_state_tells_held_free_and_remote_apart(loading_server):
+    server = loading_server(30.0)
+    held_port = server.httpd.server_address[1]
+    assert port_state("127.0.0.1", held_port) == "held"
+    assert port_state("localhost", held_port) == "held"
+    assert port_state("127.0.0.1", _free_port()) == "free"
+    assert port_state("192.0.2.1", 8000) == "remote"  # TEST-NET-1: never this machine
+
+
+class _DiskServerHandler(_Handler):
+    """A server without a weight-transfer engine: weight sync writes safetensors (disk)."""
+
+    def do_GET(self):
+        self._reply({"vllm_config": {}})
+
+
+def test_weight_sync_calls_take_vllm_server_timeout(tmp_path):
+    from types import SimpleNamespace
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.train.lora_sync import AdapterPusher
+    from grpo_agent.train.sync import WeightPusher
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _DiskServerHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_timeout=7.0,
+                           vllm_server_base_url=f"http://127.0.0.1:{httpd.server_address[1]}")
+    try:
+        pusher = WeightPusher(args)
+        assert pusher._sync.control._http.timeout.read == 7.0  # merged-weight pushes
+        pusher.close()
+        lora_client = AdapterPusher._client(SimpleNamespace(args=args))  # adapter loads
+        assert lora_client.timeout == 7.0
+        asyncio.run(lora_client.aclose())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
