@@ -91,8 +91,13 @@ class EnvironmentSpec:
         """The env's evaluation split, or None when it declares none."""
         return None if self.eval_dataset is None else self.eval_dataset(**self.option_values)
 
-    def reward_funcs(self, registry: Registry) -> list[Callable]:
-        """The env's declared rewards, resolved to functions."""
+    def reward_funcs(self, registry: Registry | None = None) -> list[Callable]:
+        """The env's declared rewards, resolved to functions (by default through the installed
+        plugins)."""
+        if registry is None:
+            from grpo_agent.plugins.manager import load_registry  # manager imports this module
+
+            registry = load_registry()
         return [registry.resolve_reward(ref) for ref in self.rewards]
 
 

@@ -112,3 +112,22 @@ def test_env_show_lists_the_options_and_tasks(cli):
     assert "task (str, default 'leg_counting'): reasoning-gym task  [now 'countdown']" in out
     assert "countdown, course_schedule" in out
     assert "dataset: 5 rows, columns: prompt, task, size, seed, index" in out
+
+
+def test_the_python_form_is_a_picklable_factory_with_its_data_and_rewards():
+    import pickle
+
+    from grpo_agent import load_environment
+    from grpo_agent.plugins import check_picklable
+
+    env = load_environment("reasoning-gym", task="countdown", size=3)
+    check_picklable({"environment_factory": env})  # what the trainer checks before spawning
+    row = dict(env.load_dataset()[2])
+    assert pickle.loads(pickle.dumps(env))().reset(**row) == tasks.entry("countdown", 3, 42, 2)["question"]
+    assert [fn.__name__ for fn in env.reward_funcs()] == ["reasoning_gym_reward"]
+
+
+def test_env_list_shows_the_installed_package(cli):
+    code, out, _ = cli("env", "list")
+    assert code == 0
+    assert "reasoning-gym-v1 (alias reasoning-gym)  [grpo-agent-env-reasoning-gym]" in out
