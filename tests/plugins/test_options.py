@@ -168,3 +168,10 @@ def test_the_rollout_loop_resolves_plugins_with_their_options():
                              advantage_estimator="group_norm", prompt_filters=["curriculum"])
     with pytest.raises(OptionError, match="Option 'pass_rate_cap' of plugin 'curriculum' takes a float"):
         check_plugin_args(config)
+
+
+def test_a_declaration_with_a_default_of_the_wrong_type_fails_at_import():
+    with pytest.raises(TypeError, match="Option 'size': default '3' is not a int"):
+        Option("size", int, "3")
+    with pytest.raises(TypeError, match="type must be one of str, int, float, bool"):
+        Option("rows", list, [])

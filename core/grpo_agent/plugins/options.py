@@ -33,6 +33,8 @@ class Option:
     def __post_init__(self) -> None:
         if self.type not in _TYPES:
             raise TypeError(f"Option {self.name!r}: type must be one of str, int, float, bool.")
+        if isinstance(self.default, str) and self.type is not str or self._convert(self.default) is None:
+            raise TypeError(f"Option {self.name!r}: default {self.default!r} is not a {self.type.__name__}.")
 
     def allowed(self) -> list[Any] | None:
         """The valid values, or None when any value of the type is valid."""
