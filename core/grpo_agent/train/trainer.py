@@ -85,13 +85,15 @@ class AsyncGRPOTrainer(Trainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
         model = setup.load_model(model, args)
-        processing_class = setup.load_processing_class(model, processing_class)
+        processing_class = setup.load_processing_class(model, processing_class, args)
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        from grpo_agent.train.model_checks import refuse_unsupported_model
         from grpo_agent.train.tree_attention import enable_tree_attention
 
+        refuse_unsupported_model(model, args)
         enable_tree_attention(model)
         self.reward_funcs, self.tools, self.environment_factory = _resolve_plugins(
             reward_funcs, tools, environment_factory
@@ -210,7 +212,9 @@ class AsyncGRPOTrainer(Trainer):
         """One step's micro-batches for this process, planned from the queue on rank 0."""
         plan = self._next_step_plan()
         self.window.update(plan.metrics)
-        self.args.logging_nan_inf_filter = False  # the Trainer's per-row check; back at the read
+        # On, transformers reads each row's loss (a host wait per row): off while the rows run,
+        # back on at the step's read, which filters the step instead.
+        self.args.logging_nan_inf_filter = False
         self._tr_loss_before_step = self._tr_loss.clone() if hasattr(self, "_tr_loss") else None
         rows = [row for rows in plan.microbatches for row in rows]  # every process's
         self.step_forwarded_tokens = sum(row.num_tokens for row in rows)  # packed, as batch/*
@@ -310,7 +314,8 @@ class AsyncGRPOTrainer(Trainer):
         self.window.update(reading.metrics)
         self.step_timings = self.row_clock.read()
         self._window_losses.append(reading.loss)
-        if self.nan_inf_filter and not math.isfinite(reading.loss) and self._tr_loss_before_step is not None:
+        bad = self.nan_inf_filter and not math.isfinite(reading.loss)
+        if bad and self._tr_loss_before_step is not None:
             self._tr_loss.copy_(self._tr_loss_before_step)
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
