@@ -179,10 +179,38 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
             )
+        _refuse_unsupported_features(self)
 
     @property
     def effective_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _refuse_unsupported_features(args: AsyncGRPOConfig) -> None:
+    """The spec's refusals (Liger, DeepSpeed, context/sequence parallelism), each with what to
+    do instead; checked before transformers acts on them (it would import DeepSpeed)."""
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported: the trainer never calls the model's loss "
+            "(it computes log-probs in vocabulary tiles without materialising the logits), so "
+            "Liger's kernels would only patch the model. Remove use_liger_kernel."
+        )
+    if args.deepspeed:
+        raise ValueError(
+            "deepspeed is not supported: sharded training uses FSDP2. Remove deepspeed and "
+            "launch one process per GPU with torchrun or accelerate launch; the trainer shards "
+            "the model with FSDP2 itself."
+        )
+    parallel = args.parallelism_config
+    get = parallel.get if isinstance(parallel, dict) else lambda name: getattr(parallel, name, None)
+    cp_size, sp_size = get("cp_size") or 1, get("sp_size") or 1
+    if cp_size > 1 or sp_size > 1:
+        raise ValueError(
+            f"parallelism_config with cp_size={cp_size}, sp_size={sp_size}: context and sequence "
+            "parallelism are not supported (each packed row is trained whole on one process). "
+            "Set cp_size and sp_size to 1 (or leave parallelism_config unset); for longer rows "
+            "raise token_budget or add GPUs to FSDP2."
+        )
 
 
 def _bf16_supported(args: AsyncGRPOConfig) -> bool:

@@ -32,10 +32,9 @@ def load_model(model: str | nn.Module, args: AsyncGRPOConfig) -> nn.Module:
         return model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = {**hub_kwargs(args), **(args.model_init_kwargs or {})}
     kwargs.setdefault("dtype", _DTYPES.get(args.dtype, "auto"))
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    config = AutoConfig.from_pretrained(model, **hub_kwargs(args))
     if getattr(config, "vision_config", None) is not None:
         loaded = AutoModelForImageTextToText.from_pretrained(model, **kwargs)
         freeze_vision_tower(loaded)
@@ -53,12 +52,21 @@ def freeze_vision_tower(model: nn.Module) -> int:
     return frozen
 
 
-def load_processing_class(model: nn.Module, processing_class: Any) -> Any:
+def hub_kwargs(args: AsyncGRPOConfig) -> dict[str, Any]:
+    """`trust_remote_code` and `revision` for every from_pretrained of the model's repo (config,
+    weights, tokenizer), as the spec says; model_init_kwargs' own values win."""
+    init = args.model_init_kwargs or {}
+    return {"trust_remote_code": init.get("trust_remote_code", args.trust_remote_code),
+            "revision": init.get("revision")}
+
+
+def load_processing_class(model: nn.Module, processing_class: Any, args: AsyncGRPOConfig) -> Any:
     """The spec's rule: left padding, and the EOS token as pad token when none is set."""
     if processing_class is None:
         from transformers import AutoTokenizer
 
-        processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+                                                         **hub_kwargs(args))
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

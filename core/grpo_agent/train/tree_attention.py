@@ -22,7 +22,8 @@ lengths, not N^2).
 fallback for sliding-window layers and attention dropout.
 Rotary positions come from `position_ids` (the token's depth), so they match unpacked
 forwards; grouped-query attention uses the kernels' GQA support. Attention sinks change the
-softmax denominator and are rejected.
+softmax denominator and are rejected; so is attention-logit softcapping (Gemma 2), which no
+path applies.
 """
 
 from __future__ import annotations
@@ -225,6 +226,8 @@ def tree_attention_forward(
         )
     if getattr(module, "sinks", None) is not None:
         raise ValueError(_SINKS_ERROR)
+    if kwargs.get("softcap"):  # transformers passes the config's attn_logit_softcapping
+        raise ValueError(_softcap_error(kwargs["softcap"]))
     gqa = query.shape[1] != key.shape[1]
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
@@ -289,6 +292,14 @@ _SINKS_ERROR = (
 )
 
 
+def _softcap_error(softcap: float) -> str:
+    return (
+        f"This model caps its attention logits (attn_logit_softcapping={softcap}, e.g. Gemma 2); "
+        "no tree attention path applies the cap (varlen, levels, flex, gather, sdpa), so its "
+        "log-probs would be wrong. Train a model without attention softcapping."
+    )
+
+
 def register_tree_attention() -> None:
     """Make `grpo_tree` a known attention implementation (idempotent)."""
     from transformers import AttentionInterface
@@ -301,6 +312,9 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
     for name, sub in model.named_modules():
         if getattr(sub, "sinks", None) is not None:
             raise ValueError(f"{_SINKS_ERROR} (found at module {name!r})")
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if softcap:
+        raise ValueError(_softcap_error(softcap))
     # Gated DeltaNet layers take the tree path; other recurrent layer types are refused.
     gated_deltanet.install(model)
     register_tree_attention()

@@ -1,0 +1,95 @@
+"""The spec's refusals ("兼容性与约束"), each with a message that says what to do instead.
+
+Config settings fail when AsyncGRPOConfig is built; model properties fail when the trainer is
+built, before any server is contacted."""
+import pytest
+import torch
+from accelerate.parallelism_config import ParallelismConfig
+from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+from grpo_agent.train.forward import forward_row
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, register_tree_attention
+from grpo_agent.types import TrainingSample, TrainingSequence
+
+DATASET = [{"prompt": [{"role": "user", "content": "2+2?"}]}]
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported.*Remove use_liger_kernel"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}},
+     "deepspeed is not supported: sharded training uses FSDP2.*torchrun"),
+    ({"parallelism_config": ParallelismConfig(cp_size=2)},
+     "cp_size=2, sp_size=1: context and sequence parallelism are not supported.*Set cp_size"),
+    ({"parallelism_config": ParallelismConfig(sp_size=4)}, "cp_size=1, sp_size=4.*not supported"),
+])
+def test_unsupported_settings_are_refused_with_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def test_data_parallel_parallelism_config_is_accepted(tmp_path):
+    config = AsyncGRPOConfig(output_dir=str(tmp_path),
+                             parallelism_config=ParallelismConfig(dp_shard_size=1))
+    assert config.parallelism_config.cp_size == 1
+
+
+def _trainer(model, tmp_path, *, tokenizer_path=None, **kwargs):
+    from transformers import AutoTokenizer
+
+    peft_config = kwargs.pop("peft_config", None)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    return AsyncGRPOTrainer(model, reward_funcs=[_reward], args=args, train_dataset=DATASET,
+                            processing_class=tokenizer, peft_config=peft_config)
+
+
+def test_a_lora_adapter_on_lm_head_is_refused(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="targets lm_head.*Remove 'lm_head' from the LoraConfig"):
+        _trainer(str(tiny_model_path), tmp_path, peft_config=lora)
+    saved = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                       task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="targets lm_head"):
+        _trainer(str(tiny_model_path), tmp_path, peft_config=saved)
+
+
+def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 is set but .* has no router"
+                                         ".*Leave router_aux_loss_coef unset"):
+        _trainer(str(tiny_model_path), tmp_path, router_aux_loss_coef=0.01)
+
+
+def _tiny_gemma2(**config):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       max_position_embeddings=64, **config)
+    return Gemma2ForCausalLM(cfg)
+
+
+def test_softcapping_models_are_refused(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0.*no tree attention path"):
+        _trainer(_tiny_gemma2(final_logit_softcapping=None), tmp_path,
+                 tokenizer_path=tiny_model_path)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0.*does not apply"):
+        _trainer(_tiny_gemma2(), tmp_path, tokenizer_path=tiny_model_path)
+
+
+def test_tree_attention_refuses_a_softcap_instead_of_dropping_it():
+    """Called directly (no trainer check), the attention itself refuses the cap it cannot apply."""
+    model = _tiny_gemma2(final_logit_softcapping=None)
+    register_tree_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    sample = TrainingSample(
+        sequence=TrainingSequence(token_ids=[1, 2, 3, 4], trained_mask=[0, 0, 1, 1],
+                                  sampler_logprobs=[0.0, 0.0, -1.0, -1.0]),
+        advantage=1.0, model_version=0, group_id=0, row_index=0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"), torch.no_grad():
+        forward_row(model, pack_row([sample]), temperature=1.0)
