@@ -4,11 +4,14 @@ It keeps every default, so it talks to http://localhost:8000 and asks for 2048-t
 completions: the private server listens there with max_model_len 4096. Accuracy on a random
 tiny model is 0 for every rollout, so every group is dropped (zero reward std) and the run ends
 when its 3 epochs of prompts are consumed: the point is that the unmodified script runs to the
-end and writes its checkpoint state, not that it learns (the demo test shows learning).
+end and writes its checkpoint state, not that it learns (the demo test shows learning). The
+rewards must really be scored, though: a group whose reward function raised is dropped too,
+which is how the run looked while accuracy_reward raised in the scorer threads.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +35,14 @@ def write_deepmath_like(path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def logged_metrics(stdout: str) -> list[dict[str, float]]:
+    """The step logs the trainer printed (dict reprs with a 'loss' key; tqdm shows floats as
+    strings, the plain printer as numbers)."""
+    value = r"'?([-+0-9.eE]+|nan|inf)'?"
+    return [{key: float(number) for key, number in re.findall(rf"'([^']+)': {value}", line)}
+            for line in stdout.splitlines() if line.startswith("{") and "'loss'" in line]
+
+
 def test_spec_quickstart_script_runs_unmodified(private_server, tiny_model_path, tmp_path):
     if not private_server.base_url.endswith(":8000"):
         pytest.skip("port 8000 (the spec's default server URL) is taken on this machine")
@@ -45,3 +56,9 @@ def test_spec_quickstart_script_runs_unmodified(private_server, tiny_model_path,
     out = tmp_path / f"{Path(tiny_model_path).name}-AsyncGRPO"
     ledger = [json.loads(line) for line in (out / LEDGER_NAME).read_text().splitlines()]
     assert ledger[-1]["frontier"] >= 3 * PROMPTS  # num_train_epochs=3 counted in prompts
+    logs = logged_metrics(proc.stdout)
+    assert logs, proc.stdout[-3000:]
+    assert sum(log.get("rollout/reward_error_count", 0.0) for log in logs) == 0, logs
+    scored = [log["rewards/accuracy_reward/mean"] for log in logs
+              if "rewards/accuracy_reward/mean" in log]
+    assert scored and all(0.0 <= value <= 1.0 for value in scored), logs  # NaN fails too
