@@ -131,3 +131,15 @@ def test_env_list_shows_the_installed_package(cli):
     code, out, _ = cli("env", "list")
     assert code == 0
     assert "reasoning-gym-v1 (alias reasoning-gym)  [grpo-agent-env-reasoning-gym]" in out
+
+
+def test_run_file_env_args_merge_under_command_line_ones(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('env = "reasoning-gym"\nmax_steps = 2\n[env_args]\ntask = "countdown"\nsize = 50\n')
+    code, out, err = cli("train", "--config", str(run_file), "--env-arg", "size=5", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert code == 0, err
+    assert out.splitlines()[0] == (
+        "env: reasoning-gym-v1 [grpo-agent-env-reasoning-gym]  options: "
+        "{'task': 'countdown', 'size': 5, 'eval_size': 100, 'seed': 42}"
+    )
