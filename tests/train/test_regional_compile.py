@@ -126,9 +126,11 @@ def test_flex_tree_attention_traced_in_the_layer_reuses_its_graph(tiny_qwen3, sh
     assert frames[0] > 0 and frames[-1] == frames[1], frames
 
 
-def _traceable_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+def _traceable_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale=None, causal=False):
     """The varlen contract in tensor ops only (no per-segment loop), so dynamo can trace it
     the way it traces PyTorch's flash op on CUDA: one masked SDPA over all tokens."""
+    cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
     rows_q, rows_k = torch.arange(q.shape[0]), torch.arange(k.shape[0])
     seq_q = torch.searchsorted(cu_q, rows_q.to(cu_q.dtype), right=True) - 1
     seq_k = torch.searchsorted(cu_k, rows_k.to(cu_k.dtype), right=True) - 1

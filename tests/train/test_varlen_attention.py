@@ -205,6 +205,78 @@ def test_kernel_order_setting_then_flash_attn_then_torch(
     assert varlen_attention.varlen_kernel() is None
 
 
+def _gpu(monkeypatch, *, capability=(9, 0), hip=None):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+
+
+@pytest.mark.parametrize(("capability", "hip", "repo", "version"), [
+    ((9, 0), None, "kernels-community/flash-attn3", 1),  # Hopper (H100, H200)
+    ((8, 0), None, "kernels-community/flash-attn3", 1),  # Ampere: another NVIDIA GPU
+    ((10, 0), None, "kernels-community/flash-attn4", 0),  # Blackwell (B200)
+    ((12, 0), None, "kernels-community/flash-attn4", 0),  # Blackwell (RTX PRO 6000)
+    ((9, 4), "6.4", "kernels-community/aiter-flash-attn", 2),  # AMD MI300 under ROCm
+])
+def test_the_specs_hub_kernel_is_chosen_by_gpu_type(
+    monkeypatch, fake_kernels_library, no_kernel_cache, capability, hip, repo, version
+):
+    _gpu(monkeypatch, capability=capability, hip=hip)
+    monkeypatch.delenv(varlen_attention.KERNEL_ENV, raising=False)
+    assert varlen_attention.varlen_kernel() is sdpa_varlen  # the stand-in Hub module's function
+    assert fake_kernels_library == [("hub", repo, {"version": version})]
+
+
+def test_no_hub_kernel_is_tried_without_a_gpu(monkeypatch, fake_kernels_library, no_kernel_cache):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.delenv(varlen_attention.KERNEL_ENV, raising=False)
+    assert varlen_attention.hub_kernel_repo() is None
+    varlen_attention.varlen_kernel()
+    assert fake_kernels_library == []
+
+
+def test_an_unavailable_hub_kernel_falls_back_to_torch_with_one_log_line(
+    monkeypatch, fake_kernels_library, no_kernel_cache, caplog
+):
+    _gpu(monkeypatch)
+    monkeypatch.delenv(varlen_attention.KERNEL_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+
+    def offline(repo_id, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' (HF_HUB_OFFLINE=1)")
+
+    monkeypatch.setattr(sys.modules["kernels"], "get_kernel", offline)
+    assert varlen_attention.varlen_kernel() is varlen_attention.torch_flash_varlen
+    varlen_attention.varlen_kernel()  # cached: asked once, logged once
+    lines = [r.getMessage() for r in caplog.records if "flash-attn3" in r.getMessage()]
+    assert len(lines) == 1 and "HF_HUB_OFFLINE" in lines[0] and "torch" in lines[0]
+    CACHED_KERNEL.cache_clear()
+    caplog.clear()
+    monkeypatch.setitem(sys.modules, "kernels", None)  # the library is not installed
+    assert varlen_attention.varlen_kernel() is varlen_attention.torch_flash_varlen
+    assert "ModuleNotFoundError" in caplog.text or "ImportError" in caplog.text
+
+
+def test_kernels_are_called_by_flash_attn_keyword_names(shared_samples):
+    """FA4 and aiter order their positional parameters differently from FA2/FA3."""
+    seen = {}
+
+    def keyword_only(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, seqused_q=None):
+        seen.update(max_seqlen_q=max_seqlen_q, causal=causal)
+        return sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=softmax_scale, causal=causal)
+
+    row = pack_row(shared_samples)
+    plan = VarlenPlan.build(row, "cpu", keyword_only)
+    q, k, v = (torch.randn(1, 4, row.num_tokens, 8) for _ in range(3))
+    out = varlen_attention.tree_varlen_attention(q, k, v, plan, 0.35)
+    assert out.shape == (1, row.num_tokens, 4, 8)
+    assert seen == {"max_seqlen_q": plan.max_q, "causal": True}
+
+
 def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)

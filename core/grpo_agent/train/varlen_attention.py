@@ -10,16 +10,23 @@ backward sums a shared token's gradients in float32. The kernel runs dense tiles
 visible pairs; on an H200 the whole step was as fast as FlexAttention's masked blocks or faster
 (the gather's copies eat most of the kernel's gain: docs/performance.md).
 
-Kernels, first found wins (never a dependency, never a download unless named):
+Kernels, first found wins, resolved at the first CUDA half-precision row (never at import):
 - `GRPO_AGENT_FLASH_KERNEL` names one, loaded through the `kernels` library: a local kernel
   directory (`kernels.get_local_kernel`), or a Hub repo `org/name@REVISION`
-  (`kernels.get_kernel`; with `HF_HUB_OFFLINE=1` it only reads the local Hub cache, without
-  it naming the repo is the user's permission to download);
+  (`kernels.get_kernel`);
+- the spec's Hub kernel for this GPU (`hub_kernel_repo`), through `kernels.get_kernel` at the
+  major version transformers pins: kernels-community/aiter-flash-attn on AMD (ROCm),
+  kernels-community/flash-attn4 on NVIDIA Blackwell (compute capability 10 and up),
+  kernels-community/flash-attn3 on other NVIDIA GPUs. It downloads into the Hub cache once;
+  with `HF_HUB_OFFLINE=1` only the cache is read;
 - an installed `flash_attn` package;
 - PyTorch's own flash-attention build (`torch.ops.aten._flash_attention_forward`, CUDA);
 - otherwise none, and rows keep the FlexAttention tree path.
 
-A configured kernel that fails to load is reported once as a warning and the next is tried.
+A kernel that cannot be had (the `kernels` library missing, offline, no build for this GPU) is
+reported in one log line and the next is tried: never a hard failure. Every kernel is called
+with flash-attn's keyword names (`cu_seqlens_q`, `max_seqlen_q`, ...), which the flash-attn
+2/3/4 and aiter interfaces share while their positional orders differ.
 """
 
 from __future__ import annotations
@@ -42,13 +49,50 @@ log = logging.getLogger(__name__)
 
 KERNEL_ENV = "GRPO_AGENT_FLASH_KERNEL"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# The spec's attention kernels on the Hub, by GPU type.
+HUB_KERNELS = {
+    "rocm": "kernels-community/aiter-flash-attn",
+    "blackwell": "kernels-community/flash-attn4",
+    "nvidia": "kernels-community/flash-attn3",
+}
 
 
 @functools.cache
 def varlen_kernel() -> Callable | None:
-    """`flash_attn_varlen_func` of the configured, installed or built-in kernel, or None."""
+    """`flash_attn_varlen_func` of the configured, spec's Hub, installed or built-in kernel."""
     spec = os.environ.get(KERNEL_ENV, "").strip()
-    return (spec and load_varlen_kernel(spec)) or load_varlen_kernel("") or torch_builtin_kernel()
+    return ((spec and load_varlen_kernel(spec)) or load_hub_kernel(hub_kernel_repo())
+            or load_varlen_kernel("") or torch_builtin_kernel())
+
+
+def hub_kernel_repo() -> str | None:
+    """The spec's Hub kernel for this machine's GPU; None without CUDA (or ROCm)."""
+    if not torch.cuda.is_available():
+        return None
+    if torch.version.hip:
+        return HUB_KERNELS["rocm"]
+    major, _ = torch.cuda.get_device_capability()
+    return HUB_KERNELS["blackwell"] if major >= 10 else HUB_KERNELS["nvidia"]
+
+
+def load_hub_kernel(repo_id: str | None) -> Callable | None:
+    """`repo_id`'s varlen function through `kernels.get_kernel`, or None with one log line."""
+    if repo_id is None:
+        return None
+    try:
+        import kernels
+        from transformers.integrations.hub_kernels import get_attn_kernel_version
+
+        return kernels.get_kernel(
+            repo_id, version=get_attn_kernel_version(repo_id)
+        ).flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 -- not installed, offline, no build: fall back
+        log.warning(
+            "Attention kernel %s could not be loaded (%s: %s); using the torch/flash_attn "
+            "kernels instead. `pip install kernels` and allow a Hub download (or fill the "
+            "cache once) to use it.", repo_id, type(exc).__name__, exc,
+        )
+        return None
 
 
 def load_varlen_kernel(spec: str) -> Callable | None:
@@ -93,20 +137,23 @@ def torch_builtin_kernel() -> Callable | None:
     return torch_flash_varlen
 
 
-def torch_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+def torch_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale=None, causal=False):
     """`flash_attn_varlen_func`'s contract on PyTorch's own kernel (differentiable; GQA when
     k/v have fewer heads; causal is aligned bottom-right, like flash-attn >= 2.1)."""
     out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=softmax_scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+        scale=softmax_scale,
     )
     return out[0]
 
 
-def sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+def sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale=None, causal=False):
     """The same contract, one SDPA call per segment: the CPU kernel, and the reference that
     tests hold the flash kernels to. Causal is aligned bottom-right (the path's ancestors
     are visible to every query of the segment)."""
-    q_lens, k_lens = (torch.diff(cu).tolist() for cu in (cu_q, cu_k))
+    q_lens, k_lens = (torch.diff(cu).tolist() for cu in (cu_seqlens_q, cu_seqlens_k))
     outs = []  # split, not slices: the backward is one concatenation, not S zero-filled copies
     for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # 4-D: the fused kernels
@@ -191,7 +238,8 @@ def tree_varlen_attention(query, key, value, plan: VarlenPlan, scaling) -> torch
     if plan.kv_index is not None:
         k, v = _GatherRows.apply(k, plan.kv_index), _GatherRows.apply(v, plan.kv_index)
     out = plan.kernel(
-        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scaling, causal=True
+        q, k, v, cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q,
+        max_seqlen_k=plan.max_k, softmax_scale=scaling, causal=True,
     )
     if isinstance(out, tuple):  # flash-attn 3 also returns the log-sum-exp
         out = out[0]
