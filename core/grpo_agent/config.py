@@ -58,7 +58,8 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # ---- model ----
     model_init_kwargs: dict[str, Any] | str | None = _help(
-        "Keyword arguments for from_pretrained when the model is given as a path or id.",
+        "Keyword arguments for from_pretrained when the model is given as a path or id; their "
+        "revision (and trust_remote_code) also load the model's config and tokenizer.",
         default=None,
     )
     dtype: str = _help(
@@ -66,9 +67,12 @@ class AsyncGRPOConfig(TrainingArguments):
         "the train-inference mismatch is sensitive to the trainer's precision.",
         default="float32",
     )
-    trust_remote_code: bool = _help("Allow custom model code from the Hub.", default=False)
+    trust_remote_code: bool = _help(
+        "Allow custom model and tokenizer code from the Hub.", default=False
+    )
     router_aux_loss_coef: float | None = _help(
-        "MoE load-balancing loss coefficient; None uses the model config's value, 0 disables.",
+        "MoE load-balancing loss coefficient; None uses the model config's value, 0 disables. "
+        "Refused on a model without a router.",
         default=None,
     )
 
