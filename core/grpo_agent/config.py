@@ -88,7 +88,8 @@ class AsyncGRPOConfig(TrainingArguments):
         "Extra keyword arguments for apply_chat_template.", default=None
     )
     max_tool_calling_iterations: int | None = _help(
-        "Max tool-calling turns per rollout; None = until a turn has no tool call.", default=None
+        "Max tool-calling turns per rollout; None = no cap (until a turn calls no tool or the "
+        "next turn no longer fits the server's max_model_len).", default=None
     )
 
     # ---- vLLM server ----
