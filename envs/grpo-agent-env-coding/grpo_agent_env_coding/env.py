@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import random
 
+from grpo_agent import Option, environment
 from grpo_agent.sandbox import SandboxLimits, run_python, run_python_or_raise
 
-from grpo_agent_env_coding.suites import load_suite
+from grpo_agent_env_coding.suites import SUITES, load_suite
 
 TOOL_LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512)
 _HARNESS = """
@@ -49,6 +50,27 @@ def score_program(code: str, checks: list[str], setup: str = "", limits: Sandbox
     return 0.0
 
 
+def task_rows(suite: str):
+    """One row per task of the suite, so an epoch visits every task once."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"task_id": [task["task_id"] for task in load_suite(suite)]})
+
+
+def solve(env: CodingEnv, row: dict) -> None:
+    """Gold run for `grpo-agent env check`: run the reference solution (reward then 1.0)."""
+    env.run_code(env.task["solution"])
+
+
+@environment(
+    "coding",
+    version=1,
+    dataset=task_rows,
+    tool_examples={"run_code": {"code": "print(6 * 7)"}},
+    gold=solve,
+    options=[Option("suite", str, "small", "task suite: small (8 tasks) or humaneval (164)", choices=SUITES)],
+    description="Write Python functions (small suite or HumanEval); graded by unit tests in a sandbox.",
+)
 class CodingEnv:
     """One coding task per rollout; `run_code` is the model's only tool."""
 
