@@ -29,6 +29,7 @@ class RecordedRun:
     step_samples: list = field(default_factory=list)
     notices: list = field(default_factory=list)  # prompts consumed without samples (reason)
     versions: list = field(default_factory=list)  # the trainer's model version after each step
+    substeps: int = 0  # micro-batches that ended without an optimizer step
 
     @property
     def logs(self) -> list[dict]:
@@ -85,6 +86,9 @@ def record_run(trainer, **train_kwargs) -> RecordedRun:
                 record_consumed(notice)
 
             ledger.record_consumed = record
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            run.substeps += 1
 
         def on_step_end(self, args, state, control, **kwargs):
             run.step_samples.append(list(trainer._step_samples))
