@@ -1,8 +1,8 @@
 """Env packages from the registry train end to end: the CLI, env options, the real server.
 
-No learning claim (the tiny random model writes no <answer> tags): the run must start the
-rollout worker with the env's options bound, score every group with the package's own scorer
-and finish, logging the env's reward.
+No learning claim (the tiny random model writes no <answer> tags and calls no tool): the run
+must start the rollout worker with the env's options bound, score every group with the
+package's own scorer and finish, logging the env's reward.
 """
 from __future__ import annotations
 
@@ -24,7 +24,28 @@ def test_reasoning_gym_task_trains_through_the_cli(cli, private_server, tmp_path
         "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
         "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
     ], tmp_path / "cli.log", timeout=420)
+    assert_trained(out, REWARD)
+
+
+def test_coding_env_trains_through_the_design_cards_command(cli, private_server, tmp_path):
+    """`grpo-agent train --env coding`, shortened: every group's programs are scored by the
+    env's own get_reward (run in the sandbox), and the run's tool metrics are logged."""
+    pytest.importorskip("grpo_agent_env_coding")
+    out = tmp_path / "run"
+    cli.run([
+        "train", "--env", "coding",
+        "--vllm-url", private_server.base_url, "--output-dir", str(out),
+        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
+        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+    ], tmp_path / "cli.log", timeout=420)
+    metrics = assert_trained(out, "rewards/CodingEnv/mean")
+    assert any("tools/call_frequency" in row for row in metrics), metrics  # run_code was offered
+
+
+def assert_trained(out, reward: str) -> list[dict]:
+    """The run logged `reward` within [0, 1] and saved its final model; its metric rows."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [row[REWARD] for row in metrics if REWARD in row]
-    assert rewards and all(0.0 <= reward <= 1.0 for reward in rewards), metrics
+    rewards = [row[reward] for row in metrics if reward in row]
+    assert rewards and all(0.0 <= value <= 1.0 for value in rewards), metrics
     assert (out / "final" / "config.json").is_file()
+    return metrics
