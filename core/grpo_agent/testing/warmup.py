@@ -2,11 +2,12 @@
 
 Design decision: the random tiny model never emits `<tool_call>` on its own, and tests of the
 tool loop against a real vLLM server need it to. A short supervised pass on synthetic,
-template-rendered tool-call transcripts (the spec's IncrementEnv, coding and game tasks)
-teaches it the format, and on purpose the right increment only half the time, so GRPO groups
-see reward variance: assistant tokens only, fixed seed, 80 tiny steps (about a minute on a
-busy 2-core CPU). The result is cached next to the base model, built behind a file
-lock like `build_tiny_model`; bump `WARMUP_VERSION` when the recipe changes.
+template-rendered tool-call transcripts (the spec's IncrementEnv, coding and game tasks, and
+every fourth one its `tools=[multiply, async_add]` example) teaches it the format, and on
+purpose the right increment only half the time, so GRPO groups see reward variance: assistant
+tokens only, fixed seed, 100 tiny steps (about a minute on a busy 2-core CPU). The result is
+cached next to the base model, built behind a file lock like `build_tiny_model`; bump
+`WARMUP_VERSION` when the recipe changes.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from grpo_agent.testing.tiny_model import KIT_VERSION, build_tiny_model, default_cache_dir
 
-WARMUP_VERSION = 4
+WARMUP_VERSION = 5
 _COMPLETE_MARKER = ".complete"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -61,17 +62,57 @@ def move(action: str) -> str:
     return action
 
 
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+
 def _call(name: str, arguments: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 def synthetic_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], list]]:
-    """(messages, tools) pairs: a task, one matching tool call, its result, a short answer."""
+    """(messages, tools) pairs: a task, one matching tool call, its result, a short answer.
+
+    Every fourth pair is an arithmetic one, drawn from its own stream so the other tasks'
+    sequence is the one earlier versions trained on."""
     rng = random.Random(seed)
+    arithmetic = random.Random(f"{seed}:arithmetic")
     transcripts = []
-    for _ in range(count):
-        kind = rng.choice(["increment", "coding", "game"])
-        if kind == "increment":
+    for index in range(count):
+        kind = "arithmetic" if index % 4 == 3 else rng.choice(["increment", "coding", "game"])
+        if kind == "arithmetic":
+            a, b = arithmetic.randint(1, 9), arithmetic.randint(1, 9)
+            tools = [multiply, async_add]
+            if arithmetic.random() < 0.5:
+                prompt, call, result = f"Multiply {a} by {b}.", _call("multiply", {"a": a, "b": b}), a * b
+            else:
+                prompt, call, result = f"Add {a} and {b}.", _call("async_add", {"a": a, "b": b}), a + b
+            result = str(result)
+        elif kind == "increment":
             target = rng.randint(1, 6)
             # Half the transcripts step by a random amount: the warmed model then reaches the
             # target only sometimes, so GRPO groups have reward variance to learn from.
@@ -158,7 +199,7 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
     model.save_pretrained(folder)
 
 
-def build_tool_warmed_model(steps: int = 80, batch_size: int = 8, seed: int = 0) -> Path:
+def build_tool_warmed_model(steps: int = 100, batch_size: int = 8, seed: int = 0) -> Path:
     """The tiny model after a tool-calling warm-up (cached; built once per machine)."""
     base = build_tiny_model()
     name = f"tiny-qwen3-v{KIT_VERSION}-tools-v{WARMUP_VERSION}-s{steps}"
