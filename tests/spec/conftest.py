@@ -1,4 +1,4 @@
-"""Fixtures for the spec's examples: the servers they train against and a recorded run.
+"""Fixtures for the spec's examples: the servers they train against (helpers: spec_harness.py).
 
 The session's vLLM server (tiny model) serves the examples without tools; the agent examples
 need a model that emits tool calls, so their module starts one server on the tool-warmed tiny

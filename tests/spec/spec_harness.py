@@ -122,3 +122,16 @@ def spec_reduce(name: str, observations: list) -> float:
     if "min" in words:
         return min(values)
     return sum(values) / len(values)
+
+
+def served_weight_version(base_url: str) -> str | None:
+    """The weight version the server samples with now (the label of the last push)."""
+    import asyncio
+
+    from grpo_agent.sampler.client import SamplerClient, SamplingParams
+
+    async def probe():
+        async with SamplerClient(base_url, timeout=60) as client:
+            turn = await client.generate([0], SamplingParams(max_tokens=1, num_logprobs=0))
+            return turn.weight_versions[0] if turn.weight_versions else None
+    return asyncio.run(probe())

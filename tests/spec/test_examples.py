@@ -34,11 +34,9 @@ logging_steps > 1, log_completions) are in test_trainer_paths.py.
 """
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from datasets import Dataset
-from spec_harness import record_run, spec_args
+from spec_harness import record_run, served_weight_version, spec_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,16 +48,6 @@ def deepmath_like() -> Dataset:
          "solution": str(2 * a)}
         for a in (3, 7)
     ])
-
-
-def served_weight_version(base_url: str) -> str | None:
-    from grpo_agent.sampler.client import SamplerClient, SamplingParams
-
-    async def probe():
-        async with SamplerClient(base_url, timeout=60) as client:
-            turn = await client.generate([0], SamplingParams(max_tokens=1, num_logprobs=0))
-            return turn.weight_versions[0] if turn.weight_versions else None
-    return asyncio.run(probe())
 
 
 def check_accuracy_scored_every_rollout(run, num_prompts: int) -> None:

@@ -11,8 +11,6 @@ import pytest
 from datasets import Dataset
 from spec_harness import record_run, spec_args
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
 # Example 1's doctest prompts (spec line 463) as the dataset.
 SKY_AND_SUN = Dataset.from_dict({"prompt": [
     [{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "The sun is"}],
@@ -60,6 +58,8 @@ def test_example_3_doctest():
     assert reward_func(prompts=prompts, completions=completions, ground_truth=ground_truth) == [1.0, 0.0]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_mixed_sync_and_async_reward_functions_are_summed(spec_server, tmp_path):
     """Spec lines 608-613: example 1 (`reward_func`, sync), example 5's `async_reward_func` and a
     second async function:
@@ -89,6 +89,8 @@ def test_mixed_sync_and_async_reward_functions_are_summed(spec_server, tmp_path)
             "rewards/async_reward_func2/mean", "reward"} <= set(run.logs[-1])
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_examples_2_3_and_4_score_every_rollout_they_apply_to(spec_server, tmp_path):
     """Example 4 as the spec writes it (its dataset, `reward_funcs=[math_reward_func,
     coding_reward_func]`), with examples 2 and 3 in the same list and a `ground_truth` column

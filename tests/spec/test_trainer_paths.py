@@ -12,7 +12,7 @@ import math
 
 import pytest
 from datasets import Dataset
-from spec_harness import record_run, spec_args, spec_reduce
+from spec_harness import record_run, served_weight_version, spec_args, spec_reduce
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -21,7 +21,6 @@ def test_windows_accumulation_sparse_syncs_and_logged_completions(spec_server, t
                                                                   monkeypatch):
     from grpo_agent import AsyncGRPOTrainer
     from spec_examples.reward_length import reward_func
-    from test_examples import served_weight_version
 
     monkeypatch.setenv("COLUMNS", "2000")  # rich prints each completion on one line
     # Rows longer than token_budget: their samples are dropped and counted (a `count` metric).
