@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+import transformers.integrations.hub_kernels  # noqa: F401 -- looks for `kernels` before stubs do
 from grpo_agent.train import tree_attention, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
@@ -206,6 +207,8 @@ def test_kernel_order_setting_then_flash_attn_then_torch(
 
 
 def _gpu(monkeypatch, *, capability=(9, 0), hip=None):
+    """A pretend GPU; the load-time probe of a Hub kernel runs on the CPU."""
+    monkeypatch.setattr(varlen_attention, "probe_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
@@ -257,6 +260,28 @@ def test_an_unavailable_hub_kernel_falls_back_to_torch_with_one_log_line(
     monkeypatch.setitem(sys.modules, "kernels", None)  # the library is not installed
     assert varlen_attention.varlen_kernel() is varlen_attention.torch_flash_varlen
     assert "ModuleNotFoundError" in caplog.text or "ImportError" in caplog.text
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong"])
+def test_a_hub_kernel_that_loads_but_cannot_run_is_probed_out(
+    monkeypatch, fake_kernels_library, no_kernel_cache, caplog, broken
+):
+    """E.g. a build whose backward does not support this GPU: caught at load, not in a step."""
+    _gpu(monkeypatch)
+    monkeypatch.delenv(varlen_attention.KERNEL_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+
+    def bad_kernel(q, k, v, **kwargs):
+        if broken == "raises":
+            raise RuntimeError("FlashAttention backward only supports sm90")
+        return sdpa_varlen(q, k, v, **kwargs) * 2
+
+    module = types.SimpleNamespace(flash_attn_varlen_func=bad_kernel)
+    monkeypatch.setattr(sys.modules["kernels"], "get_kernel", lambda repo_id, **kw: module)
+    assert varlen_attention.varlen_kernel() is varlen_attention.torch_flash_varlen
+    expected = "sm90" if broken == "raises" else "differs from the reference"
+    assert expected in caplog.text and "flash-attn3" in caplog.text
 
 
 def test_kernels_are_called_by_flash_attn_keyword_names(shared_samples):

@@ -23,8 +23,9 @@ Kernels, first found wins, resolved at the first CUDA half-precision row (never 
 - PyTorch's own flash-attention build (`torch.ops.aten._flash_attention_forward`, CUDA);
 - otherwise none, and rows keep the FlexAttention tree path.
 
-A kernel that cannot be had (the `kernels` library missing, offline, no build for this GPU) is
-reported in one log line and the next is tried: never a hard failure. Every kernel is called
+A kernel that cannot be had (the `kernels` library missing, offline, no build for this GPU, or
+a Hub kernel failing a small forward+backward probe at load) is reported in one log line and
+the next is tried: never a hard failure. Every kernel is called
 with flash-attn's keyword names (`cu_seqlens_q`, `max_seqlen_q`, ...), which the flash-attn
 2/3/4 and aiter interfaces share while their positional orders differ.
 """
@@ -83,9 +84,11 @@ def load_hub_kernel(repo_id: str | None) -> Callable | None:
         import kernels
         from transformers.integrations.hub_kernels import get_attn_kernel_version
 
-        return kernels.get_kernel(
+        kernel = kernels.get_kernel(
             repo_id, version=get_attn_kernel_version(repo_id)
         ).flash_attn_varlen_func
+        probe_kernel(kernel, probe_device())
+        return kernel
     except Exception as exc:  # noqa: BLE001 -- not installed, offline, no build: fall back
         log.warning(
             "Attention kernel %s could not be loaded (%s: %s); using the torch/flash_attn "
@@ -93,6 +96,28 @@ def load_hub_kernel(repo_id: str | None) -> Callable | None:
             "cache once) to use it.", repo_id, type(exc).__name__, exc,
         )
         return None
+
+
+def probe_device() -> torch.device:
+    return torch.device("cuda")
+
+
+def probe_kernel(kernel: Callable, device: torch.device) -> None:
+    """One small bf16 forward+backward against `sdpa_varlen`: a build that loads but cannot
+    run on this GPU (or answers wrongly) fails here, at load, instead of in the first step."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).to(device, torch.bfloat16).requires_grad_()
+               for n, h in ((6, 4), (10, 2), (10, 2)))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device)
+                  for c in ([0, 2, 6], [0, 4, 10]))
+    args = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 4, "max_seqlen_k": 6,
+            "softmax_scale": 0.125, "causal": True}
+    out = kernel(q, k, v, **args)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().sum().backward()
+    expected = sdpa_varlen(q.detach().float(), k.detach().float(), v.detach().float(), **args)
+    if not torch.allclose(out.float(), expected, atol=3e-2, rtol=0):
+        raise RuntimeError("its output differs from the reference attention on a probe")
 
 
 def load_varlen_kernel(spec: str) -> Callable | None:
