@@ -14,6 +14,7 @@ last line is the summary.
 
     python bench/packing.py                 # CPU: the tiny model
     python bench/packing.py --model qwen3-0.6b   # GPU: a random Qwen3-0.6B-shaped model (bf16)
+    python bench/packing.py --model qwen3.5-2b   # GPU: random Qwen3.5-2B text shape (hybrid)
 """
 
 from __future__ import annotations
@@ -69,17 +70,43 @@ SHAPES = {
         256,
         8192,
     ),
+    # Qwen3.5-2B's text model (Gated DeltaNet hybrid: 3 linear-attention layers per full one)
+    "qwen3.5-2b": (
+        {
+            "vocab_size": 248320,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 16,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "tie_word_embeddings": True,
+        },
+        torch.bfloat16,
+        1024,
+        256,
+        8192,
+    ),
 }
 GROUP_SIZES = (1, 2, 4, 8, 16)
 
 
 def build_model(shape: str, device: str):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     kwargs, dtype, *_ = SHAPES[shape]
-    cfg = Qwen3Config(max_position_embeddings=32768, attn_implementation="sdpa", **kwargs)
+    hybrid = "linear_num_key_heads" in kwargs
+    config_cls, model_cls = (
+        (Qwen3_5TextConfig, Qwen3_5ForCausalLM) if hybrid else (Qwen3Config, Qwen3ForCausalLM)
+    )
+    cfg = config_cls(max_position_embeddings=32768, attn_implementation="sdpa", **kwargs)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype)
+    model = model_cls(cfg).to(device=device, dtype=dtype)
     model.train()
     return model
 
@@ -254,8 +281,18 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
             pipelined_unpacked_s / pipelined_packed_s / pipelined_ratio, 3
         ),
         "max_logprob_diff": diff,
+        **({"gdn_kernel": _gdn_kernel(packed_model, device)}
+           if getattr(packed_model, "_grpo_linear_layers", 0) else {}),
         **memory,
     }
+
+
+def _gdn_kernel(model, device) -> str:
+    """Which Gated DeltaNet kernel the packed path ran (hybrid models)."""
+    from grpo_agent.train import delta_rule
+
+    fla = device == "cuda" and delta_rule.fla_chunk_rule() is not None
+    return "flash-linear-attention chunk_gated_delta_rule" if fla else "torch"
 
 
 def peak_memory_gib(step) -> float:

@@ -33,28 +33,31 @@ class _PathConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, taps):
-        # x [N, C], weight [C, K], taps [N, K] long with N meaning "no predecessor"
-        padded = F.pad(x, (0, 0, 0, 1))
-        out = padded.index_select(0, taps[:, 0]) * weight[:, 0]
+        # x [N, C], weight [C, K], taps [N, K] long with N meaning "no predecessor".
+        # Sums run in float32 (as cuDNN's half-precision convolution accumulates).
+        work = torch.promote_types(weight.dtype, torch.float32)
+        padded, w = F.pad(x, (0, 0, 0, 1)).to(work), weight.to(work)
+        out = padded.index_select(0, taps[:, 0]) * w[:, 0]
         for j in range(1, taps.shape[1]):
-            out = out + padded.index_select(0, taps[:, j]) * weight[:, j]
+            out = out + padded.index_select(0, taps[:, j]) * w[:, j]
         if bias is not None:
-            out = out + bias
+            out = out + bias.to(work)
         ctx.save_for_backward(x, weight, taps)
         ctx.has_bias = bias is not None
-        return out
+        return out.to(weight.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, taps = ctx.saved_tensors
-        padded = F.pad(x, (0, 0, 0, 1))
+        work = torch.promote_types(weight.dtype, torch.float32)
+        padded, w, grad = F.pad(x, (0, 0, 0, 1)).to(work), weight.to(work), grad.to(work)
         grad_x = torch.zeros_like(padded)
-        grad_w = torch.empty_like(weight)
+        grad_w = torch.empty_like(w)
         for j in range(taps.shape[1]):
-            grad_x.index_add_(0, taps[:, j], grad * weight[:, j])
+            grad_x.index_add_(0, taps[:, j], grad * w[:, j])
             grad_w[:, j] = (grad * padded.index_select(0, taps[:, j])).sum(0)
-        grad_b = grad.sum(0) if ctx.has_bias else None
-        return grad_x[:-1], grad_w, grad_b, None
+        grad_b = grad.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x[:-1].to(x.dtype), grad_w.to(weight.dtype), grad_b, None
 
 
 def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -115,7 +118,27 @@ def fla_chunk_rule():
     except Exception as error:  # noqa: BLE001 - any import failure means "use torch"
         logger.info("flash-linear-attention not importable (%s): torch delta rule.", error)
         return None
+    problem = _fla_backward_problem()
+    if problem:
+        logger.warning("flash-linear-attention present but %s: torch delta rule.", problem)
+        return None
     return chunk_gated_delta_rule
+
+
+def _fla_backward_problem() -> str | None:
+    """fla 0.6 refuses its gated backward on Hopper with Triton >= 3.4, < 3.7.1 (wrong results,
+    fla issue #640) unless tilelang is installed; it raises only in the backward, so check
+    before the first step instead of failing mid-training."""
+    import importlib.util
+
+    import triton
+
+    if torch.cuda.get_device_capability()[0] != 9 or importlib.util.find_spec("tilelang"):
+        return None
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
+    if (3, 4, 0) <= version < (3, 7, 1):
+        return f"Triton {triton.__version__} on Hopper miscomputes its backward (fla #640)"
+    return None
 
 
 @functools.cache
