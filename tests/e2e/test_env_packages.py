@@ -42,6 +42,21 @@ def test_coding_env_trains_through_the_design_cards_command(cli, private_server,
     assert any("tools/call_frequency" in row for row in metrics), metrics  # run_code was offered
 
 
+def test_textarena_game_trains_through_the_cli(cli, private_server, tmp_path):
+    """A TextArena game as a multi-turn tool env: every group scored by TextArena's outcome."""
+    pytest.importorskip("grpo_agent_env_textarena")
+    pytest.importorskip("textarena")
+    out = tmp_path / "run"
+    cli.run([
+        "train", "--env", "textarena", "--env-arg", "game=TowerOfHanoi-v0", "--env-arg", "size=4",
+        "--vllm-url", private_server.base_url, "--output-dir", str(out),
+        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
+        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+    ], tmp_path / "cli.log", timeout=420)
+    metrics = assert_trained(out, "rewards/TextArenaEnv/mean")
+    assert any("tools/call_frequency" in row for row in metrics), metrics  # move was offered
+
+
 def assert_trained(out, reward: str) -> list[dict]:
     """The run logged `reward` within [0, 1] and saved its final model; its metric rows."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

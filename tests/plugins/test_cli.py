@@ -41,6 +41,7 @@ def test_env_list_and_show(cli):
 
 @pytest.mark.parametrize(("name", "options"), [
     ("counter", []), ("math", []), ("coding", []), ("coding", ["--env-arg", "suite=humaneval"]),
+    ("textarena", []), ("textarena", ["--env-arg", "game=TowerOfHanoi-v0-medium"]),
 ])
 def test_env_check_passes_for_first_party_envs(cli, name, options):
     code, out, _ = cli("env", "check", name, *options)
