@@ -60,3 +60,20 @@ def test_unfinished_game_scores_zero_and_unknown_games_are_refused():
     assert env.get_reward() == 1.0
     with pytest.raises(OptionError, match="Option 'game' of environment 'textarena' has no choice 'Wordle-v0'"):
         load_environment("textarena", game="Wordle-v0")
+
+
+def test_env_list_and_show_through_the_cli(capsys):
+    from grpo_agent.cli.main import main
+
+    def cli(*args: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            main(list(args))
+        out = capsys.readouterr().out
+        assert not done.value.code, out
+        return out
+
+    assert "textarena-v1 (alias textarena)  [grpo-agent-env-textarena]" in cli("env", "list")
+    out = cli("env", "show", "textarena", "--env-arg", "game=Mastermind-v0", "--env-arg", "size=5")
+    assert "game (str, default 'TowerOfHanoi-v0'): TextArena single-player game id  [now 'Mastermind-v0']" in out
+    assert "TowerOfHanoi-v0, TowerOfHanoi-v0-medium, GuessTheNumber-v0" in out
+    assert "dataset: 5 rows, columns: seed" in out and '"name": "move"' in out
