@@ -53,13 +53,12 @@ class DeltaPlan:
     @classmethod
     def build(cls, row: PackedRow, device, conv_kernel: int) -> DeltaPlan:
         device = torch.device(device)
-        n = row.num_tokens
-        seg_ids = row.segment_ids.tolist()
-        _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
-        ends = lens.cumsum(0).tolist()
-        lens = lens.tolist()
+        n, seg_ids = row.num_tokens, row.segment_ids.tolist()
+        _, counts = torch.unique_consecutive(row.segment_ids, return_counts=True)
+        lens = counts.tolist()
+        ends = counts.cumsum(0).tolist()
         starts = [e - ln for e, ln in zip(ends, lens)]
-        taps = []
+        taps = []  # rows in token order: segments are contiguous and numbered in layout order
         for path in row.segment_paths:
             own = len(path) - lens[seg_ids[path[-1]]]
             for p in range(own, len(path)):
@@ -70,41 +69,31 @@ class DeltaPlan:
             by_depth[d].append(s)
         slot = {s: i for segs in by_depth for i, s in enumerate(segs)}
         parent = _parents(row.segment_ancestors, depth)
-        kernel = "fla" if device.type == "cuda" and delta_rule.fla_chunk_rule() else "torch"
-        plan = cls(torch.tensor(taps), [], [], [], [], [], [], [], torch.empty(0), kernel)
-        offset, order = 0, []
+        host: dict[str, list] = {k: [] for k in ("tokens", "cu", "parents", "pad", "unpad")}
+        shapes, order = [], []
         for d, segs in enumerate(by_depth):
             tokens = [i for s in segs for i in range(starts[s], ends[s])]
             seg_lens = [lens[s] for s in segs]
             cu = F.pad(torch.tensor(seg_lens).cumsum(0), (1, 0))
             longest = -(-max(seg_lens) // delta_rule.CHUNK) * delta_rule.CHUNK
-            pad = torch.full((len(segs), longest), len(tokens))
+            pad = torch.full((len(segs), longest), len(tokens))  # len(tokens): a zero row
             for b, (lo, ln) in enumerate(zip(cu.tolist(), seg_lens)):
                 pad[b, :ln] = torch.arange(lo, lo + ln)
-            unpad = torch.cat([torch.arange(ln) + b * longest for b, ln in enumerate(seg_lens)])
-            plan.depth_tokens.append(torch.tensor(tokens))
-            plan.depth_cu_cpu.append(cu)
-            plan.depth_cu.append(cu)
-            plan.depth_parents.append(torch.tensor([slot[parent[s]] for s in segs]) if d else None)
-            plan.pad_index.append(pad.flatten())
-            plan.unpad_index.append(unpad)
-            plan.pad_shape.append((len(segs), longest))
+            host["tokens"].append(torch.tensor(tokens))
+            host["cu"].append(cu)
+            host["parents"].append(torch.tensor([slot[parent[s]] for s in segs]) if d else None)
+            host["pad"].append(pad.flatten())
+            host["unpad"].append(
+                torch.cat([torch.arange(ln) + b * longest for b, ln in enumerate(seg_lens)]))
+            shapes.append((len(segs), longest))
             order.extend(tokens)
-            offset += len(tokens)
         inverse = torch.empty(n, dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(n)
-        moved = to_device(device, plan.taps, inverse, *plan.depth_tokens, *plan.depth_cu,
-                          *[p for p in plan.depth_parents if p is not None], *plan.pad_index,
-                          *plan.unpad_index)
-        depths = len(by_depth)
-        plan.taps, plan.inverse = moved[0], moved[1]
-        rest = list(moved[2:])
-        plan.depth_tokens, rest = rest[:depths], rest[depths:]
-        plan.depth_cu, rest = rest[:depths], rest[depths:]
-        plan.depth_parents = [None] + rest[: depths - 1]
-        rest = rest[depths - 1:]
-        plan.pad_index, plan.unpad_index = rest[:depths], rest[depths:]
-        return plan
+        moved = {k: to_device(device, *v) for k, v in host.items()}
+        kernel = "fla" if device.type == "cuda" and delta_rule.fla_chunk_rule() else "torch"
+        taps_d, inverse_d = to_device(device, torch.tensor(taps), inverse)
+        return cls(taps_d, moved["tokens"], moved["cu"], host["cu"], moved["parents"],
+                   moved["pad"], moved["unpad"], shapes, inverse_d, kernel)
 
 
 def _parents(ancestors: torch.Tensor, depth: list[int]) -> list[int]:
