@@ -134,6 +134,21 @@ class AsyncGRPOConfig(TrainingArguments):
         default_factory=dict,
     )
 
+    # ---- evaluation (eval_strategy, eval_steps, eval_on_start as in TrainingArguments) ----
+    eval_temperature: float = _help(
+        "Sampling temperature of evaluation rollouts; 0 = greedy (the same weights give the same "
+        "answers). per_device_eval_batch_size is the number of eval rollouts in flight.",
+        default=0.0,
+    )
+    eval_num_generations: int = _help(
+        "Rollouts per eval row: eval/pass@1 and, above 1, eval/pass@{k} with k = this.", default=1
+    )
+    eval_success_threshold: float | None = _help(
+        "A rollout passes (eval/pass@*) when its summed reward reaches this; None = the env's "
+        "declared success_threshold, else 1.0.",
+        default=None,
+    )
+
     # ---- logging ----
     log_completions: bool = _help("Log a sample of completions every logging window.", default=False)
     num_completions_to_print: int | None = _help("Completions printed with rich; None = all.", default=None)

@@ -114,7 +114,11 @@ EXPECTED_REDUCTIONS = {
     "perf/weight_sync_transfer_s": "mean", "perf/fwd_bwd_forwarded_tokens_per_s": "rate",
     "perf/wall_clock_forwarded_tokens_per_s": "rate",
     "perf/wall_clock_trained_tokens_per_s": "rate", "perf/fwd_bwd_mfu": "mean",
-    "perf/wall_clock_mfu": "mean",
+    "perf/wall_clock_mfu": "mean", "perf/eval_push_wait_s": "mean",
+    "eval/reward": "mean", "eval/rewards/{name}/mean": "mean", "eval/pass@1": "mean",
+    "eval/pass@{k}": "mean", "eval/completions/mean_length": "mean", "eval/model_version": "mean",
+    "eval/step": "mean", "eval/duration_s": "mean", "eval/num_rows": "mean",
+    "eval/reward_error_count": "sum",
 }
 
 

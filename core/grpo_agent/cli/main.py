@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from grpo_agent.cli import config_cmd, env, plugins_cmd, train
+from grpo_agent.cli import eval as eval_cmd
 
 DEBUG_ENV = "GRPO_AGENT_DEBUG"
 
@@ -31,6 +32,7 @@ app.add_typer(plugins_cmd.app, name="plugins")
 app.add_typer(env.app, name="env")
 app.add_typer(config_cmd.app, name="config")
 app.command("train")(train.train)
+app.command("eval")(eval_cmd.evaluate)
 
 
 def _version(value: bool) -> None:

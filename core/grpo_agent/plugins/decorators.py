@@ -60,6 +60,7 @@ def environment(
     description: str | None = None,
     options: Sequence[Any] = (),
     eval_dataset: Callable[..., Any] | None = None,
+    success_threshold: float | None = None,
 ):
     """Mark an environment class (`reset(**row)`, optional `get_reward()`, public tool methods).
 
@@ -75,6 +76,8 @@ def environment(
         options: `grpo_agent.Option`s; their values reach the class, `dataset` and
             `eval_dataset` as keyword arguments (`--env-arg key=value` on the command line).
         eval_dataset: Like `dataset`, for the env's evaluation split.
+        success_threshold: The reward at which a rollout counts as solved (`eval/pass@*`;
+            default 1.0).
     """
     marks = {
         "version": version,
@@ -85,6 +88,7 @@ def environment(
         "description": description,
         "options": tuple(options),
         "eval_dataset": eval_dataset,
+        "success_threshold": success_threshold,
     }
     return _named_decorator("environment", name, marks)
 

@@ -50,6 +50,7 @@ class EnvironmentSpec:
     options: tuple[Option, ...] = ()
     option_values: dict[str, Any] = field(default_factory=dict)
     eval_dataset: Callable[..., Any] | None = None
+    success_threshold: float | None = None  # reward at which a rollout counts as solved (eval)
 
     def __call__(self) -> Any:
         """A new environment instance built with this spec's option values."""
@@ -287,6 +288,7 @@ def environment_spec_from_class(cls: type, name: str | None, distribution: str) 
         options=tuple(options.get("options", ())),
         option_values={option.name: option.default for option in options.get("options", ())},
         eval_dataset=options.get("eval_dataset"),
+        success_threshold=options.get("success_threshold"),
     )
 
 

@@ -60,6 +60,8 @@ class ProgressCallback(TrainerCallback):
         self._progress = None
         self._task = None
         self._started = time.perf_counter()
+        self._train_status = "waiting for rollouts"
+        self._eval_status = ""  # the last evaluation, kept beside the training status
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -81,19 +83,29 @@ class ProgressCallback(TrainerCallback):
         self._task = self._progress.add_task("train", total=total, completed=state.global_step, status="waiting for rollouts")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._progress is not None and logs and "eval/pass@1" in logs:
+            self._eval_status = eval_status(logs)
+            self._progress.update(self._task, status=f"{self._train_status}  {self._eval_status}")
         if self._progress is None or not logs or "loss" not in logs:
             return
-        status = (
+        self._train_status = (
             f"reward {logs.get('reward', float('nan')):.3f}  step {logs.get('perf/step_s', float('nan')):.2f}s"
             f"  queue {logs.get('rollout/queue_size', float('nan')):.0f}"
             f"  wait {logs.get('perf/rollout_wait_s', float('nan')):.2f}s"
         )
+        status = f"{self._train_status}  {self._eval_status}".rstrip()
         self._progress.update(self._task, completed=state.global_step, status=status)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def eval_status(logs: dict) -> str:
+    """The progress bar's note of the last evaluation: pass@1, reward and the step evaluated."""
+    return (f"eval@{logs.get('eval/step', float('nan')):.0f} pass@1 {logs['eval/pass@1']:.2f}"
+            f" reward {logs.get('eval/reward', float('nan')):.3f}")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -114,8 +126,12 @@ def plot_reward_and_length(metrics_path: str | Path, out_path: str | Path) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_metrics(metrics_path) if "loss" in r]
-    fig, (ax_reward, ax_length) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    all_rows = read_metrics(metrics_path)
+    rows = [r for r in all_rows if "loss" in r]
+    evals = [r for r in all_rows if r.get("eval/reward") is not None or r.get("eval/pass@1") is not None]
+    panels = 3 if evals else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3 * panels), sharex=True)
+    ax_reward, ax_length = axes[0], axes[1]
     for ax, key, label in (
         (ax_reward, "reward", "reward (all scored rollouts)"),
         (ax_length, "completions/mean_length", "mean completion length (tokens)"),
@@ -125,12 +141,27 @@ def plot_reward_and_length(metrics_path: str | Path, out_path: str | Path) -> Pa
             ax.plot(*zip(*points), marker=".")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    ax_length.set_xlabel("optimizer step")
+    if evals:
+        plot_eval_panel(axes[2], evals)
+    axes[-1].set_xlabel("optimizer step")
     fig.tight_layout()
     out = Path(out_path)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_eval_panel(ax, evals: list[dict]) -> None:
+    """Held-out eval/* against the step whose weights were evaluated (`eval/step`)."""
+    keys = ["eval/reward", "eval/pass@1"] + sorted(
+        {k for r in evals for k in r if k.startswith("eval/pass@") and k != "eval/pass@1"})
+    for key in keys:
+        points = [(r.get("eval/step", r["step"]), r[key]) for r in evals if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key.removeprefix("eval/"))
+    ax.set_ylabel("held-out eval")
+    ax.legend(loc="best", fontsize="small")
+    ax.grid(alpha=0.3)
 
 
 def print_completions(samples: list, tokenizer, limit: int | None, step: int) -> None:

@@ -69,6 +69,7 @@ def run_training(
             train_dataset=task["dataset"],
             tools=task["tools"],
             environment_factory=task["environment_factory"],
+            eval_dataset=_eval_split(task, config),
             callbacks=[JsonlMetricsCallback(), ProgressCallback()],
             peft_config=peft_config,
         )
@@ -79,6 +80,17 @@ def run_training(
     if metrics.is_file():
         plot_reward_and_length(metrics, output_dir / PLOT_NAME)
     return output_dir
+
+
+def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
+    """The env's eval split when the run evaluates (its success threshold unless one is set)."""
+    from grpo_agent.train.evaluation import wants_evaluation
+
+    if not wants_evaluation(config):
+        return None
+    if config.eval_success_threshold is None:
+        config.eval_success_threshold = task["success_threshold"]
+    return task["eval_dataset"]()
 
 
 def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | bool | None:
@@ -100,6 +112,8 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[s
         "reward_funcs": spec.reward_funcs(registry),
         "tools": None,
         "environment_factory": spec.environment_factory,
+        "eval_dataset": spec.load_eval_dataset,  # called only when the run evaluates
+        "success_threshold": spec.success_threshold,
     }
 
 

@@ -80,6 +80,7 @@ class AsyncGRPOTrainer(Trainer):
         peft_config: Any = None,
         tools: list[Callable] | None = None,
         environment_factory: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -95,6 +96,9 @@ class AsyncGRPOTrainer(Trainer):
 
         refuse_unsupported_model(model, args)
         enable_tree_attention(model)
+        from grpo_agent.train import evaluation
+
+        eval_dataset, eval_threshold = evaluation.resolve_eval_split(eval_dataset, environment_factory, args)
         self.reward_funcs, self.tools, self.environment_factory = _resolve_plugins(
             reward_funcs, tools, environment_factory
         )
@@ -103,6 +107,7 @@ class AsyncGRPOTrainer(Trainer):
             model=model,
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -135,6 +140,10 @@ class AsyncGRPOTrainer(Trainer):
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
         self.step_forwarded_tokens = 0  # this step's, over all processes
         self.step_flops: float | None = None  # this step's training FLOPs (perf/*_mfu)
+        # Evaluation (train/evaluation.py): its callback holds a push while an eval runs.
+        self.evaluator = (evaluation.TrainingEvaluator(self, eval_dataset, eval_threshold)
+                          if eval_dataset is not None else None)
+        self.add_callback(evaluation.EvaluationCallback(self))
         self.add_callback(_AsyncStepCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -351,6 +360,18 @@ class AsyncGRPOTrainer(Trainer):
                 print_completions(self._step_samples, self.processing_class,
                                   self.args.num_completions_to_print, self.state.global_step)
         super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """One blocking evaluation of the served version on the eval split (`eval/*` metrics)."""
+        from grpo_agent.train.evaluation import evaluate_now
+
+        return evaluate_now(self, eval_dataset)
+
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False):
+        """During train(): start an evaluation beside training (train/evaluation.py)."""
+        from grpo_agent.train.evaluation import start_training_eval
+
+        return start_training_eval(self)
 
     def window_summary(self) -> dict[str, float]:
         """The window's metrics; perf/* that no step measured (e.g. MFU on CPU) are left out."""

@@ -1,0 +1,62 @@
+"""`grpo-agent eval --env NAME --model PATH`: evaluate a saved model on an env's eval split.
+
+Thin: flags become an `AsyncGRPOConfig` (its eval_* fields) and go to
+`grpo_agent.train.eval_run.run_eval` (torch, transformers and vLLM load only there).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from grpo_agent.cli.errors import CliError
+
+
+def evaluate(
+    env: Annotated[str, typer.Option("--env", help="Registered environment name (see `env list`).")],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Model or checkpoint folder, or hub id (default: the tiny test model)."),
+    ] = None,
+    vllm_url: Annotated[
+        str | None,
+        typer.Option("--vllm-url", help="Running vLLM server serving --model (default: start one here)."),
+    ] = None,
+    num_generations: Annotated[
+        int, typer.Option("--num-generations", min=1, help="Rollouts per row: pass@1 and pass@K.")
+    ] = 1,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.0, help="Sampling temperature (0 = greedy).")
+    ] = 0.0,
+    env_args: Annotated[
+        list[str] | None,
+        typer.Option("--env-arg", help="Env option key=value (repeatable; `env show NAME` lists them)."),
+    ] = None,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Config field key=value, e.g. max_completion_length=256 (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="JSON result file (default: eval-ENV.json here).")
+    ] = None,
+) -> None:
+    """Evaluate a model on an environment's eval split: prints a table, writes JSON.
+
+    The same rollouts as evaluation during training: the env's tool loop, reward functions and
+    success threshold (eval_success_threshold overrides it), greedy unless --temperature.
+
+    Example: grpo-agent eval --env reasoning-gym --env-arg task=leg_counting --model runs/x/final
+    """
+    from grpo_agent.cli.config_files import build_config
+    from grpo_agent.plugins.options import parse_pairs
+
+    config = build_config(None, sets or [], eval_num_generations=num_generations,
+                          eval_temperature=temperature)
+    try:
+        from grpo_agent.train.eval_run import print_report, run_eval
+    except ImportError as err:
+        raise CliError(f"Evaluation is not available in this install ({err}).") from err
+    report, path = run_eval(env, config, model=model, vllm_url=vllm_url,
+                            env_args=parse_pairs(env_args or [], "--env-arg"), out_path=out)
+    print_report(report, path)

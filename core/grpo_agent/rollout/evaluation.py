@@ -1,0 +1,257 @@
+"""Evaluation rollouts: a held-out split through the training tool loop, on one weight version.
+
+Design decision: an evaluation reuses the run's own loop class (its `setup`, `generate_one`
+and `generate_one_turn` hooks: the tool loop, the environments) and its reward functions, but
+none of the training machinery: no prompt stream, no token allowance, no sample queue, no
+ledger. So an evaluation cannot change what trains. It samples with its own settings (greedy
+by default, `eval_num_generations` rollouts per row for pass@k) and every request names the
+version it evaluates (that version's LoRA adapter under adapter sync; the served weights
+otherwise, which the trainer does not replace until the evaluation ends). The versions the
+server stamps on the generated tokens are collected, so the pin is checked, not assumed.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from typing_extensions import Self
+
+from grpo_agent.rollout.images import strip_images
+from grpo_agent.rollout.loop import _ROLLOUT_VERSION, _environment_runner
+from grpo_agent.rollout.observations import generated_length
+from grpo_agent.rollout.sampling import build_sampling_params, probe_server
+from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
+from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.types import Rollout, RolloutGroup
+
+DEFAULT_SUCCESS_THRESHOLD = 1.0
+
+
+@dataclass
+class EvalSettings:
+    """How an evaluation samples and what counts as a success."""
+
+    temperature: float = 0.0  # greedy: the same weights give the same answers
+    num_generations: int = 1  # rollouts per row: pass@k with k = num_generations
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD  # a rollout passes at reward >= this
+    max_concurrent: int = 8  # eval rollouts in flight (per_device_eval_batch_size)
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"eval_num_generations={self.num_generations}: set it to 1 or more.")
+        if self.temperature < 0:
+            raise ValueError(f"eval_temperature={self.temperature}: use 0 (greedy) or more.")
+        if self.max_concurrent < 1:
+            raise ValueError(
+                f"per_device_eval_batch_size={self.max_concurrent}: evaluation needs at least one "
+                "rollout in flight; set it to 1 or more.")
+
+    @classmethod
+    def from_config(cls, config: Any, env_threshold: float | None = None) -> EvalSettings:
+        """The config's eval_* fields; the threshold falls back to the env's, then 1.0."""
+        threshold = getattr(config, "eval_success_threshold", None)
+        if threshold is None:
+            threshold = DEFAULT_SUCCESS_THRESHOLD if env_threshold is None else env_threshold
+        return cls(temperature=getattr(config, "eval_temperature", 0.0),
+                   num_generations=getattr(config, "eval_num_generations", 1),
+                   success_threshold=float(threshold),
+                   max_concurrent=getattr(config, "per_device_eval_batch_size", 8))
+
+
+@dataclass
+class EvalRow:
+    """One evaluated row: its rollouts' completions (text), rewards and successes."""
+
+    row_index: int
+    completions: list[str]
+    rewards: list[float | None]
+    passed: list[bool]
+    rewards_by_source: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    """One evaluation: the version it sampled, its `eval/*` metrics and every row."""
+
+    model_version: int
+    metrics: dict[str, float]
+    rows: list[EvalRow]
+    served_versions: set[str]  # weight versions the server reported on the eval tokens
+    duration_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_version": self.model_version, "metrics": self.metrics,
+                "served_versions": sorted(self.served_versions), "duration_s": self.duration_s,
+                "rows": [asdict(row) for row in self.rows]}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a row with `c` passing rollouts out of `n` (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def eval_metrics(rows: list[EvalRow], rollouts: list[Rollout], k: int, errors: int) -> dict[str, float]:
+    """`eval/*` over all rows (unscored rollouts count as failures, not as reward)."""
+    rewards = [r for row in rows for r in row.rewards if r is not None]
+    out = {"eval/reward": _mean(rewards), "eval/num_rows": float(len(rows)),
+           "eval/reward_error_count": float(errors)}
+    sources = sorted({name for row in rows for name in row.rewards_by_source})
+    for name in sources:
+        values = [v for row in rows for v in row.rewards_by_source.get(name, []) if v is not None]
+        out[f"eval/rewards/{name}/mean"] = _mean(values)
+    out["eval/pass@1"] = _mean([pass_at_k(len(r.passed), sum(r.passed), 1) for r in rows])
+    if k > 1:
+        out[f"eval/pass@{k}"] = _mean([pass_at_k(len(r.passed), sum(r.passed), k) for r in rows])
+    out["eval/completions/mean_length"] = _mean([generated_length(r) for r in rollouts])
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+class _Version:
+    """Stands in for the worker's shared model-version value: the version being evaluated."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class EvalSession:
+    """An open connection to the server plus the run's loop, for one or more evaluations.
+
+    `async with EvalSession(...) as session: result = await session.evaluate(rows, version)`.
+    """
+
+    def __init__(self, loop_cls: type, *, config: Any, processing_class: Any, reward_funcs: Any,
+                 settings: EvalSettings, tools: list | None = None, environment_factory: Any = None,
+                 lora_name: str | None = None, model_name: str = "") -> None:
+        eos = getattr(processing_class, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else [eos]
+        self.settings = settings
+        self.loop = loop_cls(
+            config=config, model_name=model_name, dataset=None, reward_funcs=reward_funcs,
+            processing_class=processing_class, eos_token_ids=self.eos_token_ids,
+            rollout_buffer=None, model_version_value=_Version(0), token_allowance=None,
+            heartbeat_value=None, failed_event=None, exception_info_queue=None,
+            metrics_queue=None, tools=tools, environment_factory=environment_factory,
+            lora_name=lora_name)
+
+    async def __aenter__(self) -> Self:
+        loop, config = self.loop, self.loop.config
+        # The attributes AsyncRolloutLoop._main/_connect set before its hooks run.
+        loop.tool_executor = ThreadPoolExecutor(
+            self.settings.max_concurrent, thread_name_prefix="eval-tools")
+        loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
+                                     max_connections=self.settings.max_concurrent + 4)
+        loop.server = await probe_server(loop.sampler)
+        params = build_sampling_params(config, self.eos_token_ids, loop.server)
+        # Eval's own sampling; no top log-probs or masks (nothing is trained on these tokens).
+        loop._sampling_params = replace(params, temperature=self.settings.temperature,
+                                        num_logprobs=0, return_sampling_mask=False, seed=None)
+        loop._seeds = None  # the same request twice must decode the same text (greedy)
+        self._env_runner = _environment_runner(loop.environment_factory, loop.tool_executor)
+        await loop.setup()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        try:
+            await self.loop.close()
+        finally:
+            await self.loop.sampler.aclose()
+            self.loop.tool_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def evaluate(self, rows: list[dict[str, Any]], version: int) -> EvalResult:
+        """Every row `num_generations` times on model version `version`, scored by the run's
+        reward functions (plus the env's `get_reward`), `per_device_eval_batch_size` at a time."""
+        started = time.perf_counter()
+        self.loop.model_version_value = _Version(version)
+        _ROLLOUT_VERSION.set(version)  # every rollout task below inherits the pinned version
+        slots = asyncio.Semaphore(self.settings.max_concurrent)
+        results = await asyncio.gather(*(self._evaluate_row(i, row, slots) for i, row in enumerate(rows)))
+        rows_out = [row for row, _, _ in results]
+        rollouts = [r for _, rollouts, _ in results for r in rollouts]
+        errors = sum(error for _, _, error in results)
+        served = {v for r in rollouts for turn in r.turns for v in (turn.weight_versions or ())}
+        metrics = eval_metrics(rows_out, rollouts, self.settings.num_generations, errors)
+        duration = time.perf_counter() - started
+        metrics["eval/model_version"] = float(version)
+        metrics["eval/duration_s"] = duration
+        return EvalResult(version, metrics, rows_out, served, duration)
+
+    async def _evaluate_row(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore):
+        size = self.settings.num_generations
+        outcomes = await asyncio.gather(*(self._rollout(row, index, slots) for _ in range(size)))
+        prompts, rollouts, env_rewards = (list(column) for column in zip(*outcomes))
+        group = RolloutGroup(
+            prompts=prompts, reward_kwargs={k: [v] * size for k, v in row.items() if k != "prompt"},
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=[[]] * size,
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=self.loop.model_version_value.value, group_id=index, row_index=index,
+            env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts], rollouts=rollouts)
+        scores, failure = await run_reward_functions(self.loop.reward_funcs, group, self.loop.tool_executor)
+        if failure is not None:  # the row is unscored: it fails, and is counted
+            scores.by_source.clear()
+        add_rollout_sources(scores, group)
+        total = scores.total(size)
+        rewards = [None if math.isnan(v) else float(v) for v in total]
+        threshold = self.settings.success_threshold
+        return EvalRow(
+            row_index=index, completions=[_text(r) for r in rollouts], rewards=rewards,
+            passed=[r is not None and r >= threshold for r in rewards],
+            rewards_by_source={name: [None if math.isnan(v) else float(v) for v in values]
+                               for name, values in scores.by_source.items()},
+        ), rollouts, int(failure is not None)
+
+    async def _rollout(self, row: dict[str, Any], index: int, slots: asyncio.Semaphore):
+        loop = self.loop
+        async with slots:
+            episode = None
+            if self._env_runner is not None:
+                episode = await self._env_runner.start(row)
+                prompt, tools = episode.prompt, [*loop.tools, *episode.tools]
+            else:
+                if "prompt" not in row:
+                    raise KeyError(
+                        f"The eval row {index} has no 'prompt' column (it has {sorted(row)}). Give "
+                        "the eval dataset a conversational 'prompt' column, or an environment "
+                        "whose reset() builds the prompt.")
+                prompt, tools = row["prompt"], loop.tools
+            prompt, _ = strip_images(prompt)
+            rollout = await loop.generate_one(prompt, tools, index)
+            env_reward = await self._env_runner.finish(episode) if episode is not None else None
+        return prompt, rollout, env_reward
+
+
+def _text(rollout: Rollout) -> str:
+    parts = [m.get("content") or "" for m in rollout.completion if isinstance(m, dict)]
+    return "\n".join(str(p) for p in parts)
+
+
+def dataset_rows(dataset: Any) -> list[dict[str, Any]]:
+    """The eval split as plain rows (a `datasets.Dataset`, a list of dicts, or any iterable)."""
+    if dataset is None:
+        return []
+    rows = [dict(row) for row in dataset]
+    if not rows:
+        raise ValueError("The eval dataset is empty: give it at least one row, or turn eval off "
+                         "(eval_strategy='no', eval_on_start=False).")
+    return rows
+
+
+def run_evaluation(session_factory, rows: list[dict[str, Any]], version: int) -> EvalResult:
+    """Open a session, evaluate `rows` on `version`, close it: one blocking call (own loop)."""
+    async def main() -> EvalResult:
+        async with session_factory() as session:
+            return await session.evaluate(rows, version)
+
+    return asyncio.run(main())

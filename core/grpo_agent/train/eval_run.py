@@ -1,0 +1,97 @@
+"""`run_eval`: what `grpo-agent eval --env NAME --model PATH` does after parsing its flags.
+
+Design decision: the same evaluation as during training (`grpo_agent.rollout.evaluation`: the
+training tool loop, the env, its reward functions and success threshold, greedy by default),
+on a saved model or checkpoint folder instead of the trainer's live weights. Embedded by
+default, like `train`: without `--vllm-url` a managed vLLM server is started for the model and
+stopped (by PID) when the evaluation ends.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from grpo_agent.config import AsyncGRPOConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_model_folder(model: str) -> str:
+    """A local folder must hold a full model; an adapter-only checkpoint cannot be served."""
+    folder = Path(model)
+    if not folder.exists():
+        return model  # a hub id: the server and the tokenizer resolve it
+    if not folder.is_dir():
+        raise ValueError(f"--model {model} is a file: pass the model's folder (config.json, "
+                         "weights, tokenizer).")
+    if not (folder / "config.json").is_file():
+        hint = (" It holds a LoRA adapter only: merge it into its base model (peft "
+                "merge_and_unload, then save_pretrained) and evaluate that folder."
+                if (folder / "adapter_config.json").is_file() else "")
+        raise ValueError(f"--model {model} has no config.json, so it is not a model folder.{hint}")
+    return str(folder.resolve())
+
+
+def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
+             vllm_url: str | None = None, env_args: dict[str, Any] | None = None,
+             out_path: str | Path | None = None) -> tuple[dict[str, Any], Path]:
+    """Evaluate `model` on the env's eval split; returns the result (as JSON) and its path."""
+    from transformers import AutoTokenizer
+
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.rollout.evaluation import (
+        EvalSession,
+        EvalSettings,
+        dataset_rows,
+        run_evaluation,
+    )
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.train.run import _server, _tiny_model_path
+
+    registry = load_registry()
+    spec = registry.environment_spec(env, env_args)
+    split = spec.load_eval_dataset()
+    if split is None:
+        raise ValueError(
+            f"Environment {spec.id!r} declares no eval split. Declare one with "
+            "@environment(..., eval_dataset=...) in its package, or evaluate another env.")
+    rows = dataset_rows(split)
+    model_path = check_model_folder(model) if model else _tiny_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    settings = EvalSettings.from_config(config, spec.success_threshold)
+    with _server(model_path, vllm_url, None, config) as base_url:
+        config.vllm_server_base_url = base_url
+
+        def session() -> EvalSession:
+            return EvalSession(
+                AsyncRolloutLoop, config=config, processing_class=tokenizer,
+                reward_funcs=spec.reward_funcs(registry), settings=settings,
+                environment_factory=spec.environment_factory, model_name=model_path)
+
+        result = run_evaluation(session, rows, version=0)
+    report = {"env": spec.id, "env_args": spec.option_values, "model": model_path,
+              "vllm_url": vllm_url, "settings": vars(settings), **result.to_json()}
+    path = Path(out_path or f"eval-{spec.name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report, path
+
+
+def print_report(report: dict[str, Any], path: Path, examples: int = 3) -> None:
+    """The metrics as a table, then a few rows (completion and reward)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"{report['env']} on {report['model']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in report["metrics"].items():
+        table.add_row(name, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    for row in report["rows"][:examples]:
+        text = row["completions"][0].replace("\n", " ")[:160] if row["completions"] else ""
+        console.print(f"row {row['row_index']}: rewards {row['rewards']} passed {row['passed']}: {text!r}")
+    console.print(f"Wrote {path}")

@@ -1,0 +1,220 @@
+"""Evaluation during training: started right after a weight push, finished before the next.
+
+Design decision: an evaluation runs in a background thread of the main process (its own event
+loop and HTTP client against the same vLLM server), so training steps go on while it runs. It
+is pinned to the version it started on by holding the *next* weight push until it has ended:
+the trainer stalls only when an evaluation outlasts the steps until that push, and the stall
+is measured (`perf/eval_push_wait_s`). With LoRA adapter sync, each request names the
+version's adapter as well. Nothing of the training side is touched: the rollout worker, its
+prompt stream, the staleness window and the prompt ledger never see an eval row.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+from grpo_agent.rollout.evaluation import EvalResult, EvalSession, EvalSettings, run_evaluation
+
+if TYPE_CHECKING:
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def wants_evaluation(args: Any) -> bool:
+    return str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or bool(args.eval_on_start)
+
+
+def eval_split_of(environment_factory: Any) -> tuple[Any, float | None]:
+    """A registered env's eval split and success threshold (a name or `load_environment` spec)."""
+    from grpo_agent.plugins.registry import EnvironmentSpec
+
+    spec = environment_factory
+    if isinstance(spec, str):
+        from grpo_agent.plugins import load_registry
+
+        spec = load_registry().environment_spec(spec)
+    if not isinstance(spec, EnvironmentSpec):
+        return None, None
+    return spec.load_eval_dataset(), getattr(spec, "success_threshold", None)
+
+
+def check_eval_args(args: Any, eval_dataset: Any) -> None:
+    """Refuse what cannot work with an evaluation that reports after the step that started it."""
+    if not wants_evaluation(args):
+        return
+    if eval_dataset is None:
+        raise ValueError(
+            f"eval_strategy={args.eval_strategy!s}, eval_on_start={args.eval_on_start} but there is "
+            "no eval split: pass eval_dataset=... to AsyncGRPOTrainer, use an environment that "
+            "declares one (@environment(eval_dataset=...)), or set eval_strategy='no'.")
+    if args.metric_for_best_model is not None or args.load_best_model_at_end:
+        raise ValueError(
+            "metric_for_best_model / load_best_model_at_end are not supported: evaluations run "
+            "beside training and report after the step that started them, so no checkpoint can "
+            "be chosen by them at save time. Remove them; eval/* is in the logs.")
+
+
+class TrainingEvaluator:
+    """One evaluation at a time, in a background thread; the trainer logs finished ones."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer, eval_dataset: Any, env_threshold: float | None) -> None:
+        from grpo_agent.rollout.evaluation import dataset_rows
+
+        self.trainer = trainer
+        self.rows = dataset_rows(eval_dataset)
+        self.settings = EvalSettings.from_config(trainer.args, env_threshold)
+        self._thread: threading.Thread | None = None
+        self._result: EvalResult | None = None
+        self._error: BaseException | None = None
+        self._step = 0
+        self.before_next_push = False  # an evaluation started since the last push
+        self.results: list[EvalResult] = []  # every finished evaluation of this trainer
+
+    def session(self) -> EvalSession:
+        trainer = self.trainer
+        return EvalSession(
+            trainer.loop_cls, config=trainer.args, processing_class=trainer.processing_class,
+            reward_funcs=trainer.reward_funcs, settings=self.settings, tools=trainer.tools,
+            environment_factory=trainer.environment_factory,
+            lora_name=getattr(trainer.pusher, "lora_name", None),
+            model_name=str(trainer.model.config._name_or_path))
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, version: int, step: int) -> None:
+        """Evaluate `version` (the one on the server now) in the background."""
+        self.wait()  # one at a time: a new one waits for the last (it pins an older version)
+        self._step, self._result, self._error = step, None, None
+        self.before_next_push = True
+
+        def target() -> None:
+            try:
+                self._result = run_evaluation(self.session, self.rows, version)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the trainer's thread
+                self._error = error
+
+        self._thread = threading.Thread(target=target, name="grpo-agent-eval", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> float:
+        """Block until the running evaluation ends (if any); returns the seconds waited."""
+        if self._thread is None:
+            return 0.0
+        started = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        return time.perf_counter() - started
+
+    def take_finished(self) -> dict[str, float] | None:
+        """The last finished evaluation's metrics (once), or None; raises its error."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+        if self._thread is not None:
+            return None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"The evaluation of step {self._step} failed: {error}") from error
+        if self._result is None:
+            return None
+        result, self._result = self._result, None
+        self.results.append(result)
+        _check_pin(result)
+        return {**result.metrics, "eval/step": float(self._step)}
+
+
+def _check_pin(result: EvalResult) -> None:
+    if len(result.served_versions) > 1:
+        logger.warning("The evaluation of version %d sampled from weight versions %s; its pin "
+                       "was broken (a push ran during it).", result.model_version,
+                       sorted(result.served_versions))
+
+
+class EvaluationCallback(TrainerCallback):
+    """Holds a step's weight push until the running evaluation ends, and logs finished ones.
+
+    Registered before the step callback that pushes, so its `on_step_end` runs first."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        evaluator = self.trainer.evaluator
+        if evaluator is None:
+            return
+        if state.global_step % args.weight_sync_steps == 0 and evaluator.before_next_push:
+            waited = evaluator.wait()  # the stall: this step's push waits for the evaluation
+            evaluator.before_next_push = False
+            self.trainer.window.add("perf/eval_push_wait_s", waited)
+            if waited > 0.01:
+                logger.info("Weight push of step %d waited %.2f s for the evaluation.",
+                            state.global_step, waited)
+        self._log_finished(control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        evaluator = self.trainer.evaluator
+        if evaluator is not None:
+            evaluator.wait()
+            self._log_finished(control)
+
+    def _log_finished(self, control) -> None:
+        metrics = self.trainer.evaluator.take_finished()
+        if metrics is not None:
+            should_log = control.should_log  # logging resets it: the step's own row must follow
+            self.trainer.log(metrics)
+            control.should_log = should_log
+
+
+def start_training_eval(trainer: AsyncGRPOTrainer) -> dict[str, float]:
+    """The Trainer's `_evaluate` hook during `train()`: start one in the background (main
+    process only; metrics are logged when it ends, as `eval/*` with `eval/step`)."""
+    from grpo_agent.train import fsdp
+
+    if trainer.evaluator is not None and fsdp.is_main_process():
+        trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
+    trainer.control.should_evaluate = False  # Trainer.evaluate's on_evaluate would reset it
+    return {}
+
+
+def evaluate_now(trainer: AsyncGRPOTrainer, eval_dataset: Any = None) -> dict[str, float]:
+    """`trainer.evaluate()`: one blocking evaluation of the served version, logged and returned."""
+    from grpo_agent.rollout.evaluation import dataset_rows
+
+    evaluator = trainer.evaluator
+    if evaluator is None and eval_dataset is None:
+        raise ValueError("evaluate() needs an eval split: pass eval_dataset to AsyncGRPOTrainer "
+                         "or to evaluate().")
+    if evaluator is None:
+        evaluator = TrainingEvaluator(trainer, eval_dataset, None)
+    evaluator.wait()
+    rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
+    result = run_evaluation(evaluator.session, rows, trainer.model_version)
+    evaluator.results.append(result)
+    _check_pin(result)
+    metrics = {**result.metrics, "eval/step": float(trainer.state.global_step)}
+    trainer.log(metrics)
+    return metrics
+
+
+def resolve_eval_split(eval_dataset: Any, environment_factory: Any, args: Any) -> tuple[Any, float | None]:
+    """The eval split (given, else the env's declared one when evaluation is on) and the env's
+    success threshold; refuses settings that cannot work (see `check_eval_args`)."""
+    env_split, threshold = None, None
+    if environment_factory is not None and not isinstance(environment_factory, dict):
+        if eval_dataset is None and wants_evaluation(args):
+            env_split, threshold = eval_split_of(environment_factory)
+        else:
+            threshold = _declared_threshold(environment_factory)
+    eval_dataset = eval_dataset if eval_dataset is not None else env_split
+    check_eval_args(args, eval_dataset)
+    return eval_dataset, threshold
+
+
+def _declared_threshold(environment_factory: Any) -> float | None:
+    return getattr(environment_factory, "success_threshold", None)

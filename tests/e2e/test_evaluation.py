@@ -1,0 +1,173 @@
+"""Evaluation during training, through the real trainer against the session's vLLM server:
+eval/* at eval_on_start and every eval_steps, each evaluation pinned to one weight version,
+greedy evaluations of one version agree, and evaluation never changes which prompts train."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+MARK = "zebra"  # only eval prompts hold it: a trained sample holding it would be a leak
+
+
+def position_reward(completions, **kwargs):
+    """0, 1, 0, 1, ...: every training group has reward variance, so every prompt trains once."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def letter_share(completions, **kwargs):
+    """A content reward that greedy decoding makes deterministic."""
+    texts = [c[-1]["content"] for c in completions]
+    return [sum(ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def _prompts(words):
+    return {"prompt": [[{"role": "user", "content": w}] for w in words]}
+
+
+@pytest.fixture
+def server(vllm_server):
+    if not getattr(vllm_server, "owned", False):
+        pytest.skip("the trainer pushes weights: never into a server this session did not start")
+    return vllm_server
+
+
+def _run(server, tmp_path, name, **eval_args):
+    from datasets import Dataset
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from transformers import TrainerCallback
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / name), vllm_server_base_url=server.base_url,
+        num_train_epochs=1, num_generations=2, max_completion_length=8, token_budget=48,
+        save_strategy="no", seed=7, **eval_args)
+    trainer = AsyncGRPOTrainer(
+        model=str(server.model_path), reward_funcs=[position_reward, letter_share], args=args,
+        train_dataset=Dataset.from_dict(_prompts(["The sky is", "A cat", "Two plus", "Hello"])),
+        eval_dataset=(Dataset.from_dict(_prompts([f"{MARK} one", f"{MARK} two"]))
+                      if eval_args else None))
+    trained = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trained.extend(trainer._step_samples)
+
+    trainer.add_callback(Record())
+    trainer.train()
+    return trainer, trained
+
+
+def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alone(server, tmp_path):
+    trainer, trained = _run(server, tmp_path, "eval", eval_strategy="steps", eval_steps=1,
+                            eval_on_start=True, per_device_eval_batch_size=4)
+    steps = trainer.state.global_step
+    evals = [row for row in trainer.state.log_history if "eval/reward" in row]
+    # eval_on_start (step 0) and after every step, each logged once, in order.
+    assert [row["eval/step"] for row in evals] == [float(s) for s in range(steps + 1)]
+    for row in evals:
+        for name in ("eval/reward", "eval/rewards/position_reward/mean",
+                     "eval/rewards/letter_share/mean", "eval/pass@1",
+                     "eval/completions/mean_length", "eval/model_version", "eval/duration_s"):
+            assert name in row and math.isfinite(row[name]), (name, row)
+        assert row["eval/num_rows"] == 2.0
+    # The pin: every eval token was sampled with the version the evaluation names, and the
+    # versions follow the pushes (one per step).
+    results = trainer.evaluator.results
+    assert [r.model_version for r in results] == [int(row["eval/model_version"]) for row in evals]
+    assert len({r.model_version for r in results}) == steps + 1
+    for result in results:
+        if result.model_version > 0:  # version 0 is the server's initial "default" weights
+            assert result.served_versions == {str(result.model_version)}, result.served_versions
+        assert len(result.served_versions) == 1
+    # The stall is measured at every push that had an evaluation running.
+    waits = [row["perf/eval_push_wait_s"] for row in trainer.state.log_history
+             if "perf/eval_push_wait_s" in row]
+    assert waits and all(w >= 0 for w in waits)
+    print(f"eval: {len(evals)} evaluations, push waits {waits}, durations "
+          f"{[round(r.duration_s, 2) for r in results]}")
+
+    # Greedy: two evaluations of one version give the same completions and metrics.
+    first, second = trainer.evaluate(), trainer.evaluate()
+    a, b = trainer.evaluator.results[-2:]
+    assert a.model_version == b.model_version == trainer.model_version
+    assert [r.completions for r in a.rows] == [r.completions for r in b.rows]
+    assert first["eval/reward"] == second["eval/reward"]
+
+    # Training is untouched: every train prompt trains, none twice, no eval row reaches it,
+    # and the ledger matches a run without evaluation.
+    plain, plain_trained = _run(server, tmp_path, "plain")
+    tokenizer = trainer.processing_class
+    assert not any(MARK in tokenizer.decode(s.sequence.token_ids) for s in trained)
+    # The epoch's prompts map to the same rows in the same stream positions (the worker may
+    # run into the next epoch while the last step fills: those are left out of the comparison).
+    assert _trained_prompts(trained) == _trained_prompts(plain_trained)
+    assert [p for p, _ in _trained_prompts(trained)] == [0, 1, 2, 3]
+    assert _frontiers(tmp_path / "eval")[-1] >= 4 and _frontiers(tmp_path / "plain")[-1] >= 4
+    assert plain.evaluator is None
+    print(f"mean perf/step_s with eval {_mean_step_s(trainer):.2f}, without {_mean_step_s(plain):.2f}")
+
+
+def _mean_step_s(trainer):
+    times = [row["perf/step_s"] for row in trainer.state.log_history if "perf/step_s" in row]
+    return sum(times) / len(times)
+
+
+def _trained_prompts(samples, epoch_size=4):
+    return sorted({(s.prompt_index, s.row_index) for s in samples if s.prompt_index < epoch_size})
+
+
+def _frontiers(folder):
+    lines = (folder / "prompt_ledger.jsonl").read_text().splitlines()
+    return [json.loads(line)["frontier"] for line in lines]
+
+
+def test_eval_without_a_split_says_how_to_get_one(tmp_path):
+    from types import SimpleNamespace
+
+    from grpo_agent.train.evaluation import check_eval_args
+
+    args = SimpleNamespace(eval_strategy="steps", eval_on_start=False,
+                           metric_for_best_model=None, load_best_model_at_end=False)
+    with pytest.raises(ValueError, match="no eval split: pass eval_dataset"):
+        check_eval_args(args, None)
+    args.metric_for_best_model = "eval/reward"
+    with pytest.raises(ValueError, match="metric_for_best_model"):
+        check_eval_args(args, [{"prompt": "x"}])
+
+
+def test_grpo_agent_eval_scores_an_env_eval_split_with_its_threshold(vllm_server, tmp_path):
+    """The CLI on the session's server: the env's eval split, its get_reward and its declared
+    success threshold (0.5) decide pass@k; a table is printed and the JSON written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo_agent.cli.main", "eval", "--env", "eval_probe_env:ProbeEnv",
+         "--model", str(vllm_server.model_path), "--vllm-url", vllm_server.base_url,
+         "--num-generations", "2", "--set", "max_completion_length=8", "--out", str(out)],
+        check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval/pass@1" in done.stdout and f"Wrote {out}" in done.stdout.replace("\n", "")
+    report = json.loads(out.read_text())
+    metrics = report["metrics"]
+    assert metrics["eval/num_rows"] == 5 and len(report["rows"]) == 5
+    assert all(len(row["completions"]) == 2 for row in report["rows"])
+    assert metrics["eval/pass@1"] == metrics["eval/pass@2"] == 0.6  # rows 0, 2, 4 pass
+    assert metrics["eval/reward"] == pytest.approx((3 * 0.75 + 2 * 0.25) / 5)
+    assert metrics["eval/rewards/ProbeEnv/mean"] == pytest.approx(0.55)
+    assert report["settings"]["success_threshold"] == 0.5 and report["settings"]["temperature"] == 0.0
+    assert len(report["served_versions"]) <= 1
+
+
+def test_grpo_agent_eval_refuses_an_env_without_an_eval_split_and_an_adapter_folder(tmp_path):
+    from grpo_agent.train.eval_run import check_model_folder
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="LoRA adapter only: merge it"):
+        check_model_folder(str(tmp_path))

@@ -1,0 +1,128 @@
+"""Evaluation scheduling in the real trainer, with scripted samples and a scripted evaluation
+(no server): eval_on_start and every eval_steps, each evaluation pinned by holding the next
+weight push until it ends, the stall measured, and pass@k computed as the unbiased estimate."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from datasets import Dataset
+from grpo_agent.rollout.evaluation import EvalResult, EvalRow, eval_metrics, pass_at_k
+from grpo_agent.train import evaluation
+
+EVAL_S = 0.6  # each scripted evaluation takes this long
+
+
+class Timeline:
+    """What happened, in order: evaluations (start/end with version) and pushes."""
+
+    def __init__(self):
+        self.events = []
+        self.lock = threading.Lock()
+
+    def add(self, *event):
+        with self.lock:
+            self.events.append(event)
+
+
+@pytest.fixture
+def scripted_eval(monkeypatch):
+    timeline = Timeline()
+
+    def run_evaluation(session_factory, rows, version):
+        timeline.add("eval_start", version)
+        time.sleep(EVAL_S)
+        timeline.add("eval_end", version)
+        row = EvalRow(0, ["x"], [1.0], [True], {"r": [1.0]})
+        metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
+        return EvalResult(version, metrics, [row], {str(version)}, EVAL_S)
+
+    monkeypatch.setattr(evaluation, "run_evaluation", run_evaluation)
+    return timeline
+
+
+class RecordingPush:
+    lora_name = None
+
+    def __init__(self, timeline):
+        self.timeline = timeline
+
+    def push(self, model, version):
+        self.timeline.add("push", version)
+        return {}
+
+    def close(self): ...
+
+
+def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.train.step_source import StepSource
+
+    from tests.train.test_step_read import TOKEN_BUDGET, OfflineTrainer, ScriptedWorker, group
+
+    class Trainer(OfflineTrainer):
+        def start_pipeline(self):
+            self.token_budget = self.args.token_budget
+            self.pusher = RecordingPush(timeline)
+            self.source = StepSource(ScriptedWorker(list(self.samples)), self)
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=steps, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=True, **config)
+    trainer = Trainer(build_tiny_model(), args=args, reward_funcs=[],
+                      train_dataset=Dataset.from_dict({"prompt": [[]] * 64}),
+                      eval_dataset=eval_dataset)
+    trainer.samples = [s for g in range(steps + 1) for s in group(g)]
+    trainer.train()
+    return trainer
+
+
+def test_evals_start_after_pushes_and_hold_the_next_push_until_they_end(tmp_path, scripted_eval):
+    trainer = run_trainer(
+        tmp_path, scripted_eval, steps=4, eval_dataset=EVAL_SPLIT, eval_strategy="steps",
+        eval_steps=2, eval_on_start=True, per_device_eval_batch_size=2)
+    trainer_eval = trainer.evaluator
+    assert trainer_eval is not None and len(trainer_eval.rows) == 2
+    events = scripted_eval.events
+    # eval_on_start evaluates version 0; then steps 2 and 4 (versions 2 and 4, after their push).
+    assert [e for e in events if e[0] == "eval_start"] == [
+        ("eval_start", 0), ("eval_start", 2), ("eval_start", 4)]
+    # The pin: no push happens between an evaluation's start and its end.
+    for start in (i for i, e in enumerate(events) if e[0] == "eval_start"):
+        end = events.index(("eval_end", events[start][1]), start)
+        assert not any(e[0] == "push" for e in events[start:end]), events
+    # Each evaluation is logged once, with the step it started after.
+    evals = [row for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert [(row["eval/step"], row["eval/model_version"]) for row in evals] == [
+        (0.0, 0.0), (2.0, 2.0), (4.0, 4.0)]
+    # Logging an evaluation leaves every step's own training row in place.
+    assert [row["step"] for row in trainer.state.log_history if "loss" in row] == [1, 2, 3, 4]
+    # The stall is measured at the first push after each evaluation (steps 1 and 3), and is at
+    # most one evaluation long (the steps ran meanwhile).
+    waits = {log["step"]: log["perf/eval_push_wait_s"] for log in trainer.state.log_history
+             if "perf/eval_push_wait_s" in log}
+    assert set(waits) == {1, 3}
+    assert all(0.0 <= w <= EVAL_S + 0.2 for w in waits.values()), waits
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    rows = [EvalRow(0, ["a", "b"], [1.0, 0.0], [True, False]),
+            EvalRow(1, ["c", "d"], [0.0, None], [False, False])]
+    metrics = eval_metrics(rows, [], 2, 0)
+    assert metrics["eval/pass@1"] == pytest.approx(0.25)
+    assert metrics["eval/pass@2"] == pytest.approx(0.5)
+    assert metrics["eval/reward"] == pytest.approx(1 / 3)  # the unscored rollout is left out
+
+
+def test_a_trainer_with_eval_on_but_no_split_says_what_to_pass(tmp_path):
+    with pytest.raises(ValueError, match="no eval split: pass eval_dataset"):
+        run_trainer(tmp_path, Timeline(), steps=1, eval_strategy="steps", eval_steps=1)
+
+
+EVAL_SPLIT = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * 2})

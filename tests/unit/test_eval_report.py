@@ -1,0 +1,40 @@
+"""Eval rows in the run's outputs: the plot's third panel and the progress bar's eval note."""
+from __future__ import annotations
+
+import json
+
+from grpo_agent.train import reporting
+
+
+def test_the_plot_gets_an_eval_panel_over_the_evaluated_steps(tmp_path, monkeypatch):
+    rows = [{"step": 1, "loss": 0.1, "reward": 0.2, "completions/mean_length": 5.0},
+            {"step": 1, "eval/reward": 0.4, "eval/pass@1": 0.5, "eval/pass@4": 0.75, "eval/step": 0},
+            {"step": 2, "loss": 0.1, "reward": 0.3, "completions/mean_length": 6.0},
+            {"step": 2, "eval/reward": 0.6, "eval/pass@1": 0.7, "eval/pass@4": 0.9, "eval/step": 2}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = {}
+    inner = reporting.plot_eval_panel
+
+    def record(ax, evals):
+        drawn["lines"] = None
+        inner(ax, evals)
+        drawn["lines"] = {line.get_label(): list(zip(*line.get_data())) for line in ax.get_lines()}
+
+    monkeypatch.setattr(reporting, "plot_eval_panel", record)
+    out = reporting.plot_reward_and_length(metrics, tmp_path / "reward.png")
+    assert out.stat().st_size > 0
+    assert drawn["lines"] == {"reward": [(0, 0.4), (2, 0.6)], "pass@1": [(0, 0.5), (2, 0.7)],
+                              "pass@4": [(0, 0.75), (2, 0.9)]}
+
+
+def test_a_run_without_evaluation_keeps_two_panels(tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 0.1, "reward": 0.2}) + "\n")
+    monkeypatch.setattr(reporting, "plot_eval_panel", lambda ax, evals: 1 / 0)
+    assert reporting.plot_reward_and_length(metrics, tmp_path / "reward.png").is_file()
+
+
+def test_the_progress_bar_notes_the_last_evaluation():
+    assert reporting.eval_status({"eval/step": 4.0, "eval/pass@1": 0.5, "eval/reward": 0.25}) == (
+        "eval@4 pass@1 0.50 reward 0.250")
