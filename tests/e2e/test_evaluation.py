@@ -171,3 +171,27 @@ def test_grpo_agent_eval_refuses_an_env_without_an_eval_split_and_an_adapter_fol
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(ValueError, match="LoRA adapter only: merge it"):
         check_model_folder(str(tmp_path))
+
+
+def test_an_env_eval_split_and_threshold_reach_train_and_the_trainer(tmp_path, monkeypatch):
+    """`grpo-agent train --env NAME --set eval_strategy=steps` and `environment_factory=
+    load_environment(...)` both evaluate on the env's declared split with its threshold."""
+    from pathlib import Path
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.train.evaluation import resolve_eval_split
+    from grpo_agent.train.run import _eval_split, resolve_env_task
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    name = "eval_probe_env:ProbeEnv"
+    on = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=2)
+    split = _eval_split(resolve_env_task(name), on)
+    assert list(split["n"]) == [0, 1, 2, 3, 4] and on.eval_success_threshold == 0.5
+    off = AsyncGRPOConfig(output_dir=str(tmp_path))
+    assert _eval_split(resolve_env_task(name), off) is None
+
+    spec = load_registry().environment_spec(name)
+    rows, threshold = resolve_eval_split(None, spec, on)
+    assert list(rows["n"]) == [0, 1, 2, 3, 4] and threshold == 0.5
+    assert resolve_eval_split(None, spec, off) == (None, 0.5)  # evaluation off: no split loaded
