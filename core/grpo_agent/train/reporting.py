@@ -54,7 +54,8 @@ def _jsonable(value):
 
 
 class ProgressCallback(TrainerCallback):
-    """One rich progress bar: steps, reward, step time and queue state."""
+    """One rich progress bar: steps (of `max_steps`, or the run's prompt epochs), the last known
+    reward, step time, queue state and the last evaluation."""
 
     def __init__(self) -> None:
         self._progress = None
@@ -62,39 +63,37 @@ class ProgressCallback(TrainerCallback):
         self._started = time.perf_counter()
         self._train_status = "waiting for rollouts"
         self._eval_status = ""  # the last evaluation, kept beside the training status
+        self._last_reward: float | None = None  # a window without a scored rollout keeps it
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        total = args.max_steps if args.max_steps > 0 else None
         self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"),
+            TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[position]}"),
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
         )
         self._progress.start()
-        self._task = self._progress.add_task("train", total=total, completed=state.global_step, status="waiting for rollouts")
+        total, completed = bar_extent(args, state)
+        self._task = self._progress.add_task(
+            "train", total=total, completed=completed, position=position_text(args, state),
+            status=self._train_status)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._progress is not None and logs and "eval/pass@1" in logs:
-            self._eval_status = eval_status(logs)
-            self._progress.update(self._task, status=f"{self._train_status}  {self._eval_status}")
-        if self._progress is None or not logs or "loss" not in logs:
+        if self._progress is None or not logs:
             return
-        self._train_status = (
-            f"reward {logs.get('reward', float('nan')):.3f}  step {logs.get('perf/step_s', float('nan')):.2f}s"
-            f"  queue {logs.get('rollout/queue_size', float('nan')):.0f}"
-            f"  wait {logs.get('perf/rollout_wait_s', float('nan')):.2f}s"
-        )
-        status = f"{self._train_status}  {self._eval_status}".rstrip()
-        self._progress.update(self._task, completed=state.global_step, status=status)
+        if "eval/pass@1" in logs:
+            self._eval_status = eval_status(logs)
+        if "loss" in logs:
+            reward = logs.get("reward")
+            if reward is not None and math.isfinite(reward):
+                self._last_reward = reward
+            self._train_status = train_status(logs, self._last_reward)
+        total, completed = bar_extent(args, state)
+        self._progress.update(self._task, total=total, completed=completed,
+                              position=position_text(args, state),
+                              status=f"{self._train_status}  {self._eval_status}".rstrip())
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._progress is not None:
@@ -102,10 +101,43 @@ class ProgressCallback(TrainerCallback):
             self._progress = None
 
 
+def bar_extent(args, state) -> tuple[float | None, float]:
+    """(total, completed): steps of `max_steps`; else the prompt epochs the run has consumed
+    (a step's size in prompts is not known in advance, its epochs are); else unknown."""
+    if args.max_steps > 0:
+        return float(args.max_steps), float(state.global_step)
+    if args.num_train_epochs > 0 and state.epoch is not None:
+        return float(args.num_train_epochs), min(float(state.epoch), float(args.num_train_epochs))
+    return None, float(state.global_step)
+
+
+def position_text(args, state) -> str:
+    """`step 3/10`, or `step 3  epoch 0.40/1` when epochs bound the run."""
+    if args.max_steps > 0:
+        return f"step {state.global_step}/{args.max_steps}"
+    if state.epoch is not None:
+        return f"step {state.global_step}  epoch {state.epoch:.2f}/{args.num_train_epochs:g}"
+    return f"step {state.global_step}"
+
+
+def train_status(logs: dict, last_reward: float | None) -> str:
+    """Reward (the last known one when this window scored no rollout), step time, queue, wait."""
+    nan = float("nan")
+    reward = "reward -" if last_reward is None else f"reward {last_reward:.3f}"
+    parts = [reward]
+    for key, label, fmt in (("perf/step_s", "step", "{:.2f}s"), ("rollout/queue_size", "queue", "{:.0f}"),
+                            ("perf/rollout_wait_s", "wait", "{:.2f}s")):
+        value = logs.get(key, nan)
+        if value is not None and math.isfinite(value):
+            parts.append(f"{label} {fmt.format(value)}")
+    return "  ".join(parts)
+
+
 def eval_status(logs: dict) -> str:
     """The progress bar's note of the last evaluation: pass@1, reward and the step evaluated."""
-    return (f"eval@{logs.get('eval/step', float('nan')):.0f} pass@1 {logs['eval/pass@1']:.2f}"
-            f" reward {logs.get('eval/reward', float('nan')):.3f}")
+    text = f"eval@{logs.get('eval/step', 0):.0f} pass@1 {logs['eval/pass@1']:.2f}"
+    reward = logs.get("eval/reward")
+    return text if reward is None or not math.isfinite(reward) else f"{text} reward {reward:.3f}"
 
 
 def read_metrics(path: str | Path) -> list[dict]:

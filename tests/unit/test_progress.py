@@ -1,0 +1,47 @@
+"""The run's progress bar: the step total when it is known and the last known reward."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from grpo_agent.train.reporting import ProgressCallback, bar_extent, position_text, train_status
+
+
+def args(max_steps=-1, epochs=3.0):
+    return SimpleNamespace(max_steps=max_steps, num_train_epochs=epochs)
+
+
+def state(step, epoch=None):
+    return SimpleNamespace(global_step=step, epoch=epoch, is_world_process_zero=True)
+
+
+def test_the_total_is_max_steps_or_the_prompt_epochs():
+    assert bar_extent(args(max_steps=10), state(3, 0.1)) == (10.0, 3.0)
+    assert position_text(args(max_steps=10), state(3, 0.1)) == "step 3/10"
+    assert bar_extent(args(epochs=2), state(5, 0.5)) == (2.0, 0.5)
+    assert position_text(args(epochs=2), state(5, 0.5)) == "step 5  epoch 0.50/2"
+    assert bar_extent(args(epochs=2), state(0)) == (None, 0.0)
+
+
+def test_a_window_without_a_scored_rollout_shows_the_last_known_reward_not_nan():
+    assert train_status({"reward": math.nan}, None) == "reward -"
+    status = train_status({"reward": math.nan, "perf/step_s": 1.5, "rollout/queue_size": math.nan}, 0.25)
+    assert status == "reward 0.250  step 1.50s"
+    assert "nan" not in status
+
+
+def test_the_bar_keeps_the_last_reward_and_counts_to_max_steps():
+    bar = ProgressCallback()
+    run_args = args(max_steps=4)
+    bar.on_train_begin(run_args, state(0, 0.0), None)
+    try:
+        task = bar._progress.tasks[0]
+        assert task.total == 4 and task.fields["position"] == "step 0/4"
+        bar.on_log(run_args, state(1, 0.1), None, logs={"loss": 0.1, "reward": 0.5})
+        bar.on_log(run_args, state(2, 0.2), None, logs={"loss": 0.1, "reward": math.nan})
+        bar.on_log(run_args, state(2, 0.2), None, logs={"eval/pass@1": 1.0, "eval/step": 2.0})
+        assert task.completed == 2 and task.fields["position"] == "step 2/4"
+        assert task.fields["status"].startswith("reward 0.500")
+        assert "eval@2 pass@1 1.00" in task.fields["status"] and "nan" not in task.fields["status"]
+    finally:
+        bar.on_train_end(run_args, state(2), None)
