@@ -68,10 +68,10 @@ def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
             self.pusher = RecordingPush(timeline)
             self.source = StepSource(ScriptedWorker(list(self.samples)), self)
 
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=steps, token_budget=TOKEN_BUDGET,
-        gradient_checkpointing=False, optim="adamw_torch", report_to="none", save_strategy="no",
-        disable_tqdm=True, use_cpu=True, **config)
+    settings = {"output_dir": str(tmp_path), "max_steps": steps, "token_budget": TOKEN_BUDGET,
+                "gradient_checkpointing": False, "optim": "adamw_torch", "report_to": "none",
+                "save_strategy": "no", "disable_tqdm": True, "use_cpu": True}
+    args = AsyncGRPOConfig(**{**settings, **config})
     trainer = Trainer(build_tiny_model(), args=args, reward_funcs=[],
                       train_dataset=Dataset.from_dict({"prompt": [[]] * 64}),
                       eval_dataset=eval_dataset)
