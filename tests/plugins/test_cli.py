@@ -81,7 +81,7 @@ def test_yaml_run_file_is_read(cli, tmp_path):
     ("args", "message"),
     [
         (["--set", "num_generatons=4"],
-         "Error: Unknown config field 'num_generatons'. Did you mean: num_generations?"),
+         "Error: Unknown config field 'num_generatons'. Did you mean: num_generations"),
         (["--set", "max_steps"], "Error: --set 'max_steps': write it as key=value"),
         (["--set", "num_generations=1"], "Error: num_generations=1: group-normalised advantages"),
         (["--config", "missing.toml"], "Error: Config file missing.toml does not exist."),
