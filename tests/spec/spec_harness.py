@@ -5,9 +5,10 @@ import math
 from dataclasses import dataclass, field
 
 
-def spec_args(server, tmp_path, **changes):
+def spec_args(server, tmp_path, config_cls=None, **changes):
     """The spec's defaults with only what a 2-core CPU test needs changed: the server URL and
-    output folder, one step, 4 rollouts of at most 16 tokens, rows of 256 tokens, no saves."""
+    output folder, one step, 4 rollouts of at most 16 tokens, rows of 256 tokens, no saves.
+    `config_cls`: an `AsyncGRPOConfig` subclass (default: `AsyncGRPOConfig`)."""
     from grpo_agent import AsyncGRPOConfig
 
     settings = {
@@ -15,7 +16,7 @@ def spec_args(server, tmp_path, **changes):
         "max_steps": 1, "num_generations": 4, "max_completion_length": 16, "token_budget": 256,
         "save_strategy": "no",
     }
-    return AsyncGRPOConfig(**{**settings, **changes})
+    return (config_cls or AsyncGRPOConfig)(**{**settings, **changes})
 
 
 @dataclass

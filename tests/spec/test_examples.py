@@ -122,11 +122,8 @@ def test_curriculum_trainer_skips_the_prompts_it_solved(spec_server, tmp_path):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "an easy one"}],
                                             [{"role": "user", "content": "a hard one"}]]})
     # The worker dispatches prompts ahead of scoring, so the first epochs see no pass rate yet.
-    base = spec_args(spec_server, tmp_path, max_steps=-1, num_train_epochs=8)
-    args = CurriculumConfig(**{k: getattr(base, k) for k in (
-        "output_dir", "vllm_server_base_url", "max_steps", "num_generations",
-        "max_completion_length", "token_budget", "save_strategy", "num_train_epochs")},
-        pass_rate_cap=0.9)
+    args = spec_args(spec_server, tmp_path, CurriculumConfig, max_steps=-1, num_train_epochs=8,
+                     pass_rate_cap=0.9)
     trainer = CurriculumTrainer(
         model=str(spec_server.model_path), reward_funcs=easy_or_rare_reward, args=args,
         train_dataset=dataset,
