@@ -122,7 +122,7 @@ def test_curriculum_trainer_skips_the_prompts_it_solved(spec_server, tmp_path):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "an easy one"}],
                                             [{"role": "user", "content": "a hard one"}]]})
     # The worker dispatches prompts ahead of scoring, so the first epochs see no pass rate yet.
-    args = spec_args(spec_server, tmp_path, CurriculumConfig, max_steps=-1, num_train_epochs=8,
+    args = spec_args(spec_server, tmp_path, CurriculumConfig, max_steps=-1, num_train_epochs=12,
                      pass_rate_cap=0.9)
     trainer = CurriculumTrainer(
         model=str(spec_server.model_path), reward_funcs=easy_or_rare_reward, args=args,
@@ -132,7 +132,7 @@ def test_curriculum_trainer_skips_the_prompts_it_solved(spec_server, tmp_path):
 
     filtered = [notice.row_index for notice in run.notices if notice.reason == "filtered"]
     assert filtered and set(filtered) == {0}, run.notices  # only the solved (easy) prompt
-    assert trainer.ledger.frontier >= 8 * len(dataset)  # filtered prompts count as consumed
+    assert trainer.ledger.frontier >= 12 * len(dataset)  # filtered prompts count as consumed
     assert {sample.row_index for sample in run.trained} <= {1}
 
 
