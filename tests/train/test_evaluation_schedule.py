@@ -3,8 +3,8 @@
 weight push until it ends, the stall measured, and pass@k computed as the unbiased estimate."""
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 
 import pytest
 from datasets import Dataset
@@ -28,17 +28,26 @@ class Timeline:
 
 @pytest.fixture
 def scripted_eval(monkeypatch):
+    """The trainer's evaluation session replaced by one that takes EVAL_S and records itself."""
     timeline = Timeline()
 
-    def run_evaluation(session_factory, rows, version):
-        timeline.add("eval_start", version)
-        time.sleep(EVAL_S)
-        timeline.add("eval_end", version)
-        row = EvalRow(0, ["x"], [1.0], [True], {"r": [1.0]})
-        metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
-        return EvalResult(version, metrics, [row], {str(version)}, EVAL_S)
+    class ScriptedSession:
+        async def __aenter__(self):
+            timeline.add("open")
+            return self
 
-    monkeypatch.setattr(evaluation, "run_evaluation", run_evaluation)
+        async def __aexit__(self, *exc_info):
+            timeline.add("close")
+
+        async def evaluate(self, rows, version):
+            timeline.add("eval_start", version)
+            await asyncio.sleep(EVAL_S)
+            timeline.add("eval_end", version)
+            row = EvalRow(0, ["x"], [1.0], [True], {"r": [1.0]})
+            metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
+            return EvalResult(version, metrics, [row], {str(version)}, EVAL_S)
+
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: ScriptedSession())
     return timeline
 
 
@@ -98,6 +107,9 @@ def test_evals_start_after_pushes_and_hold_the_next_push_until_they_end(tmp_path
     evals = [row for row in trainer.state.log_history if "eval/pass@1" in row]
     assert [(row["eval/step"], row["eval/model_version"]) for row in evals] == [
         (0.0, 0.0), (2.0, 2.0), (4.0, 4.0)]
+    # One session for the run: opened at the first evaluation, closed when training ends.
+    assert events[0] == ("open",) and events[-1] == ("close",)
+    assert [e for e in events if e[0] in ("open", "close")] == [("open",), ("close",)]
     # Logging an evaluation leaves every step's own training row in place.
     assert [row["step"] for row in trainer.state.log_history if "loss" in row] == [1, 2, 3, 4]
     # The stall is measured at the first push after each evaluation (steps 1 and 3), and is at

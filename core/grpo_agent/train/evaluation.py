@@ -1,7 +1,8 @@
 """Evaluation during training: started right after a weight push, finished before the next.
 
 Design decision: an evaluation runs in a background thread of the main process (its own event
-loop and HTTP client against the same vLLM server), so training steps go on while it runs. It
+loop and HTTP client against the same vLLM server, opened once per run), so training steps go
+on while it runs. It
 is pinned to the version it started on by holding the *next* weight push until it has ended:
 the trainer stalls only when an evaluation outlasts the steps until that push, and the stall
 is measured (`perf/eval_push_wait_s`). With LoRA adapter sync, each request names the
@@ -10,9 +11,12 @@ prompt stream, the staleness window and the prompt ledger never see an eval row.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
@@ -59,8 +63,43 @@ def check_eval_args(args: Any, eval_dataset: Any) -> None:
             "be chosen by them at save time. Remove them; eval/* is in the logs.")
 
 
+class _SessionThread:
+    """An event loop in a daemon thread holding one open `EvalSession` across a run's
+    evaluations: the server probe, the loop's construction and `setup` are paid once, not at
+    every evaluation (where they would lengthen the push wait)."""
+
+    def __init__(self, factory: Callable[[], EvalSession]) -> None:
+        self._factory = factory
+        self._session: EvalSession | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-agent-eval",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: list[dict], version: int) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self._evaluate(rows, version), self._loop)
+
+    async def _evaluate(self, rows: list[dict], version: int) -> EvalResult:
+        if self._session is None:
+            session = self._factory()
+            await session.__aenter__()
+            self._session = session
+        return await self._session.evaluate(rows, version)
+
+    def close(self) -> None:
+        try:
+            if self._session is not None:
+                closing = self._session.__aexit__(None, None, None)
+                asyncio.run_coroutine_threadsafe(closing, self._loop).result(timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
 class TrainingEvaluator:
-    """One evaluation at a time, in a background thread; the trainer logs finished ones."""
+    """One evaluation at a time, beside training; the trainer logs finished ones."""
 
     def __init__(self, trainer: AsyncGRPOTrainer, eval_dataset: Any, env_threshold: float | None) -> None:
         from grpo_agent.rollout.evaluation import dataset_rows
@@ -68,7 +107,8 @@ class TrainingEvaluator:
         self.trainer = trainer
         self.rows = dataset_rows(eval_dataset)
         self.settings = EvalSettings.from_config(trainer.args, env_threshold)
-        self._thread: threading.Thread | None = None
+        self._runner: _SessionThread | None = None  # opened at the first evaluation of a run
+        self._future: concurrent.futures.Future | None = None
         self._result: EvalResult | None = None
         self._error: BaseException | None = None
         self._step = 0
@@ -86,37 +126,41 @@ class TrainingEvaluator:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._future is not None
 
     def start(self, version: int, step: int) -> None:
         """Evaluate `version` (the one on the server now) in the background."""
         self.wait()  # one at a time: a new one waits for the last (it pins an older version)
         self._step, self._result, self._error = step, None, None
         self.before_next_push = True
-
-        def target() -> None:
-            try:
-                self._result = run_evaluation(self.session, self.rows, version)
-            except BaseException as error:  # noqa: BLE001 - re-raised in the trainer's thread
-                self._error = error
-
-        self._thread = threading.Thread(target=target, name="grpo-agent-eval", daemon=True)
-        self._thread.start()
+        if self._runner is None:
+            self._runner = _SessionThread(self.session)
+        self._future = self._runner.submit(self.rows, version)
 
     def wait(self) -> float:
         """Block until the running evaluation ends (if any); returns the seconds waited."""
-        if self._thread is None:
+        if self._future is None:
             return 0.0
         started = time.perf_counter()
-        self._thread.join()
-        self._thread = None
+        try:
+            self._result = self._future.result()
+        except BaseException as error:  # noqa: BLE001 - raised by take_finished, with the step
+            self._error = error
+        self._future = None
         return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for the running evaluation, then close the session (at the end of `train`)."""
+        self.wait()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            runner.close()
 
     def take_finished(self) -> dict[str, float] | None:
         """The last finished evaluation's metrics (once), or None; raises its error."""
-        if self._thread is not None and not self._thread.is_alive():
+        if self._future is not None and self._future.done():
             self.wait()
-        if self._thread is not None:
+        if self._future is not None:
             return None
         if self._error is not None:
             error, self._error = self._error, None
@@ -160,7 +204,7 @@ class EvaluationCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         evaluator = self.trainer.evaluator
         if evaluator is not None:
-            evaluator.wait()
+            evaluator.close()
             self._log_finished(control)
 
     def _log_finished(self, control) -> None:
