@@ -36,6 +36,7 @@ def server(vllm_server):
 def _run(server, tmp_path, name, **eval_args):
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.train.reporting import JsonlMetricsCallback
     from transformers import TrainerCallback
 
     args = AsyncGRPOConfig(
@@ -46,7 +47,8 @@ def _run(server, tmp_path, name, **eval_args):
         model=str(server.model_path), reward_funcs=[position_reward, letter_share], args=args,
         train_dataset=Dataset.from_dict(_prompts(["The sky is", "A cat", "Two plus", "Hello"])),
         eval_dataset=(Dataset.from_dict(_prompts([f"{MARK} one", f"{MARK} two"]))
-                      if eval_args else None))
+                      if eval_args else None),
+        callbacks=[JsonlMetricsCallback()])
     trained = []
 
     class Record(TrainerCallback):
@@ -71,6 +73,11 @@ def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alon
                      "eval/completions/mean_length", "eval/model_version", "eval/duration_s"):
             assert name in row and math.isfinite(row[name]), (name, row)
         assert row["eval/num_rows"] == 2.0
+    # The JSONL holds the same eval rows (CLI runs write it; the plot's eval panel reads it).
+    from grpo_agent.train.reporting import read_metrics
+
+    jsonl = [row for row in read_metrics(tmp_path / "eval" / "metrics.jsonl") if "eval/reward" in row]
+    assert [row["eval/step"] for row in jsonl] == [row["eval/step"] for row in evals]
     # The pin: every eval token was sampled with the version the evaluation names, and the
     # versions follow the pushes (one per step).
     results = trainer.evaluator.results
@@ -105,12 +112,13 @@ def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alon
     assert [p for p, _ in _trained_prompts(trained)] == [0, 1, 2, 3]
     assert _frontiers(tmp_path / "eval")[-1] >= 4 and _frontiers(tmp_path / "plain")[-1] >= 4
     assert plain.evaluator is None
-    print(f"mean perf/step_s with eval {_mean_step_s(trainer):.2f}, without {_mean_step_s(plain):.2f}")
+    for key in ("perf/step_s", "perf/rollout_wait_s"):
+        print(f"mean {key} with eval {_mean(trainer, key):.3f}, without {_mean(plain, key):.3f}")
 
 
-def _mean_step_s(trainer):
-    times = [row["perf/step_s"] for row in trainer.state.log_history if "perf/step_s" in row]
-    return sum(times) / len(times)
+def _mean(trainer, key):
+    values = [row[key] for row in trainer.state.log_history if key in row]
+    return sum(values) / len(values)
 
 
 def _trained_prompts(samples, epoch_size=4):
