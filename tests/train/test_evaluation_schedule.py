@@ -138,3 +138,19 @@ def test_a_trainer_with_eval_on_but_no_split_says_what_to_pass(tmp_path):
 
 
 EVAL_SPLIT = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * 2})
+
+
+def test_eval_strategy_epoch_evaluates_once_the_run_is_over(tmp_path, scripted_eval):
+    trainer = run_trainer(tmp_path, scripted_eval, steps=2, eval_dataset=EVAL_SPLIT,
+                          eval_strategy="epoch")
+    assert [e for e in scripted_eval.events if e[0] == "eval_start"] == [("eval_start", 2)]
+    assert [row["eval/step"] for row in trainer.state.log_history if "eval/pass@1" in row] == [2.0]
+
+
+def test_an_eval_dataset_dict_is_refused_with_what_to_pass():
+    from grpo_agent.rollout.evaluation import dataset_rows
+
+    with pytest.raises(TypeError, match="evaluation takes one split"):
+        dataset_rows({"a": EVAL_SPLIT, "b": EVAL_SPLIT})
+    with pytest.raises(ValueError, match="eval dataset is empty"):
+        dataset_rows([])

@@ -241,6 +241,10 @@ def dataset_rows(dataset: Any) -> list[dict[str, Any]]:
     """The eval split as plain rows (a `datasets.Dataset`, a list of dicts, or any iterable)."""
     if dataset is None:
         return []
+    if isinstance(dataset, dict):
+        raise TypeError(
+            f"eval_dataset is a dict ({sorted(dataset)[:5]}): evaluation takes one split. Pass one "
+            "datasets.Dataset (or list of rows); concatenate splits to evaluate them together.")
     rows = [dict(row) for row in dataset]
     if not rows:
         raise ValueError("The eval dataset is empty: give it at least one row, or turn eval off "
