@@ -153,16 +153,34 @@ def test_qwen3_next_layers_pack_too():
 
 
 def test_plan_taps_follow_each_tokens_own_path():
+    """The first K-1 tokens of each segment (the rows the plain convolution gets wrong) read
+    their own path; every other token's predecessors are the K-1 tokens before it in the row."""
     samples = _row_cases()["short_segments"]
     row = pack_row(samples)
     plan = gated_deltanet.DeltaPlan.build(row, "cpu", conv_kernel=4)
-    ids = row.input_ids.tolist() + [None]
+    ids = row.input_ids.tolist()
+    fixed = plan.taps
     for s, path in enumerate(row.segment_paths):
+        own = sum(int(row.segment_ids[i]) == s for i in path)
         for p, token in enumerate(path):
             if int(row.segment_ids[token]) != s:
                 continue
             want = [None] * max(0, 3 - p) + [ids[i] for i in path[max(0, p - 3): p + 1]]
-            assert [ids[i] for i in plan.taps[token].tolist()] == want
+            if p - (len(path) - own) < 3:
+                assert [None if i is None else ids[i] for i in fixed[token]] == want
+            else:
+                assert token not in fixed and ids[token - 3: token + 1] == want
+
+
+def test_chunk_size_does_not_change_the_rule(tiny_hybrid, packed_hybrid, monkeypatch):
+    """Chunks of 16 (many steps, siblings mid-chunk) give what the default chunk gives."""
+    from grpo_agent.train import delta_rule
+
+    samples = _row_cases()["group_sharing_a_prompt"] + _row_cases()["deeper_than_three_levels"]
+    monkeypatch.setattr(delta_rule, "CHUNK", 16)
+    row = _assert_packed_matches(tiny_hybrid, packed_hybrid, samples)
+    plan = gated_deltanet.DeltaPlan.build(row, "cpu", conv_kernel=4)
+    assert plan.chunk == 16 and len(plan.step_sizes) > 5
 
 
 def test_other_recurrent_layers_are_refused_by_name():

@@ -1,16 +1,28 @@
-"""Kernels for Gated DeltaNet layers on tree-packed rows: path convolution and varlen delta rule.
+"""Kernels for Gated DeltaNet layers on tree-packed rows: path convolution and tree delta rule.
 
 Design decision: both kernels take the trie's structure as plain index tensors built once per
-row (`gated_deltanet.DeltaPlan`), so they know nothing about tries:
+row (`gated_deltanet.DeltaPlan`), so they know nothing about tries, and both are written for
+few, large kernels: in eager mode a GPU step of a hybrid is bound by the host queueing kernels,
+not by arithmetic (a 2B hybrid queued ~1300 small kernels per Gated DeltaNet layer before).
 - `path_conv`: the depthwise causal convolution where tap j of token i reads the token j steps
-  before it *along its own sample* (an index table [N, K]; a missing predecessor reads zero).
-  A custom autograd function saves only the input, not one gathered copy per tap.
-- `chunk_delta_rule`: the chunked gated delta rule over several sequences at once (varlen,
-  `cu_seqlens`), each starting from its own initial state and returning its final state, so a
-  depth of the trie is one call. The torch version pads the sequences into a batch (zero
-  keys, beta 0 and decay 0 past a sequence's end leave its state unchanged, so padding is
-  exact) and runs the WY-form chunk algorithm of the Gated DeltaNet paper; on CUDA
-  flash-linear-attention's `chunk_gated_delta_rule` (same contract) runs when importable.
+  before it *along its own sample*. Segments are contiguous in the row, so the ordinary causal
+  convolution over the row (the unpacked path's own `conv1d`) is already right for every token
+  at least K-1 tokens into its segment; only the first K-1 tokens of each segment read across
+  a segment boundary, and those few rows are recomputed from an index table of their true
+  predecessors (a missing predecessor reads zero) and written over the convolution's rows.
+- `tree_chunk_delta_rule`: the chunked gated delta rule over all segments of the row at once.
+  Each segment is cut into chunks of `CHUNK` tokens (its last chunk padded: zero keys, beta 0
+  and decay 0 leave the state unchanged, so padding is exact), and every chunk's within-chunk
+  work (the WY system and its triangular solve, the causal scores) runs batched over all
+  chunks of the row. What is left is linear in the state: a chunk maps the state S it starts
+  from to A S + B (A = e^{decay} I - K_w^T W, B = K_w^T U), so the only sequential part is
+  one batched matmul per *step*, where step t holds every chunk that is t chunks from its root
+  along its trie path: its predecessor (the previous chunk of its segment, or its parent
+  segment's last chunk; siblings share it; roots start from zero) is in step t-1. Outputs are
+  then one batched read of each chunk's start state. Forward and backward are those of each
+  sample run alone (float32 throughout, as transformers' torch rule).
+  On CUDA flash-linear-attention's varlen `chunk_gated_delta_rule` (per-segment initial
+  states, depth by depth) runs instead when importable and safe.
 The recurrence, per head with state S [Dk, Dv]: S <- exp(g_t) S; S <- S + beta_t k_t (v_t -
 S^T k_t)^T; o_t = S^T q_t, with q, k L2-normalised and q scaled by Dk^-1/2.
 """
@@ -21,91 +33,95 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 64
-
-
-class _PathConv(torch.autograd.Function):
-    """out[:, i] = sum_j w[:, j] x[:, taps[i, j]] (+ bias); column N of x is an implicit zero."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, taps):
-        # x [N, C], weight [C, K], taps [N, K] long with N meaning "no predecessor".
-        # Sums run in float32 (as cuDNN's half-precision convolution accumulates).
-        work = torch.promote_types(weight.dtype, torch.float32)
-        padded, w = F.pad(x, (0, 0, 0, 1)).to(work), weight.to(work)
-        out = padded.index_select(0, taps[:, 0]) * w[:, 0]
-        for j in range(1, taps.shape[1]):
-            out = out + padded.index_select(0, taps[:, j]) * w[:, j]
-        if bias is not None:
-            out = out + bias.to(work)
-        ctx.save_for_backward(x, weight, taps)
-        ctx.has_bias = bias is not None
-        return out.to(weight.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, taps = ctx.saved_tensors
-        work = torch.promote_types(weight.dtype, torch.float32)
-        padded, w, grad = F.pad(x, (0, 0, 0, 1)).to(work), weight.to(work), grad.to(work)
-        grad_x = torch.zeros_like(padded)
-        grad_w = torch.empty_like(w)
-        for j in range(taps.shape[1]):
-            grad_x.index_add_(0, taps[:, j], grad * w[:, j])
-            grad_w[:, j] = (grad * padded.index_select(0, taps[:, j])).sum(0)
-        grad_b = grad.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x[:-1].to(x.dtype), grad_w.to(weight.dtype), grad_b, None
+# Tokens per chunk of the torch tree rule: the sequential part is one step per chunk along the
+# longest path, so longer chunks mean fewer (host-bound) steps; the within-chunk work grows
+# with it but is batched. transformers' torch rule uses 64 (the result is the same either way).
+CHUNK = 128
 
 
 def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              taps: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise convolution along trie paths: x [N, C] -> [N, C] (weight's dtype)."""
-    return _PathConv.apply(x.to(weight.dtype), weight, bias, taps)
+              fix_rows: torch.Tensor, fix_taps: torch.Tensor, fix_valid: torch.Tensor
+              ) -> torch.Tensor:
+    """Causal depthwise convolution along trie paths: x [C, N] -> [C, N] (weight's dtype).
+
+    `fix_rows` [M]: the tokens fewer than K-1 tokens into their segment; `fix_taps` [M*K] the
+    token each of their taps reads, oldest first, and `fix_valid` [M*K, 1] 0 where there is
+    none (that tap reads zero)."""
+    channels, n = x.shape
+    kernel = weight.shape[-1]
+    x = x.to(weight.dtype)
+    out = torch.nn.functional.conv1d(x[None], weight[:, None], bias, padding=kernel - 1,
+                                     groups=channels)[0, :, :n]
+    if fix_rows.numel() == 0:
+        return out
+    # The boundary rows, summed in float32 (as cuDNN's half-precision convolution accumulates).
+    work = torch.promote_types(weight.dtype, torch.float32)
+    taps = x.t().index_select(0, fix_taps).to(work) * fix_valid  # [M*K, C]
+    fixed = (taps.view(-1, kernel, channels) * weight.t().to(work)).sum(1)
+    if bias is not None:
+        fixed = fixed + bias.to(work)
+    return out.index_copy(1, fix_rows, fixed.t().to(out.dtype))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def torch_chunk_delta_rule(q, k, v, g, beta, initial_state, pad_index, batch, length,
-                           want_final: bool):
-    """Varlen gated delta rule in torch. q, k [T, H, Dk] (already L2-normalised, q scaled),
-    v [T, H, Dv], g, beta [T, H]; `pad_index` [B*L] picks each sequence's rows into a padded
-    [B, L] batch (T means padding); initial_state [B, H, Dk, Dv] or None.
-    Returns outputs [T, H, Dv] (float32) and final states [B, H, Dk, Dv] (or None)."""
-    def padded(x):
-        x = F.pad(x.float(), (0, 0) * (x.dim() - 1) + (0, 1))
-        return x.index_select(0, pad_index).unflatten(0, (batch, length)).transpose(1, 2)
-
-    q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))  # [B, H, L, ...]
-    chunks = length // CHUNK
-    q, k, v = (x.unflatten(2, (chunks, CHUNK)) for x in (q, k, v))  # [B, H, n, C, D]
-    g, beta = (x.unflatten(2, (chunks, CHUNK)) for x in (g, beta))  # [B, H, n, C]
+def tree_chunk_delta_rule(q, k, v, g, beta, slots, num_chunks, step_sizes, step_preds,
+                          use_qk_l2norm: bool, chunk: int = CHUNK):
+    """The gated delta rule along trie paths, in torch. q, k [N, H, Dk], v [N, H, Dv], g, beta
+    [N, H] (any float dtypes); `slots` [N]: each token's row in the chunk layout
+    [num_chunks * chunk], chunks ordered by step; `step_sizes`: chunks per step;
+    `step_preds[t]` (t >= 1): each chunk's predecessor among step t-1's chunks (None: the
+    i-th chunk of step t follows the i-th of step t-1). Returns [N, H, Dv] in float32."""
+    _, heads, dk = k.shape
+    dv = v.shape[-1]
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * dk ** -0.5
+    x = torch.cat([q, k, v.float(), g.float()[..., None], beta.float()[..., None]], -1)
+    width = x.shape[-1]
+    x = x.new_zeros(num_chunks * chunk, heads, width).index_copy(0, slots, x)
+    x = x.view(num_chunks, chunk, heads, width).transpose(1, 2)  # [C, H, L, width]
+    q, k, v = x[..., :dk], x[..., dk:2 * dk], x[..., 2 * dk:2 * dk + dv]
+    g, beta = x[..., -2], x[..., -1]  # [C, H, L]
     decay = g.cumsum(-1)  # log decay from the chunk's start up to and including t
-    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).triu(1)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * beta[..., None]
+    grow = decay.exp()[..., None]
     # WY form: (I + strictly-lower(beta_i k_i.k_j decay_ij)) [u | w] = [beta v | beta k e^decay]
     system = (k_beta @ k.transpose(-1, -2)) * pair
-    rhs = torch.cat([v * beta[..., None], k_beta * decay.exp()[..., None]], -1)
+    rhs = torch.cat([v * beta[..., None], k_beta * grow], -1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved.split([v.shape[-1], k.shape[-1]], -1)
     inner = (q @ k.transpose(-1, -2)) * pair  # causal scores within the chunk, diagonal included
-    q_read = q * decay.exp()[..., None]
-    k_write = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = (initial_state.float() if initial_state is not None else
-             q.new_zeros(batch, q.shape[1], k.shape[-1], v.shape[-1]))
-    outs = []
-    for c in range(chunks):
-        new_v = u[:, :, c] - w[:, :, c] @ state
-        outs.append(q_read[:, :, c] @ state + inner[:, :, c] @ new_v)
-        state = state * chunk_decay[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ new_v
-    out = torch.stack(outs, 2).flatten(2, 3).transpose(1, 2).flatten(0, 1)  # [B*L, H, Dv]
-    return out, (state if want_final else None)
+    # The chunk's effect: end state = A S + B with S its start state; output = M S + P.
+    last = decay[..., -1:]
+    k_write = k * (last - decay).exp()[..., None]
+    write = k_write.transpose(-1, -2) @ solved  # [C, H, Dk, Dv + Dk] = [B | K_w^T W]
+    eye = torch.eye(dk, dtype=x.dtype, device=x.device)
+    a = last.exp()[..., None] * eye - write[..., dv:]
+    b = write[..., :dv]
+    read = inner @ solved  # [inner U | inner W]
+    m = q * grow - read[..., dv:]
+    p = read[..., :dv]
+    # the only sequential part: one batched matmul per step along the trie
+    a_steps, b_steps = a.split(step_sizes), b.split(step_sizes)
+    starts = [x.new_zeros(step_sizes[0], heads, dk, dv)]
+    state = b_steps[0]
+    for t in range(1, len(step_sizes)):
+        prev = state if step_preds[t] is None else state.index_select(0, step_preds[t])
+        starts.append(prev)
+        state = torch.baddbmm(b_steps[t].flatten(0, 1), a_steps[t].flatten(0, 1),
+                              prev.flatten(0, 1)).view_as(prev)
+    start = torch.cat(starts) if len(starts) > 1 else starts[0]
+    out = m @ start + p  # [C, H, L, Dv]
+    out = out.transpose(1, 2).reshape(num_chunks * chunk, heads, dv)
+    return out.index_select(0, slots)
 
 
 @functools.cache

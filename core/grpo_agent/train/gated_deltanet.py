@@ -7,9 +7,11 @@ modeling module with dispatchers: with a packed row's `tree_mask` in the forward
 decoder passes them down) they run the tree versions, otherwise the originals. In the tree
 - the convolution of a token reads its predecessors along its own trie path (a segment shorter
   than the kernel reaches into its grandparents);
-- the delta rule walks the trie depth by depth, all segments of a depth in one varlen call,
-  each starting from its parent segment's final state (siblings share it; roots start from
-  zero), so forward and backward are those of each sample run alone.
+- the delta rule runs each segment from its parent segment's final state (siblings share it;
+  roots start from zero): the torch kernel does the within-chunk work of every segment of the
+  row in one batch and steps the state chunk by chunk along the trie (all chunks at the same
+  distance from their root at once); flash-linear-attention, where it runs, goes depth by depth
+  with per-segment initial states. Forward and backward are those of each sample run alone.
 `forward.forward_hidden` builds the row's `DeltaPlan` and checks afterwards that every linear
 layer took the tree path, so a transformers version that stops passing the kwargs fails loudly
 instead of letting the state run across segments. Kernels: `delta_rule`.
@@ -36,64 +38,105 @@ _PATCHED = "_grpo_tree_original"
 
 @dataclass
 class DeltaPlan:
-    """One row's structure for the linear layers, as index tensors on the model's device."""
+    """One row's structure for the linear layers, as index tensors on the model's device.
 
-    taps: torch.Tensor  # [N, K] long: token read by each conv tap (N = none), oldest first
-    depth_tokens: list[torch.Tensor]  # per depth: the rows of its segments, segment by segment
-    depth_cu: list[torch.Tensor]  # per depth: int32/long segment bounds in depth_tokens
-    depth_cu_cpu: list[torch.Tensor]
-    depth_parents: list[torch.Tensor | None]  # per depth: parent's index in the previous depth
-    pad_index: list[torch.Tensor]  # per depth: [B*L] into depth_tokens (torch kernel)
-    unpad_index: list[torch.Tensor]  # per depth: [T_d] rows of the padded output
-    pad_shape: list[tuple[int, int]]  # per depth: (segments B, padded length L)
-    inverse: torch.Tensor  # [N]: row of each token in the depths' outputs concatenated
+    Built once per row (`forward.forward_hidden`) and shared by every linear layer."""
+
+    # path convolution: the tokens fewer than K-1 tokens into their segment, and their taps
+    fix_rows: torch.Tensor  # [M] long
+    fix_taps: torch.Tensor  # [M*K] long: token read by each tap, oldest first
+    fix_valid: torch.Tensor  # [M*K, 1] float: 0 where the tap has no token (reads zero)
+    # torch delta rule: segments cut into chunks, chunks ordered by step along the trie
+    slots: torch.Tensor  # [N] long: each token's row in the [num_chunks * chunk] layout
+    num_chunks: int
+    step_sizes: list[int]  # chunks per step
+    step_preds: list[torch.Tensor | None]  # per step: predecessor in the previous step
+    chunk: int
     kernel: str  # "fla" or "torch"
+    fla: dict | None = None  # depth-by-depth index tensors for flash-linear-attention
     calls: dict[str, int] = field(default_factory=lambda: {"conv": 0, "rule": 0})
 
     @classmethod
-    def build(cls, row: PackedRow, device, conv_kernel: int) -> DeltaPlan:
+    def build(cls, row: PackedRow, device, conv_kernel: int,
+              chunk: int | None = None) -> DeltaPlan:
         device = torch.device(device)
-        n, seg_ids = row.num_tokens, row.segment_ids.tolist()
+        chunk = chunk or delta_rule.CHUNK
+        n = row.num_tokens
         _, counts = torch.unique_consecutive(row.segment_ids, return_counts=True)
         lens = counts.tolist()
         ends = counts.cumsum(0).tolist()
         starts = [e - ln for e, ln in zip(ends, lens)]
-        taps = []  # rows in token order: segments are contiguous and numbered in layout order
-        for path in row.segment_paths:
-            own = len(path) - lens[seg_ids[path[-1]]]
-            for p in range(own, len(path)):
-                taps.append([path[p - j] if p >= j else n for j in range(conv_kernel - 1, -1, -1)])
+        rows, taps, valid = [], [], []
+        for s, path in enumerate(row.segment_paths):
+            own = len(path) - lens[s]
+            for p in range(own, min(own + conv_kernel - 1, len(path))):
+                rows.append(path[p])
+                for j in range(conv_kernel - 1, -1, -1):
+                    taps.append(path[p - j] if p >= j else 0)
+                    valid.append(1.0 if p >= j else 0.0)
         depth = (row.segment_ancestors.sum(1) - 1).tolist()
-        by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
-        for s, d in enumerate(depth):
-            by_depth[d].append(s)
-        slot = {s: i for segs in by_depth for i, s in enumerate(segs)}
         parent = _parents(row.segment_ancestors, depth)
-        host: dict[str, list] = {k: [] for k in ("tokens", "cu", "parents", "pad", "unpad")}
-        shapes, order = [], []
-        for d, segs in enumerate(by_depth):
-            tokens = [i for s in segs for i in range(starts[s], ends[s])]
-            seg_lens = [lens[s] for s in segs]
-            cu = F.pad(torch.tensor(seg_lens).cumsum(0), (1, 0))
-            longest = -(-max(seg_lens) // delta_rule.CHUNK) * delta_rule.CHUNK
-            pad = torch.full((len(segs), longest), len(tokens))  # len(tokens): a zero row
-            for b, (lo, ln) in enumerate(zip(cu.tolist(), seg_lens)):
-                pad[b, :ln] = torch.arange(lo, lo + ln)
-            host["tokens"].append(torch.tensor(tokens))
-            host["cu"].append(cu)
-            host["parents"].append(torch.tensor([slot[parent[s]] for s in segs]) if d else None)
-            host["pad"].append(pad.flatten())
-            host["unpad"].append(
-                torch.cat([torch.arange(ln) + b * longest for b, ln in enumerate(seg_lens)]))
-            shapes.append((len(segs), longest))
-            order.extend(tokens)
-        inverse = torch.empty(n, dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(n)
-        moved = {k: to_device(device, *v) for k, v in host.items()}
+        # chunks: segment s (layout order: parents before children) starts at the step after
+        # its parent's last chunk; chunk i of s is at step first[s] + i
+        n_chunks = [-(-ln // chunk) for ln in lens]
+        first = [0] * len(lens)
+        for s in sorted(range(len(lens)), key=depth.__getitem__):
+            first[s] = first[parent[s]] + n_chunks[parent[s]] if parent[s] >= 0 else 0
+        by_step: list[list[tuple[int, int]]] = [
+            [] for _ in range(max(f + c for f, c in zip(first, n_chunks)))]
+        for s in range(len(lens)):
+            for i in range(n_chunks[s]):
+                by_step[first[s] + i].append((s, i))
+        index = {sc: i for step in by_step for i, sc in enumerate(step)}
+        preds: list[torch.Tensor | None] = [None]
+        order = [sc for step in by_step for sc in step]
+        for t in range(1, len(by_step)):
+            pred = [index[(s, i - 1)] if i else index[(parent[s], n_chunks[parent[s]] - 1)]
+                    for s, i in by_step[t]]
+            same = len(pred) == len(by_step[t - 1]) and pred == list(range(len(pred)))
+            preds.append(None if same else torch.tensor(pred))
+        global_index = {sc: g for g, sc in enumerate(order)}
+        table = torch.zeros(len(lens), max(n_chunks), dtype=torch.long)
+        for (s, i), g in global_index.items():
+            table[s, i] = g
+        seg = row.segment_ids.long()
+        pos = torch.arange(n) - torch.tensor(starts)[seg]
+        slots = table[seg, pos // chunk] * chunk + pos % chunk
         kernel = "fla" if device.type == "cuda" and delta_rule.fla_chunk_rule() else "torch"
-        taps_d, inverse_d = to_device(device, torch.tensor(taps), inverse)
-        return cls(taps_d, moved["tokens"], moved["cu"], host["cu"], moved["parents"],
-                   moved["pad"], moved["unpad"], shapes, inverse_d, kernel)
+        fla = _fla_plan(device, lens, starts, ends, depth, parent) if kernel == "fla" else None
+        moved = to_device(device, torch.tensor(rows, dtype=torch.long),
+                          torch.tensor(taps, dtype=torch.long),
+                          torch.tensor(valid).unsqueeze(1), slots, *preds)
+        return cls(*moved[:4], len(order), [len(s) for s in by_step], moved[4:], chunk, kernel,
+                   fla)
+
+    @property
+    def taps(self) -> dict[int, list[int | None]]:
+        """Boundary token -> the tokens its taps read (None: no predecessor), for inspection."""
+        k = self.fix_taps.numel() // max(1, self.fix_rows.numel())
+        taps = self.fix_taps.view(-1, k).tolist()
+        valid = self.fix_valid.view(-1, k).tolist()
+        return {r: [t if ok else None for t, ok in zip(ts, vs)]
+                for r, ts, vs in zip(self.fix_rows.tolist(), taps, valid)}
+
+
+def _fla_plan(device, lens, starts, ends, depth, parent) -> dict:
+    """Per depth: the tokens of its segments, their bounds, each segment's parent slot."""
+    by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+    for s, d in enumerate(depth):
+        by_depth[d].append(s)
+    slot = {s: i for segs in by_depth for i, s in enumerate(segs)}
+    tokens, cus, parents, order = [], [], [], []
+    for d, segs in enumerate(by_depth):
+        toks = [i for s in segs for i in range(starts[s], ends[s])]
+        tokens.append(torch.tensor(toks))
+        cus.append(F.pad(torch.tensor([lens[s] for s in segs]).cumsum(0), (1, 0)))
+        parents.append(torch.tensor([slot[parent[s]] for s in segs]) if d else None)
+        order.extend(toks)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return {"tokens": to_device(device, *tokens), "cu": to_device(device, *cus), "cu_cpu": cus,
+            "parents": to_device(device, *parents), "inverse": to_device(device, inverse)[0]}
 
 
 def _parents(ancestors: torch.Tensor, depth: list[int]) -> list[int]:
@@ -109,10 +152,11 @@ def _parents(ancestors: torch.Tensor, depth: list[int]) -> list[int]:
 def tree_conv(plan: DeltaPlan, hidden_states, weight, bias=None, activation=None):
     """The model's `causal_conv1d_fn` contract ([1, C, N] in and out) along trie paths."""
     plan.calls["conv"] += 1
-    out = delta_rule.path_conv(hidden_states[0].transpose(0, 1), weight, bias, plan.taps)
+    out = delta_rule.path_conv(hidden_states[0], weight, bias, plan.fix_rows, plan.fix_taps,
+                               plan.fix_valid)
     if activation is not None:
         out = F.silu(out) if activation in ("silu", "swish") else _activation(activation)(out)
-    return out.to(hidden_states.dtype).transpose(0, 1)[None]
+    return out.to(hidden_states.dtype)[None]
 
 
 def _activation(name: str):
@@ -123,37 +167,30 @@ def _activation(name: str):
 
 @torch.compiler.disable
 def tree_delta_rule(plan: DeltaPlan, query, key, value, g, beta, use_qk_l2norm_in_kernel=False):
-    """The model's chunked delta rule ([1, N, H, D] in, ([1, N, H, Dv], None) out), depth by
-    depth from each segment's parent state."""
+    """The model's chunked delta rule ([1, N, H, D] in, ([1, N, H, Dv], None) out), each
+    segment from its parent segment's final state."""
     plan.calls["rule"] += 1
     q, k, v, g, beta = (x[0] for x in (query, key, value, g, beta))
-    scale = q.shape[-1] ** -0.5
     fla = delta_rule.fla_chunk_rule() if plan.kernel == "fla" else None
     delta_rule.announce("flash-linear-attention" if fla else "torch")
     if fla is None:
-        q, k = q.float(), k.float()
-        if use_qk_l2norm_in_kernel:
-            q, k = delta_rule.l2norm(q), delta_rule.l2norm(k)
-        q = q * scale
+        out = delta_rule.tree_chunk_delta_rule(
+            q, k, v, g, beta, plan.slots, plan.num_chunks, plan.step_sizes, plan.step_preds,
+            use_qk_l2norm_in_kernel, plan.chunk)
+        return out.to(value.dtype)[None], None
+    depths = plan.fla
     outs, finals = [], None
-    last = len(plan.depth_tokens) - 1
-    for d, tokens in enumerate(plan.depth_tokens):
-        parts = [x.index_select(0, tokens) for x in (q, k, v, g, beta)]
-        parents = plan.depth_parents[d]
+    last = len(depths["tokens"]) - 1
+    for d, tokens in enumerate(depths["tokens"]):
+        parts = [x.index_select(0, tokens)[None] for x in (q, k, v, g, beta)]
+        parents = depths["parents"][d]
         h0 = finals.index_select(0, parents) if finals is not None else None
-        if fla is not None:
-            out, finals = fla(*(x[None] for x in parts), scale=scale, initial_state=h0,
-                              output_final_state=d < last, use_qk_l2norm_in_kernel=
-                              use_qk_l2norm_in_kernel, cu_seqlens=plan.depth_cu[d],
-                              cu_seqlens_cpu=plan.depth_cu_cpu[d])
-            out = out[0]
-        else:
-            batch, length = plan.pad_shape[d]
-            out, finals = delta_rule.torch_chunk_delta_rule(
-                *parts, h0, plan.pad_index[d], batch, length, d < last)
-            out = out.index_select(0, plan.unpad_index[d])
-        outs.append(out)
-    out = torch.cat(outs).index_select(0, plan.inverse)
+        out, finals = fla(*parts, scale=q.shape[-1] ** -0.5, initial_state=h0,
+                          output_final_state=d < last,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                          cu_seqlens=depths["cu"][d], cu_seqlens_cpu=depths["cu_cpu"][d])
+        outs.append(out[0])
+    out = torch.cat(outs).index_select(0, depths["inverse"])
     return out.to(value.dtype)[None], None
 
 
