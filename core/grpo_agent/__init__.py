@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncGRPOConfig": "grpo_agent.config",
     "AsyncGRPOTrainer": "grpo_agent.train.trainer",
+    "HarnessAsyncGRPOTrainer": "grpo_agent.train.harness_trainer",
+    "AgentCommand": "grpo_agent.rollout.agent_programs",
+    "agent": "grpo_agent.plugins.decorators",
     "AsyncRolloutLoop": "grpo_agent.rollout.loop",
     "Rollout": "grpo_agent.types",
     "TurnRecord": "grpo_agent.types",
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from grpo_agent.config import AsyncGRPOConfig
     from grpo_agent.plugins.decorators import (
         advantage_estimator,
+        agent,
         environment,
         prompt_filter,
         reward,
@@ -42,7 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from grpo_agent.plugins.hookspecs import hookimpl
     from grpo_agent.plugins.manager import load_environment
     from grpo_agent.plugins.options import Option
+    from grpo_agent.rollout.agent_programs import AgentCommand
     from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.train.harness_trainer import HarnessAsyncGRPOTrainer
     from grpo_agent.train.trainer import AsyncGRPOTrainer
     from grpo_agent.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 

@@ -5,6 +5,7 @@ entry points); `check_picklable` enforces the spec's pickling rule before a run 
 """
 from grpo_agent.plugins.decorators import (
     advantage_estimator,
+    agent,
     environment,
     prompt_filter,
     reward,
@@ -35,6 +36,7 @@ __all__ = [
     "ToolSchemaError",
     "UnknownNameError",
     "advantage_estimator",
+    "agent",
     "build_registry",
     "check_picklable",
     "clear_cache",

@@ -112,6 +112,11 @@ def advantage_estimator(name_or_fn: Any = None, *, options: Sequence[Any] = ()):
     return _named_decorator("advantage_estimator", name_or_fn, {"options": tuple(options)})
 
 
+def agent(name_or_fn: Any = None):
+    """Mark an agent program `async def run(client: openai.AsyncOpenAI, row) -> float | None`."""
+    return _named_decorator("agent", name_or_fn)
+
+
 def prompt_filter(name_or_fn: Any = None, *, options: Sequence[Any] = ()):
     """Mark a prompt filter `(row_index, row, epoch) -> bool`."""
     return _named_decorator("prompt_filter", name_or_fn, {"options": tuple(options)})

@@ -42,6 +42,15 @@ def register_tools(register: Register) -> None:
     """
 
 
+@hookspec
+def register_agents(register: Register) -> None:
+    """Register agent programs: `register(fn, name=None)` (trained by HarnessAsyncGRPOTrainer).
+
+    Signature `async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`, marked
+    with `@agent("name")`; it talks to the policy only through `client` (the gateway).
+    """
+
+
 # ---- scoring ----------------------------------------------------------------------------
 
 
@@ -89,4 +98,5 @@ REGISTRATION_HOOKS = (
     "register_rewards",
     "register_advantage_estimators",
     "register_prompt_filters",
+    "register_agents",
 )

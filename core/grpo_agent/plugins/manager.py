@@ -33,6 +33,7 @@ _HOOK_KINDS = {
     "register_rewards": "reward",
     "register_advantage_estimators": "advantage_estimator",
     "register_prompt_filters": "prompt_filter",
+    "register_agents": "agent",
 }
 
 _cache: dict[tuple, Registry] = {}

@@ -25,7 +25,7 @@ from grpo_agent.plugins.errors import (
 from grpo_agent.plugins.options import Option, bind_options, declared_options
 from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, tool_schema
 
-KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter")
+KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter", "agent")
 
 
 @dataclass
@@ -145,6 +145,10 @@ class Registry:
     def prompt_filters(self) -> dict[str, Callable]:
         return {name: e.obj for name, e in self.entries["prompt_filter"].items()}
 
+    @property
+    def agents(self) -> dict[str, Callable]:
+        return {name: e.obj for name, e in self.entries["agent"].items()}
+
     def distribution_of(self, kind: str, name: str) -> str:
         return self.entries[kind][self._canonical(kind, name)].distribution
 
@@ -218,6 +222,9 @@ class Registry:
 
     def resolve_prompt_filter(self, ref: str | Callable) -> Callable:
         return self._lookup("prompt_filter", ref)
+
+    def resolve_agent(self, ref: str | Callable) -> Callable:
+        return self._lookup("agent", ref)
 
     def bind_plugin(self, kind: str, ref: str | Callable, plugin_args: Mapping[str, Mapping] | None) -> Callable:
         """`kind`'s object for `ref` with its options from `plugin_args[ref]` bound as keywords.

@@ -76,6 +76,8 @@ class AsyncRolloutLoop:
     under (`adapter_name`), so a rollout begun under an old policy finishes under it.
     """
 
+    reports_tools = False  # True: log `tools/*` even without `tools` (the harness gateway)
+
     def __init__(self, config, model_name, dataset, reward_funcs, processing_class, eos_token_ids,
                  rollout_buffer, model_version_value, token_allowance, heartbeat_value,
                  failed_event, exception_info_queue, metrics_queue, tools=None,
@@ -115,9 +117,13 @@ class AsyncRolloutLoop:
         """One rollout: the multi-turn tool loop (rendering, sampling, tool calls)."""
         return await run_tool_loop(self, prompt, tools, group_id)
 
-    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One vLLM request with the config's sampling settings, on the rollout's policy."""
+    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
+        """One vLLM request with the config's sampling settings, on the rollout's policy.
+
+        `max_tokens` lowers `max_completion_length` for this call (the gateway's max_tokens)."""
         params = self._sampling_params
+        if max_tokens is not None:
+            params = replace(params, max_tokens=max_tokens)
         if self._seeds is not None:
             params = replace(params, seed=next(self._seeds))
         version = _ROLLOUT_VERSION.get(None)
@@ -338,7 +344,7 @@ class AsyncRolloutLoop:
         scores, failure = await run_reward_functions(self.reward_funcs, group, self.tool_executor)
         self._failures.record(list(self.reward_funcs), failure)
         self._observations += observations.completion_observations(
-            group.rollouts, with_tools=bool(self.tools or self._env_runner))
+            group.rollouts, with_tools=bool(self.tools or self._env_runner or self.reports_tools))
         if failure is not None:
             self._observe("rollout/reward_error_count", 1)
             self._finish_group(group, [], PromptConsumed(prompt_index, group.row_index, "reward_error"))

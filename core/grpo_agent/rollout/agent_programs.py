@@ -1,0 +1,123 @@
+"""Running one agent program against the gateway: an async function or a command.
+
+An agent is `async def run(client: openai.AsyncOpenAI, row: dict) -> float | None` (its reward,
+or None to leave scoring to `reward_funcs`), or a command run per rollout with the gateway in
+`OPENAI_BASE_URL`/`OPENAI_API_KEY`, the row as JSON on stdin and its reward as the last line of
+stdout (empty or `null`: None).
+
+Design decision: whatever the agent does wrong (raises, hangs past its timeout, exits
+non-zero, returns something that is not a number) becomes an `AgentFailure` for its rollout
+only, with a message that names the problem; the caller counts it and drops the rollout.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+STDERR_TAIL = 2000
+
+
+@dataclass(frozen=True)
+class AgentCommand:
+    """A command agent: `grpo-agent train --agent-cmd "python my_agent.py"`."""
+
+    command: str
+    cwd: str | None = None
+
+
+class AgentFailure(Exception):
+    """The agent failed this rollout; `kind` is "error" or "timeout"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def resolve_agent(ref: Any) -> Callable | AgentCommand:
+    """An agent from a callable, an `AgentCommand`, a registered name or `pkg.mod:attr`."""
+    if isinstance(ref, AgentCommand) or callable(ref):
+        agent = ref
+    elif isinstance(ref, str):
+        from grpo_agent.plugins.manager import load_registry
+
+        agent = load_registry().resolve_agent(ref)
+    else:
+        raise TypeError(f"agent must be an async function, an AgentCommand, a registered agent "
+                        f"name or 'pkg.module:attr', got {ref!r}.")
+    if not isinstance(agent, AgentCommand) and not asyncio.iscoroutinefunction(agent):
+        raise TypeError(f"The agent {ref!r} is not an async function: write it as `async def "
+                        "run(client: openai.AsyncOpenAI, row: dict) -> float | None`.")
+    return agent
+
+
+def check_reward(value: Any, source: str) -> float | None:
+    """The agent's reward as a float (None passes through); anything else is its error."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AgentFailure("error", f"{source} returned {value!r}; an agent returns a finite float "
+                           "(its reward) or None (score it with reward_funcs).")
+    return float(value)
+
+
+async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row: dict,
+                    timeout_s: float) -> float | None:
+    """Run the agent for one rollout; raises `AgentFailure` for anything it does wrong."""
+    if isinstance(agent, AgentCommand):
+        return await _run_command(agent, base_url, key, row, timeout_s)
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s)
+    name = getattr(agent, "__name__", repr(agent))
+    try:
+        value = await asyncio.wait_for(agent(client, dict(row)), timeout_s)
+    except asyncio.TimeoutError as error:
+        raise AgentFailure("timeout", f"The agent {name!r} ran past its {timeout_s:g} s "
+                           "(agent_timeout_s).") from error
+    except Exception as error:  # an agent bug costs only its rollout
+        raise AgentFailure("error", f"The agent {name!r} raised {type(error).__name__}: {error}") from error
+    finally:
+        await client.close()
+    return check_reward(value, f"The agent {name!r}")
+
+
+async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict,
+                       timeout_s: float) -> float | None:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key}
+    process = await asyncio.create_subprocess_exec(
+        *shlex.split(agent.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=agent.cwd, start_new_session=True)
+    payload = json.dumps(row, ensure_ascii=False, default=str).encode()
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(payload), timeout_s)
+    except asyncio.TimeoutError as error:
+        raise AgentFailure("timeout", f"The agent command {agent.command!r} ran past its "
+                           f"{timeout_s:g} s (agent_timeout_s); it was killed.") from error
+    finally:
+        if process.returncode is None:  # its whole process group, not only the shell
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await process.wait()
+    if process.returncode != 0:
+        tail = stderr.decode(errors="replace")[-STDERR_TAIL:]
+        raise AgentFailure("error", f"The agent command {agent.command!r} exited with code "
+                           f"{process.returncode}. Its stderr ends with:\n{tail}")
+    lines = [line.strip() for line in stdout.decode(errors="replace").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if last in ("", "null", "None"):
+        return None
+    try:
+        value = float(last)
+    except ValueError as error:
+        raise AgentFailure("error", f"The agent command {agent.command!r} printed {last!r} as its "
+                           "last line; print the reward (a number) or nothing.") from error
+    return check_reward(value, f"The agent command {agent.command!r}")

@@ -1,0 +1,329 @@
+"""A token-faithful OpenAI-compatible gateway, served by the rollout worker in its event loop.
+
+An agent program talks to the policy through `/v1/chat/completions` as it would to any
+OpenAI-compatible server. Each rollout gets its own random API key (`AgentSession`), so every
+call is attributed to exactly one rollout and nothing else on the machine can write into it.
+
+Design decision: the gateway never lets the sampler see text. A call renders the request's
+messages with the training chat template (the prefix-preserving patched one when tools are
+on, as the built-in tool loop does), samples token-in/token-out through the loop's
+`generate_one_turn` (the config's sampling settings, the rollout's model version or adapter)
+and records the exact prompt ids, generated ids, log-probs and top-k as a `TurnRecord`. The
+text the agent gets back is only a view of those tokens; whatever history it sends next is
+re-rendered, and fork reconciliation decides whether it extends the sample or starts a new
+one. The request's temperature/top_p are never used: the `x-grpo-agent-sampling` response
+header says so. Streaming sends the finished turn as server-sent-event chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
+from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.types import TurnRecord
+
+SAMPLING_HEADER = "x-grpo-agent-sampling"
+SAMPLING_NOTE = "config (request temperature/top_p ignored)"
+
+
+@dataclass(frozen=True)
+class HarnessLimits:
+    """Per-rollout budgets and where the gateway listens (loopback unless told otherwise)."""
+
+    timeout_s: float = 600.0  # wall time of one agent run
+    max_calls: int | None = 64  # model calls per rollout
+    max_generated_tokens: int | None = None  # generated tokens per rollout
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+
+
+class GatewayError(Exception):
+    """An error the agent sees as an OpenAI error body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+@dataclass
+class AgentSession:
+    """One rollout's view of the gateway: its key, model version, budgets and recorded calls."""
+
+    version: int
+    key: str = field(default_factory=lambda: "grpo-" + secrets.token_urlsafe(24))
+    started: float = field(default_factory=time.monotonic)
+    turns: list[TurnRecord] = field(default_factory=list)
+    first_messages: list[dict] | None = None
+    last_messages: list[dict] = field(default_factory=list)
+    generated_tokens: int = 0
+    rejected_calls: int = 0  # calls answered with an error (4xx/5xx)
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    parallel_calls: list[int] = field(default_factory=list)
+    in_flight: int = 0
+
+
+def _text(content) -> str | None:
+    """OpenAI content (a string or a list of parts) as the plain text templates expect."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise GatewayError(400, f"message content must be a string or a list of parts, got {type(content).__name__}",
+                       param="messages")
+
+
+def template_messages(messages) -> list[dict]:
+    """The request's messages in the form the chat template renders (arguments as objects,
+    as the built-in tool loop keeps them, so re-rendered history matches generated tokens)."""
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "'messages' must be a non-empty list of chat messages.", param="messages")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise GatewayError(400, f"messages[{index}] must be an object with a string 'role'.",
+                               param=f"messages[{index}]")
+        content = _text(message.get("content"))
+        if content is None and message.get("role") == "assistant":
+            content = ""  # as the tool loop keeps a turn that only calls tools
+        converted = {**message, "content": content}
+        if message.get("role") == "developer":
+            converted["role"] = "system"
+        if message.get("tool_calls"):
+            converted["tool_calls"] = [_template_call(call) for call in message["tool_calls"]]
+        out.append(converted)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass  # rendered verbatim: the model wrote it so
+    return {"type": "function", "function": function}
+
+
+def _openai_calls(parsed: ParsedTurn) -> list[dict]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for call in parsed.calls]
+
+
+class Gateway:
+    """Serves `/v1/chat/completions` and `/v1/models` for one `AsyncRolloutLoop`."""
+
+    def __init__(self, loop, limits: HarnessLimits):
+        self.loop = loop
+        self.limits = limits
+        self.sessions: dict[str, AgentSession] = {}
+        self.base_url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL agents use (ending in /v1)."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.limits.host, self.limits.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_session(self, version: int) -> AgentSession:
+        session = AgentSession(version=version)
+        self.sessions[session.key] = session
+        return session
+
+    def close_session(self, session: AgentSession) -> None:
+        """After this, calls with the session's key are refused (401)."""
+        self.sessions.pop(session.key, None)
+
+    # ------------------------------------------------------------------ handlers
+
+    def model_names(self) -> set[str]:
+        return {self.loop.model_name, getattr(self.loop.server, "model_id", self.loop.model_name)}
+
+    def _session(self, request: web.Request) -> AgentSession:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        session = self.sessions.get(key)
+        if session is None:
+            raise GatewayError(401, "Unknown or expired API key: each rollout gets its own key in "
+                               "OPENAI_API_KEY (or the client the agent is given); use that one.",
+                               "authentication_error", "invalid_api_key")
+        return session
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session(request)
+        except GatewayError as error:
+            return error.response()
+        data = [{"id": name, "object": "model", "owned_by": "grpo-agent",
+                 "max_model_len": self.loop.server.max_model_len} for name in sorted(self.model_names())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        session = None
+        try:
+            session = self._session(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise GatewayError(400, f"The request body is not valid JSON: {error}.") from error
+            if not isinstance(body, dict):
+                raise GatewayError(400, "The request body must be a JSON object.")
+            session.in_flight += 1
+            try:
+                result = await self._complete(session, body)
+            finally:
+                session.in_flight -= 1
+        except GatewayError as error:
+            if session is not None:
+                session.rejected_calls += 1
+            return error.response()
+        if body.get("stream"):
+            return await _stream(request, result)
+        return web.json_response(result, headers={SAMPLING_HEADER: SAMPLING_NOTE})
+
+    async def _complete(self, session: AgentSession, body: dict) -> dict:
+        model = body.get("model")
+        if model not in self.model_names():
+            raise GatewayError(404, f"The model {model!r} does not exist here; this gateway serves "
+                               f"{sorted(self.model_names())} (GET /v1/models).",
+                               code="model_not_found", param="model")
+        if body.get("n", 1) not in (1, None):
+            raise GatewayError(400, "Only n=1 is supported: a rollout is one conversation; run the "
+                               "agent several times instead (num_generations).", param="n")
+        self._check_budget(session)
+        messages = template_messages(body.get("messages"))
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
+        max_tokens = self._max_tokens(body)
+        executor = self.loop.tool_executor
+        aio = asyncio.get_running_loop()
+        try:
+            renderer = await aio.run_in_executor(executor, ConversationRenderer, self.loop.tokenizer,
+                                                 tools, _template_kwargs(self.loop.config))
+            prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
+        except Exception as error:  # the template refused these messages
+            raise GatewayError(400, f"The chat template could not render these messages: "
+                               f"{type(error).__name__}: {error}", param="messages") from error
+        room = self.loop.server.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise GatewayError(400, f"The prompt is {len(prompt_ids)} tokens; the model's context is "
+                               f"{self.loop.server.max_model_len}. Shorten the conversation.",
+                               code="context_length_exceeded", param="messages")
+        from grpo_agent.rollout.loop import _ROLLOUT_VERSION
+
+        _ROLLOUT_VERSION.set(session.version)  # this handler task's own context
+        try:
+            turn = await self.loop.generate_one_turn(prompt_ids, max_tokens=min(max_tokens, room))
+        except SamplerError as error:
+            raise GatewayError(502, f"The sampler failed: {error}", "server_error") from error
+        self._record(session, messages, turn)
+        tokenizer = self.loop.tokenizer
+        text = _strip_stop_tokens(tokenizer.decode(turn.output_ids, skip_special_tokens=False), tokenizer)
+        parse = tools is not None and body.get("tool_choice") != "none"
+        parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
+        if any(isinstance(call, MalformedCall) for call in parsed.calls):
+            session.malformed_calls += sum(isinstance(c, MalformedCall) for c in parsed.calls)
+            parsed = ParsedTurn(text)  # the raw text stays visible, as in the tool loop
+        message = {"role": "assistant", "content": parsed.content or None}
+        finish = "length" if turn.finish_reason == "length" else "stop"
+        if parsed.calls:
+            message["tool_calls"] = _openai_calls(parsed)
+            session.tool_calls += len(parsed.calls)
+            session.parallel_calls.append(len(parsed.calls))
+            finish = "tool_calls" if finish == "stop" else finish
+        session.last_messages = [*body["messages"], message]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(turn.output_ids),
+                      "total_tokens": len(prompt_ids) + len(turn.output_ids)},
+        }
+
+    def _check_budget(self, session: AgentSession) -> None:
+        limits = self.limits
+        if limits.max_calls is not None and len(session.turns) >= limits.max_calls:
+            raise GatewayError(429, f"This rollout made its {limits.max_calls} model calls "
+                               "(max calls per rollout); finish the episode.", "rate_limit_error",
+                               "rollout_call_budget")
+        if limits.max_generated_tokens is not None and session.generated_tokens >= limits.max_generated_tokens:
+            raise GatewayError(429, f"This rollout generated its {limits.max_generated_tokens} tokens "
+                               "(token budget per rollout); finish the episode.", "rate_limit_error",
+                               "rollout_token_budget")
+        if time.monotonic() - session.started > limits.timeout_s:
+            raise GatewayError(429, f"This rollout ran past its {limits.timeout_s:g} s; finish the "
+                               "episode.", "rate_limit_error", "rollout_time_budget")
+
+    def _max_tokens(self, body: dict) -> int:
+        cap = self.loop.config.max_completion_length
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is None:
+            return cap
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+            raise GatewayError(400, f"max_tokens must be a positive integer, got {asked!r}.",
+                               param="max_tokens")
+        budget = self.limits.max_generated_tokens
+        return min(asked, cap, budget if budget is not None else cap)
+
+    @staticmethod
+    def _record(session: AgentSession, messages: list[dict], turn: TurnRecord) -> None:
+        if session.first_messages is None:
+            session.first_messages = messages
+        session.turns.append(turn)
+        session.generated_tokens += len(turn.output_ids)
+
+
+def _template_kwargs(config) -> dict:
+    kwargs = getattr(config, "chat_template_kwargs", None) or {}
+    return json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)
+
+
+async def _stream(request: web.Request, result: dict) -> web.StreamResponse:
+    """The finished turn as Chat Completions chunks: role+content, tool calls, finish, [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", SAMPLING_HEADER: SAMPLING_NOTE})
+    await response.prepare(request)
+    choice = result["choices"][0]
+    base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
+            "model": result["model"]}
+    deltas = [{"role": "assistant", "content": choice["message"]["content"] or ""}]
+    for index, call in enumerate(choice["message"].get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": index, **call}]})
+    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
+                   "usage": result["usage"]})
+    for chunk in chunks:
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

@@ -1,0 +1,116 @@
+"""`HarnessRolloutLoop`: rollouts are agent programs that call the policy through the gateway.
+
+Design decision: only the rollout itself changes. The loop starts a `Gateway` in `setup`, and
+each rollout opens a session (its own key, pinned to its group's model version), runs the
+agent, and turns the session's recorded calls into a `Rollout` whose `turns` go through the
+same fork reconciliation, scoring, staleness and packing as the built-in tool loop. An agent
+that fails, or that never calls the model, gives a rollout with no turns (no samples) and a
+NaN reward, counted in `harness/errors_count` or `harness/timeout_count`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import numpy as np
+
+from grpo_agent.rollout.agent_programs import AgentFailure, resolve_agent, run_agent
+from grpo_agent.rollout.gateway import Gateway, HarnessLimits
+from grpo_agent.rollout.loop import _ROLLOUT_VERSION, AsyncRolloutLoop
+from grpo_agent.types import Rollout
+
+logger = logging.getLogger(__name__)
+FAILED_METRIC = "harness/dropped_frac"
+
+
+class HarnessRolloutLoop(AsyncRolloutLoop):
+    """The rollout loop of `HarnessAsyncGRPOTrainer` (built with `functools.partial` so the
+    agent reference and limits travel to the spawned worker)."""
+
+    reports_tools = True
+
+    def __init__(self, *args, agent, limits: HarnessLimits | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent_ref = agent
+        self.limits = limits or HarnessLimits()
+        self.gateway: Gateway | None = None
+
+    async def setup(self) -> None:
+        self.agent = resolve_agent(self.agent_ref)
+        self.gateway = Gateway(self, self.limits)
+        url = await self.gateway.start()
+        logger.info("Agent gateway listening on %s", url)
+        await super().setup()
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            if self.gateway is not None:
+                await self.gateway.stop()
+
+    async def _run_rollout(self, slot, group_id: int) -> tuple:
+        in_flight = await self.slots.acquire()
+        self._observe("rollout/concurrency", in_flight)
+        started = time.perf_counter()
+        try:
+            prompt, rollout = await self.run_agent_rollout(slot.row)
+        finally:
+            await self.slots.release()
+        self._completed_rollouts += 1
+        self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
+        self._observe("rollout/duration_s", time.perf_counter() - started)
+        return slot.row.get("prompt") or prompt, rollout, None
+
+    def compute_advantages(self, group) -> np.ndarray:
+        """Failed rollouts stay unscored (NaN), even when `reward_funcs` scored their empty
+        completion, so they neither train nor shift their group's advantages."""
+        for index, rollout in enumerate(group.rollouts):
+            if rollout.metrics.get(FAILED_METRIC, [0.0])[0]:
+                group.rewards[index] = math.nan
+        return super().compute_advantages(group)
+
+    async def run_agent_rollout(self, row: dict) -> tuple[list[dict], Rollout]:
+        """Run the agent once with its own gateway session; failures become a dropped rollout.
+
+        Returns the first call's messages (the rollout's prompt) and the rollout."""
+        version = _ROLLOUT_VERSION.get(None)
+        if version is None:
+            version = int(self.model_version_value.value)
+        session = self.gateway.open_session(version)
+        failure: AgentFailure | None = None
+        reward = None
+        try:
+            reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
+                                     self.limits.timeout_s)
+        except AgentFailure as error:
+            failure = error
+        finally:
+            self.gateway.close_session(session)
+            while session.in_flight:  # a call still being sampled when the agent gave up
+                await asyncio.sleep(0.01)
+        if failure is None and not session.turns:
+            failure = AgentFailure("error", "The agent returned without calling the model; an "
+                                   "agent must talk to the policy through the client it is given.")
+        metrics = {
+            "harness/calls_per_rollout": [float(len(session.turns))],
+            "harness/errors_count": [float(failure is not None and failure.kind == "error")],
+            "harness/timeout_count": [float(failure is not None and failure.kind == "timeout")],
+            FAILED_METRIC: [float(failure is not None)],
+            "harness/rejected_calls_count": [float(session.rejected_calls)],
+            "tools/malformed_call_count": [float(session.malformed_calls)],
+            "tools/parallel_calls_mean": [float(n) for n in session.parallel_calls],
+        }
+        if failure is not None:
+            logger.warning("Rollout dropped: %s", failure)
+            rollout = Rollout(completion=[], completion_ids=[], turns=[], reward=math.nan, metrics=metrics)
+        else:
+            completion = session.last_messages[len(session.first_messages or []):]
+            rollout = Rollout(
+                completion=completion,
+                completion_ids=[t for turn in session.turns for t in turn.output_ids],
+                turns=session.turns, tool_call_count=session.tool_calls, reward=reward,
+                metrics=metrics)
+        return session.first_messages or [], rollout

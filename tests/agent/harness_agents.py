@@ -1,0 +1,77 @@
+"""Agent programs for the gateway tests, importable by name in the spawned rollout worker.
+
+They use only the public `openai` SDK, as a user's agent would. The counter task is the spec's
+IncrementEnv written as an agent: the model calls `increment`, the agent runs it and answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from grpo_agent import agent
+
+INCREMENT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "increment",
+        "description": "Increment the internal counter.",
+        "parameters": {
+            "type": "object",
+            "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}},
+            "required": ["step"],
+        },
+        "return": {"type": "integer", "description": "The updated counter value."},
+    },
+}
+
+
+async def model_name(client) -> str:
+    return (await client.models.list()).data[0].id
+
+
+@agent("counter")
+async def counter_agent(client, row: dict) -> float:
+    """Increment a counter to the row's target through tool calls; reward 1 on the target."""
+    model = await model_name(client)
+    messages = [{"role": "user", "content": f"Increment the counter by {row['target']}."}]
+    counter = 0
+    for _ in range(3):
+        response = await client.chat.completions.create(model=model, messages=messages, tools=[INCREMENT_TOOL])
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            counter += int(json.loads(call.function.arguments).get("step", 0))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(counter)})
+    return float(counter == row["target"])
+
+
+async def one_call_agent(client, row: dict) -> None:
+    await client.chat.completions.create(model=await model_name(client), messages=row["prompt"])
+    # None: reward_funcs score it
+
+
+async def raising_agent(client, row: dict) -> float:
+    await one_call_agent(client, row)
+    raise RuntimeError("agent bug")
+
+
+async def hanging_agent(client, row: dict) -> float:
+    await one_call_agent(client, row)
+    await asyncio.sleep(3600)
+    return 1.0
+
+
+async def non_number_agent(client, row: dict):
+    await one_call_agent(client, row)
+    return "great"
+
+
+async def silent_agent(client, row: dict) -> float:
+    return 1.0
+
+
+async def unknown_model_agent(client, row: dict) -> float:
+    await client.chat.completions.create(model="gpt-nonexistent", messages=row["prompt"])
+    return 1.0

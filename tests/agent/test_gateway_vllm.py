@@ -1,0 +1,221 @@
+"""The OpenAI-compatible gateway against a real vLLM server on the tool-warmed tiny model.
+
+Agents use the real `openai` SDK (async, sync in a subprocess, streaming). The loop is the real
+`HarnessRolloutLoop` with its gateway started, as the rollout worker starts it; only the worker
+process around it is left out, except in the trainer test, which runs everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import harness_agents
+import httpx
+import openai
+import pytest
+from grpo_agent.rollout.agent_programs import AgentCommand
+from grpo_agent.rollout.gateway import SAMPLING_HEADER, HarnessLimits
+from grpo_agent.rollout.harness import HarnessRolloutLoop
+from grpo_agent.rollout.reconcile import reconcile_turns
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPT = [{"role": "user", "content": "Increment the counter by 3."}]
+
+
+@pytest.fixture(scope="module")
+def warm_server(tmp_path_factory):
+    from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.testing.warmup import build_tool_warmed_model
+
+    server = ManagedVLLMServer(
+        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
+        log_path=tmp_path_factory.mktemp("vllm-gateway") / "server.log",
+    )
+    with server:
+        yield server
+
+
+def harness_config(server, tmp_path, **overrides):
+    from grpo_agent import AsyncGRPOConfig
+
+    values = {"output_dir": str(tmp_path), "vllm_server_base_url": server.base_url,
+              "chat_template_kwargs": {"enable_thinking": False}, "max_completion_length": 64,
+              "num_generations": 4, "report_to": "none", "max_steps": 2, **overrides}
+    return AsyncGRPOConfig(**values)
+
+
+@contextlib.asynccontextmanager
+async def started_loop(server, tmp_path, agent, **limits):
+    """A `HarnessRolloutLoop` connected to the server with its gateway serving (no worker)."""
+    from grpo_agent.sampler.client import SamplerClient
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server.model_path)
+    loop = HarnessRolloutLoop(
+        config=harness_config(server, tmp_path), model_name=None, dataset=None, reward_funcs=None,
+        processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=None,
+        model_version_value=type("V", (), {"value": 0})(), token_allowance=None,
+        heartbeat_value=None, failed_event=None, exception_info_queue=None, metrics_queue=None,
+        agent=agent, limits=HarnessLimits(**limits))
+    loop.tool_executor = ThreadPoolExecutor(4)
+    loop.sampler = SamplerClient(server.base_url, timeout=120.0)
+    try:
+        await loop._connect()
+        loop.model_name = loop.server.model_id  # what the trainer passes
+        await loop.setup()
+        sampled = []
+        generate = loop.generate_one_turn
+
+        async def spy(prompt_ids, max_tokens=None):  # what the sampler returned, untouched
+            turn = await generate(prompt_ids, max_tokens=max_tokens)
+            sampled.append((list(prompt_ids), list(turn.output_ids), list(turn.output_log_probs)))
+            return turn
+
+        loop.generate_one_turn = spy
+        loop.sampled = sampled
+        yield loop
+    finally:
+        await loop.close()
+        await loop.sampler.aclose()
+        loop.tool_executor.shutdown(wait=False)
+
+
+def render(tokenizer, messages, tools=None):
+    from grpo_agent.rollout.agent import ConversationRenderer
+    from grpo_agent.rollout.gateway import template_messages
+
+    renderer = ConversationRenderer(tokenizer, tools, {"enable_thinking": False})
+    return renderer.prompt_ids(template_messages(messages))
+
+
+def test_tokens_are_exactly_what_vllm_sampled_and_multi_turn_is_one_sample(warm_server, tmp_path):
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.counter_agent) as loop:
+            results = await asyncio.gather(*(loop.run_agent_rollout({"target": t}) for t in (1, 2, 3, 4)))
+            return loop, results
+
+    loop, results = asyncio.run(main())
+    multi_turn = 0
+    for prompt, rollout in results:
+        assert rollout.turns, rollout.metrics
+        recorded = [(t.prompt_ids, t.output_ids, t.output_log_probs) for t in rollout.turns]
+        assert all(entry in loop.sampled for entry in recorded)  # ids and log-probs as sampled
+        assert rollout.turns[0].prompt_ids == render(loop.tokenizer, prompt, [harness_agents.INCREMENT_TOOL])
+        sequences, stats = reconcile_turns(rollout.turns)
+        trained = [t for s in sequences for t, m in zip(s.token_ids, s.trained_mask) if m]
+        assert trained == rollout.completion_ids  # every generated token trained exactly once
+        if len(rollout.turns) > 1:
+            multi_turn += 1
+            assert stats.num_forks == 0 and len(sequences) == 1, stats  # history re-rendered exactly
+            assert rollout.completion[0]["tool_calls"][0]["function"]["name"] == "increment"
+    assert multi_turn >= 2, [r.completion for _, r in results]
+    assert {r.reward for _, r in results} <= {0.0, 1.0}
+
+
+def test_edited_history_forks_streaming_and_sync_clients(warm_server, tmp_path):
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.one_call_agent) as loop:
+            session = loop.gateway.open_session(0)
+            client = openai.AsyncOpenAI(base_url=loop.gateway.base_url, api_key=session.key, max_retries=0)
+            model = loop.server.model_id
+            raw = await client.chat.completions.with_raw_response.create(model=model, messages=PROMPT)
+            first = raw.parse().choices[0].message
+            stream = await client.chat.completions.create(
+                model=model, stream=True, tools=[harness_agents.INCREMENT_TOOL],
+                messages=[*PROMPT, {"role": "assistant", "content": "I will count."},  # edited
+                          {"role": "user", "content": "Go on."}])
+            chunks = [chunk async for chunk in stream]
+            await client.close()
+            return loop, session, raw, first, chunks
+
+    loop, session, raw, first, chunks = asyncio.run(main())
+    assert raw.headers[SAMPLING_HEADER].startswith("config")
+    eos = loop.tokenizer.eos_token
+    assert loop.tokenizer.decode(session.turns[0].output_ids).removesuffix(eos) == first.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish and finish[-1] in ("stop", "tool_calls", "length")
+    assert (finish[-1] == "tool_calls") == bool(calls)
+    streamed = loop.tokenizer.decode(session.turns[1].output_ids).removesuffix(eos)
+    assert streamed.startswith(text)
+    _, stats = reconcile_turns(session.turns)
+    assert stats.num_forks == 1  # the agent rewrote the model's turn: a new sample
+
+
+def test_command_agent_with_the_sync_client(warm_server, tmp_path):
+    command = AgentCommand(f"{sys.executable} {Path(__file__).with_name('harness_command_agent.py')}")
+
+    async def main():
+        async with started_loop(warm_server, tmp_path, command, timeout_s=120) as loop:
+            return await asyncio.gather(*(loop.run_agent_rollout({"target": t}) for t in (2, 5)))
+
+    for _, rollout in asyncio.run(main()):
+        assert rollout.turns and rollout.reward in (0.0, 1.0), rollout.metrics
+        assert rollout.metrics["harness/errors_count"] == [0.0]
+
+
+def test_concurrent_rollouts_are_attributed_by_key_and_bad_requests_get_openai_errors(warm_server, tmp_path):
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.one_call_agent) as loop:
+            rows = [{"prompt": [{"role": "user", "content": f"Increment the counter by {n}."}]} for n in (2, 5)]
+            results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
+            session = loop.gateway.open_session(0)
+            url = loop.gateway.base_url + "/chat/completions"
+            headers = {"Authorization": f"Bearer {session.key}"}
+            async with httpx.AsyncClient() as http:
+                bad_json = await http.post(url, content=b"{not json", headers=headers)
+                no_key = await http.post(url, json={"model": loop.server.model_id, "messages": PROMPT})
+                too_long = await http.post(url, headers=headers, json={
+                    "model": loop.server.model_id, "messages": [{"role": "user", "content": "a " * 3000}]})
+                two = await http.post(url, headers=headers, json={
+                    "model": loop.server.model_id, "messages": PROMPT, "n": 2})
+            return loop, rows, results, (bad_json, no_key, too_long, two)
+
+    loop, rows, results, responses = asyncio.run(main())
+    for row, (prompt, rollout) in zip(rows, results):
+        assert len(rollout.turns) == 1 and prompt == row["prompt"]
+        assert rollout.turns[0].prompt_ids == render(loop.tokenizer, row["prompt"])
+    assert [r.status_code for r in responses] == [400, 401, 400, 400]
+    assert all(set(r.json()["error"]) >= {"message", "type", "code"} for r in responses)
+    assert responses[2].json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("agent, kind", [
+    (harness_agents.raising_agent, "errors"), (harness_agents.hanging_agent, "timeout"),
+    (harness_agents.non_number_agent, "errors"), (harness_agents.silent_agent, "errors"),
+    (harness_agents.unknown_model_agent, "errors")])
+def test_a_bad_agent_costs_only_its_rollout(warm_server, tmp_path, agent, kind):
+    async def main():
+        async with started_loop(warm_server, tmp_path, agent, timeout_s=5.0) as loop:
+            return await loop.run_agent_rollout({"prompt": PROMPT})
+
+    _, rollout = asyncio.run(main())
+    assert rollout.turns == [] and rollout.reward != rollout.reward  # dropped: no samples, NaN
+    assert rollout.metrics[f"harness/{kind}_count"] == [1.0]
+    assert rollout.metrics["harness/dropped_frac"] == [1.0]
+
+
+@pytest.mark.e2e
+def test_harness_trainer_trains_the_counter_agent_through_the_gateway(warm_server, tmp_path):
+    from datasets import Dataset
+    from grpo_agent import HarnessAsyncGRPOTrainer
+
+    dataset = Dataset.from_dict({"prompt": [PROMPT] * 64, "target": [1, 2, 3, 4, 5, 6, 3, 2] * 8})
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(warm_server.model_path), agent="harness_agents:counter_agent",
+        args=harness_config(warm_server, tmp_path), train_dataset=dataset, agent_timeout_s=120)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = {}
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            logged.setdefault(key, []).append(value)
+    assert min(logged["harness/calls_per_rollout"]) >= 1  # every sample came from gateway calls
+    assert {"tools/call_frequency", "rollout/samples_per_rollout", "rollout/fork_frac",
+            "rollout/turns_mean", "harness/errors_count", "rewards/rollout/mean"} <= set(logged), sorted(logged)
+    assert max(logged["tools/call_frequency"]) > 0
