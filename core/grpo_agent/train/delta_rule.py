@@ -11,7 +11,7 @@ not by arithmetic (a 2B hybrid queued ~1300 small kernels per Gated DeltaNet lay
   a segment boundary, and those few rows are recomputed from an index table of their true
   predecessors (a missing predecessor reads zero) and written over the convolution's rows.
 - `tree_chunk_delta_rule`: the chunked gated delta rule over all segments of the row at once.
-  Each segment is cut into chunks of `CHUNK` tokens (its last chunk padded: zero keys, beta 0
+  Each segment is cut into chunks (`chunk_size`; its last chunk padded: zero keys, beta 0
   and decay 0 leave the state unchanged, so padding is exact), and every chunk's within-chunk
   work (the WY system and its triangular solve, the causal scores) runs batched over all
   chunks of the row. What is left is linear in the state: a chunk maps the state S it starts
@@ -37,9 +37,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Tokens per chunk of the torch tree rule: the sequential part is one step per chunk along the
-# longest path, so longer chunks mean fewer (host-bound) steps; the within-chunk work grows
-# with it but is batched. transformers' torch rule uses 64 (the result is the same either way).
-CHUNK = 128
+# longest path, so on a GPU, where eager steps are bound by queueing kernels, longer chunks
+# (fewer steps) win; on CPU the within-chunk work, which grows with the chunk, is what costs,
+# and 64 (transformers' size) is faster. The result is the same either way.
+CHUNK = 64
+CHUNK_CUDA = 128
+
+
+def chunk_size(device: torch.device) -> int:
+    return CHUNK_CUDA if device.type == "cuda" else CHUNK
 
 
 def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -71,7 +77,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def tree_chunk_delta_rule(q, k, v, g, beta, slots, num_chunks, step_sizes, step_preds,
-                          use_qk_l2norm: bool, chunk: int = CHUNK):
+                          use_qk_l2norm: bool, chunk: int):
     """The gated delta rule along trie paths, in torch. q, k [N, H, Dk], v [N, H, Dv], g, beta
     [N, H] (any float dtypes); `slots` [N]: each token's row in the chunk layout
     [num_chunks * chunk], chunks ordered by step; `step_sizes`: chunks per step;

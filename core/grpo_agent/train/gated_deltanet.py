@@ -60,7 +60,7 @@ class DeltaPlan:
     def build(cls, row: PackedRow, device, conv_kernel: int,
               chunk: int | None = None) -> DeltaPlan:
         device = torch.device(device)
-        chunk = chunk or delta_rule.CHUNK
+        chunk = chunk or delta_rule.chunk_size(device)
         n = row.num_tokens
         _, counts = torch.unique_consecutive(row.segment_ids, return_counts=True)
         lens = counts.tolist()
