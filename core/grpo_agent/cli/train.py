@@ -51,6 +51,16 @@ def train(
     lora_target_modules: Annotated[
         str, typer.Option("--lora-target-modules", help="Comma-separated module names, or all-linear.")
     ] = "all-linear",
+    agent: Annotated[
+        str | None,
+        typer.Option("--agent", help="Agent program to train (registered name or pkg.mod:attr); "
+                     "it replaces the env's tool loop and talks to the policy through the gateway."),
+    ] = None,
+    agent_cmd: Annotated[
+        str | None,
+        typer.Option("--agent-cmd", help="Command run per rollout with OPENAI_BASE_URL/OPENAI_API_KEY, "
+                     "the row as JSON on stdin and its reward on stdout (docs/agents.md, Gateway)."),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Resolve env and config, print them, do not train.")
     ] = False,
@@ -73,6 +83,8 @@ def train(
     from grpo_agent.plugins.options import parse_pairs
     from grpo_agent.rollout.plugins import check_plugin_args
 
+    if agent and agent_cmd:
+        raise CliError("Pass --agent or --agent-cmd, not both: one agent program runs each rollout.")
     if lora_rank is None and lora_alpha is not None:
         raise CliError("--lora-alpha needs --lora-rank (the rank of the adapter to train).")
     config = build_config(config_file, sets or [], output_dir=output_dir)
@@ -85,6 +97,10 @@ def train(
     options.update(parse_pairs(env_args or [], "--env-arg"))
     spec = load_registry().environment_spec(env, options)
     check_plugin_args(config)
+    if agent:
+        from grpo_agent.rollout.agent_programs import resolve_agent
+
+        resolve_agent(agent)  # an unknown name fails here, before a server starts
     lora = None
     if lora_rank is not None:
         lora = {"r": lora_rank, "lora_alpha": lora_alpha or 2 * lora_rank,
@@ -93,6 +109,8 @@ def train(
         options = f"  options: {spec.option_values}" if spec.options else ""
         typer.echo(f"env: {spec.id} [{spec.distribution}]{options}")
         typer.echo(f"model: {model or '(tiny test model)'}  vllm: {vllm_url or '(managed here)'}")
+        if agent or agent_cmd:
+            typer.echo(f"agent: {agent or agent_cmd}")
         if lora:
             typer.echo(f"lora: {lora}")
         typer.echo(config.to_json_string())
@@ -101,8 +119,13 @@ def train(
         from grpo_agent.train.run import run_training
     except ImportError as err:
         raise CliError(f"Training is not available in this install ({err}).") from err
+    program = agent
+    if agent_cmd:
+        from grpo_agent.rollout.agent_programs import AgentCommand
+
+        program = AgentCommand(agent_cmd)
     out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
-                       env_args=spec.option_values)
+                       env_args=spec.option_values, agent=program)
     typer.echo(f"Run finished: {out}")
 
 

@@ -36,12 +36,15 @@ def run_training(
     resume_from_checkpoint: str | bool | None = None,
     lora: dict[str, Any] | None = None,
     env_args: dict[str, Any] | None = None,
+    agent: Any = None,
 ) -> Path:
     """Train on a registered environment; returns the output directory.
 
     `lora` holds peft `LoraConfig` fields (r, lora_alpha, target_modules): the run trains an
     adapter, and a managed server is started with LoRA enabled so the adapter is what syncs.
-    `env_args` are the env's options (`--env-arg key=value`), checked against its declaration."""
+    `env_args` are the env's options (`--env-arg key=value`), checked against its declaration.
+    `agent` (a registered agent name, `pkg.mod:attr` or an `AgentCommand`) replaces the env's
+    tool loop: `HarnessAsyncGRPOTrainer` runs it on the env's dataset and rewards."""
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_agent.train.reporting import (
@@ -62,17 +65,15 @@ def run_training(
         config.vllm_server_base_url = base_url
         config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
-        trainer = AsyncGRPOTrainer(
-            model=model_path,
-            reward_funcs=task["reward_funcs"],
-            args=config,
-            train_dataset=task["dataset"],
-            tools=task["tools"],
-            environment_factory=task["environment_factory"],
-            eval_dataset=_eval_split(task, config),
-            callbacks=[JsonlMetricsCallback(), ProgressCallback()],
-            peft_config=peft_config,
-        )
+        common = {"model": model_path, "reward_funcs": task["reward_funcs"], "args": config,
+                  "train_dataset": task["dataset"], "eval_dataset": _eval_split(task, config),
+                  "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
+                  "peft_config": peft_config}
+        if agent is None:
+            trainer = AsyncGRPOTrainer(**common, tools=task["tools"],
+                                       environment_factory=task["environment_factory"])
+        else:
+            trainer = _harness_trainer(agent, task, common)
         trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
         trainer.train(resume_from_checkpoint=_resume_arg(resume_from_checkpoint, config))
         trainer.save_model(str(output_dir / "final"))
@@ -80,6 +81,17 @@ def run_training(
     if metrics.is_file():
         plot_reward_and_length(metrics, output_dir / PLOT_NAME)
     return output_dir
+
+
+def _harness_trainer(agent: Any, task: dict[str, Any], common: dict[str, Any]) -> Any:
+    """`HarnessAsyncGRPOTrainer` on the env's rows: the agent owns the tools and the episode."""
+    from grpo_agent.train.harness_trainer import HarnessAsyncGRPOTrainer
+
+    if task["dataset"] is None:
+        raise ValueError("This environment has no dataset (its reset() makes the prompts), so an "
+                         "agent has no rows to run on: pick an env that ships a dataset, or "
+                         "train the agent from Python with HarnessAsyncGRPOTrainer(train_dataset=...).")
+    return HarnessAsyncGRPOTrainer(agent=agent, **common)
 
 
 def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
