@@ -121,6 +121,17 @@ class AsyncGRPOConfig(TrainingArguments):
     rollout_worker_timeout: float = _help(
         "Seconds without a worker heartbeat before the trainer aborts.", default=300.0
     )
+    stall_timeouts: dict[str, float] = _help(
+        "Deadline in seconds by stage, overriding the derived one (docs/reliability.md): "
+        "vllm_generate, tool, env_reset, env_finish, scoring, queue_pull, weight_sync (or one "
+        "phase: weight_sync/transfer, ...), checkpoint_save. A late stage writes "
+        "stall_report.json; a rollout stage is dropped and counted, any other stops the run.",
+        default_factory=dict,
+    )
+    no_progress_timeout: float = _help(
+        "Seconds with every group dropped (zero reward std, unscored or stalled) and no "
+        "trainable sample before the run stops with a stall report; 0 = never.", default=1800.0
+    )
 
     # ---- plugins (names resolved through the plugin host) ----
     advantage_estimator: str = _help("Registered advantage estimator name.", default="group_norm")
@@ -195,6 +206,11 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(
                 "max_staleness must be >= 0, weight_sync_steps >= 1 and max_concurrent_rollouts >= 1."
             )
+        from grpo_agent.stall import check_stall_timeouts
+
+        check_stall_timeouts(self.stall_timeouts)
+        if self.no_progress_timeout < 0:
+            raise ValueError(f"no_progress_timeout={self.no_progress_timeout} must be >= 0 (0 = never).")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."

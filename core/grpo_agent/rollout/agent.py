@@ -18,6 +18,7 @@ fork reconciliation builds training sequences from them later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -188,6 +189,14 @@ def fits_context(prompt_tokens: int, turn_tokens: int, context_limit: int | None
     return context_limit is None or prompt_tokens + turn_tokens <= context_limit
 
 
+def _tool_stage(loop, call) -> Any:
+    """The stall watch's `tool` stage; a seam without a watch (a test's loop) tracks nothing."""
+    stalls = getattr(loop, "stalls", None)
+    if stalls is None:
+        return contextlib.nullcontext()
+    return stalls.stage("tool", recover=True, tool=getattr(call, "name", None))
+
+
 async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_id: int) -> Rollout:
     """Sample one multi-turn rollout; see the module docstring for the stopping rules."""
     config = loop.config
@@ -225,7 +234,8 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
             break
         stats.observations["tools/parallel_calls_mean"].append(float(len(parsed.calls)))
         for call in parsed.calls:  # in the order the model emitted them
-            outcome = await execute_tool_call(call, tools_by_name, executor, timeout_s)
+            with _tool_stage(loop, call):
+                outcome = await execute_tool_call(call, tools_by_name, executor, timeout_s)
             stats.record(outcome)
             tool_message = {"role": "tool", "name": outcome.name or "invalid", "content": outcome.content}
             messages.append(tool_message)

@@ -15,6 +15,7 @@ import contextvars
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ from grpo_agent.rollout.scoring import (
 )
 from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
+from grpo_agent.stall import StageStalled, StallWatch
 from grpo_agent.types import PromptConsumed, Rollout, RolloutGroup, TrainingSample, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,8 @@ class AsyncRolloutLoop:
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
         self.stop_event = None  # a multiprocessing.Event set by RolloutWorker.stop()
+        # Stage deadlines; monitored once `run` starts it (evaluation only tracks stages).
+        self.stalls = StallWatch(config, "worker", context=self._stall_context)
         plugin_args = getattr(config, "plugin_args", None)
         check_plugin_args(config)
         self._advantage_estimator = resolve_advantage_estimator(config.advantage_estimator, plugin_args)
@@ -131,7 +135,8 @@ class AsyncRolloutLoop:
             version = int(self.model_version_value.value)
         model = adapter_name(self.lora_name, version)
         try:
-            return await self.sampler.generate(prompt_ids, params, model=model)
+            with self.stalls.stage("vllm_generate", recover=True, prompt_tokens=len(prompt_ids)):
+                return await self.sampler.generate(prompt_ids, params, model=model)
         except RequestRejectedError as error:
             newest = adapter_name(self.lora_name, int(self.model_version_value.value))
             if model is None or error.status_code != 404 or newest == model:
@@ -139,7 +144,8 @@ class AsyncRolloutLoop:
         # The trainer unloaded this rollout's adapter: it is more than max_staleness versions
         # old, so its samples are dropped as stale anyway. Finish it on the newest policy.
         logger.debug("Adapter %s was unloaded mid-rollout; continuing on %s.", model, newest)
-        return await self.sampler.generate(prompt_ids, params, model=newest)
+        with self.stalls.stage("vllm_generate", recover=True, prompt_tokens=len(prompt_ids)):
+            return await self.sampler.generate(prompt_ids, params, model=newest)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout from `group.rewards` (group-normalised by default)."""
@@ -163,6 +169,8 @@ class AsyncRolloutLoop:
         self.sampler = SamplerClient(
             self.config.vllm_server_base_url, timeout=self.config.vllm_server_timeout,
             max_connections=self.config.max_concurrent_rollouts + 8)
+        self.stalls.peer_pid = os.getppid()  # the trainer: its stacks go in our reports
+        self.stalls.start()
         self._beat()
         try:
             await self._connect()
@@ -172,8 +180,18 @@ class AsyncRolloutLoop:
             finally:
                 await self.close()
         finally:
+            self.stalls.stop()
             await self.sampler.aclose()
             self.tool_executor.shutdown(wait=False, cancel_futures=True)
+
+    def _stall_context(self) -> dict[str, Any]:
+        """What a stall report of the worker records besides its stages and stacks."""
+        return {"model_version": int(self.model_version_value.value),
+                "server": self.config.vllm_server_base_url,
+                "server_model": getattr(getattr(self, "server", None), "model_id", None),
+                "groups_in_flight": self._groups_in_flight,
+                "score_queue_size": self.score_queue.qsize(),
+                "completed_rollouts": self._completed_rollouts, "stalled_groups": self._stalled_groups}
 
     async def _connect(self) -> None:
         facts: ServerFacts = await probe_server(self.sampler)
@@ -191,6 +209,7 @@ class AsyncRolloutLoop:
         self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
         self._groups_in_flight = 0
         self._groups_done = 0
+        self._stalled_groups = 0
         self._group_tokens_total = 0
         self._queued_tokens = 0
         self._completed_rollouts = 0
@@ -262,8 +281,16 @@ class AsyncRolloutLoop:
     async def _run_group(self, slot: PromptSlot, group_id: int) -> None:
         version = int(self.model_version_value.value)
         _ROLLOUT_VERSION.set(version)  # inherited by the rollout tasks that gather creates
-        results = await asyncio.gather(
-            *(self._run_rollout(slot, group_id) for _ in range(self.config.num_generations)))
+        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id))
+                    for _ in range(self.config.num_generations)]
+        try:
+            results = await asyncio.gather(*rollouts)
+        except StageStalled:  # reported by the watch: drop the group, count it, go on
+            for task in rollouts:
+                task.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            self._drop_stalled(slot.prompt_index, slot.row_index)
+            return
         group = await self._build_group(slot, group_id, version, results)
         started = time.perf_counter()
         await self.score_queue.put(group)
@@ -277,13 +304,17 @@ class AsyncRolloutLoop:
         try:
             episode = None
             if self._env_runner is not None:  # the env builds the prompt (the row may have none)
-                episode = await self._env_runner.start(slot.row)
+                with self.stalls.stage("env_reset", recover=True, row_index=slot.row_index):
+                    episode = await self._env_runner.start(slot.row)
                 prompt, tools = episode.prompt, [*self.tools, *episode.tools]
             else:
                 prompt, tools = _row_prompt(slot.row), self.tools
             prompt = self._without_images(prompt, slot.row_index)
             rollout = await self.generate_one(prompt, tools, group_id)
-            env_reward = await self._env_runner.finish(episode) if episode is not None else None
+            env_reward = None
+            if episode is not None:
+                with self.stalls.stage("env_finish", recover=True, row_index=slot.row_index):
+                    env_reward = await self._env_runner.finish(episode)
         finally:
             await self.slots.release()
         self._completed_rollouts += 1
@@ -341,7 +372,13 @@ class AsyncRolloutLoop:
 
     async def _score(self, group: RolloutGroup) -> None:
         prompt_index = group.prompt_index
-        scores, failure = await run_reward_functions(self.reward_funcs, group, self.tool_executor)
+        try:
+            with self.stalls.stage("scoring", recover=True, group_id=group.group_id,
+                                   row_index=group.row_index, rewards=list(self.reward_funcs)):
+                scores, failure = await run_reward_functions(self.reward_funcs, group, self.tool_executor)
+        except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
+            self._drop_stalled(prompt_index, group.row_index)
+            return
         self._failures.record(list(self.reward_funcs), failure)
         self._observations += observations.completion_observations(
             group.rollouts, with_tools=bool(self.tools or self._env_runner or self.reports_tools))
@@ -392,6 +429,13 @@ class AsyncRolloutLoop:
             self._put(sample)
         if notice is not None:
             self._put(notice)
+
+    def _drop_stalled(self, prompt_index: int, row_index: int) -> None:
+        """A group whose stage passed its deadline: consumed untrained, counted."""
+        self._groups_in_flight -= 1
+        self._stalled_groups += 1
+        self._observe("rollout/stalled_group_count", 1)
+        self._put(PromptConsumed(prompt_index, row_index, "stalled"))
 
     def _put(self, item: TrainingSample | PromptConsumed) -> None:
         self.rollout_buffer.put(item)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from grpo_agent import stall
 from grpo_agent.sampler.errors import (
     RequestRejectedError,
     ServerUnreachableError,
@@ -124,7 +125,8 @@ def _start_update(control: ServerControl) -> None:
     """Open a weight update; one left open by a trainer killed mid-push is closed first (the
     push that follows rewrites every weight, so its half-written state does not matter)."""
     try:
-        control.call("POST", "/start_weight_update")
+        with stall.stage("weight_sync/pause", server=control.base_url):
+            control.call("POST", "/start_weight_update")
     except RequestRejectedError as error:
         if "already active" not in str(error):
             raise
@@ -138,8 +140,10 @@ def _start_update(control: ServerControl) -> None:
 
 
 def _finish_push(control: ServerControl, version: int) -> None:
-    control.set_version(version)
-    control.reset_prefix_cache()
+    with stall.stage("weight_sync/resume", server=control.base_url, version=version):
+        control.set_version(version)
+    with stall.stage("weight_sync/cache_reset", server=control.base_url, version=version):
+        control.reset_prefix_cache()
 
 
 def _free_port() -> int:
@@ -222,7 +226,8 @@ class GlooWeightSync:
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
         began = time.perf_counter()
         if self._group is None:
-            self._connect()
+            with stall.stage("weight_sync/transfer", phase="open transfer group"):
+                self._connect()
         tensors = dict(weights)
         specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
         update_info = {"names": [s.name for s in specs],
@@ -230,14 +235,16 @@ class GlooWeightSync:
                        "shapes": [list(s.shape) for s in specs]}
         transfer_began = time.perf_counter()
         _start_update(self.control)
-        rpc = self._executor.submit(self.control.call, "POST", "/update_weights",
-                                    json_body={"update_info": update_info})
-        for chunk in plan_chunks(specs, self.chunk_bytes):
-            if rpc.done():
-                rpc.result()  # the server refused the update: surface its message, don't hang
-            broadcast_from_trainer(self._group, pack(chunk, tensors))
-        rpc.result(timeout=self.timeout)
-        self.control.call("POST", "/finish_weight_update")
+        with stall.stage("weight_sync/transfer", version=version, tensors=len(specs)):
+            rpc = self._executor.submit(self.control.call, "POST", "/update_weights",
+                                        json_body={"update_info": update_info})
+            for chunk in plan_chunks(specs, self.chunk_bytes):
+                if rpc.done():
+                    rpc.result()  # the server refused the update: surface its message, don't hang
+                broadcast_from_trainer(self._group, pack(chunk, tensors))
+            rpc.result(timeout=self.timeout)
+        with stall.stage("weight_sync/finish", version=version):
+            self.control.call("POST", "/finish_weight_update")
         transfer_s = time.perf_counter() - transfer_began
         _finish_push(self.control, version)
         return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
@@ -280,10 +287,11 @@ class DiskWeightSync:
         folder = self.work_dir / f"version-{version}"
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
-        save_file(tensors, str(folder / "model.safetensors"))
-        self.control.call("POST", "/collective_rpc",
-                          json_body={"method": "reload_weights",
-                                     "kwargs": {"weights_path": str(folder)}})
+        with stall.stage("weight_sync/transfer", version=version, folder=str(folder)):
+            save_file(tensors, str(folder / "model.safetensors"))
+            self.control.call("POST", "/collective_rpc",
+                              json_body={"method": "reload_weights",
+                                         "kwargs": {"weights_path": str(folder)}})
         transfer_s = time.perf_counter() - began
         _finish_push(self.control, version)
         if self._last_folder is not None and self._last_folder != folder:

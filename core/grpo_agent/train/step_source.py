@@ -12,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from grpo_agent import stall
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.types import PromptConsumed, TrainingSample
@@ -32,6 +33,7 @@ class StepSource:
         self.worker = worker
         self.trainer = trainer
         self._carry: list[TrainingSample] = []
+        self.no_progress = stall.NoProgressGuard(trainer.args.no_progress_timeout, stall.active())
 
     @classmethod
     def start(cls, trainer: AsyncGRPOTrainer, model_name: str, start_index: int) -> StepSource:
@@ -65,23 +67,28 @@ class StepSource:
         waited = 0.0
         last_progress = time.perf_counter()
         self._last_starved_warning = 0.0
-        while True:
-            if not pending:
-                if self.trainer.prompt_epochs_done(taken):
-                    break  # the run's last, partial step (or an empty one)
-                started = time.perf_counter()
-                items = self.worker.pull(timeout=PULL_POLL_S)
-                waited += time.perf_counter() - started
-                pending = self._accept(items)
-                if pending:
-                    last_progress, self._last_starved_warning = time.perf_counter(), 0.0
-                self._warn_if_starved(time.perf_counter() - last_progress, len(taken))
-                continue
-            sample = pending.pop(0)
-            if not planner.add(sample):
-                self._carry = [sample, *pending]
-                break
-            taken.append(sample)
+        with stall.stage("queue_pull", step_samples=len(taken)) as pull_stage:
+            while True:
+                if not pending:
+                    if self.trainer.prompt_epochs_done(taken):
+                        break  # the run's last, partial step (or an empty one)
+                    started = time.perf_counter()
+                    items = self.worker.pull(timeout=PULL_POLL_S)
+                    waited += time.perf_counter() - started
+                    if items and pull_stage is not None:
+                        pull_stage.touch()  # the deadline bounds the wait for the *next* item
+                    pending = self._accept(items)
+                    if pending:
+                        last_progress, self._last_starved_warning = time.perf_counter(), 0.0
+                    self._warn_if_starved(time.perf_counter() - last_progress, len(taken))
+                    self.no_progress.check()
+                    stall.raise_if_stalled(pull_stage)
+                    continue
+                sample = pending.pop(0)
+                if not planner.add(sample):
+                    self._carry = [sample, *pending]
+                    break
+                taken.append(sample)
         self._record_pull_metrics(waited)
         return taken
 
@@ -107,8 +114,10 @@ class StepSource:
         for item in items:
             if isinstance(item, PromptConsumed):
                 ledger.record_consumed(item)
+                self.no_progress.record(item.reason)
             elif not ledger.already_consumed(item.prompt_index):
                 fresh.append(item)
+                self.no_progress.record(None)
         return fresh
 
     def set_model_version(self, version: int) -> None:

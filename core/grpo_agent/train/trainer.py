@@ -24,6 +24,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
+from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
@@ -184,6 +185,8 @@ class AsyncGRPOTrainer(Trainer):
 
     def start_pipeline(self) -> None:
         """Check the server, push restored weights if resuming, start the rollout worker."""
+        if fsdp.is_main_process():  # stage deadlines and stall_report.json (grpo_agent/stall.py)
+            self.stalls = stall.StallWatch(self.args, "trainer", context=self._stall_context).start()
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
         self.pusher = build_weight_pusher(self.args, self.model, facts)  # LoRA adapters or merged
@@ -195,8 +198,30 @@ class AsyncGRPOTrainer(Trainer):
             self.window.update(self.pusher.push(self.model, self.model_version))
         if fsdp.is_main_process():
             self.source = StepSource.start(self, facts.model_id, self.ledger.frontier)
+            self.stalls.peer_pid = self.source.worker.pid
+            stall.on_abort(self._kill_worker)
+
+    def _stall_context(self) -> dict[str, Any]:
+        """What the trainer's stall report records besides its stages and stacks."""
+        worker = self.source.worker if self.source is not None else None
+        return {"global_step": self.state.global_step, "model_version": self.model_version,
+                "server": self.args.vllm_server_base_url,
+                "sample_queue_size": worker.queue_size if worker else None,
+                "worker_pid": worker.pid if worker else None, "prompt_frontier": self.ledger.frontier}
+
+    def _kill_worker(self) -> None:
+        if self.source is not None:
+            self.source.worker.stop(grace_s=0.0)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        with stall.stage("checkpoint_save", step=self.state.global_step):
+            super()._save_checkpoint(model, trial)
 
     def _stop_pipeline(self) -> None:
+        stall.remove_abort(self._kill_worker)
+        if getattr(self, "stalls", None) is not None:
+            self.stalls.stop()
+            self.stalls = None
         if self.source is not None:
             self.source.stop()
             self.source = None

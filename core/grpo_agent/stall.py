@@ -1,0 +1,393 @@
+"""Stage deadlines and the stall report: no stage of a run waits silently forever.
+
+Why: the commonest failure of async RL is the silent hang (GPUs idle, no error). Each process
+(trainer, rollout worker) holds one `StallWatch`. Code brackets a stage with
+`watch.stage(name, detail)`; a monitor thread checks once a second for a stage past its
+deadline (`stage_deadline`: the config's `stall_timeouts`, else derived from the config). The
+first time one is late it writes `stall_report.json` to the output dir (the stage, its detail,
+how long, every stage in flight, the process's context such as queue sizes and versions, and the
+Python stacks of this process and of its peer, the latter dumped by `faulthandler` on SIGUSR2),
+logs a summary, then acts: a stage with a `cancel` callback is cancelled (the rollout is dropped
+and counted; the code that owns the stage sees `StageStalled`); a stage without one is fatal:
+the abort callbacks run and the process exits with `STALL_EXIT_CODE` after `ABORT_GRACE_S`
+(a polled stage, such as the trainer's queue pull, raises `StageStalled` itself sooner).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STALL_EXIT_CODE = 3
+CHECK_INTERVAL_S = 1.0
+ABORT_GRACE_S = 30.0
+PEER_DUMP_WAIT_S = 1.0
+STACK_SIGNAL = signal.SIGUSR2
+REPORT_NAME = "stall_report.json"
+# Margin over the timeout a stage enforces itself, so its own clear error comes first.
+OWN_TIMEOUT_MARGIN_S = 60.0
+STAGES = ("vllm_generate", "tool", "env_reset", "env_finish", "scoring", "queue_pull",
+          "weight_sync", "weight_sync/pause", "weight_sync/transfer", "weight_sync/finish",
+          "weight_sync/resume", "weight_sync/cache_reset", "checkpoint_save")
+
+
+_ACTIVE: StallWatch | None = None  # the started watch of this process, for `stage`
+_ABORT_CALLBACKS: list[Callable[[], None]] = []
+
+
+def stage(name: str, deadline_s: float | None = None, **detail: Any) -> contextlib.AbstractContextManager:
+    """`StallWatch.stage` on this process's started watch (a fatal stage); a no-op without one,
+    so shared code (weight sync, checkpoints) can mark its stages without holding a watch."""
+    if _ACTIVE is None:
+        return contextlib.nullcontext()
+    return _ACTIVE.stage(name, deadline_s, **detail)
+
+
+def active() -> StallWatch | None:
+    """This process's started watch, if any."""
+    return _ACTIVE
+
+
+def raise_if_stalled(entry: _Stage | None) -> None:
+    """For a stage its owner polls (from `stage`): raise once the monitor reported it."""
+    if _ACTIVE is not None:
+        _ACTIVE.raise_if_stalled(entry)
+
+
+def on_abort(callback: Callable[[], None]) -> None:
+    """Run `callback` (e.g. stop the managed server or the worker) before a fatal stall exit."""
+    _ABORT_CALLBACKS.append(callback)
+
+
+def remove_abort(callback: Callable[[], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _ABORT_CALLBACKS.remove(callback)
+
+
+class StageStalled(RuntimeError):
+    """A stage passed its deadline; `stall_report.json` in the output dir tells which."""
+
+
+def stage_deadline(config: Any, stage: str) -> float:
+    """Seconds `stage` may take: `config.stall_timeouts[stage]` (or its family's, e.g.
+    `weight_sync` for `weight_sync/transfer`), else derived from the timeouts the stage uses."""
+    explicit = dict(getattr(config, "stall_timeouts", None) or {})
+    for key in (stage, stage.split("/")[0]):
+        if key in explicit:
+            return float(explicit[key])
+    server = float(getattr(config, "vllm_server_timeout", 1800.0))
+    worker = float(getattr(config, "rollout_worker_timeout", 300.0))
+    tool = float(getattr(config, "tool_timeout_s", 300.0))
+    family = stage.split("/")[0]
+    derived = {
+        "vllm_generate": server + OWN_TIMEOUT_MARGIN_S,  # the client's own timeout fires first
+        "tool": tool + OWN_TIMEOUT_MARGIN_S,
+        "env_reset": tool, "env_finish": tool,
+        "scoring": worker,
+        "queue_pull": server + worker,  # one generation may take up to vllm_server_timeout
+        "weight_sync": server + OWN_TIMEOUT_MARGIN_S,
+        "checkpoint_save": server,
+    }
+    if family not in derived:
+        raise KeyError(f"Unknown stall stage {stage!r}; known stages: {', '.join(STAGES)}.")
+    return derived[family]
+
+
+def check_stall_timeouts(timeouts: dict[str, float]) -> None:
+    """Refuse a misspelt stage or a non-positive deadline at config time."""
+    for stage, seconds in timeouts.items():
+        if stage not in STAGES:
+            raise ValueError(f"stall_timeouts has unknown stage {stage!r}; use one of: {', '.join(STAGES)}.")
+        if not float(seconds) > 0:
+            raise ValueError(f"stall_timeouts[{stage!r}]={seconds}: a deadline must be > 0 seconds.")
+
+
+@dataclass
+class _Stage:
+    name: str
+    detail: dict[str, Any]
+    deadline_s: float
+    started: float = field(default_factory=time.monotonic)
+    thread_id: int = field(default_factory=threading.get_ident)
+    cancel: Callable[[], None] | None = None
+    stalled_at: float | None = None
+
+    def touch(self) -> None:
+        """Progress was made: the deadline counts from now (a poll that received something)."""
+        self.started = time.monotonic()
+
+    def age(self, now: float) -> float:
+        return now - self.started
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"stage": self.name, **self.detail, "elapsed_s": round(self.age(now), 3),
+                "deadline_s": self.deadline_s, "stalled": self.stalled_at is not None}
+
+
+class StallWatch:
+    """The registry of in-flight stages of one process, its monitor thread and report writer."""
+
+    def __init__(self, config: Any, role: str, *, output_dir: str | os.PathLike | None = None,
+                 context: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.config = config
+        self.role = role
+        self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or ".")
+        self.context = context or dict
+        self.peer_pid: int | None = None
+        self.stalls: list[dict[str, Any]] = []
+        self._stages: dict[int, _Stage] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stack_file = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> StallWatch:
+        """Start the monitor and let a peer ask for this process's stacks (SIGUSR2)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if threading.current_thread() is threading.main_thread():
+            self._stack_file = open(self.stack_path(self.role), "w")  # noqa: SIM115 - faulthandler keeps it
+            faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        self._thread = threading.Thread(target=self._monitor, name=f"stall-watch-{self.role}", daemon=True)
+        self._thread.start()
+        global _ACTIVE
+        _ACTIVE = self
+        return self
+
+    def stop(self) -> None:
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+        self._stop.set()
+        if self._stack_file is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stack_file.close()
+            self._stack_file = None
+            with contextlib.suppress(OSError):  # its absence tells a peer not to signal us
+                self.stack_path(self.role).unlink()
+
+    def stack_path(self, role: str) -> Path:
+        return self.output_dir / f"stacks-{role}.txt"
+
+    # ------------------------------------------------------------------ stages
+
+    @contextlib.contextmanager
+    def stage(self, name: str, deadline_s: float | None = None, *, recover: bool = False,
+              **detail: Any) -> Iterator[_Stage]:
+        """Bracket one stage. With `recover` (asyncio code only) the stage is recoverable: at its
+        deadline its task is cancelled and the block raises `StageStalled`, for the owner to
+        drop and count; without it a late stage is fatal (see the module docstring)."""
+        deadline = stage_deadline(self.config, name) if deadline_s is None else float(deadline_s)
+        key = next(self._ids)
+        entry = _Stage(name, detail, deadline)
+        if recover:
+            task, loop = asyncio.current_task(), asyncio.get_running_loop()
+            entry.cancel = lambda: loop.call_soon_threadsafe(self._cancel_task, key, task)
+        with self._lock:
+            self._stages[key] = entry
+        try:
+            yield entry
+        except asyncio.CancelledError:
+            if entry.stalled_at is None or not recover:
+                raise
+            asyncio.current_task().uncancel()  # our cancel, not a shutdown: the owner goes on
+            raise StageStalled(self._message(entry)) from None
+        finally:
+            with self._lock:
+                self._stages.pop(key, None)
+
+    def _cancel_task(self, key: int, task: asyncio.Task) -> None:
+        with self._lock:
+            still_running = key in self._stages
+        if still_running:  # a stage that ended meanwhile must not cancel what its task does next
+            task.cancel()
+
+    def raise_if_stalled(self, entry: _Stage | None) -> None:
+        """For a stage its owner polls: raise as soon as the monitor reported it."""
+        if entry is not None and entry.stalled_at is not None:
+            raise StageStalled(self._message(entry))
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self._lock:
+            return [s.as_dict(now) for s in self._stages.values()]
+
+    # ------------------------------------------------------------------ monitor
+
+    def _monitor(self) -> None:
+        while not self._stop.wait(CHECK_INTERVAL_S):
+            self.check()
+
+    def check(self) -> list[_Stage]:
+        """Report and act on every stage newly past its deadline; returns those."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s in self._stages.values() if s.stalled_at is None and s.age(now) > s.deadline_s]
+            for entry in late:
+                entry.stalled_at = now
+        for entry in late:
+            self.report(entry)
+            if entry.cancel is not None:
+                entry.cancel()
+            else:
+                threading.Thread(target=self._abort_if_still_stuck, args=(entry,), daemon=True).start()
+        return late
+
+    def _abort_if_still_stuck(self, entry: _Stage) -> None:
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if entry not in self._stages.values():
+                    return  # its owner raised StageStalled and is shutting down
+            time.sleep(0.2)
+        logger.critical("Stage %s is still stuck %.0f s after its stall report: exiting with code %d.",
+                        entry.name, ABORT_GRACE_S, STALL_EXIT_CODE)
+        for callback in _ABORT_CALLBACKS:
+            with contextlib.suppress(Exception):
+                callback()
+        logging.shutdown()
+        os._exit(STALL_EXIT_CODE)
+
+    # ------------------------------------------------------------------ report
+
+    def report(self, entry: _Stage, **extra: Any) -> dict[str, Any]:
+        """Write `stall_report.json` for `entry` and log a readable summary."""
+        now = time.monotonic()
+        try:
+            context = self.context()
+        except Exception as error:  # noqa: BLE001 - the report must still be written
+            context = {"error": f"context unavailable: {error!r}"}
+        report = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "role": self.role,
+            "pid": os.getpid(), **entry.as_dict(now),
+            "action": "cancelled and counted" if entry.cancel is not None else "stopping the run",
+            "in_flight": self.in_flight(), "context": context, **extra,
+            "stacks": {self.role: own_stacks(), **self._peer_stacks()},
+        }
+        self.stalls.append(report)
+        path = self.output_dir / REPORT_NAME
+        with contextlib.suppress(OSError):
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1, default=str))
+            tmp.replace(path)
+        logger.error("%s\n  in flight: %d stage(s); context: %s\n  full report with stacks: %s",
+                     self._message(entry), len(report["in_flight"]),
+                     json.dumps(context, default=str), path)
+        return report
+
+    def _message(self, entry: _Stage) -> str:
+        detail = ", ".join(f"{k}={v}" for k, v in entry.detail.items())
+        return (f"STALL in the {self.role}: stage {entry.name!r}{f' ({detail})' if detail else ''} "
+                f"passed its {entry.deadline_s:g} s deadline. Raise stall_timeouts[{entry.name!r}] "
+                f"if it is only slow; see {self.output_dir / REPORT_NAME}.")
+
+    def _peer_stacks(self) -> dict[str, str]:
+        """Ask the peer process to dump its stacks (faulthandler on SIGUSR2) and read them."""
+        if self.peer_pid is None:
+            return {}
+        peer_role = "worker" if self.role == "trainer" else "trainer"
+        path = self.stack_path(peer_role)
+        if not path.exists():  # the peer has no SIGUSR2 handler: the signal would kill it
+            return {peer_role: "(the peer watches no stages: no stack dump)"}
+        offset = path.stat().st_size
+        try:
+            os.kill(self.peer_pid, STACK_SIGNAL)
+        except OSError as error:
+            return {peer_role: f"(could not signal pid {self.peer_pid}: {error})"}
+        time.sleep(PEER_DUMP_WAIT_S)
+        try:
+            with open(path) as file:
+                file.seek(offset)
+                return {peer_role: file.read() or "(the peer wrote no stacks)"}
+        except OSError as error:
+            return {peer_role: f"(no stack dump: {error})"}
+
+
+def own_stacks() -> str:
+    """Every thread's Python stack in this process, named."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
+    return "\n".join(parts)
+
+
+NO_PROGRESS_WINDOW_GROUPS = 8
+DROPPED_REASONS = ("zero_std", "reward_error", "stalled")
+
+
+class NoProgressGuard:
+    """The trainer's no-progress stall: every group of a whole window dropped, no sample.
+
+    Why: a run whose model never produces reward variance waits without bound (env-owned data
+    has no epoch end). Once `NO_PROGRESS_WINDOW_GROUPS` groups in a row are dropped it says so
+    with the likely cause; after `timeout_s` without a trainable sample it writes the stall
+    report and raises `StageStalled` (0 = only warn)."""
+
+    def __init__(self, timeout_s: float, watch: StallWatch | None) -> None:
+        self.timeout_s = float(timeout_s)
+        self.watch = watch
+        self.last_progress = time.monotonic()
+        self.dropped: dict[str, int] = {}
+        self._warned = False
+
+    @property
+    def dropped_in_a_row(self) -> int:
+        return sum(self.dropped.values())
+
+    def record(self, reason: str | None) -> None:
+        """`reason` of a `PromptConsumed` notice, or None for a trainable sample."""
+        if reason is None:
+            self.last_progress, self.dropped, self._warned = time.monotonic(), {}, False
+        elif reason in DROPPED_REASONS:
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def check(self) -> None:
+        if self.dropped_in_a_row < NO_PROGRESS_WINDOW_GROUPS:
+            return
+        idle = time.monotonic() - self.last_progress
+        if not self._warned:
+            self._warned = True
+            logger.warning("No progress: %s", self._cause(idle))
+        if self.timeout_s > 0 and idle > self.timeout_s:
+            message = (f"{self._cause(idle)} Stopping after no_progress_timeout={self.timeout_s:g} s "
+                       "(raise it, or 0 to wait without bound).")
+            if self.watch is not None:
+                entry = _Stage("no_progress", {"dropped_groups": dict(self.dropped)}, self.timeout_s,
+                               started=self.last_progress)
+                entry.stalled_at = time.monotonic()
+                self.watch.report(entry, cause=message)
+                message += f" See {self.watch.output_dir / REPORT_NAME}."
+            raise StageStalled(message)
+
+    def _cause(self, idle: float) -> str:
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
+        likely = []
+        if self.dropped.get("zero_std"):
+            likely.append("every rollout of a group gets the same reward: the model never produces "
+                          "reward variance (check the reward functions and the tools, use easier or "
+                          "harder prompts, or warm the model up)")
+        if self.dropped.get("reward_error"):
+            likely.append("the reward functions fail (see rollout/reward_error_count and the worker log)")
+        if self.dropped.get("stalled"):
+            likely.append("rollouts pass their stage deadlines (see stall_report.json)")
+        return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and no trainable "
+                f"sample came for {idle:.0f} s. Likely cause: {'; '.join(likely)}.")

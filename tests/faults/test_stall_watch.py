@@ -1,0 +1,141 @@
+"""The stall watch on its own: a hung stage is named in stall_report.json with its stacks, a
+recoverable one raises `StageStalled` in its owner, a fatal one exits the process with code 3,
+and the no-progress guard stops a run whose groups are all dropped."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from grpo_agent import stall
+from grpo_agent.config import AsyncGRPOConfig
+
+
+def _config(tmp_path, **kwargs):
+    return AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+
+
+def test_deadlines_are_derived_from_the_config_or_set_explicitly(tmp_path):
+    config = _config(tmp_path, vllm_server_timeout=100, rollout_worker_timeout=20,
+                     stall_timeouts={"weight_sync": 7, "scoring": 3})
+    assert stall.stage_deadline(config, "scoring") == 3
+    assert stall.stage_deadline(config, "weight_sync/transfer") == 7  # the family's deadline
+    assert stall.stage_deadline(config, "queue_pull") == 120
+    assert stall.stage_deadline(config, "vllm_generate") == 100 + stall.OWN_TIMEOUT_MARGIN_S
+    with pytest.raises(ValueError, match="unknown stage 'scorng'"):
+        _config(tmp_path, stall_timeouts={"scorng": 3})
+    with pytest.raises(ValueError, match="must be > 0"):
+        _config(tmp_path, stall_timeouts={"scoring": 0})
+
+
+def hung_reward_in_a_thread(release: threading.Event) -> None:
+    release.wait()
+
+
+def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path):
+    watch = stall.StallWatch(_config(tmp_path), "worker", context=lambda: {"queue": 5}).start()
+    release = threading.Event()
+    executor = ThreadPoolExecutor(1)  # not asyncio's default one: asyncio.run would wait for it
+
+    async def owner():
+        loop = asyncio.get_running_loop()
+        with watch.stage("scoring", 0.5, recover=True, group_id=7):
+            await loop.run_in_executor(executor, hung_reward_in_a_thread, release)
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(stall.StageStalled, match="stage 'scoring' \\(group_id=7\\)"):
+            asyncio.run(owner())
+    finally:
+        release.set()
+        executor.shutdown(wait=False)
+        watch.stop()
+    assert time.monotonic() - started < 5
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["stage"] == "scoring" and report["group_id"] == 7
+    assert report["elapsed_s"] >= 0.5 and report["action"] == "cancelled and counted"
+    assert report["context"] == {"queue": 5}
+    assert "hung_reward_in_a_thread" in report["stacks"]["worker"]  # the culprit's frame
+    assert not watch.in_flight()
+
+
+def test_a_stage_that_ends_in_time_reports_nothing(tmp_path):
+    watch = stall.StallWatch(_config(tmp_path), "trainer").start()
+    try:
+        with watch.stage("checkpoint_save", 5.0):
+            time.sleep(0.1)
+        time.sleep(1.5)
+    finally:
+        watch.stop()
+    assert not (tmp_path / stall.REPORT_NAME).exists() and not watch.stalls
+
+
+def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from grpo_agent import stall
+        from grpo_agent.config import AsyncGRPOConfig
+        stall.ABORT_GRACE_S = 1.0
+        config = AsyncGRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, report_to="none",
+                                 stall_timeouts={{"weight_sync": 1}})
+        stall.StallWatch(config, "trainer").start()
+        stall.on_abort(lambda: open({str(tmp_path / "aborted")!r}, "w").close())
+        def transfer_that_never_returns():
+            time.sleep(600)
+        with stall.stage("weight_sync/transfer", version=3):
+            transfer_that_never_returns()
+    """)
+    (tmp_path / "hang.py").write_text(script)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(tmp_path / "hang.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == stall.STALL_EXIT_CODE, result.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["stage"] == "weight_sync/transfer" and report["version"] == 3
+    assert report["action"] == "stopping the run"
+    assert "transfer_that_never_returns" in report["stacks"]["trainer"]
+    assert (tmp_path / "aborted").exists()  # the abort callbacks ran first
+    assert "STALL in the trainer: stage 'weight_sync/transfer'" in result.stderr
+
+
+def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
+    watch = stall.StallWatch(_config(tmp_path), "trainer").start()
+    guard = stall.NoProgressGuard(timeout_s=1.0, watch=watch)
+    try:
+        for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS - 1):
+            guard.record("zero_std")
+        guard.record("filtered")  # a filtered prompt is neither progress nor a dropped group
+        with caplog.at_level(logging.WARNING, logger="grpo_agent.stall"):
+            guard.check()
+            assert "No progress" not in caplog.text  # the window is not full yet
+            guard.record("zero_std")
+            guard.check()
+        assert "never produces reward variance" in caplog.text
+        guard.record(None)  # a trainable sample resets the window
+        guard.check()
+        for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS):
+            guard.record("reward_error")
+        time.sleep(1.1)
+        with pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s"):
+            guard.check()
+    finally:
+        watch.stop()
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["stage"] == "no_progress" and report["dropped_groups"] == {"reward_error": 8}
+    assert "reward functions fail" in report["cause"]
+
+
+def test_no_progress_timeout_zero_only_warns(tmp_path):
+    guard = stall.NoProgressGuard(timeout_s=0, watch=None)
+    for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("stalled")
+    guard.last_progress -= 10_000
+    guard.check()  # no raise
