@@ -58,3 +58,30 @@ def vllm_server(tiny_model_path, tmp_path_factory):
     )
     with server:
         yield server
+
+
+def push_original_weights(server) -> None:
+    """Push the model folder's weights back into `server` (version 0), undoing a trainer's pushes."""
+    import torch
+    from grpo_agent.sampler.weight_sync import build_weight_sync
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.float32)
+    sync = build_weight_sync(server.base_url, backend="disk")
+    try:
+        sync.push(original.named_parameters(), version=0)
+    finally:
+        sync.close()
+
+
+@pytest.fixture(scope="module")
+def trained_server(vllm_server):
+    """The session's server for a module whose trainers push weights into it.
+
+    Skipped for a server this session did not start; after the module the original weights are
+    pushed back, so later modules (which compare the server with the model folder) see them.
+    """
+    if not getattr(vllm_server, "owned", False):
+        pytest.skip("the trainer pushes weights: never into a server this session did not start")
+    yield vllm_server
+    push_original_weights(vllm_server)

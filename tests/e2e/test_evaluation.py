@@ -26,11 +26,9 @@ def _prompts(words):
     return {"prompt": [[{"role": "user", "content": w}] for w in words]}
 
 
-@pytest.fixture
-def server(vllm_server):
-    if not getattr(vllm_server, "owned", False):
-        pytest.skip("the trainer pushes weights: never into a server this session did not start")
-    return vllm_server
+@pytest.fixture(scope="module")
+def server(trained_server):
+    return trained_server
 
 
 def _run(server, tmp_path, name, **eval_args):

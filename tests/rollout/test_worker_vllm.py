@@ -116,9 +116,9 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
         assert len(indices) == len(set(indices))
 
         # 2. The consumer stalls: generation stops at the token allowance (backpressure).
+        # (the wait is observed when it ends: checked after the run, below)
         assert _queue_settles(worker, steady_s=5, within_s=60), "the queue kept growing"
         observations.extend(worker.drain_metrics())
-        assert max(_values(observations, "rollout/backpressure_s")) > 1.0
 
         # 3. Meanwhile the trainer moved two weight updates on: the queued samples are stale.
         worker.set_model_version(2)
@@ -151,6 +151,8 @@ def test_worker_streams_scored_groups_with_drops_backpressure_and_staleness(
     assert _gone(pid), "the worker process outlived stop()"
     observations.extend(worker.drain_metrics())
 
+    # The stalled consumer (step 2) held generation for well over a second.
+    assert max(_values(observations, "rollout/backpressure_s")) > 1.0
     caps = _values(observations, "rollout/concurrency_cap")
     assert caps and max(_values(observations, "rollout/concurrency")) <= min(caps) <= 6
     assert 0 < sum(_values(observations, "frac_reward_zero_std")) < len(_values(observations, "frac_reward_zero_std"))

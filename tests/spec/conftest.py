@@ -16,12 +16,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-@pytest.fixture(scope="session")
-def spec_server(vllm_server):
-    """The session's server on the tiny model; skipped when it is someone else's."""
-    if not getattr(vllm_server, "owned", False):
-        pytest.skip("the trainer pushes weights: never into a server this session did not start")
-    return vllm_server
+@pytest.fixture(scope="module")
+def spec_server(trained_server):
+    """The session's server on the tiny model (restored after each module: conftest.py)."""
+    return trained_server
 
 
 @pytest.fixture(scope="module")
