@@ -75,3 +75,36 @@ async def silent_agent(client, row: dict) -> float:
 async def unknown_model_agent(client, row: dict) -> float:
     await client.chat.completions.create(model="gpt-nonexistent", messages=row["prompt"])
     return 1.0
+
+
+async def agents_sdk_counter(client, row: dict) -> float:
+    """The counter task written with the OpenAI Agents SDK (`pip install openai-agents`)."""
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from agents.exceptions import MaxTurnsExceeded
+
+    set_tracing_disabled(True)  # no export to OpenAI's tracing service
+    counter = {"value": 0}
+
+    @function_tool
+    def increment(step: int) -> int:
+        """Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        counter["value"] += step
+        return counter["value"]
+
+    model = OpenAIChatCompletionsModel(model=await model_name(client), openai_client=client)
+    runner_agent = Agent(name="counter", tools=[increment], model=model)
+    try:
+        await Runner.run(runner_agent, f"Increment the counter by {row['target']}.", max_turns=3)
+    except MaxTurnsExceeded:
+        pass  # the model kept calling the tool: score what it reached
+    return float(counter["value"] == row["target"])

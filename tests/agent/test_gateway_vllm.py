@@ -219,3 +219,23 @@ def test_harness_trainer_trains_the_counter_agent_through_the_gateway(warm_serve
     assert {"tools/call_frequency", "rollout/samples_per_rollout", "rollout/fork_frac",
             "rollout/turns_mean", "harness/errors_count", "rewards/rollout/mean"} <= set(logged), sorted(logged)
     assert max(logged["tools/call_frequency"]) > 0
+
+
+def test_openai_agents_sdk_drives_a_rollout_end_to_end(warm_server, tmp_path):
+    pytest.importorskip("agents", reason="optional extra: pip install openai-agents")
+
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.agents_sdk_counter) as loop:
+            return await asyncio.gather(*(loop.run_agent_rollout({"target": t}) for t in (1, 2, 3, 4)))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(warm_server.model_path)
+    results = asyncio.run(main())
+    for _, rollout in results:
+        assert rollout.metrics["harness/errors_count"] == [0.0] and rollout.turns, rollout.metrics
+        assert '"name": "increment"' in tokenizer.decode(rollout.turns[0].prompt_ids)  # its tool
+        sequences, _ = reconcile_turns(rollout.turns)
+        assert [t for s in sequences for t, m in zip(s.token_ids, s.trained_mask) if m] == rollout.completion_ids
+    # The SDK's strict tool schema is not the one the tiny model was warmed on, so it rarely
+    # writes a readable call for it: a tool round trip is not asserted here.
