@@ -51,6 +51,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             if self.gateway is not None:
                 await self.gateway.stop()
 
+    async def generate_one(self, prompt, tools, group_id: int = 0) -> Rollout:
+        """Not used: a harness rollout is an agent run on the whole row (`run_agent_rollout`)."""
+        raise NotImplementedError(
+            "HarnessRolloutLoop rolls out by running the agent on a dataset row "
+            "(run_agent_rollout); the built-in tool loop's generate_one does not apply.")
+
     async def _run_rollout(self, slot, group_id: int) -> tuple:
         in_flight = await self.slots.acquire()
         self._observe("rollout/concurrency", in_flight)

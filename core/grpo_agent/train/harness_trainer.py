@@ -37,6 +37,10 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ValueError("HarnessAsyncGRPOTrainer runs your agent program, which owns its tools "
                              "and environment: drop tools=/environment_factory=, or use "
                              "AsyncGRPOTrainer for the built-in tool loop.")
+        if kwargs.get("eval_dataset") is not None:
+            raise ValueError("HarnessAsyncGRPOTrainer does not evaluate agents yet (evaluation runs "
+                             "the built-in tool loop); drop eval_dataset, or evaluate the saved "
+                             "model with your agent against a vLLM server.")
         resolve_agent(agent)  # fail now, naming the problem, not in the spawned worker
         if not isinstance(agent, (str, AgentCommand)):
             check_picklable({"agent": agent})
