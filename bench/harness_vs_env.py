@@ -1,0 +1,116 @@
+"""The counter task trained two ways on the tool-warmed tiny model: as an `openai`-SDK agent
+through `HarnessAsyncGRPOTrainer` (the gateway) and as an `environment_factory` through
+`AsyncGRPOTrainer` (the built-in tool loop). Same rows, seed, steps and config; one vLLM server.
+
+Prints the reward per logged step for each run and a summary JSON line last (first and last
+thirds' mean reward per run). No learning claim is made from a run this short; it shows the two
+paths train the same task at the same cost.
+
+    python bench/harness_vs_env.py [--steps 15] [--learning-rate 1e-4] [--runs harness,env]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+PROMPT = "Increment the counter by {}."
+TARGETS = [1, 2, 3, 4, 5, 6, 3, 2]
+INCREMENT = {"type": "function", "function": {
+    "name": "increment", "description": "Increment the internal counter.",
+    "parameters": {"type": "object", "required": ["step"],
+                   "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}}},
+    "return": {"type": "integer", "description": "The updated counter value."}}}
+
+
+class IncrementEnv:
+    def reset(self, target, **kwargs) -> None:  # the row's prompt is the task, as for the agent
+        self.counter, self.target = 0, target
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+async def counter_agent(client, row: dict) -> float:
+    """The same task with the SDK: tool rounds as the env's `max_tool_calling_iterations=2`."""
+    model = (await client.models.list()).data[0].id
+    messages = [{"role": "user", "content": PROMPT.format(row["target"])}]
+    counter = 0
+    for _ in range(3):
+        message = (await client.chat.completions.create(
+            model=model, messages=messages, tools=[INCREMENT])).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            counter += int(json.loads(call.function.arguments).get("step", 0))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(counter)})
+    return float(counter == row["target"])
+
+
+def train(kind: str, server, steps: int, learning_rate: float) -> dict:
+    from datasets import Dataset
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, HarnessAsyncGRPOTrainer
+
+    targets = TARGETS * 64
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
+                                 "target": targets})
+    config = AsyncGRPOConfig(
+        output_dir=tempfile.mkdtemp(), vllm_server_base_url=server.base_url, max_steps=steps,
+        num_generations=8, max_completion_length=64, max_tool_calling_iterations=2,
+        chat_template_kwargs={"enable_thinking": False}, learning_rate=learning_rate, seed=0,
+        report_to="none", logging_steps=1)
+    model = str(server.model_path)
+    if kind == "harness":
+        trainer = HarnessAsyncGRPOTrainer(model=model, agent=counter_agent, args=config, train_dataset=dataset)
+    else:
+        trainer = AsyncGRPOTrainer(model=model, args=config, train_dataset=dataset,
+                                   environment_factory=IncrementEnv)
+    began = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - began
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    third = max(len(rewards) // 3, 1)
+    result = {"run": kind, "steps": trainer.state.global_step, "seconds": round(seconds, 1),
+              "rewards": [round(r, 3) for r in rewards],
+              "first_third_reward": round(statistics.fmean(rewards[:third]), 3),
+              "last_third_reward": round(statistics.fmean(rewards[-third:]), 3)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--runs", default="harness,env", help="which runs, in order")
+    args = parser.parse_args()
+    from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.testing.warmup import build_tool_warmed_model
+
+    with ManagedVLLMServer(build_tool_warmed_model(), dtype="float32", max_model_len=1024,
+                           enforce_eager=True) as server:
+        results = [train(kind, server, args.steps, args.learning_rate) for kind in args.runs.split(",")]
+    print(json.dumps({"summary": "harness_vs_env", "steps": args.steps,
+                      "learning_rate": args.learning_rate,
+                      **{f"{r['run']}_{key}": r[key] for r in results
+                         for key in ("first_third_reward", "last_third_reward", "seconds")}}))
+
+
+if __name__ == "__main__":
+    main()
