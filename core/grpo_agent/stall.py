@@ -125,6 +125,7 @@ class _Stage:
     started: float = field(default_factory=time.monotonic)
     thread_id: int = field(default_factory=threading.get_ident)
     cancel: Callable[[], None] | None = None
+    task: asyncio.Task | None = None  # a recoverable stage's task: its stack is the stuck one
     stalled_at: float | None = None
 
     def touch(self) -> None:
@@ -200,6 +201,7 @@ class StallWatch:
         if recover:
             task, loop = asyncio.current_task(), asyncio.get_running_loop()
             entry.cancel = lambda: loop.call_soon_threadsafe(self._cancel_task, key, task)
+            entry.task = task
         with self._lock:
             self._stages[key] = entry
         try:
@@ -243,6 +245,9 @@ class StallWatch:
             for entry in late:
                 entry.stalled_at = now
         for entry in late:
+            with self._lock:
+                if entry not in self._stages.values():
+                    continue  # gone meanwhile: a sibling's cancel dropped its whole group
             self.report(entry)
             if entry.cancel is not None:
                 entry.cancel()
@@ -279,6 +284,7 @@ class StallWatch:
             "pid": os.getpid(), **entry.as_dict(now),
             "action": "cancelled and counted" if entry.cancel is not None else "stopping the run",
             "in_flight": self.in_flight(), "context": context, **extra,
+            "stage_stack": _task_stack(entry.task) if entry.task is not None else None,
             "stacks": {self.role: own_stacks(), **self._peer_stacks()},
         }
         self.stalls.append(report)
@@ -391,3 +397,19 @@ class NoProgressGuard:
             likely.append("rollouts pass their stage deadlines (see stall_report.json)")
         return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and no trainable "
                 f"sample came for {idle:.0f} s. Likely cause: {'; '.join(likely)}.")
+
+
+def _task_stack(task: asyncio.Task) -> str:
+    """The await chain of a stuck task, outermost first (thread stacks show only the event
+    loop, and `Task.get_stack` only the task's own frame)."""
+    lines = [repr(task)]
+    awaitable = task.get_coro()
+    for _ in range(64):  # bounded: read from another thread, the chain may change under us
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is not None:
+            lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, '
+                         f"in {frame.f_code.co_name}")
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+        if awaitable is None:
+            break
+    return "\n".join(lines)

@@ -91,7 +91,7 @@ EXPECTED_REDUCTIONS = {
     "rollout/backpressure_s": "mean", "rollout/vllm_retry_count": "sum",
     "rollout/vllm_kv_cache_usage_frac": "mean", "rollout/vllm_running_requests": "mean",
     "rollout/vllm_queued_requests": "mean", "rollout/vllm_preemption_count": "sum",
-    "rollout/reward_error_count": "sum",
+    "rollout/reward_error_count": "sum", "rollout/stalled_group_count": "sum",
     "tools/call_frequency": "mean", "tools/failure_frequency": "mean", "tools/latency_s": "mean",
     "tools/{tool}/latency_s": "mean", "tools/{tool}/call_count": "sum",
     "tools/{tool}/failure_count": "sum", "tools/unknown_name_count": "sum",
