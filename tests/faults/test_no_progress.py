@@ -1,0 +1,43 @@
+"""The no-progress stall through the real trainer, worker and vLLM server: a reward that never
+varies drops every group, so no step ever comes; the run names the cause and stops after
+`no_progress_timeout` instead of waiting for epochs that would take hours."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, stall
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
+from fault_helpers import constant_reward
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+
+
+def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp_path, caplog):
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(64)])
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), vllm_server_base_url=vllm_server.base_url, num_generations=2,
+        max_completion_length=8, token_budget=256, max_steps=5, num_train_epochs=1000,
+        save_strategy="no", report_to="none", use_cpu=True, no_progress_timeout=8)
+    trainer = AsyncGRPOTrainer(model=str(vllm_server.model_path), reward_funcs=constant_reward,
+                               train_dataset=dataset, args=args)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(stall.StageStalled) as raised:
+        trainer.train()
+    elapsed = time.monotonic() - started
+    print(f"no-progress stop after {elapsed:.1f} s (no_progress_timeout=8)")
+    message = str(raised.value)
+    assert "never produces reward variance" in message and "no_progress_timeout=8 s" in message
+    assert "No progress: the last 8 groups were all dropped" in caplog.text  # the early warning
+    assert trainer.state.global_step == 0
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["role"] == "trainer" and report["stage"] == "no_progress"
+    assert report["dropped_groups"]["zero_std"] >= stall.NO_PROGRESS_WINDOW_GROUPS
+    assert report["elapsed_s"] >= 8 and "worker" in report["stacks"]
+    assert report["context"]["sample_queue_size"] is not None
