@@ -1,0 +1,93 @@
+"""Trainer stages hung on purpose: each weight-sync phase against a server that accepts the
+connection and never answers, and the queue pull against a worker that never sends. The stall
+report names the stage (and the phase) before the call's own timeout ends it."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from grpo_agent import stall
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.sampler.weight_sync import ServerControl, _finish_push, _start_update
+from grpo_agent.train.batching import StepPlanner
+from grpo_agent.train.checkpoint import PromptLedger
+from grpo_agent.train.step_source import StepSource
+
+
+@pytest.fixture
+def frozen_server():
+    """A TCP server that accepts and then never replies: a SIGSTOPped vLLM, seen from outside."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+@pytest.fixture
+def watch(tmp_path, monkeypatch):
+    monkeypatch.setattr(stall, "ABORT_GRACE_S", 600.0)  # the call's own timeout ends it first
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             stall_timeouts={"weight_sync": 1, "queue_pull": 1})
+    started = stall.StallWatch(config, "trainer", context=lambda: {"model_version": 4}).start()
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize(("phase", "call"), [
+    ("weight_sync/pause", lambda control: _start_update(control)),
+    ("weight_sync/resume", lambda control: _finish_push(control, 5)),
+])
+def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase, call):
+    control = ServerControl(frozen_server, timeout=3.0)
+    with pytest.raises(httpx.ReadTimeout):
+        call(control)
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["stage"] == phase and report["server"] == frozen_server
+    assert report["action"] == "stopping the run" and report["context"] == {"model_version": 4}
+    assert "weight_sync.py" in report["stacks"]["trainer"]
+
+
+class SilentWorker:
+    """The rollout worker's seam: alive, but never sends anything."""
+
+    pid = None
+    queue_size = 0
+
+    def pull(self, timeout):
+        import time
+        time.sleep(timeout)
+        return []
+
+
+def test_a_queue_pull_that_never_gets_an_item_stops_with_the_report(watch, tmp_path):
+    trainer = SimpleNamespace(args=watch.config, ledger=PromptLedger(),
+                              prompt_epochs_done=lambda taken=(): False,
+                              window=SimpleNamespace(add=lambda *a: None))
+    source = StepSource(SilentWorker(), trainer)
+    with pytest.raises(stall.StageStalled, match="stage 'queue_pull'"):
+        source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1))
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert report["stage"] == "queue_pull" and report["elapsed_s"] >= 1
+    assert "next_step" in report["stacks"]["trainer"]
