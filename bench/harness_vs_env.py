@@ -16,13 +16,10 @@ import statistics
 import tempfile
 import time
 
+from transformers.utils import get_json_schema
+
 PROMPT = "Increment the counter by {}."
 TARGETS = [1, 2, 3, 4, 5, 6, 3, 2]
-INCREMENT = {"type": "function", "function": {
-    "name": "increment", "description": "Increment the internal counter.",
-    "parameters": {"type": "object", "required": ["step"],
-                   "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}}},
-    "return": {"type": "integer", "description": "The updated counter value."}}}
 
 
 class IncrementEnv:
@@ -44,6 +41,12 @@ class IncrementEnv:
         """
         self.counter += step
         return self.counter
+
+
+# The agent sends the schema the env's tool loop renders, key order included: the prompt is the
+# rendered JSON, and a tiny model warmed on one key order fails on another (measured: mean
+# reward 0.004 vs 0.12 over 4 steps when "required" came before "properties").
+INCREMENT = get_json_schema(IncrementEnv().increment)
 
 
 async def counter_agent(client, row: dict) -> float:

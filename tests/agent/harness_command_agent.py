@@ -5,10 +5,12 @@ import sys
 
 from openai import OpenAI
 
-INCREMENT_TOOL = {"type": "function", "function": {
+INCREMENT_TOOL = {"type": "function", "function": {  # key order as the model was warmed on
     "name": "increment", "description": "Increment the internal counter.",
-    "parameters": {"type": "object", "required": ["step"],
-                   "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}}}}}
+    "parameters": {"type": "object",
+                   "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}},
+                   "required": ["step"]},
+    "return": {"type": "integer", "description": "The updated counter value."}}}
 
 row = json.load(sys.stdin)
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the gateway
