@@ -108,3 +108,15 @@ async def agents_sdk_counter(client, row: dict) -> float:
     except MaxTurnsExceeded:
         pass  # the model kept calling the tool: score what it reached
     return float(counter["value"] == row["target"])
+
+
+async def over_budget_agent(client, row: dict) -> float:
+    """Calls twice under a one-call budget: the second call must come back as a 429."""
+    import openai
+
+    await one_call_agent(client, row)
+    try:
+        await one_call_agent(client, row)
+    except openai.RateLimitError as error:
+        return float(error.code == "rollout_call_budget")
+    return 0.0

@@ -239,3 +239,14 @@ def test_openai_agents_sdk_drives_a_rollout_end_to_end(warm_server, tmp_path):
         assert [t for s in sequences for t, m in zip(s.token_ids, s.trained_mask) if m] == rollout.completion_ids
     # The SDK's strict tool schema is not the one the tiny model was warmed on, so it rarely
     # writes a readable call for it: a tool round trip is not asserted here.
+
+
+def test_a_call_over_the_rollouts_budget_gets_a_429_the_agent_sees(warm_server, tmp_path):
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.over_budget_agent, max_calls=1) as loop:
+            return await loop.run_agent_rollout({"prompt": PROMPT})
+
+    _, rollout = asyncio.run(main())
+    assert rollout.reward == 1.0 and len(rollout.turns) == 1  # the agent caught the budget error
+    assert rollout.metrics["harness/rejected_calls_count"] == [1.0]
+    assert rollout.metrics["harness/errors_count"] == [0.0]
