@@ -126,7 +126,8 @@ class _Stage:
     thread_id: int = field(default_factory=threading.get_ident)
     cancel: Callable[[], None] | None = None
     task: asyncio.Task | None = None  # a recoverable stage's task: its stack is the stuck one
-    stalled_at: float | None = None
+    stalled_at: float | None = None  # set once its report is written (owners poll this)
+    reported: bool = False
 
     def touch(self) -> None:
         """Progress was made: the deadline counts from now (a poll that received something)."""
@@ -137,7 +138,7 @@ class _Stage:
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"stage": self.name, **self.detail, "elapsed_s": round(self.age(now), 3),
-                "deadline_s": self.deadline_s, "stalled": self.stalled_at is not None}
+                "deadline_s": self.deadline_s, "stalled": self.reported}
 
 
 class StallWatch:
@@ -241,14 +242,15 @@ class StallWatch:
         """Report and act on every stage newly past its deadline; returns those."""
         now = time.monotonic()
         with self._lock:
-            late = [s for s in self._stages.values() if s.stalled_at is None and s.age(now) > s.deadline_s]
+            late = [s for s in self._stages.values() if not s.reported and s.age(now) > s.deadline_s]
             for entry in late:
-                entry.stalled_at = now
+                entry.reported = True
         for entry in late:
             with self._lock:
                 if entry not in self._stages.values():
                     continue  # gone meanwhile: a sibling's cancel dropped its whole group
             self.report(entry)
+            entry.stalled_at = now  # only now: an owner that polls must find the report written
             if entry.cancel is not None:
                 entry.cancel()
             else:
@@ -379,7 +381,7 @@ class NoProgressGuard:
             if self.watch is not None:
                 entry = _Stage("no_progress", {"dropped_groups": dict(self.dropped)}, self.timeout_s,
                                started=self.last_progress)
-                entry.stalled_at = time.monotonic()
+                entry.stalled_at, entry.reported = time.monotonic(), True
                 self.watch.report(entry, cause=message)
                 message += f" See {self.watch.output_dir / REPORT_NAME}."
             raise StageStalled(message)
