@@ -83,7 +83,7 @@ def step_source(batches, epoch_prompts):
 
     ledger = PromptLedger()
     trainer = SimpleNamespace(
-        ledger=ledger, window=MetricWindow(),
+        ledger=ledger, window=MetricWindow(), args=SimpleNamespace(no_progress_timeout=0),
         prompt_epochs_done=lambda in_hand=(): ledger.frontier_after(list(in_hand)) >= epoch_prompts,
     )
     return StepSource(ScriptedWorker(batches), trainer)

@@ -108,7 +108,9 @@ class _RecordingSampler:
 
 
 def _loop_at_version(current: int, sampler, lora_name="run"):
+    import contextlib
     import multiprocessing
+    from types import SimpleNamespace
 
     from grpo_agent.rollout.loop import AsyncRolloutLoop
     from grpo_agent.sampler.client import SamplingParams
@@ -117,6 +119,7 @@ def _loop_at_version(current: int, sampler, lora_name="run"):
     loop.lora_name, loop.sampler, loop._seeds = lora_name, sampler, None
     loop._sampling_params = SamplingParams(max_tokens=4)
     loop.model_version_value = multiprocessing.Value("q", current)
+    loop.stalls = SimpleNamespace(stage=lambda *args, **detail: contextlib.nullcontext())
     return loop
 
 

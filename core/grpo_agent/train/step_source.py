@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_agent import stall
 from grpo_agent.metrics import MetricWindow
+from grpo_agent.rollout.loop import METRICS_FLUSH_INTERVAL_S
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.types import PromptConsumed, TrainingSample
 
@@ -129,6 +130,10 @@ class StepSource:
     def finish_step(self, samples: list[TrainingSample], window: MetricWindow) -> None:
         """Tell the worker how many tokens a step uses (its staleness allowance); take its metrics."""
         self.worker.report_step_tokens(sum(s.num_tokens for s in samples))
+        if self.trainer.prompt_epochs_done():
+            # The worker sends its observations once a flush interval, its notices at once: wait
+            # for the last flush, or a run whose last groups were all dropped logs no reward.
+            time.sleep(2 * METRICS_FLUSH_INTERVAL_S)
         window.extend(self.worker.drain_metrics())
 
     def stop(self) -> None:
