@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp
     print(f"no-progress stop after {elapsed:.1f} s (no_progress_timeout=8)")
     message = str(raised.value)
     assert "never produces reward variance" in message and "no_progress_timeout=8 s" in message
-    assert "No progress: the last 8 groups were all dropped" in caplog.text  # the early warning
+    # The early warning, once a window of groups was dropped (a pull may bring several at once).
+    warned = re.search(r"No progress: the last (\d+) groups were all dropped", caplog.text)
+    assert warned and int(warned.group(1)) >= stall.NO_PROGRESS_WINDOW_GROUPS, caplog.text
     assert trainer.state.global_step == 0
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["role"] == "trainer" and report["stage"] == "no_progress"
