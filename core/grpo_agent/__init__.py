@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from grpo_agent._version import __version__
 
 _LAZY = {
     "AsyncGRPOConfig": "grpo_agent.config",

@@ -37,7 +37,7 @@ app.command("eval")(eval_cmd.evaluate)
 
 def _version(value: bool) -> None:
     if value:
-        from grpo_agent import __version__
+        from grpo_agent._version import __version__
 
         typer.echo(f"grpo-agent {__version__}")
         raise typer.Exit()

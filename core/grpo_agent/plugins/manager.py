@@ -103,7 +103,7 @@ def build_plugin_manager(
     """A manager with the built-ins, the allowed entry points and any given plugin objects."""
     import importlib
 
-    from grpo_agent import __version__
+    from grpo_agent._version import __version__
 
     pm = _new_manager()
     for module_name in BUILTIN_MODULES:
