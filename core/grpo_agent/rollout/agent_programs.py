@@ -3,7 +3,7 @@
 An agent is `async def run(client: openai.AsyncOpenAI, row: dict) -> float | None` (its reward,
 or None to leave scoring to `reward_funcs`), or a command run per rollout with the gateway in
 `OPENAI_BASE_URL`/`OPENAI_API_KEY`, the row as JSON on stdin and its reward as the last line of
-stdout (empty or `null`: None).
+stdout (empty or `null`: None), confined by its `CommandLimits` (`command_sandbox`).
 
 Design decision: whatever the agent does wrong (raises, hangs past its timeout, exits
 non-zero, returns something that is not a number) becomes an `AgentFailure` for its rollout
@@ -16,20 +16,31 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+from grpo_agent.rollout.command_sandbox import (
+    ISOLATION_FAILED_EXIT,
+    CommandLimits,
+    agent_environment,
+    sandboxed_argv,
+)
 
 STDERR_TAIL = 2000
 
 
 @dataclass(frozen=True)
 class AgentCommand:
-    """A command agent: `grpo-agent train --agent-cmd "python my_agent.py"`."""
+    """A command agent: `grpo-agent train --agent-cmd "python my_agent.py"`, run under `limits`."""
 
     command: str
     cwd: str | None = None
+    limits: CommandLimits = field(default_factory=CommandLimits)
 
 
 class AgentFailure(Exception):
@@ -68,10 +79,17 @@ def check_reward(value: Any, source: str) -> float | None:
 
 
 async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row: dict,
-                    timeout_s: float) -> float | None:
-    """Run the agent for one rollout; raises `AgentFailure` for anything it does wrong."""
+                    timeout_s: float, gateway_socket: str | None = None) -> float | None:
+    """Run the agent for one rollout; raises `AgentFailure` for anything it does wrong.
+
+    `gateway_socket`: the gateway's Unix socket, which a command confined to the gateway's
+    network reaches through its relay (without it, such a command has no network at all)."""
     if isinstance(agent, AgentCommand):
-        return await _run_command(agent, base_url, key, row, timeout_s)
+        home = tempfile.mkdtemp(prefix="grpo-agent-cmd-")
+        try:
+            return await _run_command(agent, base_url, key, row, timeout_s, gateway_socket, home)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s)
@@ -88,25 +106,32 @@ async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row
     return check_reward(value, f"The agent {name!r}")
 
 
-async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict,
-                       timeout_s: float) -> float | None:
-    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key}
+async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, timeout_s: float,
+                       gateway_socket: str | None, home: str) -> float | None:
+    url = urlsplit(base_url)
+    if agent.limits.network == "gateway":  # the relay listens on loopback inside the namespace
+        base_url = url._replace(netloc=f"127.0.0.1:{url.port}").geturl()
+    argv = sandboxed_argv(agent.limits, shlex.split(agent.command), gateway_port=url.port or 80,
+                          gateway_socket=gateway_socket, home=home, timeout_s=timeout_s)
     process = await asyncio.create_subprocess_exec(
-        *shlex.split(agent.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=env, cwd=agent.cwd, start_new_session=True)
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=agent_environment(base_url, key, home), cwd=agent.cwd,
+        start_new_session=True)
     payload = json.dumps(row, ensure_ascii=False, default=str).encode()
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(payload), timeout_s)
     except asyncio.TimeoutError as error:
         raise AgentFailure("timeout", f"The agent command {agent.command!r} ran past its "
                            f"{timeout_s:g} s (agent_timeout_s); it was killed.") from error
-    finally:
-        if process.returncode is None:  # its whole process group, not only the shell
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    finally:  # its whole process group, also what it left running after it exited
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if process.returncode is None:
             await process.wait()
+    if process.returncode == ISOLATION_FAILED_EXIT and b"agent sandbox:" in stderr:
+        raise AgentFailure("error", stderr.decode(errors="replace").strip())
     if process.returncode != 0:
         tail = stderr.decode(errors="replace")[-STDERR_TAIL:]
         raise AgentFailure("error", f"The agent command {agent.command!r} exited with code "

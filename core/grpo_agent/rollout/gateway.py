@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -134,6 +137,7 @@ class Gateway:
         self.limits = limits
         self.sessions: dict[str, AgentSession] = {}
         self.base_url = ""
+        self.unix_path: str | None = None  # the same app, for command agents' relays
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -147,12 +151,17 @@ class Gateway:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.base_url = f"http://{host}:{port}/v1"
+        self.unix_path = os.path.join(tempfile.mkdtemp(prefix="grpo-gateway-"), "gateway.sock")
+        await web.UnixSite(self._runner, self.unix_path).start()
         return self.base_url
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.unix_path is not None:
+            shutil.rmtree(os.path.dirname(self.unix_path), ignore_errors=True)
+            self.unix_path = None
 
     def open_session(self, version: int) -> AgentSession:
         session = AgentSession(version=version)

@@ -90,7 +90,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         reward = None
         try:
             reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
-                                     self.limits.timeout_s)
+                                     self.limits.timeout_s, self.gateway.unix_path)
         except AgentFailure as error:
             failure = error
         finally:
