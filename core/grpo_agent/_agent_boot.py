@@ -71,7 +71,7 @@ async def _relay(listener, unix_path, child):
     if unix_path:
         await asyncio.start_server(connect, sock=listener)
     while True:  # single-threaded: a process that unshared its PID namespace cannot start threads
-        pid, status = os.waitpid(child, os.WNOHANG)
+        pid, status = os.waitpid(child, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
         if pid:
             return status
         await asyncio.sleep(0.05)
