@@ -93,6 +93,8 @@ def test_none_drops_out_of_one_source_and_an_unscored_rollout_is_nan():
     ("1111", "returned str"),
     ([1.0, "x", 0.0, 0.0], "returned a str"),
     ([True, 1.0, 0.0, 0.0], "returned a bool"),
+    ([1.0, math.nan, 0.0, 0.0], "returned nan for completion 1"),
+    ([1.0, 0.0, 0.0, -math.inf], "returned -inf for completion 3"),
 ])
 def test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it(result, problem):
     def broken(**kwargs):

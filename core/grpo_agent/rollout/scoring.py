@@ -89,10 +89,15 @@ def _check_result(name: str, result: Any, size: int) -> np.ndarray:
             "return exactly one float (or None) per completion."
         )
     values = []
-    for value in result:
+    for index, value in enumerate(result):
         if value is None:
             values.append(math.nan)
         elif isinstance(value, (numbers.Real, np.floating, np.integer)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # NaN would silently read as unscored, inf poisons the advantages
+                raise RewardFunctionError(
+                    f"Reward function {name!r} returned {float(value)} for completion {index}; rewards "
+                    "must be finite: return None to leave a completion unscored."
+                )
             values.append(float(value))
         else:
             raise RewardFunctionError(
