@@ -32,6 +32,7 @@ from grpo_agent.rollout.command_sandbox import (
 )
 
 STDERR_TAIL = 2000
+OUTPUT_TAIL = 64 * 1024  # bytes of stdout/stderr read back
 
 
 @dataclass(frozen=True)
@@ -113,23 +114,26 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
         base_url = url._replace(netloc=f"127.0.0.1:{url.port}").geturl()
     argv = sandboxed_argv(agent.limits, shlex.split(agent.command), gateway_port=url.port or 80,
                           gateway_socket=gateway_socket, home=home, timeout_s=timeout_s)
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=agent_environment(base_url, key, home), cwd=agent.cwd,
-        start_new_session=True)
     payload = json.dumps(row, ensure_ascii=False, default=str).encode()
-    try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(payload), timeout_s)
-    except asyncio.TimeoutError as error:
-        raise AgentFailure("timeout", f"The agent command {agent.command!r} ran past its "
-                           f"{timeout_s:g} s (agent_timeout_s); it was killed.") from error
-    finally:  # its whole process group, also what it left running after it exited
+    # Output goes to unnamed files (capped by the file-size limit), so a flood cannot grow
+    # the worker's memory; only their tails are read.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
+            env=agent_environment(base_url, key, home), cwd=agent.cwd, start_new_session=True)
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if process.returncode is None:
-            await process.wait()
+            await asyncio.wait_for(_feed_and_wait(process, payload), timeout_s)
+        except asyncio.TimeoutError as error:
+            raise AgentFailure("timeout", f"The agent command {agent.command!r} ran past its "
+                               f"{timeout_s:g} s (agent_timeout_s); it was killed.") from error
+        finally:  # its whole process group, also what it left running after it exited
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if process.returncode is None:
+                await process.wait()
+        stdout, stderr = _tail(out), _tail(err)
     if process.returncode == ISOLATION_FAILED_EXIT and b"agent sandbox:" in stderr:
         raise AgentFailure("error", stderr.decode(errors="replace").strip())
     if process.returncode != 0:
@@ -146,3 +150,20 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
         raise AgentFailure("error", f"The agent command {agent.command!r} printed {last!r} as its "
                            "last line; print the reward (a number) or nothing.") from error
     return check_reward(value, f"The agent command {agent.command!r}")
+
+
+async def _feed_and_wait(process: asyncio.subprocess.Process, payload: bytes) -> None:
+    try:
+        process.stdin.write(payload)
+        await process.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # it did not read its row
+    finally:
+        process.stdin.close()
+    await process.wait()
+
+
+def _tail(handle, limit: int = OUTPUT_TAIL) -> bytes:
+    handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, handle.tell() - limit))
+    return handle.read()
