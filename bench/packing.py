@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from grpo_agent.train import fused_projections
+from grpo_agent.train import fused_projections, logprobs, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
@@ -69,6 +69,22 @@ SHAPES = {
         1024,
         256,
         8192,
+    ),
+    "qwen3-1.7b": (
+        {
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "tie_word_embeddings": True,
+        },
+        torch.bfloat16,
+        1024,
+        256,
+        16384,
     ),
     # Qwen3.5-2B's text model (Gated DeltaNet hybrid: 3 linear-attention layers per full one)
     "qwen3.5-2b": (
@@ -198,7 +214,7 @@ def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
 
 
 def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
-             compiled=False, backend="auto", rows=4):
+             compiled=False, backend="auto", rows=4, baseline=False):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
@@ -229,6 +245,16 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
     pipelined_unpacked_s = time_fwd_bwd(
         lambda: [unpacked_step(b) for b in batches], device, repeats
     )[0] / rows
+    old = {}
+    if baseline:  # the previous kernels, same rows, same process
+        with previous_kernels():
+            old_s = time_fwd_bwd(packed_step, device, repeats)[0]
+            old_pipelined_s = time_fwd_bwd(
+                lambda: [packed_step(r) for r in packed_rows], device, repeats
+            )[0] / rows
+        old = {"old_packed_s": round(old_s, 5), "new_over_old": round(packed_s / old_s, 3),
+               "old_pipelined_packed_s": round(old_pipelined_s, 5),
+               "pipelined_new_over_old": round(pipelined_packed_s / old_pipelined_s, 3)}
     pipelined_ratio = sum(r.unpacked_tokens for r in packed_rows) / sum(
         r.num_tokens for r in packed_rows
     )
@@ -283,8 +309,21 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "max_logprob_diff": diff,
         **({"gdn_kernel": _gdn_kernel(packed_model, device)}
            if getattr(packed_model, "_grpo_linear_layers", 0) else {}),
+        "lm_head": logprobs.LM_HEAD,
+        **old,
         **memory,
     }
+
+
+class previous_kernels:
+    """The LM head's torch tiles and float32 sums in the gather's backward (before issue 23)."""
+
+    def __enter__(self):
+        self.saved = logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE
+        logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE = "torch", torch.float32
+
+    def __exit__(self, *exc):
+        logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE = self.saved
 
 
 def _gdn_kernel(model, device) -> str:
@@ -365,7 +404,17 @@ def main() -> None:
         default="auto",
         help="tree attention backend of the packed path (auto: what the trainer picks)",
     )
+    parser.add_argument(
+        "--lm-head", choices=logprobs.LM_HEAD_CHOICES, default="auto",
+        help="LM-head kernels of both paths (torch: the tiles; auto: Triton where it runs)",
+    )
+    parser.add_argument(
+        "--baseline", action="store_true",
+        help="also time the packed path with the previous kernels (torch LM head, float32 "
+        "gather sums) in the same process: old_packed_s, new_over_old",
+    )
     args = parser.parse_args()
+    logprobs.LM_HEAD = args.lm_head
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
     if device == "cpu":
@@ -381,7 +430,7 @@ def main() -> None:
     for group_size in args.group_sizes:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
-                     args.compile, args.backend, args.rows)
+                     args.compile, args.backend, args.rows, args.baseline)
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":

@@ -24,11 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_agent.train import fused_lm_head
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TILE_ELEMENTS = 2**26  # tile width x tokens
 TILE_ALIGN = 256  # tile widths are multiples of this: the logits' row stride stays aligned
 COMPILE_ON_CUDA = True  # set False to run the per-tile functions eagerly on CUDA too
+# "auto": the fused Triton kernels (`fused_lm_head`) where they can run (CUDA, half precision,
+# Triton, no sampling mask), else the torch tiles below; "torch" forces the tiles.
+LM_HEAD = "auto"
+LM_HEAD_CHOICES = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -175,7 +181,24 @@ def tiled_log_sum_exp(
     """(lse [T] with grad, entropy [T]) of softmax(hidden @ weight.T / temperature)."""
     if tile is None:
         tile = default_tile_width(hidden.shape[0])
+    if candidates is None and use_fused_kernels(hidden, weight):
+        return fused_lm_head.FusedLogSumExp.apply(hidden, weight, float(temperature), int(tile))
     return _TiledLogSumExp.apply(hidden, weight, float(temperature), int(tile), candidates)
+
+
+def use_fused_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """LM_HEAD's choice for these tensors; "triton" where the kernels cannot run is an error."""
+    if LM_HEAD not in LM_HEAD_CHOICES:
+        raise ValueError(f"logprobs.LM_HEAD={LM_HEAD!r}: choose one of {LM_HEAD_CHOICES}.")
+    if LM_HEAD == "torch":
+        return False
+    usable = fused_lm_head.usable(hidden, weight)
+    if LM_HEAD == "triton" and not usable:
+        raise ValueError(
+            "logprobs.LM_HEAD='triton' needs CUDA half-precision tensors and Triton; "
+            "use 'auto' to fall back to the torch tiles."
+        )
+    return usable
 
 
 def gathered_logits(

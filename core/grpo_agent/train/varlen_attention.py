@@ -238,9 +238,14 @@ class VarlenPlan:
         )
 
 
+# dtype the gather's backward sums repeated rows in; None: the gradient's own dtype.
+GATHER_GRAD_DTYPE: torch.dtype | None = torch.float32
+
+
 class _GatherRows(torch.autograd.Function):
-    """`x[index]` whose backward sums repeated rows in float32 (a prompt shared by G
-    completions receives G gradients; bf16 atomics would round after every add)."""
+    """`x[index]` whose backward sums repeated rows in GATHER_GRAD_DTYPE (a prompt shared by G
+    completions receives G gradients; bf16 atomics round after every add: the error and time
+    of both are in docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, x, index):
@@ -251,8 +256,9 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        total = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
-        total.index_add_(0, index, grad.float())
+        dtype = GATHER_GRAD_DTYPE or grad.dtype
+        total = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=dtype)
+        total.index_add_(0, index, grad.to(dtype))
         return total.to(grad.dtype), None
 
 

@@ -1,0 +1,128 @@
+"""MFU of the packed training step on a GPU, with today's and the previous kernels side by side.
+
+A random Qwen3-shaped model (bf16, decoder layers compiled as `torch_compile=True` does) runs
+`--rows` different tree-packed rows back to back (forward, target log-probs, backward), as the
+trainer runs the micro-batches of a step; CUDA events, median of `--repeats`. FLOPs are the
+trainer's own count (`perf.packed_training_flops`: projections and MLP at every packed token,
+the tree's visible query-key pairs, the LM head at trained positions), over the peak of
+`perf.PEAK_FLOPS`. Each variant is a tree-attention backend x LM head x gather-gradient dtype,
+so "old" (torch LM head, float32 gather sums) and "new" lines come from one process. One JSON
+line per variant, with peak memory of one row and the largest log-prob difference to the
+first variant; the summary line last.
+
+    python bench/mfu.py                                   # qwen3-1.7b, 16k-token rows, G=8
+    python bench/mfu.py --model qwen3-0.6b --token-budget 8192 --group-sizes 8
+    python bench/mfu.py --group-sizes 56 --backends varlen,levels   # one prompt per row
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from grpo_agent.train import logprobs, perf, varlen_attention
+from grpo_agent.train.forward import forward_row
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.regional_compile import compile_decoder_layers
+from grpo_agent.train.tree_attention import choose_backend, enable_tree_attention
+from packing import SHAPES, build_model, make_samples, peak_memory_gib
+
+GATHER_DTYPES = {"fp32": torch.float32, "compute": None}
+
+
+def steps_seconds(step, repeats: int) -> float:
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--group-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[8])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backends", default="auto",
+                        help="comma-separated tree attention backends (auto: the trainer's)")
+    parser.add_argument("--lm-heads", default="torch,auto",
+                        help="comma-separated logprobs.LM_HEAD values (torch: the old tiles)")
+    parser.add_argument("--gather-dtypes", default="fp32",
+                        help="comma-separated: fp32 (old) and/or compute (the gather's "
+                        "backward sums in the gradient's dtype; varlen only)")
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/mfu.py measures a GPU: run it on one.")
+    model = build_model(args.model, "cuda")
+    enable_tree_attention(model)
+    if not args.no_compile:
+        compile_decoder_layers(model)
+    _, dtype, prompt_len, completion_len, _ = SHAPES[args.model]
+    peak = perf.peak_flops_per_s(torch.cuda.get_device_name(), "bf16")
+    results = []
+    for group_size in args.group_sizes:
+        rows = [pack_row(make_samples(group_size, prompt_len, completion_len, args.token_budget,
+                                      model.config.vocab_size, seed))
+                for seed in range(args.rows)]
+        flops = perf.packed_training_flops(model.config, rows)
+        reference = None
+        for backend in args.backends.split(","):
+            for gather in args.gather_dtypes.split(","):
+                for lm_head in args.lm_heads.split(","):
+                    logprobs.LM_HEAD = lm_head
+                    varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
+
+                    def row_step(row, backend=backend):
+                        lp = forward_row(model, row, temperature=1.0, backend=backend)
+                        lp.token.logprobs.sum().backward()
+                        return lp.token.logprobs
+
+                    seconds = steps_seconds(
+                        lambda rows=rows: [row_step(r) for r in rows], args.repeats)
+                    memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
+                    with torch.no_grad():
+                        lp = forward_row(model, rows[0], temperature=1.0,
+                                         backend=backend).token.logprobs.float()
+                    reference = lp if reference is None else reference
+                    model.zero_grad(set_to_none=True)
+                    chosen = (choose_backend(torch.device("cuda"), dtype, rows[0].num_tokens)
+                              if backend == "auto" else backend)
+                    results.append({
+                        "case": f"{args.model}/G={group_size}", "backend": chosen,
+                        "lm_head": lm_head, "gather_grad": gather,
+                        "compiled": not args.no_compile,
+                        "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
+                        "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
+                                               / sum(r.num_tokens for r in rows), 3),
+                        "s_per_row": round(seconds / args.rows, 5),
+                        "mfu": round(perf.mfu(flops, seconds, peak), 4),
+                        "tflops": round(flops / seconds / 1e12, 1),
+                        "peak_gib": memory,
+                        "max_logprob_diff_to_first": round(float((lp - reference).abs().max()),
+                                                           5),
+                    })
+                    print(json.dumps(results[-1]), flush=True)
+    logprobs.LM_HEAD = "auto"
+    best = max(results, key=lambda r: r["mfu"])
+    print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
+                      "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
+                                                    "mfu")},
+                      "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"], r["mfu"])
+                              for r in results]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The LM head's log-sum-exp and entropy as fused Triton kernels (CUDA), chunked over the vocab.
+
+Design decision: the torch path (`logprobs._TiledLogSumExp`) writes every [tokens x tile] block
+of logits from cuBLAS and reads it back for the softmax statistics, twice (forward, and the
+recomputation in backward). Here the statistics are the matmul's epilogue: each program
+computes one [BLOCK_T x BLOCK_V] block of logits in registers and writes only three numbers
+per token (max, sum exp, sum exp * z) for that vocabulary block; `combine_blocks` merges them
+into the log-sum-exp and the entropy. The backward recomputes each block the same way and
+writes the softmax gradient (softmax * incoming gradient / T) in the compute dtype for one
+vocabulary chunk at a time; the two gradient matmuls of that chunk stay in cuBLAS. No
+[tokens x vocab] tensor exists at any point, and no raw logits are ever written.
+
+`block_partials` / `chunk_softmax_grad` are the same arithmetic in torch: the CPU reference the
+tests hold the formulation to, and what runs where Triton does not (the kernels are imported
+lazily: CPU CI never loads Triton). Sampling masks (`candidates`) take the torch tiled path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_T, BLOCK_V, BLOCK_D = 128, 128, 64
+KERNEL_OPTIONS = {"num_warps": 8, "num_stages": 3}
+
+
+def block_partials(hidden, weight, temperature: float, block_v: int = BLOCK_V):
+    """[n_blocks, T] (max z, sum exp(z - max), sum exp(z - max) * z) per vocabulary block of
+    `block_v` ids, z = h.w / T in float32: what the forward kernel writes (torch reference)."""
+    maxes, sums, sums_z = [], [], []
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    for start in range(0, weight.shape[0], block_v):
+        z = (hidden.to(wide) @ weight[start:start + block_v].to(wide).T) / temperature
+        m = z.amax(dim=1)
+        e = torch.exp(z - m[:, None])
+        maxes.append(m), sums.append(e.sum(1)), sums_z.append((e * z).sum(1))
+    return torch.stack(maxes), torch.stack(sums), torch.stack(sums_z)
+
+
+def combine_blocks(maxes, sums, sums_z):
+    """(lse [T], entropy [T]) from per-block partials [n_blocks, T]; blocks with no ids
+    (max -inf, sums 0) add nothing."""
+    run_max = maxes.amax(dim=0)
+    safe_max = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
+    rescale = torch.exp(maxes - safe_max)
+    total = (sums * rescale).sum(dim=0)
+    lse = safe_max + torch.log(total)
+    entropy = lse - (sums_z * rescale).sum(dim=0) / total
+    return lse, entropy
+
+
+def chunk_softmax_grad(hidden, weight_chunk, temperature: float, lse, scale):
+    """softmax(z) * scale over one vocabulary chunk, in the compute dtype: what the backward
+    kernel writes (torch reference); `scale` is the incoming gradient divided by T."""
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    z = (hidden.to(wide) @ weight_chunk.to(wide).T) / temperature
+    return (torch.exp(z - lse[:, None]) * scale[:, None]).to(hidden.dtype)
+
+
+@functools.cache
+def _kernels():
+    """Triton and the kernels, imported at the first CUDA call (never on import)."""
+    import triton
+
+    from grpo_agent.train import fused_lm_head_kernels as k
+
+    return triton, k.stats_kernel, k.grad_kernel
+
+
+def _grid(triton, tokens: int, vocab: int):
+    return (triton.cdiv(tokens, BLOCK_T) * triton.cdiv(vocab, BLOCK_V),)
+
+
+def triton_partials(hidden, weight, temperature: float):
+    """`block_partials` by the fused kernel: the logits never leave the registers."""
+    triton, stats_kernel, _ = _kernels()
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    n_blocks = triton.cdiv(vocab, BLOCK_V)
+    maxes, sums, sums_z = (torch.empty(n_blocks, tokens, device=hidden.device,
+                                       dtype=torch.float32) for _ in range(3))
+    stats_kernel[_grid(triton, tokens, vocab)](
+        hidden, weight, maxes, sums, sums_z, tokens, vocab, hidden.shape[1], hidden.stride(0),
+        weight.stride(0), 1.0 / temperature, BT=BLOCK_T, BV=BLOCK_V, BD=BLOCK_D, **KERNEL_OPTIONS,
+    )
+    return maxes, sums, sums_z
+
+
+def triton_softmax_grad(hidden, weight_chunk, temperature: float, lse, scale, out):
+    """`chunk_softmax_grad` by the fused kernel, written into `out` ([T, chunk], hidden's
+    dtype)."""
+    triton, _, grad_kernel = _kernels()
+    tokens, width = hidden.shape[0], weight_chunk.shape[0]
+    grad_kernel[_grid(triton, tokens, width)](
+        hidden, weight_chunk, lse, scale, out, tokens, width, hidden.shape[1], hidden.stride(0),
+        weight_chunk.stride(0), out.stride(0), 1.0 / temperature, BT=BLOCK_T, BV=BLOCK_V,
+        BD=BLOCK_D, **KERNEL_OPTIONS,
+    )
+    return out
+
+
+def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc (float32) + a @ b (compute dtype), accumulated in float32."""
+    return acc.add_(a @ b)
+
+
+class FusedLogSumExp(torch.autograd.Function):
+    """lse_t = logsumexp_v(h_t . w_v / T) and the entropy, with the Triton kernels above."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, temperature, chunk):
+        hidden, weight = hidden.contiguous(), weight.contiguous()
+        lse, entropy = combine_blocks(*triton_partials(hidden, weight, temperature))
+        ctx.save_for_backward(hidden, weight, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_lse, _grad_entropy):
+        hidden, weight, lse = ctx.saved_tensors
+        scale = (grad_lse.float() / ctx.temperature).contiguous()
+        vocab, chunk = weight.shape[0], ctx.chunk
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        buffer = torch.empty(hidden.shape[0], min(chunk, vocab), device=hidden.device,
+                             dtype=hidden.dtype)
+        for start in range(0, vocab, chunk):
+            stop = min(start + chunk, vocab)
+            w = weight[start:stop]
+            g = triton_softmax_grad(hidden, w, ctx.temperature, lse, scale,
+                                    buffer[:, : stop - start])
+            _accumulate_matmul(grad_hidden, g, w)
+            if grad_weight is not None:
+                torch.mm(g.T, hidden, out=grad_weight[start:stop])
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None
+
+
+def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused kernels can run these tensors: CUDA, half precision, Triton present."""
+    if hidden.device.type != "cuda" or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if weight.dtype != hidden.dtype:
+        return False
+    return triton_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- absent or broken: the torch path is correct
+        log.info("no Triton (%s): the LM head runs the torch tiles", exc)
+        return False
+    return True

@@ -1,0 +1,64 @@
+"""Triton kernels of `fused_lm_head` (imported only where they run: CUDA with Triton).
+
+Each program computes one [BT x BV] block of logits h . w in float32 registers (token blocks
+vary fastest, so programs running together read the same weight rows) and writes only its
+epilogue: the softmax statistics (forward) or the softmax gradient (backward).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w, pid_t, pid_v,
+                  BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_d = tl.arange(0, BD)
+    h_ptrs = h_ptr + offs_t[:, None] * stride_h + offs_d[None, :]
+    w_ptrs = w_ptr + offs_v[:, None] * stride_w + offs_d[None, :]
+    acc = tl.zeros((BT, BV), dtype=tl.float32)
+    for d in range(0, D, BD):
+        d_ok = (offs_d + d) < D
+        h = tl.load(h_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_v[:, None] < V) & d_ok[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc)
+        h_ptrs += BD
+        w_ptrs += BD
+    return acc, offs_t, offs_v
+
+@triton.jit
+def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, stride_w,
+                 inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+    # token blocks vary fastest: programs running together read the same weight rows
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BT)
+    pid_t, pid_v = pid % n_t, pid // n_t
+    acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
+                                        pid_t, pid_v, BT, BV, BD)
+    v_ok = offs_v < V
+    z = tl.where(v_ok[None, :], acc * inv_temp, float("-inf"))
+    m = tl.max(z, axis=1)
+    e = tl.exp(z - m[:, None])
+    s = tl.sum(e, axis=1)
+    sz = tl.sum(tl.where(v_ok[None, :], e * z, 0.0), axis=1)
+    out = pid_v * T + offs_t
+    t_ok = offs_t < T
+    tl.store(max_ptr + out, m, mask=t_ok)
+    tl.store(sum_ptr + out, s, mask=t_ok)
+    tl.store(sumz_ptr + out, sz, mask=t_ok)
+
+@triton.jit
+def grad_kernel(h_ptr, w_ptr, lse_ptr, scale_ptr, g_ptr, T, V, D, stride_h, stride_w,
+                stride_g, inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BT)
+    pid_t, pid_v = pid % n_t, pid // n_t
+    acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
+                                        pid_t, pid_v, BT, BV, BD)
+    t_ok = offs_t < T
+    lse = tl.load(lse_ptr + offs_t, mask=t_ok, other=0.0)
+    scale = tl.load(scale_ptr + offs_t, mask=t_ok, other=0.0)
+    g = tl.exp(acc * inv_temp - lse[:, None]) * scale[:, None]
+    ptrs = g_ptr + offs_t[:, None] * stride_g + offs_v[None, :]
+    tl.store(ptrs, g.to(g_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_v < V)[None, :])
