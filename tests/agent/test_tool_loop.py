@@ -198,3 +198,29 @@ def test_a_malformed_call_keeps_the_raw_text_in_history(scripted_loop):
     assert broken in loop.tokenizer.decode(loop.prompts[1])
     _, stats = reconcile_turns(rollout.turns)
     assert stats.num_forks == 0
+
+
+def huge(n: int) -> str:
+    """
+    Returns a huge text.
+
+    Args:
+        n: Its size in words.
+
+    Returns:
+        The text.
+    """
+    return "word " * n
+
+
+def test_a_huge_tool_output_ends_the_rollout_instead_of_overflowing_the_context(scripted_loop):
+    """A 250 kB tool result cannot fit the next turn: the rollout ends after it, counted, and no
+    turn's prompt (what trains) exceeds the context."""
+    max_model_len = 1024
+    loop = _with_context(scripted_loop([call("huge", n=50_000), "never sampled"], max_completion_length=64),
+                         max_model_len)
+    rollout = run(loop, tools=(huge,))
+    assert len(rollout.turns) == 1 and rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
+    assert len(rollout.completion[-1]["content"]) == 250_000
+    assert rollout.metrics["rollout/context_full_frac"] == [1.0]
+    assert all(len(turn.prompt_ids) + len(turn.output_ids) <= max_model_len for turn in rollout.turns)
