@@ -138,6 +138,12 @@ class EnvironmentRunner:
             self._idle[key].append(env)
             raise
         reset_s = time.perf_counter() - started
+        if reset_text is not None and not isinstance(reset_text, str):
+            self._idle[key].append(env)
+            raise TypeError(
+                f"{type(env).__name__}.reset() returned {type(reset_text).__name__} ({reset_text!r:.80}); "
+                "it must return the task text (a str) or None."
+            )
         prompt = build_prompt(row, reset_text)
         return EnvEpisode(
             env=env, prompt=prompt, tools=environment_tools(env), reset_s=reset_s, pool_key=key,
