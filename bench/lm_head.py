@@ -8,6 +8,7 @@ both gradients against a float32 full-logits reference. The last line is the sum
 
     python bench/lm_head.py                 # CUDA only
     python bench/lm_head.py --tokens 4096,16384 --hidden 1024,2048
+    python bench/lm_head.py --configs '[{"BV": 256}, {"GT": 128}]'   # kernel configs side by side
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import json
 import statistics
 
 import torch
-from grpo_agent.train import logprobs
+from grpo_agent.train import fused_lm_head, logprobs
+
+DEFAULT_CONFIG = dict(fused_lm_head.CONFIG)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,38 +38,42 @@ def reference(hidden, weight, targets, w):
     return lp.detach(), entropy.detach(), h.grad, wt.grad
 
 
-def run(path: str, hidden, weight, targets, w):
-    logprobs.LM_HEAD = path
+def run(path: str, hidden, weight, targets, w, configs=({},)):
+    """path "torch", or "triton<i>": the kernels with DEFAULT_CONFIG updated by configs[i]."""
+    logprobs.LM_HEAD = path.rstrip("0123456789")
+    if path.startswith("triton"):
+        fused_lm_head.CONFIG = {**DEFAULT_CONFIG, **configs[int(path[6:] or 0)]}
     hidden.grad = weight.grad = None
     out = logprobs.token_logprobs(hidden, weight, targets)
     (out.logprobs * w).sum().backward()
     return out.logprobs.detach(), out.entropy, hidden.grad, weight.grad
 
 
-def time_path(path, hidden, weight, targets, w, repeats):
+def time_path(path, hidden, weight, targets, w, repeats, configs):
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        run(path, hidden, weight, targets, w)
+        run(path, hidden, weight, targets, w, configs)
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1000)
     return times
 
 
-def peak_gib(path, hidden, weight, targets, w) -> float:
+def peak_gib(path, hidden, weight, targets, w, configs) -> float:
     torch.cuda.synchronize()
     hidden.grad = weight.grad = None
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    run(path, hidden, weight, targets, w)
+    run(path, hidden, weight, targets, w, configs)
     torch.cuda.synchronize()
     return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
 
 
-def case(tokens: int, hidden_size: int, vocab: int, repeats: int, temperature_check: bool):
+def case(tokens: int, hidden_size: int, vocab: int, repeats: int, temperature_check: bool,
+         configs: list[dict]):
     gen = torch.Generator(device="cuda").manual_seed(tokens + hidden_size)
     hidden = (torch.randn(tokens, hidden_size, device="cuda", generator=gen)
               .bfloat16().requires_grad_())
@@ -74,23 +81,26 @@ def case(tokens: int, hidden_size: int, vocab: int, repeats: int, temperature_ch
               ).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     w = torch.randn(tokens, device="cuda", generator=gen)
-    for path in ("torch", "triton"):  # warm-up, compilation
+    paths = ["torch", *(f"triton{i}" for i in range(len(configs)))]
+    for path in paths:  # warm-up, compilation
         for _ in range(2):
-            run(path, hidden, weight, targets, w)
-    times = {"torch": [], "triton": []}
+            run(path, hidden, weight, targets, w, configs)
+    times = {path: [] for path in paths}
     for _ in range(2):  # alternate, in halves
         for path in times:
-            times[path] += time_path(path, hidden, weight, targets, w, max(1, repeats // 2))
+            times[path] += time_path(path, hidden, weight, targets, w, max(1, repeats // 2),
+                                     configs)
     out = {"case": "lm_head", "tokens": tokens, "hidden": hidden_size, "vocab": vocab}
     for path, seconds in times.items():
         out[f"{path}_s"] = round(statistics.median(seconds), 5)
-    out["triton_over_torch"] = round(out["triton_s"] / out["torch_s"], 3)
+    for i in range(len(configs)):
+        out[f"triton{i}_over_torch"] = round(out[f"triton{i}_s"] / out["torch_s"], 3)
     for path in times:
-        out[f"{path}_peak_gib"] = peak_gib(path, hidden, weight, targets, w)
+        out[f"{path}_peak_gib"] = peak_gib(path, hidden, weight, targets, w, configs)
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = reference(hidden, weight, targets, w)
     for path in times:
-        got = run(path, hidden, weight, targets, w)
+        got = run(path, hidden, weight, targets, w, configs)
         for name, a, b in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), got, ref):
             out[f"{path}_rel_err_{name}"] = round(_rel(a, b), 6)
         out[f"{path}_max_abs_err_logprobs"] = round(float((got[0] - ref[0]).abs().max()), 5)
@@ -98,9 +108,10 @@ def case(tokens: int, hidden_size: int, vocab: int, repeats: int, temperature_ch
     if temperature_check:  # temperature != 1: both paths against each other
         logprobs.LM_HEAD = "torch"
         a = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7)
-        logprobs.LM_HEAD = "triton"
+        run("triton0", hidden, weight, targets, w, configs)
         b = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7)
-        out["t0.7_max_abs_diff_logprobs"] = round(float((a.logprobs - b.logprobs).abs().max()), 5)
+        out["t0.7_max_abs_diff_logprobs"] = round(
+            float((a.logprobs - b.logprobs).detach().abs().max()), 5)
     logprobs.LM_HEAD = "auto"
     return out
 
@@ -113,18 +124,29 @@ def main() -> None:
                         default=[1024, 2048])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--configs", type=json.loads, default=[{}],
+                        help="JSON list of kernel configs (updates of fused_lm_head.CONFIG), "
+                        "timed side by side as triton0, triton1, ...")
+    parser.add_argument("--no-float32-addmm", action="store_true",
+                        help="accumulate d hidden with a matmul and an add (the fallback)")
     args = parser.parse_args()
+    fused_lm_head.FLOAT32_ADDMM = not args.no_float32_addmm
     if not torch.cuda.is_available():
         raise SystemExit("bench/lm_head.py compares CUDA kernels: run it on a GPU.")
     results = []
     for hidden_size in args.hidden:
         for tokens in args.tokens:
-            results.append(case(tokens, hidden_size, args.vocab, args.repeats, not results))
+            results.append(case(tokens, hidden_size, args.vocab, args.repeats, not results,
+                                args.configs))
             print(json.dumps(results[-1]), flush=True)
             torch.cuda.empty_cache()
     print(json.dumps({
         "summary": "lm_head", "device": torch.cuda.get_device_name(),
-        "triton_over_torch": [(r["tokens"], r["hidden"], r["triton_over_torch"]) for r in results],
+        "default_config": DEFAULT_CONFIG, "configs": args.configs,
+        "float32_addmm": fused_lm_head.FLOAT32_ADDMM,
+        "triton_over_torch": [(r["tokens"], r["hidden"],
+                               *(r[f"triton{i}_over_torch"] for i in range(len(args.configs))))
+                              for r in results],
     }), flush=True)
 
 

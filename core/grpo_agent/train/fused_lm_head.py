@@ -3,7 +3,7 @@
 Design decision: the torch path (`logprobs._TiledLogSumExp`) writes every [tokens x tile] block
 of logits from cuBLAS and reads it back for the softmax statistics, twice (forward, and the
 recomputation in backward). Here the statistics are the matmul's epilogue: each program
-computes one [BLOCK_T x BLOCK_V] block of logits in registers and writes only three numbers
+computes one [tokens x vocabulary] block of logits in registers and writes only three numbers
 per token (max, sum exp, sum exp * z) for that vocabulary block; `combine_blocks` merges them
 into the log-sum-exp and the entropy. The backward recomputes each block the same way and
 writes the softmax gradient (softmax * incoming gradient / T) in the compute dtype for one
@@ -24,11 +24,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BLOCK_T, BLOCK_V, BLOCK_D = 128, 128, 64
-KERNEL_OPTIONS = {"num_warps": 8, "num_stages": 3}
+# Block shape, token blocks per program group, and launch options of both kernels (the bench
+# sweeps them: bench/lm_head.py --configs).
+CONFIG = {"BT": 128, "BV": 128, "BD": 64, "GT": 16, "num_warps": 8, "num_stages": 3}
 
 
-def block_partials(hidden, weight, temperature: float, block_v: int = BLOCK_V):
+def block_partials(hidden, weight, temperature: float, block_v: int = 128):
     """[n_blocks, T] (max z, sum exp(z - max), sum exp(z - max) * z) per vocabulary block of
     `block_v` ids, z = h.w / T in float32: what the forward kernel writes (torch reference)."""
     maxes, sums, sums_z = [], [], []
@@ -72,19 +73,19 @@ def _kernels():
 
 
 def _grid(triton, tokens: int, vocab: int):
-    return (triton.cdiv(tokens, BLOCK_T) * triton.cdiv(vocab, BLOCK_V),)
+    return (triton.cdiv(tokens, CONFIG["BT"]) * triton.cdiv(vocab, CONFIG["BV"]),)
 
 
 def triton_partials(hidden, weight, temperature: float):
     """`block_partials` by the fused kernel: the logits never leave the registers."""
     triton, stats_kernel, _ = _kernels()
     tokens, vocab = hidden.shape[0], weight.shape[0]
-    n_blocks = triton.cdiv(vocab, BLOCK_V)
+    n_blocks = triton.cdiv(vocab, CONFIG["BV"])
     maxes, sums, sums_z = (torch.empty(n_blocks, tokens, device=hidden.device,
                                        dtype=torch.float32) for _ in range(3))
     stats_kernel[_grid(triton, tokens, vocab)](
         hidden, weight, maxes, sums, sums_z, tokens, vocab, hidden.shape[1], hidden.stride(0),
-        weight.stride(0), 1.0 / temperature, BT=BLOCK_T, BV=BLOCK_V, BD=BLOCK_D, **KERNEL_OPTIONS,
+        weight.stride(0), 1.0 / temperature, **CONFIG,
     )
     return maxes, sums, sums_z
 
@@ -96,15 +97,26 @@ def triton_softmax_grad(hidden, weight_chunk, temperature: float, lse, scale, ou
     tokens, width = hidden.shape[0], weight_chunk.shape[0]
     grad_kernel[_grid(triton, tokens, width)](
         hidden, weight_chunk, lse, scale, out, tokens, width, hidden.shape[1], hidden.stride(0),
-        weight_chunk.stride(0), out.stride(0), 1.0 / temperature, BT=BLOCK_T, BV=BLOCK_V,
-        BD=BLOCK_D, **KERNEL_OPTIONS,
+        weight_chunk.stride(0), out.stride(0), 1.0 / temperature, **CONFIG,
     )
     return out
 
 
-def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc (float32) + a @ b (compute dtype), accumulated in float32."""
-    return acc.add_(a @ b)
+FLOAT32_ADDMM = True  # add a @ b into the float32 gradient inside the matmul (cuBLAS epilogue)
+
+
+def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b (compute dtype), in float32: one matmul whose epilogue adds into
+    acc where torch has `addmm(..., out_dtype=float32)`, else a matmul and an add."""
+    global FLOAT32_ADDMM
+    if FLOAT32_ADDMM:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            log.info("addmm with a float32 output is not available here (%s)", exc)
+            FLOAT32_ADDMM = False
+    acc.add_(a @ b)
 
 
 class FusedLogSumExp(torch.autograd.Function):

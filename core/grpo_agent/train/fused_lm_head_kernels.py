@@ -1,8 +1,10 @@
 """Triton kernels of `fused_lm_head` (imported only where they run: CUDA with Triton).
 
-Each program computes one [BT x BV] block of logits h . w in float32 registers (token blocks
-vary fastest, so programs running together read the same weight rows) and writes only its
-epilogue: the softmax statistics (forward) or the softmax gradient (backward).
+Each program computes one [BT x BV] block of logits h . w in float32 registers and writes only
+its epilogue: the softmax statistics (forward) or the softmax gradient (backward). Programs are
+numbered in groups of GT token blocks, vocabulary blocks within a group, so the programs
+running at one time read a few token blocks and a few weight blocks, which stay in L2 (the
+hidden states of 16k tokens at hidden 2048 alone are larger than the H200's L2).
 """
 
 import triton
@@ -27,13 +29,23 @@ def _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w, pid_t, pid_v,
         w_ptrs += BD
     return acc, offs_t, offs_v
 
+
 @triton.jit
-def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, stride_w,
-                 inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
-    # token blocks vary fastest: programs running together read the same weight rows
+def _block_ids(T, V, BT: tl.constexpr, BV: tl.constexpr, GT: tl.constexpr):
+    """(token block, vocabulary block) of this program, grouped GT token blocks at a time."""
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BT)
-    pid_t, pid_v = pid % n_t, pid // n_t
+    in_group = GT * tl.cdiv(V, BV)
+    first_t = (pid // in_group) * GT
+    size = tl.minimum(n_t - first_t, GT)
+    return first_t + (pid % in_group) % size, (pid % in_group) // size
+
+
+@triton.jit
+def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, stride_w,
+                 inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
+                 GT: tl.constexpr):
+    pid_t, pid_v = _block_ids(T, V, BT, BV, GT)
     acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
                                         pid_t, pid_v, BT, BV, BD)
     v_ok = offs_v < V
@@ -50,10 +62,9 @@ def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, st
 
 @triton.jit
 def grad_kernel(h_ptr, w_ptr, lse_ptr, scale_ptr, g_ptr, T, V, D, stride_h, stride_w,
-                stride_g, inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(T, BT)
-    pid_t, pid_v = pid % n_t, pid // n_t
+                stride_g, inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
+                GT: tl.constexpr):
+    pid_t, pid_v = _block_ids(T, V, BT, BV, GT)
     acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
                                         pid_t, pid_v, BT, BV, BD)
     t_ok = offs_t < T
