@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Block shape, token blocks per program group, and launch options of both kernels (the bench
 # sweeps them: bench/lm_head.py --configs).
-CONFIG = {"BT": 128, "BV": 128, "BD": 64, "GT": 16, "num_warps": 8, "num_stages": 3}
+CONFIG = {"BT": 128, "BV": 256, "BD": 64, "GT": 16, "num_warps": 8, "num_stages": 4}
 
 
 def block_partials(hidden, weight, temperature: float, block_v: int = 128):
