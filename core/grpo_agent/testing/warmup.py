@@ -7,7 +7,8 @@ every fourth one its `tools=[multiply, async_add]` example) teaches it the forma
 purpose the right increment only half the time, so GRPO groups see reward variance: assistant
 tokens only, fixed seed, 100 tiny steps (about a minute on a busy 2-core CPU). The result is
 cached next to the base model, built behind a file lock like `build_tiny_model`; bump
-`WARMUP_VERSION` when the recipe changes.
+`WARMUP_VERSION` when the recipe changes. `python -m grpo_agent.testing.warmup` builds it with a
+progress bar and prints its folder (`make demo` does).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import fcntl
 import json
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -168,7 +170,7 @@ def _assistant_masked_example(tokenizer, template: str, messages: list[dict], to
     return ids, labels
 
 
-def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
+def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -185,7 +187,7 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     rng = random.Random(seed)
     model.train()
-    for _ in range(steps):
+    for _ in _steps(steps, show_progress):
         batch = rng.sample(examples, batch_size)
         width = max(len(ids) for ids, _ in batch)
         pad = tokenizer.pad_token_id
@@ -199,7 +201,20 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int) -> None:
     model.save_pretrained(folder)
 
 
-def build_tool_warmed_model(steps: int = 100, batch_size: int = 8, seed: int = 0) -> Path:
+def _steps(steps: int, show_progress: bool):
+    """range(steps), shown as a progress bar on stderr when asked."""
+    if not show_progress:
+        return range(steps)
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(range(steps), description="tool-call warm-up of the tiny model",
+                 console=Console(stderr=True))
+
+
+def build_tool_warmed_model(
+    steps: int = 100, batch_size: int = 8, seed: int = 0, show_progress: bool = False
+) -> Path:
     """The tiny model after a tool-calling warm-up (cached; built once per machine)."""
     base = build_tiny_model()
     name = f"tiny-qwen3-v{KIT_VERSION}-tools-v{WARMUP_VERSION}-s{steps}"
@@ -213,7 +228,7 @@ def build_tool_warmed_model(steps: int = 100, batch_size: int = 8, seed: int = 0
             shutil.copytree(base, staging, dirs_exist_ok=True)
             (staging / ".complete").unlink(missing_ok=True)
             staging.chmod(0o755)
-            _train(staging, steps, batch_size, seed)
+            _train(staging, steps, batch_size, seed, show_progress)
             (staging / _COMPLETE_MARKER).write_text(f"{WARMUP_VERSION}\n")
             if target.exists():
                 shutil.rmtree(target)
@@ -221,3 +236,7 @@ def build_tool_warmed_model(steps: int = 100, batch_size: int = 8, seed: int = 0
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+if __name__ == "__main__":
+    print(build_tool_warmed_model(show_progress=sys.stderr.isatty()))
