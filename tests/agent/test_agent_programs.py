@@ -64,6 +64,39 @@ def test_openai_messages_render_like_the_tool_loops():
         template_messages([])
 
 
+def test_responses_input_items_become_the_chat_conversation_and_the_reply_parses():
+    from grpo_agent.rollout.responses_api import chat_request, response_body
+    from openai.types.responses import Response
+
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}
+    body = {"instructions": "be brief", "tools": [tool], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "go"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "reasoning", "summary": []}]}
+    messages, conversation, tools = chat_request(body, {})
+    assert messages[0] == {"role": "system", "content": "be brief"} and messages[1:] == conversation
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool"]  # one model turn
+    assert [c["id"] for c in conversation[1]["tool_calls"]] == ["c1", "c2"]
+    assert tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                       "parameters": {"type": "object"}}}]
+    reply = {"role": "assistant", "content": "hi", "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    response_id, body_out = response_body("m", reply, "tool_calls", (5, 2), [tool], None)
+    parsed = Response.model_validate(body_out)  # what client.responses.create builds
+    assert parsed.output_text == "hi" and parsed.output[1].call_id == "c3"
+    chained, _, _ = chat_request({"previous_response_id": response_id, "input": [
+        {"type": "function_call_output", "call_id": "c3", "output": "2"}]},
+        {response_id: [*conversation, reply]})
+    assert chained[-2] == reply and chained[-1]["role"] == "tool"  # no instructions carried over
+    with pytest.raises(GatewayError, match="only function tools"):
+        chat_request({"input": "x", "tools": [{"type": "web_search"}]}, {})
+    with pytest.raises(GatewayError, match="No response 'resp_x'"):
+        chat_request({"input": "x", "previous_response_id": "resp_x"}, {})
+
+
 @pytest.fixture
 def cli(capsys):
     def run(*args):

@@ -46,6 +46,9 @@ class HarnessLimits:
     max_generated_tokens: int | None = None  # generated tokens per rollout
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
+    # Command agents running at once (each is a process tree; the rollout cap is in the
+    # hundreds). None: max(4, CPU count).
+    max_commands: int | None = None
 
 
 class GatewayError(Exception):
@@ -78,6 +81,7 @@ class AgentSession:
     malformed_calls: int = 0
     parallel_calls: list[int] = field(default_factory=list)
     in_flight: int = 0
+    responses: dict[str, list[dict]] = field(default_factory=dict)  # for previous_response_id
 
 
 def _text(content) -> str | None:
@@ -130,7 +134,8 @@ def _openai_calls(parsed: ParsedTurn) -> list[dict]:
 
 
 class Gateway:
-    """Serves `/v1/chat/completions` and `/v1/models` for one `AsyncRolloutLoop`."""
+    """Serves `/v1/chat/completions`, `/v1/responses` and `/v1/models` for one `AsyncRolloutLoop`
+    (on loopback TCP, and on a Unix socket that sandboxed command agents reach through a relay)."""
 
     def __init__(self, loop, limits: HarnessLimits):
         self.loop = loop
@@ -144,6 +149,7 @@ class Gateway:
         """Bind and serve; returns the base URL agents use (ending in /v1)."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -197,6 +203,13 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._complete)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._respond)
+
+    async def _serve(self, request: web.Request, handler) -> web.StreamResponse:
+        """Authenticate, parse the JSON body, run `handler`; any `GatewayError` is its answer."""
         session = None
         try:
             session = self._session(request)
@@ -208,7 +221,7 @@ class Gateway:
                 raise GatewayError(400, "The request body must be a JSON object.")
             session.in_flight += 1
             try:
-                result = await self._complete(session, body)
+                result = await handler(session, body)
             finally:
                 session.in_flight -= 1
         except GatewayError as error:
@@ -220,20 +233,57 @@ class Gateway:
         return web.json_response(result, headers={SAMPLING_HEADER: SAMPLING_NOTE})
 
     async def _complete(self, session: AgentSession, body: dict) -> dict:
+        """`/v1/chat/completions`."""
+        model = self._model(body)
+        if body.get("n", 1) not in (1, None):
+            raise GatewayError(400, "Only n=1 is supported: a rollout is one conversation; run the "
+                               "agent several times instead (num_generations).", param="n")
+        self._check_budget(session)
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
+        max_tokens = self._max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
+        message, finish, usage = await self._sample(session, body.get("messages"), tools,
+                                                    body.get("tool_choice"), max_tokens)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                      "total_tokens": sum(usage)},
+        }
+
+    async def _respond(self, session: AgentSession, body: dict) -> dict:
+        """`/v1/responses` (non-streaming): the request as chat messages, sampled as a chat call."""
+        from grpo_agent.rollout import responses_api
+
+        if body.get("stream"):
+            raise GatewayError(400, "stream=true is not supported on /v1/responses yet; send "
+                               "stream=false, or stream from /v1/chat/completions.", param="stream")
+        model = self._model(body)
+        self._check_budget(session)
+        messages, conversation, tools = responses_api.chat_request(body, session.responses)
+        max_tokens = self._max_tokens(body.get("max_output_tokens"))
+        tool_choice = body.get("tool_choice")
+        message, finish, usage = await self._sample(session, messages, tools, tool_choice, max_tokens)
+        response_id, response = responses_api.response_body(model, message, finish, usage,
+                                                            body.get("tools"), tool_choice)
+        session.responses[response_id] = [*conversation, message]
+        return response
+
+    def _model(self, body: dict) -> str:
         model = body.get("model")
         if model not in self.model_names():
             raise GatewayError(404, f"The model {model!r} does not exist here; this gateway serves "
                                f"{sorted(self.model_names())} (GET /v1/models).",
                                code="model_not_found", param="model")
-        if body.get("n", 1) not in (1, None):
-            raise GatewayError(400, "Only n=1 is supported: a rollout is one conversation; run the "
-                               "agent several times instead (num_generations).", param="n")
-        self._check_budget(session)
-        messages = template_messages(body.get("messages"))
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
-        max_tokens = self._max_tokens(body)
+        return model
+
+    async def _sample(self, session: AgentSession, raw_messages, tools: list | None, tool_choice,
+                      max_tokens: int) -> tuple[dict, str, tuple[int, int]]:
+        """Render, sample token-in/token-out, record the turn, parse tool calls: the reply as
+        an OpenAI assistant message, its finish reason, and (prompt, completion) token counts."""
+        messages = template_messages(raw_messages)
         executor = self.loop.tool_executor
         aio = asyncio.get_running_loop()
         try:
@@ -258,7 +308,7 @@ class Gateway:
         self._record(session, messages, turn)
         tokenizer = self.loop.tokenizer
         text = _strip_stop_tokens(tokenizer.decode(turn.output_ids, skip_special_tokens=False), tokenizer)
-        parse = tools is not None and body.get("tool_choice") != "none"
+        parse = tools is not None and tool_choice != "none"
         parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
         if any(isinstance(call, MalformedCall) for call in parsed.calls):
             session.malformed_calls += sum(isinstance(c, MalformedCall) for c in parsed.calls)
@@ -270,14 +320,8 @@ class Gateway:
             session.tool_calls += len(parsed.calls)
             session.parallel_calls.append(len(parsed.calls))
             finish = "tool_calls" if finish == "stop" else finish
-        session.last_messages = [*body["messages"], message]
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(turn.output_ids),
-                      "total_tokens": len(prompt_ids) + len(turn.output_ids)},
-        }
+        session.last_messages = [*raw_messages, message]
+        return message, finish, (len(prompt_ids), len(turn.output_ids))
 
     def _check_budget(self, session: AgentSession) -> None:
         limits = self.limits
@@ -293,9 +337,8 @@ class Gateway:
             raise GatewayError(429, f"This rollout ran past its {limits.timeout_s:g} s; finish the "
                                "episode.", "rate_limit_error", "rollout_time_budget")
 
-    def _max_tokens(self, body: dict) -> int:
+    def _max_tokens(self, asked) -> int:
         cap = self.loop.config.max_completion_length
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
         if asked is None:
             return cap
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:

@@ -10,13 +10,15 @@ NaN reward, counted in `harness/errors_count` or `harness/timeout_count`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
 import time
 
 import numpy as np
 
-from grpo_agent.rollout.agent_programs import AgentFailure, resolve_agent, run_agent
+from grpo_agent.rollout.agent_programs import AgentCommand, AgentFailure, resolve_agent, run_agent
 from grpo_agent.rollout.gateway import Gateway, HarnessLimits
 from grpo_agent.rollout.loop import _ROLLOUT_VERSION, AsyncRolloutLoop
 from grpo_agent.types import Rollout
@@ -36,9 +38,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self.agent_ref = agent
         self.limits = limits or HarnessLimits()
         self.gateway: Gateway | None = None
+        self.command_slots: asyncio.Semaphore | None = None
 
     async def setup(self) -> None:
         self.agent = resolve_agent(self.agent_ref)
+        if isinstance(self.agent, AgentCommand):  # hundreds of rollouts, not hundreds of processes
+            self.command_slots = asyncio.Semaphore(self.limits.max_commands or max(4, os.cpu_count() or 1))
         self.gateway = Gateway(self, self.limits)
         url = await self.gateway.start()
         logger.info("Agent gateway listening on %s", url)
@@ -85,18 +90,19 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         version = _ROLLOUT_VERSION.get(None)
         if version is None:
             version = int(self.model_version_value.value)
-        session = self.gateway.open_session(version)
         failure: AgentFailure | None = None
         reward = None
-        try:
-            reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
-                                     self.limits.timeout_s, self.gateway.unix_path)
-        except AgentFailure as error:
-            failure = error
-        finally:
-            self.gateway.close_session(session)
-            while session.in_flight:  # a call still being sampled when the agent gave up
-                await asyncio.sleep(0.01)
+        async with self.command_slots or contextlib.nullcontext():  # its budgets start here
+            session = self.gateway.open_session(version)
+            try:
+                reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
+                                         self.limits.timeout_s, self.gateway.unix_path)
+            except AgentFailure as error:
+                failure = error
+            finally:
+                self.gateway.close_session(session)
+                while session.in_flight:  # a call still being sampled when the agent gave up
+                    await asyncio.sleep(0.01)
         if failure is None and not session.turns:
             failure = AgentFailure("error", "The agent returned without calling the model; an "
                                    "agent must talk to the policy through the client it is given.")

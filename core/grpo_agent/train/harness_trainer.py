@@ -27,11 +27,14 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
     The agent's float is the rollout's reward; None leaves scoring to `reward_funcs`.
     Limits per rollout: `agent_timeout_s` (wall time), `agent_max_calls` (model calls),
     `agent_max_tokens` (generated tokens); `gateway_host` is loopback unless you open it.
+    `agent_max_commands`: command agents running at once (default max(4, CPU count)); each is
+    a sandboxed process tree, while the rollout cap (`max_concurrent_rollouts`) is in the hundreds.
     """
 
     def __init__(self, model: Any, agent: Any, reward_funcs: Any = None, args: Any = None,
                  train_dataset: Any = None, *, agent_timeout_s: float = 600.0,
                  agent_max_calls: int | None = 64, agent_max_tokens: int | None = None,
+                 agent_max_commands: int | None = None,
                  gateway_host: str = "127.0.0.1", gateway_port: int = 0, **kwargs: Any) -> None:
         if kwargs.get("tools") or kwargs.get("environment_factory"):
             raise ValueError("HarnessAsyncGRPOTrainer runs your agent program, which owns its tools "
@@ -47,6 +50,6 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args,
                          train_dataset=train_dataset, **kwargs)
         limits = HarnessLimits(timeout_s=agent_timeout_s, max_calls=agent_max_calls,
-                               max_generated_tokens=agent_max_tokens, host=gateway_host,
-                               port=gateway_port)
+                               max_generated_tokens=agent_max_tokens, max_commands=agent_max_commands,
+                               host=gateway_host, port=gateway_port)
         self.loop_cls = functools.partial(HarnessRolloutLoop, agent=agent, limits=limits)
