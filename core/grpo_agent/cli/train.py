@@ -5,6 +5,7 @@ The command is thin: it builds the config and hands it to `grpo_agent.train.run.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -115,17 +116,24 @@ def train(
             typer.echo(f"lora: {lora}")
         typer.echo(config.to_json_string())
         return
-    try:
-        from grpo_agent.train.run import run_training
-    except ImportError as err:
-        raise CliError(f"Training is not available in this install ({err}).") from err
+    from grpo_agent.train.run import run_training
     program = agent
     if agent_cmd:
         from grpo_agent.rollout.agent_programs import AgentCommand
 
         program = AgentCommand(agent_cmd)
-    out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
-                       env_args=spec.option_values, agent=program)
+    try:
+        out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
+                           env_args=spec.option_values, agent=program)
+    except Exception as err:
+        from grpo_agent.cli.failure import report_failure
+        from grpo_agent.cli.main import DEBUG_ENV
+
+        message, code = report_failure(err, config.output_dir)
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        typer.echo(message, err=True)
+        raise typer.Exit(code) from None
     typer.echo(f"Run finished: {out}")
 
 

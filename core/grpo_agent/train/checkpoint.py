@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +49,52 @@ class RolloutState:
                 f"{path} is missing: this checkpoint was not written by AsyncGRPOTrainer, so the "
                 "rollout position is unknown. Resume from a checkpoint-N folder of an async run."
             )
+        check_checkpoint(checkpoint_dir)
         data = json.loads(path.read_text())
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def check_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Refuse a checkpoint whose files are cut short or garbled (a full disk, a copy that broke).
+
+    Cheap structural checks, before the weights load and fail with a library's own words: JSON
+    parses, safetensors headers cover their files, torch pickles have their zip index. A flipped
+    bit inside tensor data is not detected.
+    """
+    folder = Path(checkpoint_dir)
+    for path in sorted(folder.iterdir()):
+        problem = _file_problem(path)
+        if problem:
+            earlier = _earlier_checkpoints(folder)
+            hint = (f"resume from an earlier one ({earlier[-1]}) or delete this folder" if earlier
+                    else "delete this folder and train without resuming")
+            raise ValueError(f"Checkpoint {folder} is damaged: {path.name} {problem}. To go on, {hint}.")
+
+
+def _file_problem(path: Path) -> str | None:
+    try:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "np"):
+                pass
+        elif path.suffix in (".pt", ".pth", ".bin"):
+            zipfile.ZipFile(path).close()
+    except Exception as err:  # noqa: BLE001 - JSON, zip, safetensors and OS errors alike
+        return f"cannot be read ({type(err).__name__}: {err})"
+    return None
+
+
+def _earlier_checkpoints(folder: Path) -> list[str]:
+    step = folder.name.split("-")[-1]
+    if not step.isdigit():
+        return []
+    found = [p for p in folder.parent.glob("checkpoint-*")
+             if p.name.split("-")[-1].isdigit() and int(p.name.split("-")[-1]) < int(step)
+             and (p / ROLLOUT_STATE_NAME).is_file()]
+    return [str(p) for p in sorted(found, key=lambda p: int(p.name.split("-")[-1]))]
 
 
 def last_complete_checkpoint(output_dir: str | Path) -> Path | None:

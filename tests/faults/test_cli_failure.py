@@ -1,0 +1,85 @@
+"""A run that cannot go on ends with a short message (what, where the log is, what to do) and
+an exit code; the full traceback goes to error.log, and to the terminal only with --debug.
+
+`run_training` is the seam: it raises what a real run raises at that point.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from grpo_agent.cli.main import DEBUG_ENV, main
+from grpo_agent.rollout.worker import RolloutWorkerError
+from grpo_agent.stall import StageStalled
+
+
+def _worker_failure() -> RolloutWorkerError:
+    try:
+        try:
+            raise ConnectionError("vLLM server at http://127.0.0.1:9 refused the connection")
+        except ConnectionError as cause:
+            raise RuntimeError("generation failed after 3 retries") from cause
+    except RuntimeError as inner:
+        error = RolloutWorkerError("The rollout worker failed:\nTraceback (most recent call last): ...")
+        error.__cause__ = inner
+        return error
+
+
+def _train(monkeypatch, capsys, tmp_path, error, *flags):
+    from grpo_agent.train import run
+
+    def failing(**kwargs):
+        raise error
+
+    monkeypatch.setattr(run, "run_training", failing)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main([*flags, "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_a_failed_run_prints_what_where_and_what_to_do(monkeypatch, capsys, tmp_path):
+    code, err = _train(monkeypatch, capsys, tmp_path, _worker_failure())
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert lines[0] == "Error: the run failed: RolloutWorkerError: The rollout worker failed:"
+    assert f"full traceback: {tmp_path / 'out' / 'error.log'}" in err
+    assert "what to do:" in err and len(lines) <= 4
+    assert "Traceback" not in err
+    log = (tmp_path / "out" / "error.log").read_text()
+    assert "ConnectionError: vLLM server at http://127.0.0.1:9 refused" in log  # chained causes too
+
+
+def test_a_stall_exits_with_the_stall_code_and_names_its_report(monkeypatch, capsys, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stall_report.json").write_text("{}")
+    error = StageStalled("STALL in the trainer: stage 'queue_pull' passed its 1 s deadline.")
+    code, err = _train(monkeypatch, capsys, tmp_path, error)
+    assert code == 3
+    assert f"stall report: {tmp_path / 'out' / 'stall_report.json'}" in err
+
+
+def test_when_the_output_dir_cannot_be_written_the_traceback_goes_to_a_temp_file(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "error.log").mkdir()  # cannot be written as a file (works as root too)
+    error = OSError(28, "No space left on device")
+    code, err = _train(monkeypatch, capsys, tmp_path, error)
+    assert code == 1 and "free disk space" in err
+    path = err.split("full traceback: ")[1].split()[0]
+    assert path.startswith("/tmp/grpo-agent-error-") and "No space left" in Path(path).read_text()
+    os.unlink(path)
+
+
+def test_with_debug_the_traceback_reaches_the_terminal(monkeypatch, capsys, tmp_path):
+    from grpo_agent.train import run
+
+    def failing(**kwargs):
+        raise _worker_failure()
+
+    monkeypatch.setattr(run, "run_training", failing)
+    with pytest.raises(RolloutWorkerError):
+        main(["--debug", "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
+    assert "ConnectionError" in (tmp_path / "out" / "error.log").read_text()
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
