@@ -1,0 +1,199 @@
+"""The fault suite: run every fault case once, print one line per case and a table (issue 22).
+
+Each case is a pytest test that injects one fault into real parts (a real vLLM server, the
+spawned rollout worker, the sandbox, the CLI) and asserts its outcome: the run recovers, or it
+stops with a clear error. All cases run in one pytest session, so the shared vLLM server
+starts once; "time" is the test's call phase (fixtures such as a server start excluded).
+
+"prompts lost" and "trained twice" are what the case's test checks: the resume case counts
+them from the prompt ledger; the rollout cases check that a dropped group's prompt is
+recorded as consumed with its reason (dropped and counted, not lost); "n/a" means the case
+involves no prompts. Cases the suite does not cover yet are listed as NOT COVERED.
+
+    .venv/bin/python bench/faults.py                 # every case (~15-25 min on 2 busy cores)
+    .venv/bin/python bench/faults.py --fast          # no vLLM server, no e2e (~3 min)
+    .venv/bin/python bench/faults.py -k sandbox --markdown table.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: str  # "recovered: ..." or "clear error: ..."
+    node: str | None  # a pytest node id, or a prefix of several (every one must pass)
+    lost: str = "n/a"
+    twice: str = "n/a"
+    slow: bool = False  # needs a vLLM server or runs the CLI end to end
+
+
+F, R, A, P, S, E = "tests/faults/", "tests/rollout/", "tests/agent/", "tests/plugins/", "tests/sampler/", "tests/e2e/"
+SB, HB = A + "test_sandbox.py::", F + "test_sandbox_hostile.py::"
+CASES = [
+    # --- the vLLM server
+    Case("server SIGKILL while generating", "clear error: retried and counted, then ServerUnreachableError",
+         R + "test_server_fault.py::test_a_server_killed_mid_run_is_retried_then_reported", slow=True),
+    Case("server SIGKILL while a push runs", "recovered: restart, re-push (issue 22 item 2)", None, slow=True),
+    Case("server SIGSTOP (frozen)", "recovered: vllm_generate stalls reported, groups dropped, resumes after SIGCONT",
+         F + "test_rollout_stalls.py::test_a_frozen_server_stalls_generation_then_the_worker_recovers",
+         lost="0 (dropped, recorded)", twice="0", slow=True),
+    Case("weight-sync phase hangs", "clear error: report names the phase at its deadline",
+         F + "test_trainer_stages.py::test_a_hung_weight_sync_phase_is_named"),
+    # --- the rollout worker and the trainer
+    Case("worker SIGKILL", "clear error: next pull names the signal",
+         R + "test_worker_vllm.py::test_a_worker_killed_by_a_signal_is_reported_by_the_next_pull", slow=True),
+    Case("worker SIGSTOP (frozen)", "clear error: next pull says no heartbeat within rollout_worker_timeout",
+         F + "test_worker_signals.py::test_a_frozen_worker_is_named_by_the_next_pull_and_stopped", slow=True),
+    Case("trainer queue pull never gets an item", "clear error: StageStalled and stall_report.json",
+         F + "test_trainer_stages.py::test_a_queue_pull_that_never_gets_an_item_stops_with_the_report"),
+    Case("trainer SIGKILL mid-step, then resume", "recovered: resume from the last complete checkpoint",
+         E + "test_cli_train.py::test_sigkill_then_resume_trains_every_prompt_once", lost="0", twice="0", slow=True),
+    Case("every group dropped (no progress)", "clear error: warning with the cause, then a no_progress stop",
+         F + "test_no_progress.py::test_a_run_whose_groups_are_all_dropped_says_why_then_stops", slow=True),
+    Case("a fatal stage never returns", "clear error: report, abort callbacks, exit 3",
+         F + "test_stall_watch.py::test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code"),
+    # --- rewards
+    Case("reward raises", "recovered: group dropped and counted; clear error after 10 groups in a row",
+         R + "test_scoring.py::test_a_raising_reward_costs_its_group_and_stops_only_when_it_keeps_failing"),
+    Case("reward keeps raising (real worker)", "clear error: its traceback reaches the trainer",
+         R + "test_worker_vllm.py::test_a_reward_that_keeps_raising_stops_the_run_with_its_traceback", slow=True),
+    Case("reward returns NaN", "clear error: names the reward and the completion",
+         R + "test_scoring.py::test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it[result4-"),
+    Case("reward returns -inf", "clear error: names the reward and the completion",
+         R + "test_scoring.py::test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it[result5-"),
+    Case("reward returns a wrong length", "clear error: names the reward and both lengths",
+         R + "test_scoring.py::test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it[result0-"),
+    Case("reward returns a wrong type", "clear error: names the reward and the type",
+         R + "test_scoring.py::test_a_reward_with_the_wrong_shape_or_type_stops_the_run_naming_it[1111-"),
+    Case("reward hangs (real worker)", "recovered: scoring stall reported, group dropped and counted",
+         F + "test_rollout_stalls.py::test_a_hanging_reward_is_reported_dropped_and_counted",
+         lost="0 (1 dropped, recorded)", twice="0", slow=True),
+    # --- tools and environments
+    Case("tool raises / unknown name / malformed JSON", "recovered: a tool message to the model, counted",
+         A + "test_tool_loop.py::test_policy_errors_become_tool_messages_and_are_counted"),
+    Case("tool hangs", "recovered: tool stall reported, the rollout's group dropped",
+         F + "test_tool_stall.py::test_a_hung_tool_is_named_and_its_rollout_ends"),
+    Case("tool returns a huge output", "recovered: the rollout ends (context full), nothing over max_model_len",
+         A + "test_tool_loop.py::test_a_huge_tool_output_ends_the_rollout_instead_of_overflowing_the_context"),
+    Case("env reset raises", "clear error: the env's exception stops the worker",
+         F + "test_env_faults.py::test_a_raising_reset_propagates_and_the_instance_goes_back_to_the_pool"),
+    Case("env reset returns the wrong type", "clear error: names the env class and the type",
+         F + "test_env_faults.py::test_a_reset_of_the_wrong_type_is_named"),
+    Case("unpicklable callables", "clear error: names each lambda, closure or local class",
+         P + "test_pickling.py::test_lambdas_closures_and_local_classes_are_named"),
+    Case("prompt over max_model_len", "clear error: the server's message, at once",
+         S + "test_vllm_sampling.py::test_prompt_longer_than_max_model_len_fails_at_once_with_the_servers_message",
+         slow=True),
+    # --- plugins, checkpoints, disk, the CLI
+    Case("plugin fails to import", "clear error: names the distribution and the error",
+         P + "test_loading.py::test_plugin_that_fails_to_import_names_its_distribution_and_error"),
+    Case("two plugins with one name", "clear error: names both distributions",
+         P + "test_loading.py::test_two_distributions_with_one_plugin_name_are_both_named"),
+    Case("corrupted checkpoint", "clear error: names the file and an earlier checkpoint",
+         F + "test_checkpoint_faults.py::test_a_damaged_checkpoint_is_refused_naming_the_file_and_an_earlier_one"),
+    Case("full disk while saving (64 KiB tmpfs)", "clear error: no checkpoint resume would take",
+         F + "test_checkpoint_faults.py::test_a_full_disk_while_saving_leaves_no_checkpoint_resume_would_take"),
+    Case("unrecoverable run failure (CLI)", "clear error: 3 lines, traceback in error.log, exit 1 (3 for a stall)",
+         F + "test_cli_failure.py::"),
+    # --- hostile programs in the coding sandbox
+    Case("sandbox: infinite loop", "contained: killed at the time limit", SB + "test_infinite_loop_is_killed_at_the_time_limit"),
+    Case("sandbox: sleeping past the limit", "contained: killed at the time limit", HB + "test_sleeping_past_the_limit_is_killed"),
+    Case("sandbox: memory bomb", "contained: MemoryError", SB + "test_memory_bomb_hits_the_address_space_limit"),
+    Case("sandbox: fork bomb", "contained: no process left", SB + "test_fork_bomb_is_contained_and_leaves_no_processes"),
+    Case("sandbox: network (socket, child process)", "contained: refused", SB + "test_network_connections_fail"),
+    Case("sandbox: writing outside its folder (open, shell)", "contained: refused", SB + "test_writing_outside_the_work_folder_fails"),
+    Case("sandbox: deleting / symlinking out", "contained: refused", HB + "test_deleting_or_linking_out_of_the_folder_is_blocked"),
+    Case("sandbox: reading a private trainer file", "contained: refused", HB + "test_reading_a_private_trainer_file_is_refused"),
+    Case("sandbox: reading the trainer's environment", "contained: not visible", HB + "test_the_trainers_environment_is_not_visible"),
+    Case("sandbox: signalling the trainer / its processes", "contained: refused", HB + "test_signalling_the_trainer_and_its_processes_fails"),
+    Case("sandbox: filling the disk with one file", "contained: file size limit", HB + "test_one_huge_file_stops_at_the_file_size_limit"),
+    Case("sandbox: littering files", "contained: folder deleted", HB + "test_files_left_in_the_work_folder_are_deleted"),
+    Case("sandbox: huge stdout", "contained: truncated", SB + "test_output_is_truncated"),
+    Case("sandbox: huge stderr", "contained: truncated", HB + "test_huge_stderr_is_truncated"),
+    Case("sandbox: daemon / orphan outliving the call", "contained: none left", HB + "test_a_process_left_running_does_not_outlive_the_call"),
+    Case("sandbox: too many open files", "contained: refused", HB + "test_too_many_open_files_is_refused"),
+    Case("sandbox: raising its limits / setuid 0", "contained: refused", HB + "test_escalation_is_refused"),
+    Case("sandbox: hostile programs as tool calls", "recovered: failed tool calls, counted",
+         SB + "test_hostile_programs_are_failed_tool_calls_in_the_tool_loop"),
+]
+
+
+class _Collector:
+    """A pytest plugin: outcome and call-phase duration per node id."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, tuple[str, float]] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        outcome, duration = self.results.get(report.nodeid, ("passed", 0.0))
+        if report.when == "call":
+            duration = report.duration
+        if report.failed:
+            outcome = "failed"
+        elif report.skipped and outcome == "passed":
+            outcome = "skipped"
+        self.results[report.nodeid] = (outcome, duration)
+
+
+def _matching(case: Case, results: dict[str, tuple[str, float]]) -> list[tuple[str, float]]:
+    return [value for node, value in results.items() if node == case.node or node.startswith(case.node)]
+
+
+def _row(case: Case, results: dict[str, tuple[str, float]]) -> tuple[str, str, str, str, str, str]:
+    if case.node is None:
+        return case.name, case.expected, "NOT COVERED", "-", "-", "-"
+    found = _matching(case, results)
+    if not found:
+        outcome = "NOT RUN"
+    elif any(o == "failed" for o, _ in found):
+        outcome = "FAILED"
+    elif all(o == "skipped" for o, _ in found):
+        outcome = "skipped"
+    else:
+        outcome = case.expected.split(":")[0]
+    seconds = f"{max(d for _, d in found):.1f} s" if found else "-"
+    return case.name, case.expected, outcome, seconds, case.lost, case.twice
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fast", action="store_true", help="skip cases that need a vLLM server or the CLI end to end")
+    parser.add_argument("-k", dest="keyword", default="", help="only cases whose name contains this")
+    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.keyword in c.name and not (args.fast and c.slow)]
+    nodes = sorted({c.node.split("[")[0] for c in cases if c.node and not c.node.endswith("::")}
+                   | {c.node[:-2] for c in cases if c.node and c.node.endswith("::")})
+    import pytest
+
+    collector = _Collector()
+    os.chdir(ROOT)
+    started = time.monotonic()
+    pytest.main(["-q", "-p", "no:cacheprovider", *nodes],
+                plugins=[collector])
+    total = time.monotonic() - started
+    rows = [_row(case, collector.results) for case in cases]
+    print(f"\n== fault suite: {len(rows)} cases, {total:.0f} s in all")
+    for name, expected, outcome, seconds, lost, twice in rows:
+        print(f"{outcome:<12} {seconds:>8}  {name}  (expected {expected}; lost {lost}, twice {twice})")
+    header = ("case", "expected", "outcome", "time to outcome", "prompts lost", "trained twice")
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(row) + " |" for row in rows]
+    print("\n" + "\n".join(table))
+    if args.markdown:
+        args.markdown.write_text("\n".join(table) + "\n")
+    bad = [r for r in rows if r[2] in ("FAILED", "NOT RUN")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
