@@ -63,7 +63,9 @@ class TrainingSequence:
     token_ids: list[int]
     trained_mask: list[int]
     sampler_logprobs: list[float]
-    sampler_top_logprobs: list[dict[int, float] | None] | None = None
+    # A `grpo_agent.top_logprobs.TopLogprobs` from the rollout side (arrays, compact in the queue);
+    # a list of dicts is accepted too.
+    sampler_top_logprobs: Any = None
     sampling_mask: list[list[int] | None] | None = None
 
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo_agent.top_logprobs import TopLogprobs
 from grpo_agent.types import TrainingSequence, TurnRecord
 
 
@@ -75,7 +76,9 @@ class _Builder:
             token_ids=self.token_ids,
             trained_mask=self.trained_mask,
             sampler_logprobs=self.sampler_logprobs,
-            sampler_top_logprobs=self.top_logprobs,
+            # Arrays, not a dict per token: cheaper to queue and to pack (top_logprobs.py).
+            sampler_top_logprobs=None if self.top_logprobs is None
+            else TopLogprobs.from_dicts(self.top_logprobs),
             sampling_mask=self.sampling_mask,
         )
 

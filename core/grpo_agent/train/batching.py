@@ -130,7 +130,7 @@ class StepPlanner:
 
     def plan(self, leftover: list[TrainingSample] | None = None) -> StepPlan:
         used = [mb for mb in self._microbatches if any(r.samples for r in mb)]
-        microbatches = [[pack_row(r.samples) for r in mb] for mb in used]
+        microbatches = [[pack_row(r.samples, r.trie) for r in mb] for mb in used]
         metrics = step_metrics(microbatches, self.token_budget, len(self.dropped))
         return StepPlan(microbatches, metrics, list(self.dropped), list(leftover or []))
 

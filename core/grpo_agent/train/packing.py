@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from grpo_agent.top_logprobs import PAD_ID, as_top_logprobs
 from grpo_agent.types import TrainingSample
 
 NO_TARGET = -1
@@ -120,10 +122,18 @@ class PackedRow:
         return self.num_tokens == 0
 
 
-def pack_row(samples: list[TrainingSample]) -> PackedRow:
-    """Build the tree-packed row of `samples` (order decides which sample owns shared nodes)."""
-    trie = PrefixTrie()
-    paths = [trie.insert(s.sequence.token_ids, predicts_trained(s)) for s in samples]
+def pack_row(samples: list[TrainingSample], trie: PrefixTrie | None = None) -> PackedRow:
+    """Build the tree-packed row of `samples` (order decides which sample owns shared nodes).
+
+    `trie`: one that already holds exactly `samples`, inserted in this order (the step
+    planner's), so they are not inserted a second time."""
+    if trie is None:
+        trie = PrefixTrie()
+        for s in samples:
+            trie.insert(s.sequence.token_ids, predicts_trained(s))
+    if len(trie.paths) != len(samples):
+        raise ValueError(f"the trie holds {len(trie.paths)} samples, not the row's {len(samples)}")
+    paths = trie.paths
     input_ids, positions, segments, seg_paths, seg_parent = _layout(trie)
     ancestors = _ancestor_matrix(seg_parent)
     trained = _trained_entries(samples, paths)
@@ -169,31 +179,32 @@ def _layout(trie: PrefixTrie):
 
 def _ancestor_matrix(seg_parent: list[int]) -> torch.Tensor:
     n = len(seg_parent)
-    anc = torch.zeros(n, n, dtype=torch.bool)
+    anc = np.zeros((n, n), dtype=bool)
     for s in range(n):
         a = s
         while a >= 0:
             anc[s, a] = True
             a = seg_parent[a]
-    return anc
+    return torch.from_numpy(anc)
 
 
 def _trained_entries(samples: list[TrainingSample], paths: list[list[_Node]]) -> dict:
     pred, targets, adv, lps, owner = [], [], [], [], []
-    topk: list[dict[int, float] | None] = []
+    topk: list[tuple[np.ndarray, np.ndarray]] = []
     masks: list[list[int] | None] = []
     for i, (sample, path) in enumerate(zip(samples, paths)):
         seq = sample.sequence
-        for t in range(1, len(seq.token_ids)):
-            if not seq.trained_mask[t]:
-                continue
-            pred.append(path[t - 1].index)
-            targets.append(seq.token_ids[t])
-            adv.append(sample.advantage)
-            lps.append(seq.sampler_logprobs[t])
-            owner.append(i)
-            topk.append(seq.sampler_top_logprobs[t] if seq.sampler_top_logprobs else None)
-            masks.append(seq.sampling_mask[t] if seq.sampling_mask else None)
+        positions = [t for t in range(1, len(seq.token_ids)) if seq.trained_mask[t]]
+        pred += [path[t - 1].index for t in positions]
+        targets += [seq.token_ids[t] for t in positions]
+        adv += [sample.advantage] * len(positions)
+        lps += [seq.sampler_logprobs[t] for t in positions]
+        owner += [i] * len(positions)
+        if seq.sampler_top_logprobs:
+            topk.append(as_top_logprobs(seq.sampler_top_logprobs).rows(np.asarray(positions, dtype=np.int64)))
+        else:
+            topk.append((np.full((len(positions), 0), PAD_ID), np.full((len(positions), 0), -np.inf)))
+        masks += [seq.sampling_mask[t] for t in positions] if seq.sampling_mask else [None] * len(positions)
     topk_ids, topk_lps = _pad_topk(topk)
     return {
         "pred_index": torch.tensor(pred, dtype=torch.long),
@@ -207,19 +218,21 @@ def _trained_entries(samples: list[TrainingSample], paths: list[list[_Node]]) ->
     }
 
 
-def _pad_topk(topk: list[dict[int, float] | None]):
-    """[tokens, k] ids (-1 pad) and log-probs (-inf pad), built as lists and converted once:
-    per-element tensor writes cost ~0.3 s per 1k-token row, more than its forward."""
-    if not any(topk):
+def _pad_topk(blocks: list[tuple[np.ndarray, np.ndarray]]):
+    """[tokens, k] ids (-1 pad) and log-probs (-inf pad) of every sample's trained tokens,
+    filled block by block (a Python loop per token cost more than the row's forward)."""
+    width = max((ids.shape[1] for ids, _ in blocks), default=0)
+    if width == 0:
         return None, None
-    width = max(len(d) for d in topk if d)
-    ids, lps = [], []
-    for d in topk:
-        d = d or {}
-        pad = width - len(d)
-        ids.append([*map(int, d.keys()), *([-1] * pad)])
-        lps.append([*map(float, d.values()), *([float("-inf")] * pad)])
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32)
+    total = sum(ids.shape[0] for ids, _ in blocks)
+    ids = np.full((total, width), PAD_ID, dtype=np.int64)
+    lps = np.full((total, width), -np.inf, dtype=np.float32)
+    start = 0
+    for block_ids, block_lps in blocks:
+        end, k = start + block_ids.shape[0], block_ids.shape[1]
+        ids[start:end, :k], lps[start:end, :k] = block_ids, block_lps
+        start = end
+    return torch.from_numpy(ids), torch.from_numpy(lps)
 
 
 def _pad_ids(lists: list[list[int] | None]) -> torch.Tensor | None:
