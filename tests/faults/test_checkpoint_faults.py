@@ -2,7 +2,8 @@
 that resume would take.
 
 The files are the real formats a checkpoint holds (safetensors weights, torch pickles, JSON);
-the disk is a real 1 MiB tmpfs when this process may mount one (root), else RLIMIT_FSIZE.
+the disk is a real 64 KiB tmpfs when this process may mount one (root), else RLIMIT_FSIZE
+(per file only, so the test then checks a file size limit, not a full disk).
 """
 from __future__ import annotations
 
