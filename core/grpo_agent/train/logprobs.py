@@ -14,6 +14,11 @@ gradient in the backward) is one function of the tile's logits. On CUDA it is co
 several float32 passes; the tiles' partial results (max, sum of exp, sum of exp * z) are
 combined afterwards. Where compilation is unavailable, or on CPU (where compiling would only
 slow tests down), the same functions run eagerly.
+
+On CUDA in half precision without a sampling mask, the log-sum-exp and entropy come from the
+fused Triton kernels of `fused_lm_head` instead (LM_HEAD="auto"; the logits never leave the
+kernel's registers: 0.81-0.92x the tiles' time and 0.2 GiB less at 16k tokens on an H200,
+docs/performance.md); the tiles stay the CPU path, the sampling-mask path and the reference.
 """
 
 from __future__ import annotations
