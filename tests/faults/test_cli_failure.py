@@ -79,7 +79,7 @@ def test_with_debug_the_traceback_reaches_the_terminal(monkeypatch, capsys, tmp_
         raise _worker_failure()
 
     monkeypatch.setattr(run, "run_training", failing)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)  # recorded unset: --debug's "1" is undone after the test
     with pytest.raises(RolloutWorkerError):
         main(["--debug", "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
     assert "ConnectionError" in (tmp_path / "out" / "error.log").read_text()
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
