@@ -1,7 +1,7 @@
 """Command-agent boot: confine this process, then exec the agent's command (started by
 `grpo_agent.rollout.command_sandbox`).
 
-Runs as `python -I _agent_boot.py LIMITS_JSON COMMAND...` in a fresh session, stdlib only.
+Runs as `python -I -S _agent_boot.py LIMITS_JSON COMMAND...` in a fresh session, stdlib only.
 With `network == "gateway"` it enters a new network namespace (and, as root, a new PID
 namespace), brings its loopback up and forks: this process stays outside as a relay that
 accepts on 127.0.0.1:PORT inside the namespace and forwards each connection to the gateway's

@@ -56,7 +56,7 @@ def sandboxed_argv(limits: CommandLimits, argv: list[str], *, gateway_port: int,
     """`argv` wrapped in the boot script with these limits (CPU time capped by the wall time)."""
     boot = {**asdict(limits), "gateway_port": gateway_port, "gateway_socket": gateway_socket,
             "home": home, "cpu_s": max(1, math.ceil(timeout_s))}
-    return [sys.executable, "-I", str(BOOT_SCRIPT), json.dumps(boot), *argv]
+    return [sys.executable, "-I", "-S", str(BOOT_SCRIPT), json.dumps(boot), *argv]  # stdlib only
 
 
 def agent_environment(base_url: str, key: str, home: str) -> dict[str, str]:
