@@ -43,8 +43,8 @@ def perturb(model) -> None:
 
 def time_syncs(model, server_url: str, work_dir: str, syncs: int) -> list[dict]:
     from grpo_agent import AsyncGRPOConfig
-    from grpo_agent.train.lora_sync import AdapterPusher
-    from grpo_agent.train.sync import WeightPusher
+    from grpo_agent.weight_sync.adapter import AdapterPusher
+    from grpo_agent.weight_sync.full import WeightPusher
 
     args = AsyncGRPOConfig(output_dir=work_dir, vllm_server_base_url=server_url, max_staleness=1,
                            report_to="none", use_cpu=True)

@@ -63,7 +63,7 @@ def vllm_server(tiny_model_path, tmp_path_factory):
 def push_original_weights(server) -> None:
     """Push the model folder's weights back into `server` (version 0), undoing a trainer's pushes."""
     import torch
-    from grpo_agent.sampler.weight_sync import build_weight_sync
+    from grpo_agent.weight_sync.transports import build_weight_sync
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.float32)

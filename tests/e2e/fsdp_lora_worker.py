@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.train.fsdp import apply_fsdp2
-from grpo_agent.train.lora_sync import AdapterPusher
+from grpo_agent.weight_sync.adapter import AdapterPusher
 from grpo_agent.train.weights import lora_adapter_weights
 from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.weight_sync import ServerControl, _finish_push, _start_update
+from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.step_source import StepSource
@@ -56,8 +56,8 @@ def watch(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("phase", "call"), [
-    ("weight_sync/pause", lambda control: _start_update(control)),
-    ("weight_sync/resume", lambda control: _finish_push(control, 5)),
+    ("weight_sync/pause", lambda control: start_update(control)),
+    ("weight_sync/resume", lambda control: finish_push(control, 5)),
 ])
 def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase, call):
     control = ServerControl(frozen_server, timeout=3.0)
@@ -66,7 +66,7 @@ def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == phase and report["server"] == frozen_server
     assert report["action"] == "stopping the run" and report["context"] == {"model_version": 4}
-    assert "weight_sync.py" in report["stacks"]["trainer"]
+    assert "weight_sync/transports/control.py" in report["stacks"]["trainer"]
 
 
 class SilentWorker:

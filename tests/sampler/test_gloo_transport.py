@@ -1,8 +1,7 @@
 """The gloo wire format: both ends must cut the same chunks and recover the same tensors."""
 import torch
-
-from grpo_agent.sampler.gloo_transport import pack, plan_chunks, spec_of, unpack
-from grpo_agent.sampler.weight_sync import detect_backend
+from grpo_agent.sampler.server_facts import detect_backend
+from grpo_agent.weight_sync.wire import pack, plan_chunks, spec_of, unpack
 
 
 def _tensors():

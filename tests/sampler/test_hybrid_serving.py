@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpo_agent.sampler import SamplerClient, SamplingParams
 from grpo_agent.sampler.server import ManagedVLLMServer
-from grpo_agent.sampler.weight_sync import build_weight_sync
+from grpo_agent.weight_sync.transports import build_weight_sync
 from grpo_agent.testing import build_tiny_model
 from transformers import AutoModelForCausalLM
 

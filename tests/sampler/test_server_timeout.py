@@ -145,8 +145,8 @@ def test_weight_sync_calls_take_vllm_server_timeout(tmp_path):
     from types import SimpleNamespace
 
     from grpo_agent import AsyncGRPOConfig
-    from grpo_agent.train.lora_sync import AdapterPusher
-    from grpo_agent.train.sync import WeightPusher
+    from grpo_agent.weight_sync.adapter import AdapterPusher
+    from grpo_agent.weight_sync.full import WeightPusher
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _DiskServerHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

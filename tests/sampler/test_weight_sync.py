@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_agent.sampler import SamplerClient, SamplingParams
-from grpo_agent.sampler.weight_sync import build_weight_sync
+from grpo_agent.weight_sync.transports import build_weight_sync
 
 from .hf_reference import max_gap, token_logprobs
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_agent.sampler import ServerUnreachableError, WeightSyncError
-from grpo_agent.sampler.weight_sync import RENDEZVOUS_THREAD, build_weight_sync
+from grpo_agent.weight_sync.transports import build_weight_sync
+from grpo_agent.weight_sync.transports.gloo import RENDEZVOUS_THREAD
 
 
 class NoTransferEngineHandler(BaseHTTPRequestHandler):

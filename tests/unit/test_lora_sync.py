@@ -1,9 +1,9 @@
 """LoRA adapter sync without a server: reading the server's limits, the start-up check, names."""
 import pytest
 import torch
-from grpo_agent.rollout.loop import adapter_name
+from grpo_agent.sampler.client import adapter_name
 from grpo_agent.testing import build_tiny_model
-from grpo_agent.train.lora_sync import (
+from grpo_agent.weight_sync.adapter import (
     AdapterPusher,
     LoraServerLimits,
     adapter_prefix,

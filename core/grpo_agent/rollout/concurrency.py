@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 
 from grpo_agent.sampler.prometheus import ServerMetrics
 
@@ -21,26 +20,6 @@ GROW_BELOW_USAGE = 0.60
 SHRINK_ABOVE_USAGE = 0.80
 GROW_FACTOR = 1.25
 SHRINK_FACTOR = 0.70
-
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def kv_cache_tokens(metrics_text: str) -> int | None:
-    """Total KV-cache tokens over engines from `vllm:cache_config_info`, None if absent.
-
-    vLLM 0.32 labels it with `kv_cache_size_tokens`; older servers only give
-    `num_gpu_blocks` x `block_size`.
-    """
-    total = 0
-    for match in _CACHE_INFO.finditer(metrics_text):
-        labels = dict(_LABEL.findall(match.group("labels")))
-        size = labels.get("kv_cache_size_tokens", "None")
-        if size.isdigit():
-            total += int(size)
-        elif labels.get("num_gpu_blocks", "None").isdigit() and labels.get("block_size", "").isdigit():
-            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    return total or None
 
 
 class ConcurrencyCap:

@@ -24,9 +24,10 @@ from typing_extensions import Self
 from grpo_agent.rollout.images import strip_images
 from grpo_agent.rollout.loop import _ROLLOUT_VERSION, _environment_runner
 from grpo_agent.rollout.observations import generated_length
-from grpo_agent.rollout.sampling import build_sampling_params, probe_server
+from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.server_facts import probe_server
 from grpo_agent.types import Rollout, RolloutGroup
 
 DEFAULT_SUCCESS_THRESHOLD = 1.0

@@ -35,7 +35,7 @@ from grpo_agent.rollout.plugins import (
     resolve_prompt_filters,
 )
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
-from grpo_agent.rollout.sampling import ServerFacts, build_sampling_params, probe_server
+from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import (
     RewardFailureTracker,
     add_rollout_sources,
@@ -43,8 +43,9 @@ from grpo_agent.rollout.scoring import (
     reward_name,
     run_reward_functions,
 )
-from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.client import SamplerClient, adapter_name
 from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
+from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.stall import StageStalled, StallWatch
 from grpo_agent.types import PromptConsumed, Rollout, RolloutGroup, TrainingSample, TurnRecord
 
@@ -56,14 +57,6 @@ ALLOWANCE_POLL_S = 0.05
 ALLOWANCE_HELD = -1.0  # token_allowance value: start no group (worker.hold_admission)
 # The model version a rollout samples with: its group's, set before the group's rollouts start.
 _ROLLOUT_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("rollout_version")
-
-
-def adapter_name(lora_name: str | None, version: int) -> str | None:
-    """The served LoRA adapter of model version `version`; None means the base model, which
-    is version 0 (PEFT initialises LoRA B to zero) and every version without adapter sync."""
-    if lora_name is None or version <= 0:
-        return None
-    return f"{lora_name}-v{version}"
 
 
 class AsyncRolloutLoop:

@@ -1,7 +1,6 @@
-"""Everything that talks to vLLM: the async sampler client, the managed server, weight sync.
+"""The async sampler client and the managed vLLM server (weight sync is `grpo_agent.weight_sync`).
 
-The client and server modules import no torch, so the rollout worker stays light; weight sync
-(`grpo_agent.sampler.weight_sync`) is imported only by the trainer.
+The client and server modules import no torch, so the rollout worker stays light.
 """
 from grpo_agent.sampler.client import ModelInfo, SamplerClient, SamplingParams
 from grpo_agent.sampler.errors import (

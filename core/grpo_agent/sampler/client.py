@@ -33,6 +33,14 @@ CONTROL_TIMEOUT_S = 120.0
 _RETRYABLE_STATUS = range(500, 600)
 
 
+def adapter_name(lora_name: str | None, version: int) -> str | None:
+    """The served LoRA adapter of model version `version` (the name a rollout samples); None means the base model, which
+    is version 0 (PEFT initialises LoRA B to zero) and every version without adapter sync."""
+    if lora_name is None or version <= 0:
+        return None
+    return f"{lora_name}-v{version}"
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and meanings)."""
@@ -156,11 +164,14 @@ class SamplerClient:
 
     async def metrics(self) -> ServerMetrics | None:
         """Scheduler gauges from `/metrics`; None when the server does not expose them."""
+        text = await self.metrics_text()
+        return None if text is None else parse_server_metrics(text)
+
+    async def metrics_text(self) -> str | None:
+        """The Prometheus text of `/metrics`; None when the server does not expose it."""
         response = await self._request("GET", "/metrics", timeout=CONTROL_TIMEOUT_S,
                                        allow_status=(404,))
-        if response.status_code == 404:
-            return None
-        return parse_server_metrics(response.text)
+        return None if response.status_code == 404 else response.text
 
     async def server_info(self) -> dict:
         """The server's resolved configuration (`GET /server_info?config_format=json`)."""

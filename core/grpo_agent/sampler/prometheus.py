@@ -1,10 +1,12 @@
 """A minimal parser for the Prometheus text format that vLLM serves on `/metrics`.
 
 We only need a handful of gauges and counters (KV-cache usage, running/waiting requests,
-preemptions), summed or maxed over engines, so a line parser beats a client dependency.
+preemptions), summed or maxed over engines, and the KV-cache size from one info metric's
+labels, so a line parser beats a client dependency.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -48,3 +50,24 @@ def parse_server_metrics(text: str) -> ServerMetrics | None:
         waiting=int(sum(samples.get("vllm:num_requests_waiting", [0.0]))),
         preemptions=int(sum(samples.get("vllm:num_preemptions_total", [0.0]))),
     )
+
+
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def kv_cache_tokens(metrics_text: str) -> int | None:
+    """Total KV-cache tokens over engines from `vllm:cache_config_info`, None if absent.
+
+    vLLM 0.32 labels it with `kv_cache_size_tokens`; older servers only give
+    `num_gpu_blocks` x `block_size`.
+    """
+    total = 0
+    for match in _CACHE_INFO.finditer(metrics_text):
+        labels = dict(_LABEL.findall(match.group("labels")))
+        size = labels.get("kv_cache_size_tokens", "None")
+        if size.isdigit():
+            total += int(size)
+        elif labels.get("num_gpu_blocks", "None").isdigit() and labels.get("block_size", "").isdigit():
+            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    return total or None

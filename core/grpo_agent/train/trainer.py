@@ -36,14 +36,13 @@ from grpo_agent.train.checkpoint import (
     append_ledger_line,
     last_complete_checkpoint,
 )
-from grpo_agent.train.lora_sync import AdapterPusher
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.row_clock import RowClock
 from grpo_agent.train.step_rows import StepRows
 from grpo_agent.train.step_source import StepSource
-from grpo_agent.train.sync import WeightPusher, build_weight_pusher
+from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
 
 logger = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class AsyncGRPOTrainer(Trainer):
         self.ledger = PromptLedger()
         self.model_version = 0
         self.source: StepSource | None = None
-        self.pusher: WeightPusher | AdapterPusher | None = None
+        self.pusher: Pusher | None = None
         self._step_samples: list[TrainingSample] = []
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`

@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_agent.sampler.gloo_transport import (
+from grpo_agent.weight_sync.wire import (
     DEFAULT_CHUNK_BYTES,
     TensorSpec,
     broadcast_from_trainer,

@@ -1,12 +1,9 @@
-"""Push the trainer's policy to the vLLM server as model version N.
+"""Push every weight of the policy (LoRA merged in) as model version N, on any server.
 
-Two modes, chosen once at train start from what the server reports (`build_weight_pusher`):
-merged weights (`WeightPusher`, every server) or, for a PEFT model on a server started with
-`--enable-lora`, the adapter alone (`lora_sync.AdapterPusher`). For merged weights the transport
-(gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is the sampler's
-business; this module only decides *what* is pushed and *who* takes part: every rank gathers
-(FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a barrier so none
-starts the next step on old weights.
+The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
+`transports`' business; this module only decides *what* is pushed and *who* takes part: every
+rank gathers (FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a
+barrier so none starts the next step on old weights.
 """
 from __future__ import annotations
 
@@ -19,31 +16,22 @@ from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import fsdp
-from grpo_agent.train.lora_sync import AdapterPusher, use_adapter_sync
 from grpo_agent.train.weights import full_weights, merged_adapters
-
-
-def build_weight_pusher(args: AsyncGRPOConfig, model: nn.Module, facts: Any) -> Any:
-    """An `AdapterPusher` when the server can serve this model's LoRA adapter, else merged.
-
-    `facts` is `setup.ServerFacts`; raises when a LoRA server's limits are too small.
-    """
-    if use_adapter_sync(model, facts.lora, args):
-        return AdapterPusher(args, model, base_is_stale=facts.holds_pushed_weights)
-    return WeightPusher(args)
+from grpo_agent.weight_sync.transports import build_weight_sync
 
 
 class WeightPusher:
+    """The merged-weights `Pusher`."""
+
     lora_name = None  # the rollout worker samples the served base model
 
-    def __init__(self, args: AsyncGRPOConfig) -> None:
+    def __init__(self, args: AsyncGRPOConfig, backend: str | None = None) -> None:
+        """`backend` is the server's weight-transfer backend (`ServerFacts`); None asks it."""
         self.args = args
         self.last_num_bytes = 0
         self._sync: Any = None
         if fsdp.is_main_process():
-            from grpo_agent.sampler.weight_sync import build_weight_sync
-
-            self._sync = build_weight_sync(args.vllm_server_base_url,
+            self._sync = build_weight_sync(args.vllm_server_base_url, backend=backend,
                                            timeout=args.vllm_server_timeout)
 
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from grpo_agent.sampler.weight_sync import ServerControl, SyncTimings, _finish_push
+from grpo_agent.weight_sync.transports.control import ServerControl, SyncTimings, finish_push
 
 
 class _PushSource(WeightSource):
@@ -70,7 +70,7 @@ class NcclWeightSync:
         transfer_s = time.perf_counter() - transfer_began
         num_bytes = sum(t.numel() * t.element_size() for _, t in self._source.tensors)
         self._source.tensors = []
-        _finish_push(self.control, version)
+        finish_push(self.control, version)
         return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
                            total_s=time.perf_counter() - began, num_bytes=num_bytes)
 

