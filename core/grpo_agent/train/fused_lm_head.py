@@ -152,8 +152,11 @@ class FusedLogSumExp(torch.autograd.Function):
 
 
 def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused kernels can run these tensors: CUDA, half precision, Triton present."""
+    """Whether the fused kernels can run these tensors: CUDA, half precision, at least one
+    token, Triton present."""
     if hidden.device.type != "cuda" or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if hidden.shape[0] == 0:  # an empty launch grid: nothing to fuse
         return False
     if weight.dtype != hidden.dtype:
         return False
