@@ -121,6 +121,10 @@ class AsyncGRPOConfig(TrainingArguments):
     rollout_worker_timeout: float = _help(
         "Seconds without a worker heartbeat before the trainer aborts.", default=300.0
     )
+    tool_timeout_s: float = _help(
+        "Seconds one tool call may run; a late call becomes an error message the model sees.",
+        default=300.0,
+    )
     stall_timeouts: dict[str, float] = _help(
         "Deadline in seconds by stage, overriding the derived one (docs/reliability.md): "
         "vllm_generate, tool, env_reset, env_finish, scoring, queue_pull, weight_sync (or one "
@@ -211,6 +215,8 @@ class AsyncGRPOConfig(TrainingArguments):
         check_stall_timeouts(self.stall_timeouts)
         if self.no_progress_timeout < 0:
             raise ValueError(f"no_progress_timeout={self.no_progress_timeout} must be >= 0 (0 = never).")
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."

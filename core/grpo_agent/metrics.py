@@ -44,12 +44,9 @@ class MetricWindow:
         self._rates: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     def add(self, name: str, value: float) -> None:
-        self.add_many(name, (value,))
-
-    def add_many(self, name: str, values: Iterable[float]) -> None:
         if reduction_for(name) == "rate":  # a mean of rates is not the spec's total over total
             raise ValueError(f"{name} is a rate: record it with add_rate(name, amount, seconds).")
-        self._values[name].extend(float(v) for v in values)
+        self._values[name].append(float(value))
 
     def add_rate(self, name: str, amount: float, seconds: float) -> None:
         total = self._rates[name]

@@ -30,7 +30,8 @@ class ScriptedLoop:
 
     def __init__(self, tokenizer, texts: list[str], **config):
         self.tokenizer = tokenizer
-        defaults = {"chat_template_kwargs": None, "max_tool_calling_iterations": None, "max_completion_length": 512}
+        defaults = {"chat_template_kwargs": None, "max_tool_calling_iterations": None, "max_completion_length": 512,
+                    "tool_timeout_s": 300.0}
         self.config = SimpleNamespace(**{**defaults, **config})
         self.tool_executor = ThreadPoolExecutor(4)
         self._texts = list(texts)

@@ -40,7 +40,8 @@ class ServerLoop:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(server.model_path)
-        defaults = {"chat_template_kwargs": {"enable_thinking": False}, "max_tool_calling_iterations": 3, "max_completion_length": 256}
+        defaults = {"chat_template_kwargs": {"enable_thinking": False}, "max_tool_calling_iterations": 3, "max_completion_length": 256,
+                    "tool_timeout_s": 300.0}
         self.config = SimpleNamespace(**{**defaults, **config})
         self.tool_executor = ThreadPoolExecutor(8)
         self.sampler = SamplerClient(server.base_url, timeout=120.0)

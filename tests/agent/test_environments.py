@@ -6,10 +6,11 @@ import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from grpo_agent.rollout.agent import run_tool_loop
-from grpo_agent.rollout.environments import EnvironmentRunner, build_prompt, check_environment_data
+from grpo_agent.rollout.environments import EnvironmentRunner, build_prompt
 
 
 class IncrementEnv:  # the spec's example, as written
@@ -148,10 +149,13 @@ def test_slow_reset_runs_in_the_thread_pool_and_does_not_block_other_rollouts(ex
 
 
 def test_environment_owned_data_requires_max_steps():
-    with pytest.raises(ValueError, match="set AsyncGRPOConfig\\(max_steps=N\\)"):
-        check_environment_data(has_train_dataset=False, max_steps=-1)
-    check_environment_data(has_train_dataset=False, max_steps=10)
-    check_environment_data(has_train_dataset=True, max_steps=-1)
+    from grpo_agent.train.trainer import _check_dataset  # the one home of the rule
+
+    with pytest.raises(ValueError, match="Without a train_dataset the run length is unknown: "
+                       "set max_steps > 0"):
+        _check_dataset(None, IncrementEnv, SimpleNamespace(max_steps=-1))
+    _check_dataset(None, IncrementEnv, SimpleNamespace(max_steps=10))
+    _check_dataset([{"prompt": "p"}], IncrementEnv, SimpleNamespace(max_steps=-1))
 
 
 def test_environment_tools_work_through_the_tool_loop(scripted_loop):

@@ -5,14 +5,15 @@ import asyncio
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from grpo_agent.advantages import group_norm
 from grpo_agent.rollout.scoring import (
     RewardFailureTracker,
     RewardFunctionError,
     add_rollout_sources,
-    group_norm_advantages,
     has_signal,
     run_reward_functions,
 )
@@ -81,7 +82,7 @@ def test_none_drops_out_of_one_source_and_an_unscored_rollout_is_nan():
     scores, _ = _score({"math": math_reward, "code": code_reward}, _group(4))
     total = scores.total(4)
     assert total[[0, 1, 3]].tolist() == [1.0, 2.0, 0.0] and math.isnan(total[2])
-    advantages = group_norm_advantages(total)
+    advantages = group_norm(SimpleNamespace(rewards=total))
     assert advantages[2] == 0.0
     assert abs(advantages.sum()) < 1e-9
     scored = total[~np.isnan(total)]
@@ -139,4 +140,4 @@ def test_groups_without_signal_are_recognised():
     assert not has_signal(np.array([1.0, np.nan, np.nan]))
     assert not has_signal(np.array([np.nan, np.nan]))
     assert has_signal(np.array([1.0, np.nan, 0.0]))
-    assert group_norm_advantages(np.array([2.0, 2.0])).tolist() == [0.0, 0.0]
+    assert group_norm(SimpleNamespace(rewards=np.array([2.0, 2.0]))).tolist() == [0.0, 0.0]

@@ -57,10 +57,9 @@ def record_run(trainer, **train_kwargs) -> RecordedRun:
             super().__init__()
             self.current: list = []
 
-        def add_many(self, name, values):
-            values = [float(v) for v in values]
-            super().add_many(name, values)
-            self.note([(name, v) for v in values])
+        def add(self, name, value):
+            super().add(name, value)
+            self.note([(name, float(value))])
 
         def add_rate(self, name, amount, seconds):
             super().add_rate(name, amount, seconds)

@@ -6,28 +6,12 @@ functions: the CLI loads plugins at start-up to collect their commands.
 """
 from __future__ import annotations
 
-from typing import Any
-
+from grpo_agent import advantages
 from grpo_agent.plugins.decorators import advantage_estimator, prompt_filter, reward
 from grpo_agent.plugins.hookspecs import hookimpl
 from grpo_agent.rewards import accuracy_reward, format_reward
 
-
-@advantage_estimator("group_norm")
-def group_norm(group: Any) -> Any:
-    """(r - mean) / std within the group over non-NaN rewards; NaN rewards and std=0 give 0."""
-    import numpy as np  # lazily: plugins load at CLI start-up, which must stay fast
-
-    rewards = np.asarray(group.rewards, dtype=float)
-    advantages = np.zeros(len(rewards))
-    scored = ~np.isnan(rewards)
-    if scored.sum() < 2:
-        return advantages
-    values = rewards[scored]
-    std = values.std()
-    if std > 0:
-        advantages[scored] = (values - values.mean()) / std
-    return advantages
+group_norm = advantage_estimator("group_norm")(advantages.group_norm)
 
 
 @prompt_filter("all")

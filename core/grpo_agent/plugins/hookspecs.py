@@ -92,11 +92,12 @@ def register_commands(app: Any) -> None:
     """
 
 
-REGISTRATION_HOOKS = (
-    "register_environments",
-    "register_tools",
-    "register_rewards",
-    "register_advantage_estimators",
-    "register_prompt_filters",
-    "register_agents",
-)
+# The registration hooks and the kind of object each registers (the registry's kinds).
+HOOK_KINDS = {
+    "register_environments": "environment",
+    "register_tools": "tool",
+    "register_rewards": "reward",
+    "register_advantage_estimators": "advantage_estimator",
+    "register_prompt_filters": "prompt_filter",
+    "register_agents": "agent",
+}

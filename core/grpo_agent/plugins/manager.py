@@ -27,15 +27,6 @@ BUILTIN_MODULES = ("grpo_agent.plugins.builtins", "grpo_agent.demo")
 LOAD_ENV = "GRPO_AGENT_LOAD_PLUGINS"
 TRACE_ENV = "GRPO_AGENT_TRACE_PLUGINS"
 
-_HOOK_KINDS = {
-    "register_environments": "environment",
-    "register_tools": "tool",
-    "register_rewards": "reward",
-    "register_advantage_estimators": "advantage_estimator",
-    "register_prompt_filters": "prompt_filter",
-    "register_agents": "agent",
-}
-
 _cache: dict[tuple, Registry] = {}
 _manager_cache: dict[tuple, PluginManager] = {}
 
@@ -175,7 +166,7 @@ def resolve_hooks(pm: PluginManager) -> Registry:
         dist, version = pm.distribution_of(plugin)
         before = _counts(registry)
         others = [other for other in plugins if other is not plugin]
-        for hook_name, kind in _HOOK_KINDS.items():
+        for hook_name, kind in hookspecs.HOOK_KINDS.items():
             if kind == "environment":
                 register = registry.register_environment_callable(dist)
             else:

@@ -22,10 +22,11 @@ from grpo_agent.plugins.errors import (
     UnknownNameError,
     unknown_name_message,
 )
+from grpo_agent.plugins.hookspecs import HOOK_KINDS
 from grpo_agent.plugins.options import Option, bind_options, declared_options
 from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, tool_schema
 
-KINDS = ("environment", "tool", "reward", "advantage_estimator", "prompt_filter", "agent")
+KINDS = tuple(HOOK_KINDS.values())
 
 
 @dataclass
@@ -71,11 +72,6 @@ class EnvironmentSpec:
         if not self.option_values:
             return self.factory
         return functools.partial(self.factory, **self.option_values)
-
-    @property
-    def tools(self) -> list[Callable]:
-        """Stand-alone tools to pass besides the env (its own tools are its methods)."""
-        return []
 
     @property
     def tool_names(self) -> list[str]:

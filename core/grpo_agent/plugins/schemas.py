@@ -38,14 +38,19 @@ def method_tool_schema(cls: type, method_name: str) -> dict[str, Any]:
     return tool_schema(bound, owner=cls.__name__)
 
 
+RESERVED_METHODS = frozenset({"reset", "get_reward"})
+
+
 def public_tool_names(cls: type) -> list[str]:
-    """The env's tool methods: public functions except the reserved `reset` / `get_reward`."""
+    """The env's tool methods: public functions except the reserved `reset` / `get_reward`,
+    defined on the class or its bases (subclass definitions first). The one rule for both
+    registration (`env check`) and rollouts."""
     names: list[str] = []
     for klass in cls.__mro__:
         if klass is object:
             continue
         for name, member in vars(klass).items():
-            if name.startswith("_") or name in ("reset", "get_reward") or name in names:
+            if name.startswith("_") or name in RESERVED_METHODS or name in names:
                 continue
             if inspect.isfunction(member):
                 names.append(name)

@@ -32,8 +32,6 @@ from grpo_agent.rollout.chat_template import training_template_for
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn, ToolCall, parser_for_template
 from grpo_agent.types import Rollout, TurnRecord
 
-DEFAULT_TOOL_TIMEOUT_S = 300.0
-
 
 def render_tool_result(result: Any) -> str:
     """Strings go through as they are; anything else as JSON (never Python repr)."""
@@ -99,7 +97,7 @@ async def execute_tool_call(
     call: ToolCall | MalformedCall,
     tools_by_name: dict[str, Callable],
     executor,
-    timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+    timeout_s: float,
 ) -> ToolOutcome:
     """Run one call; every policy or tool error comes back as a failed outcome, not a raise."""
     if isinstance(call, MalformedCall):
@@ -208,7 +206,7 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
     tools_by_name = {tool.__name__: tool for tool in tools}
     max_rounds = getattr(config, "max_tool_calling_iterations", None)
     turn_tokens = getattr(config, "max_completion_length", None) or 0
-    timeout_s = getattr(config, "tool_timeout_s", DEFAULT_TOOL_TIMEOUT_S)
+    timeout_s = config.tool_timeout_s
     messages = [dict(m) for m in prompt]
     completion: list[dict] = []
     turns: list[TurnRecord] = []

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-RESERVED_METHODS = frozenset({"reset", "get_reward"})
+from grpo_agent.plugins.schemas import public_tool_names
+
 ROUTING_COLUMN = "environment"
 
 
@@ -38,22 +39,8 @@ class EnvEpisode:
 
 
 def environment_tools(env: Any) -> list[Callable]:
-    """The env's public methods (not `reset` / `get_reward`), bound, in definition order."""
-    return [getattr(env, name) for name, _ in _public_methods(type(env))]
-
-
-def _public_methods(cls: type) -> list[tuple[str, Callable]]:
-    """Public functions defined on the class or its bases (subclass definitions first)."""
-    seen: dict[str, Callable] = {}
-    for klass in cls.__mro__:
-        if klass is object:
-            continue
-        for name, member in vars(klass).items():
-            if name.startswith("_") or name in RESERVED_METHODS or name in seen:
-                continue
-            if inspect.isfunction(member):
-                seen[name] = member
-    return list(seen.items())
+    """The env's tool methods (`public_tool_names`), bound, in definition order."""
+    return [getattr(env, name) for name in public_tool_names(type(env))]
 
 
 def build_prompt(row: dict[str, Any], reset_text: str | None) -> list[dict[str, Any]]:
@@ -167,12 +154,3 @@ class EnvironmentRunner:
             return type(episode.env), (float("nan") if reward is None else float(reward))
         finally:
             self._idle[episode.pool_key].append(episode.env)
-
-
-def check_environment_data(has_train_dataset: bool, max_steps: int) -> None:
-    """Environment-owned data has no length: training then needs `max_steps`."""
-    if not has_train_dataset and (max_steps is None or max_steps <= 0):
-        raise ValueError(
-            "environment_factory without a train_dataset means the environment owns the data, "
-            "so training has no natural length: set AsyncGRPOConfig(max_steps=N)."
-        )

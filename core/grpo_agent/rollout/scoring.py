@@ -154,20 +154,6 @@ def add_rollout_sources(scores: GroupScores, group: RolloutGroup) -> None:
         )
 
 
-def group_norm_advantages(rewards: np.ndarray) -> np.ndarray:
-    """(r - mean) / std over the scored rollouts; NaN rewards get 0 and stay out of the stats."""
-    advantages = np.zeros(len(rewards))
-    scored = ~np.isnan(rewards)
-    if scored.sum() < 2:
-        return advantages
-    values = rewards[scored]
-    std = values.std()
-    if std == 0:
-        return advantages
-    advantages[scored] = (values - values.mean()) / std
-    return advantages
-
-
 def has_signal(rewards: np.ndarray) -> bool:
     """False for groups the spec drops: fewer than two scored rollouts, or all equal."""
     scored = rewards[~np.isnan(rewards)]

@@ -11,7 +11,7 @@ any cross-process plumbing (it is that process's state, not a setting).
 from __future__ import annotations
 
 from grpo_agent import Option, advantage_estimator, hookimpl, prompt_filter
-from grpo_agent.plugins.builtins import group_norm
+from grpo_agent.advantages import group_norm
 
 PASS_RATE_CAP = Option(
     "pass_rate_cap", float, 0.9, "skip a prompt once its recorded pass rate reaches this"
