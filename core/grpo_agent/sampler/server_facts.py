@@ -46,6 +46,8 @@ class LoraServerLimits:
 
 @dataclass(frozen=True)
 class ServerFacts:
+    """The server as every stage needs it, built by `probe_server` and handed down."""
+
     model_id: str
     max_model_len: int
     dtype: str | None = None  # None: the server did not say (no /server_info)

