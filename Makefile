@@ -6,10 +6,14 @@ PIP := $(PY) -m pip
 PYPROJECTS := pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard envs/*/pyproject.toml)
 STAMP := $(VENV)/.installed-$(shell cat $(PYPROJECTS) Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# verifiers 0.4.0 pins openai<3 and mcp==2.0.0; the `agents` extra needs openai>=3: its own venv
+# (envs/grpo-agent-env-verifiers, docs/envs.md).
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed-verifiers-0.4.0
 
-.PHONY: setup test demo bench clean-venv
+.PHONY: setup test demo demo-words bench clean-venv verifiers-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(VF_STAMP)
 
 $(STAMP): $(PYPROJECTS) Makefile
 	@echo "Setting up $(VENV): grpo-agent[cpu,dev] and the plugins/ and envs/ packages (minutes on a fresh clone)..."
@@ -26,12 +30,37 @@ $(STAMP): $(PYPROJECTS) Makefile
 	@touch $(STAMP)
 	@echo "Set up $(VENV) ($$($(PY) -m pip list 2>/dev/null | wc -l) packages)."
 
+verifiers-venv: $(VF_STAMP)
+
+# Layered over .venv (a .pth line after its own site-packages), so only verifiers and the
+# packages it pins differently install here: ~25 s and ~90 MB; its harness's first episode adds
+# ~60 MB of uv cache.
+$(VF_STAMP): $(STAMP)
+	@test -x $(VF_VENV)/bin/python || $(PY) -m venv $(VF_VENV)
+	@$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  $$($(VF_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_grpo_agent_venv.pth
+	@$(VF_VENV)/bin/python -m pip install -qq verifiers==0.4.0 uv
+	@touch $(VF_STAMP)
+
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The counter env (read the target, call `increment` with it) on the tool-call-warmed tiny model,
+# with a local CPU vLLM server; held-out success (`eval/pass@1`) before and after (docs/quickstart.md).
+DEMO_SETS := --set max_steps=30 --set learning_rate=0.001 --set num_generations=8 \
+  --set max_completion_length=32 --set max_tool_calling_iterations=2 \
+  --set 'chat_template_kwargs={"enable_thinking": false}' --set gradient_checkpointing=false \
+  --set optim=adamw_torch --set save_strategy=no --set seed=1 --set logging_steps=1 \
+  --set eval_strategy=steps --set eval_steps=5 --set eval_on_start=true
+
 demo: setup
-	# The built-in `words` env on the tiny model with a local CPU vLLM server (docs/quickstart.md).
-	$(VENV)/bin/grpo-agent train --env words --output-dir runs/demo --set num_train_epochs=0.5 \
+	@echo "Tool-call-warmed tiny model (built once, ~1 min, then cached):"
+	@MODEL=$$($(PY) -m grpo_agent.testing.warmup) && echo "  $$MODEL" && \
+	  $(VENV)/bin/grpo-agent train --env counter --model "$$MODEL" --output-dir runs/demo $(DEMO_SETS)
+
+# The earlier demo: the built-in `words` env on the random tiny model (dense reward, no tools).
+demo-words: setup
+	$(VENV)/bin/grpo-agent train --env words --output-dir runs/demo-words --set num_train_epochs=0.5 \
 	  --set learning_rate=0.0003 --set num_generations=8 --set max_completion_length=16 \
 	  --set gradient_checkpointing=false --set optim=adamw_torch --set save_strategy=no --set seed=1
 
@@ -39,4 +68,4 @@ bench: setup
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VF_VENV)

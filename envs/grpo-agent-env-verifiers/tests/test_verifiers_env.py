@@ -1,0 +1,114 @@
+"""The verifiers env: verifiers 0.4.0 in its own venv lists a taskset's tasks and plays an
+episode against an OpenAI-compatible endpoint; the taskset's own weighted rewards come back.
+
+The endpoint here is a stand-in (the seam: the model server), streaming a scripted reply, so the
+rewards are known; tests/e2e/test_env_packages.py trains through the real gateway and server.
+"""
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from grpo_agent.plugins import load_environment
+from grpo_agent_env_verifiers import VerifiersEnv, VerifiersVenvMissing, play, venv_python
+
+TASKSETS = Path(__file__).parent / "tasksets"
+
+try:
+    venv_python()
+except VerifiersVenvMissing as missing:
+    pytest.skip(f"{missing}", allow_module_level=True)
+
+
+@pytest.fixture
+def taskset_path(monkeypatch):
+    """verifiers imports a taskset by id: the test taskset's folder on the runner's path."""
+    monkeypatch.setenv("PYTHONPATH", str(TASKSETS))
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """A chat-completions stand-in that streams the reversed word, or a long wrong reply for
+    'policy'; it records each request body."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app, requests = FastAPI(), []
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "stand-in", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        requests.append(body)
+        word = re.search(r"Reverse the word (\w+)", body["messages"][-1]["content"]).group(1)
+        reply = "I would rather not say" if word == "policy" else word[::-1]
+        head = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+        chunks = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": reply},
+                                        "finish_reason": None}]},
+                  {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {**head, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
+                                                    "total_tokens": 12}}]
+        lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1", requests
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_rows_are_the_tasksets_tasks_listed_by_verifiers(taskset_path):
+    rows = load_environment("verifiers", id="grpo_reverse_words", size=2).load_dataset()
+    assert rows["vf_idx"] == [0, 1] and rows["vf_taskset"] == ["grpo_reverse_words"] * 2
+    assert rows["prompt"][1] == "Reverse the word world. Reply with it only."
+    assert rows["vf_harness"] == ["null", "null"] and Path(rows["vf_python"][0]).is_file()
+
+
+def test_an_episode_returns_the_tasksets_weighted_rewards(taskset_path, endpoint):
+    import openai
+
+    base_url, requests = endpoint
+    rows = load_environment("verifiers", id="grpo_reverse_words").load_dataset()
+
+    async def episode(row):
+        return await play(openai.AsyncOpenAI(base_url=base_url, api_key="rollout-key"), dict(row))
+
+    assert asyncio.run(episode(rows[0])) == 1.5  # exact (1 x 1.0) + short (1 x 0.5)
+    assert asyncio.run(episode(rows[2])) == 0.0  # wrong and long
+    assert [r["messages"][-1]["content"] for r in requests][-2:] == [rows[0]["prompt"], rows[2]["prompt"]]
+
+
+def test_a_failed_episode_raises_so_the_rollout_is_dropped(taskset_path):
+    import openai
+
+    row = dict(load_environment("verifiers", id="grpo_reverse_words", size=1).load_dataset()[0])
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")  # nothing listens
+    with pytest.raises(RuntimeError, match="verifiers episode exited 1"):
+        asyncio.run(play(client, row))
+
+
+def test_missing_venv_unknown_taskset_and_the_plain_loop_are_clear_errors(taskset_path):
+    with pytest.raises(VerifiersVenvMissing, match="run `make verifiers-venv`"):
+        load_environment("verifiers", id="grpo_reverse_words", venv="/nonexistent").load_dataset()
+    with pytest.raises(ValueError, match="could not load taskset 'no_such_taskset'"):
+        load_environment("verifiers", id="no_such_taskset").load_dataset()
+    with pytest.raises(ValueError, match="--env-arg id=TASKSET"):
+        load_environment("verifiers").load_dataset()
+    with pytest.raises(RuntimeError, match="train with `--agent verifiers`"):
+        VerifiersEnv(id="grpo_reverse_words").reset(prompt="x")
