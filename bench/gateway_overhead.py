@@ -58,14 +58,11 @@ async def bench(base_url: str, model_path: str, args) -> dict:
                              max_concurrent_rollouts=args.concurrency)
     loop = HarnessRolloutLoop(
         config=config, model_name=None, dataset=None, reward_funcs=None, processing_class=tokenizer,
-        eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=None,
-        model_version_value=type("Version", (), {"value": 0})(), token_allowance=None,
-        heartbeat_value=None, failed_event=None, exception_info_queue=None, metrics_queue=None,
+        eos_token_ids=[tokenizer.eos_token_id],
         agent=None, limits=HarnessLimits(max_calls=None))  # no agent: the bench is the client
-    loop.tool_executor = ThreadPoolExecutor(args.concurrency)
-    loop.sampler = SamplerClient(base_url, max_connections=args.concurrency + 8)
-    await loop._connect()
-    loop._sampling_params = replace(loop._sampling_params, ignore_eos=True)  # fixed lengths
+    await loop.connect(SamplerClient(base_url, max_connections=args.concurrency + 8),
+                       ThreadPoolExecutor(args.concurrency))
+    loop.sampling_params = replace(loop.sampling_params, ignore_eos=True)  # fixed lengths
     loop.model_name = loop.server.model_id
     gateway = loop.gateway = Gateway(loop, loop.limits)
     await gateway.start()

@@ -301,6 +301,13 @@ class StallWatch:
                      json.dumps(context, default=str), path)
         return report
 
+    def report_stall(self, name: str, detail: dict[str, Any], deadline_s: float, started: float,
+                     **extra: Any) -> None:
+        """Report a stall found outside this watch's stages (the trainer's no-progress guard)."""
+        entry = _Stage(name, detail, deadline_s, started=started)
+        entry.stalled_at, entry.reported = time.monotonic(), True
+        self.report(entry, **extra)
+
     def _message(self, entry: _Stage) -> str:
         detail = ", ".join(f"{k}={v}" for k, v in entry.detail.items())
         return (f"STALL in the {self.role}: stage {entry.name!r}{f' ({detail})' if detail else ''} "
@@ -336,69 +343,6 @@ def own_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
     return "\n".join(parts)
-
-
-NO_PROGRESS_WINDOW_GROUPS = 8
-DROPPED_REASONS = ("zero_std", "reward_error", "stalled")
-
-
-class NoProgressGuard:
-    """The trainer's no-progress stall: every group of a whole window dropped, no sample.
-
-    Why: a run whose model never produces reward variance waits without bound (env-owned data
-    has no epoch end). Once `NO_PROGRESS_WINDOW_GROUPS` groups in a row are dropped it says so
-    with the likely cause; after `timeout_s` without a trainable sample it writes the stall
-    report and raises `StageStalled` (0 = only warn)."""
-
-    def __init__(self, timeout_s: float, watch: StallWatch | None) -> None:
-        self.timeout_s = float(timeout_s)
-        self.watch = watch
-        self.last_progress = time.monotonic()
-        self.dropped: dict[str, int] = {}
-        self._warned = False
-
-    @property
-    def dropped_in_a_row(self) -> int:
-        return sum(self.dropped.values())
-
-    def record(self, reason: str | None) -> None:
-        """`reason` of a `PromptConsumed` notice, or None for a trainable sample."""
-        if reason is None:
-            self.last_progress, self.dropped, self._warned = time.monotonic(), {}, False
-        elif reason in DROPPED_REASONS:
-            self.dropped[reason] = self.dropped.get(reason, 0) + 1
-
-    def check(self) -> None:
-        if self.dropped_in_a_row < NO_PROGRESS_WINDOW_GROUPS:
-            return
-        idle = time.monotonic() - self.last_progress
-        if not self._warned:
-            self._warned = True
-            logger.warning("No progress: %s", self._cause(idle))
-        if self.timeout_s > 0 and idle > self.timeout_s:
-            message = (f"{self._cause(idle)} Stopping after no_progress_timeout={self.timeout_s:g} s "
-                       "(raise it, or 0 to wait without bound).")
-            if self.watch is not None:
-                entry = _Stage("no_progress", {"dropped_groups": dict(self.dropped)}, self.timeout_s,
-                               started=self.last_progress)
-                entry.stalled_at, entry.reported = time.monotonic(), True
-                self.watch.report(entry, cause=message)
-                message += f" See {self.watch.output_dir / REPORT_NAME}."
-            raise StageStalled(message)
-
-    def _cause(self, idle: float) -> str:
-        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
-        likely = []
-        if self.dropped.get("zero_std"):
-            likely.append("every rollout of a group gets the same reward: the model never produces "
-                          "reward variance (check the reward functions and the tools, use easier or "
-                          "harder prompts, or warm the model up)")
-        if self.dropped.get("reward_error"):
-            likely.append("the reward functions fail (see rollout/reward_error_count and the worker log)")
-        if self.dropped.get("stalled"):
-            likely.append("rollouts pass their stage deadlines (see stall_report.json)")
-        return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and no trainable "
-                f"sample came for {idle:.0f} s. Likely cause: {'; '.join(likely)}.")
 
 
 def _task_stack(task: asyncio.Task) -> str:

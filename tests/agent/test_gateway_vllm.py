@@ -57,14 +57,10 @@ async def started_loop(server, tmp_path, agent, **limits):
     tokenizer = AutoTokenizer.from_pretrained(server.model_path)
     loop = HarnessRolloutLoop(
         config=harness_config(server, tmp_path), model_name=None, dataset=None, reward_funcs=None,
-        processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=None,
-        model_version_value=type("V", (), {"value": 0})(), token_allowance=None,
-        heartbeat_value=None, failed_event=None, exception_info_queue=None, metrics_queue=None,
+        processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
         agent=agent, limits=HarnessLimits(**limits))
-    loop.tool_executor = ThreadPoolExecutor(4)
-    loop.sampler = SamplerClient(server.base_url, timeout=120.0)
     try:
-        await loop._connect()
+        await loop.connect(SamplerClient(server.base_url, timeout=120.0), ThreadPoolExecutor(4))
         loop.model_name = loop.server.model_id  # what the trainer passes
         await loop.setup()
         sampled = []

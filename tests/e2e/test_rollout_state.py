@@ -76,17 +76,14 @@ class ScriptedWorker:
 
 
 def step_source(batches, epoch_prompts):
-    from types import SimpleNamespace
 
     from grpo_agent.metrics import MetricWindow
     from grpo_agent.train.step_source import StepSource
 
     ledger = PromptLedger()
-    trainer = SimpleNamespace(
-        ledger=ledger, window=MetricWindow(), args=SimpleNamespace(no_progress_timeout=0),
-        prompt_epochs_done=lambda in_hand=(): ledger.frontier_after(list(in_hand)) >= epoch_prompts,
-    )
-    return StepSource(ScriptedWorker(batches), trainer)
+    return StepSource(
+        ScriptedWorker(batches), ledger=ledger, window=MetricWindow(), no_progress_timeout=0,
+        epochs_done=lambda in_hand=(): ledger.frontier_after(list(in_hand)) >= epoch_prompts)
 
 
 def test_a_step_blocks_until_its_rows_are_full_and_carries_the_overflow():
@@ -97,7 +94,7 @@ def test_a_step_blocks_until_its_rows_are_full_and_carries_the_overflow():
     step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert [s.prompt_index for s in step] == [0, 1]  # waited through two empty pulls
     assert source.worker.pulls == 4
-    source.trainer.ledger.record_trained(step)
+    source.ledger.record_trained(step)
     step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert [s.prompt_index for s in step] == [2]  # the carried sample; the epoch ends partial
     assert source.worker.pulls == 4

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, stall
+from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
 from fault_helpers import constant_reward
@@ -37,10 +38,10 @@ def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp
     assert "never produces reward variance" in message and "no_progress_timeout=8 s" in message
     # The early warning, once a window of groups was dropped (a pull may bring several at once).
     warned = re.search(r"No progress: the last (\d+) groups were all dropped", caplog.text)
-    assert warned and int(warned.group(1)) >= stall.NO_PROGRESS_WINDOW_GROUPS, caplog.text
+    assert warned and int(warned.group(1)) >= NO_PROGRESS_WINDOW_GROUPS, caplog.text
     assert trainer.state.global_step == 0
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["role"] == "trainer" and report["stage"] == "no_progress"
-    assert report["dropped_groups"]["zero_std"] >= stall.NO_PROGRESS_WINDOW_GROUPS
+    assert report["dropped_groups"]["zero_std"] >= NO_PROGRESS_WINDOW_GROUPS
     assert report["elapsed_s"] >= 8 and "worker" in report["stacks"]
     assert report["context"]["sample_queue_size"] is not None

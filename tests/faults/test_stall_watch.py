@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train import no_progress
 
 
 def _config(tmp_path, **kwargs):
@@ -108,9 +109,9 @@ def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path)
 
 def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
     watch = stall.StallWatch(_config(tmp_path), "trainer").start()
-    guard = stall.NoProgressGuard(timeout_s=1.0, watch=watch)
+    guard = no_progress.NoProgressGuard(timeout_s=1.0, watch=watch)
     try:
-        for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS - 1):
+        for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS - 1):
             guard.record("zero_std")
         guard.record("filtered")  # a filtered prompt is neither progress nor a dropped group
         with caplog.at_level(logging.WARNING, logger="grpo_agent.stall"):
@@ -121,7 +122,7 @@ def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
         assert "never produces reward variance" in caplog.text
         guard.record(None)  # a trainable sample resets the window
         guard.check()
-        for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS):
+        for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
             guard.record("reward_error")
         time.sleep(1.1)
         with pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s"):
@@ -134,8 +135,8 @@ def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
 
 
 def test_no_progress_timeout_zero_only_warns(tmp_path):
-    guard = stall.NoProgressGuard(timeout_s=0, watch=None)
-    for _ in range(stall.NO_PROGRESS_WINDOW_GROUPS):
+    guard = no_progress.NoProgressGuard(timeout_s=0, watch=None)
+    for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
         guard.record("stalled")
     guard.last_progress -= 10_000
     guard.check()  # no raise

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.step_source import StepSource
+from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
 
 
 @pytest.fixture
@@ -82,10 +82,9 @@ class SilentWorker:
 
 
 def test_a_queue_pull_that_never_gets_an_item_stops_with_the_report(watch, tmp_path):
-    trainer = SimpleNamespace(args=watch.config, ledger=PromptLedger(),
-                              prompt_epochs_done=lambda taken=(): False,
-                              window=SimpleNamespace(add=lambda *a: None))
-    source = StepSource(SilentWorker(), trainer)
+    source = StepSource(SilentWorker(), ledger=PromptLedger(), epochs_done=lambda taken=(): False,
+                        window=SimpleNamespace(add=lambda *a: None),
+                        no_progress_timeout=watch.config.no_progress_timeout)
     with pytest.raises(stall.StageStalled, match="stage 'queue_pull'"):
         source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1))
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())

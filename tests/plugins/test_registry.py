@@ -207,7 +207,7 @@ def test_trainer_resolves_reward_tool_and_environment_names(monkeypatch):
     import operator
 
     import grpo_agent.plugins
-    from grpo_agent.train.trainer import _resolve_plugins
+    from grpo_agent.train.inputs import resolve_plugins as _resolve_plugins
 
     registry = build_registry(SamplePlugin())
     monkeypatch.setattr(grpo_agent.plugins, "load_registry", lambda: registry)

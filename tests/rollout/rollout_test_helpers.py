@@ -84,8 +84,8 @@ class DiesMidMessageLoop:
         import struct
         import time
 
-        self.kwargs["heartbeat_value"].value = time.time()
-        writer = self.kwargs["metrics_queue"]._writer
+        self.kwargs["channels"].heartbeat.value = time.time()
+        writer = self.kwargs["channels"].metrics._writer
         writer._send(struct.pack("!i", 1_000_000) + b"\0" * 100)  # a header promising 1 MB
         time.sleep(0.5)
         os._exit(0)

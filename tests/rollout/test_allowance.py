@@ -2,73 +2,82 @@
 
 max_staleness >= 1: the window slides with every pull (the spec's rule). max_staleness = 0: the
 window counts from the end of the last step and is held between taking a step and its push,
-so a step gets one step of groups and none that would arrive stale.
+so a step gets one step of groups and none that would arrive stale. Samples more than
+max_staleness versions old are dropped at pull, their group's prompt noticed once.
 """
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.loop import ALLOWANCE_HELD, AsyncRolloutLoop
+from grpo_agent.rollout.allowance import HELD, TokenAllowance, has_room, holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
-from grpo_agent.types import TrainingSample, TrainingSequence
+from grpo_agent.types import PromptConsumed, TrainingSample, TrainingSequence
 
 
-def _worker(max_staleness: int) -> RolloutWorker:
-    config = SimpleNamespace(max_staleness=max_staleness, token_budget=64,
-                             gradient_accumulation_steps=1, rollout_worker_timeout=60.0, seed=0)
-    return RolloutWorker(AsyncRolloutLoop, config=config, model_name="unused", dataset=[],
-                         reward_funcs=[], processing_class=None)
-
-
-def _sample(tokens: int, version: int = 0) -> TrainingSample:
+def _sample(tokens: int, version: int = 0, group_id: int = 0) -> TrainingSample:
     seq = TrainingSequence([1] * tokens, [0] + [1] * (tokens - 1), [0.0] * tokens)
-    return TrainingSample(seq, advantage=1.0, model_version=version, group_id=0, row_index=0)
-
-
-def _pull(worker: RolloutWorker, *samples: TrainingSample) -> None:
-    worker._drop_stale(list(samples))  # what pull() does with what it read from the queue
-
-
-def _allowance(worker: RolloutWorker) -> float:
-    return worker._token_allowance.value
+    return TrainingSample(seq, advantage=1.0, model_version=version, group_id=group_id, row_index=0)
 
 
 def test_the_window_slides_with_pulls_when_staleness_is_allowed():
-    worker = _worker(max_staleness=2)
-    assert _allowance(worker) == 2 * 64  # full rows assumed before the first step
-    worker.report_step_tokens(50)
-    _pull(worker, _sample(30))
-    assert _allowance(worker) == 30 + 2 * 50
+    allowance = TokenAllowance(max_staleness=2, step_tokens=64)
+    assert allowance.value() == 2 * 64  # full rows assumed before the first step
+    allowance.after_step(50)
+    allowance.after_pull([_sample(30)], version=0, now=0.0)
+    assert allowance.value() == 30 + 2 * 50
 
 
 def test_max_staleness_zero_gives_each_version_one_step_and_holds_until_the_push():
-    worker = _worker(max_staleness=0)
-    worker.report_step_tokens(50)
-    _pull(worker, _sample(30), _sample(20))  # the step fills: pulls do not admit the next step
-    assert _allowance(worker) == 50
-    worker.hold_admission()  # the step is training
-    _pull(worker, _sample(10))
-    assert _allowance(worker) == ALLOWANCE_HELD
-    worker.set_model_version(1)
-    worker.report_step_tokens(50)  # after the push: one step from what was pulled so far
-    assert _allowance(worker) == 60 + 50
+    allowance = TokenAllowance(max_staleness=0, step_tokens=64)
+    assert holds_before_push(0) and not holds_before_push(1)
+    allowance.after_step(50)
+    allowance.after_pull([_sample(30), _sample(20)], version=0, now=0.0)  # the step fills
+    assert allowance.value() == 50  # pulls do not admit the next step
+    allowance.hold()  # the step is training
+    allowance.after_pull([_sample(10)], version=0, now=0.0)
+    assert allowance.value() == HELD
+    allowance.after_step(50)  # after the push: one step from what was pulled so far
+    assert allowance.value() == 60 + 50
 
 
-def _loop(max_staleness: int, allowance: float, in_flight: int, queued: int) -> AsyncRolloutLoop:
-    loop = object.__new__(AsyncRolloutLoop)  # only the dispatcher's bookkeeping is needed
-    loop.config = SimpleNamespace(max_staleness=max_staleness)
-    loop.token_allowance = SimpleNamespace(value=allowance)
-    loop._groups_done, loop._group_tokens_total = 4, 400  # 100 tokens per group
-    loop._groups_in_flight, loop._queued_tokens = in_flight, queued
-    return loop
+def test_stale_samples_drop_at_pull_and_their_prompt_is_noticed_once_per_group():
+    allowance = TokenAllowance(max_staleness=1, step_tokens=64)
+    fresh, old, older = _sample(4, version=2), _sample(4, version=0, group_id=7), _sample(4, version=0, group_id=7)
+    kept, observations = allowance.after_pull([fresh, old, older], version=2, now=0.0)
+    assert kept[0] is fresh
+    assert kept[1:] == [PromptConsumed(0, 0, "stale")]  # one notice for the group's two samples
+    assert allowance.consumed == 12  # stale samples count: they were generated
+    assert ("sample/dropped_stale_count", 2.0) in observations
+    assert ("sample/staleness_max", 0.0) in observations
 
 
-@pytest.mark.parametrize(("max_staleness", "allowance", "in_flight", "queued", "room"), [
+def test_the_worker_publishes_the_allowance_sized_by_the_token_budget_it_is_given():
+    config = SimpleNamespace(max_staleness=1, token_budget=None, gradient_accumulation_steps=2,
+                             rollout_worker_timeout=60.0, seed=0, max_completion_length=8,
+                             num_generations=2)
+    worker = RolloutWorker(object, config=config, model_name="unused", dataset=[],
+                           reward_funcs=[], processing_class=None, token_budget=100)
+    assert worker.channels.token_allowance.value == 1 * 100 * 2
+    worker.hold_admission()
+    assert worker.channels.token_allowance.value == HELD
+    worker.report_step_tokens(30)
+    assert worker.channels.token_allowance.value == 30
+
+
+@pytest.mark.parametrize(("max_staleness", "value", "in_flight", "queued", "room"), [
     (1, 500, 1, 300, True),    # 400 committed < 500
     (1, 500, 2, 300, False),   # 500 committed: the window is full
     (1, 500, 0, 500, False),   # queued for a busy trainer: staleness bound, not starvation
     (0, 500, 0, 500, True),    # sync: nothing in flight while the step fills -> one more group
     (0, 500, 1, 400, False),
-    (0, ALLOWANCE_HELD, 0, 0, False),  # held until the push, even with nothing in flight
+    (0, HELD, 0, 0, False),    # held until the push, even with nothing in flight
 ])
-def test_dispatcher_room_rule(max_staleness, allowance, in_flight, queued, room):
-    assert _loop(max_staleness, allowance, in_flight, queued)._allowance_has_room() is room
+def test_dispatcher_room_rule(max_staleness, value, in_flight, queued, room):
+    assert has_room(value, max_staleness=max_staleness, queued_tokens=queued,
+                    groups_in_flight=in_flight, groups_done=4, group_tokens_total=400) is room
+
+
+def test_before_any_group_finished_groups_start_one_at_a_time():
+    assert has_room(1e9, max_staleness=1, queued_tokens=0, groups_in_flight=0, groups_done=0,
+                    group_tokens_total=0)
+    assert not has_room(1e9, max_staleness=1, queued_tokens=0, groups_in_flight=1, groups_done=0,
+                        group_tokens_total=0)

@@ -67,7 +67,6 @@ class RecordingPush:
 def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.testing import build_tiny_model
-    from grpo_agent.train.step_source import StepSource
 
     from tests.train.test_step_read import TOKEN_BUDGET, OfflineTrainer, ScriptedWorker, group
 
@@ -75,7 +74,7 @@ def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
         def start_pipeline(self):
             self.token_budget = self.args.token_budget
             self.pusher = RecordingPush(timeline)
-            self.source = StepSource(ScriptedWorker(list(self.samples)), self)
+            self.source = self._step_source(ScriptedWorker(list(self.samples)))
 
     settings = {"output_dir": str(tmp_path), "max_steps": steps, "token_budget": TOKEN_BUDGET,
                 "gradient_checkpointing": False, "optim": "adamw_torch", "report_to": "none",

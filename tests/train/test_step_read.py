@@ -9,14 +9,12 @@ import pytest
 import torch
 from datasets import Dataset
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
-from grpo_agent.train import perf
-from grpo_agent.train import trainer as trainer_module
+from grpo_agent.train import perf, step_callback
 from grpo_agent.train.batching import plan_step
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.step_rows import StepRows
-from grpo_agent.train.step_source import StepSource
 from grpo_agent.types import TrainingSample, TrainingSequence
 from transformers import TrainerCallback
 
@@ -69,7 +67,7 @@ class OfflineTrainer(AsyncGRPOTrainer):
     def start_pipeline(self):
         self.token_budget = self.args.token_budget
         self.pusher = NoPush()
-        self.source = StepSource(ScriptedWorker(list(self.samples)), self)
+        self.source = self._step_source(ScriptedWorker(list(self.samples)))
 
 
 class Logs(TrainerCallback):
@@ -184,7 +182,7 @@ def test_the_filter_adds_no_read_per_row(tmp_path, monkeypatch):
 
 def test_throughput_and_mfu_count_the_packed_rows(tmp_path, monkeypatch):
     peak = 1e12
-    monkeypatch.setattr(trainer_module, "_device_peak", lambda args: peak)
+    monkeypatch.setattr(step_callback, "_device_peak", lambda args: peak)
     trainer, logs, _ = train(tmp_path, steps=1)
     (log,) = logs
     rows = plan_step(group(0), token_budget=TOKEN_BUDGET, num_processes=1,

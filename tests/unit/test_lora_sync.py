@@ -116,8 +116,8 @@ def _loop_at_version(current: int, sampler, lora_name="run"):
     from grpo_agent.sampler.client import SamplingParams
 
     loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # only what generate_one_turn reads
-    loop.lora_name, loop.sampler, loop._seeds = lora_name, sampler, None
-    loop._sampling_params = SamplingParams(max_tokens=4)
+    loop.lora_name, loop.sampler, loop.seeds = lora_name, sampler, None
+    loop.sampling_params = SamplingParams(max_tokens=4)
     loop.model_version_value = multiprocessing.Value("q", current)
     loop.stalls = SimpleNamespace(stage=lambda *args, **detail: contextlib.nullcontext())
     return loop
@@ -126,10 +126,10 @@ def _loop_at_version(current: int, sampler, lora_name="run"):
 def test_each_rollout_samples_the_adapter_of_its_groups_version():
     import asyncio
 
-    from grpo_agent.rollout import loop as loop_module
+    from grpo_agent.rollout.versions import pin_rollout_version
 
     async def turn_in_group(loop, group_version):
-        loop_module._ROLLOUT_VERSION.set(group_version)  # what _run_group does
+        pin_rollout_version(group_version)  # what the engine does for a group
         return await loop.generate_one_turn([1, 2, 3])
 
     sampler = _RecordingSampler(gone={"run-v1"})

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 from typing_extensions import Self
 
+from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.images import strip_images
-from grpo_agent.rollout.loop import _ROLLOUT_VERSION, _environment_runner
 from grpo_agent.rollout.observations import generated_length
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
+from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
 from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.server_facts import probe_server
 from grpo_agent.types import Rollout, RolloutGroup
@@ -118,13 +119,6 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-class _Version:
-    """Stands in for the worker's shared model-version value: the version being evaluated."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
 class EvalSession:
     """An open connection to the server plus the run's loop, for one or more evaluations.
 
@@ -140,14 +134,11 @@ class EvalSession:
         self.loop = loop_cls(
             config=config, model_name=model_name, dataset=None, reward_funcs=reward_funcs,
             processing_class=processing_class, eos_token_ids=self.eos_token_ids,
-            rollout_buffer=None, model_version_value=_Version(0), token_allowance=None,
-            heartbeat_value=None, failed_event=None, exception_info_queue=None,
-            metrics_queue=None, tools=tools, environment_factory=environment_factory,
-            lora_name=lora_name)
+            tools=tools, environment_factory=environment_factory, lora_name=lora_name)
 
     async def __aenter__(self) -> Self:
         loop, config = self.loop, self.loop.config
-        # The attributes AsyncRolloutLoop._main/_connect set before its hooks run.
+        # What the engine sets on the loop before its hooks run (rollout/engine.py).
         loop.tool_executor = ThreadPoolExecutor(
             self.settings.max_concurrent, thread_name_prefix="eval-tools")
         loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
@@ -155,10 +146,11 @@ class EvalSession:
         loop.server = await probe_server(loop.sampler)
         params = build_sampling_params(config, self.eos_token_ids, loop.server)
         # Eval's own sampling; no top log-probs or masks (nothing is trained on these tokens).
-        loop._sampling_params = replace(params, temperature=self.settings.temperature,
+        loop.sampling_params = replace(params, temperature=self.settings.temperature,
                                         num_logprobs=0, return_sampling_mask=False, seed=None)
-        loop._seeds = None  # the same request twice must decode the same text (greedy)
-        self._env_runner = _environment_runner(loop.environment_factory, loop.tool_executor)
+        loop.seeds = None  # the same request twice must decode the same text (greedy)
+        self._env_runner = (None if loop.environment_factory is None
+                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
         await loop.setup()
         return self
 
@@ -173,8 +165,8 @@ class EvalSession:
         """Every row `num_generations` times on model version `version`, scored by the run's
         reward functions (plus the env's `get_reward`), `per_device_eval_batch_size` at a time."""
         started = time.perf_counter()
-        self.loop.model_version_value = _Version(version)
-        _ROLLOUT_VERSION.set(version)  # every rollout task below inherits the pinned version
+        self.loop.model_version_value = VersionValue(version)
+        pin_rollout_version(version)  # every rollout task below inherits the pinned version
         slots = asyncio.Semaphore(self.settings.max_concurrent)
         results = await asyncio.gather(*(self._evaluate_row(i, row, slots) for i, row in enumerate(rows)))
         rows_out = [row for row, _, _ in results]

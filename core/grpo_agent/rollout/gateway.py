@@ -298,9 +298,9 @@ class Gateway:
             raise GatewayError(400, f"The prompt is {len(prompt_ids)} tokens; the model's context is "
                                f"{self.loop.server.max_model_len}. Shorten the conversation.",
                                code="context_length_exceeded", param="messages")
-        from grpo_agent.rollout.loop import _ROLLOUT_VERSION
+        from grpo_agent.rollout.versions import pin_rollout_version
 
-        _ROLLOUT_VERSION.set(session.version)  # this handler task's own context
+        pin_rollout_version(session.version)  # this handler task's own context
         try:
             turn = await self.loop.generate_one_turn(prompt_ids, max_tokens=min(max_tokens, room))
         except SamplerError as error:

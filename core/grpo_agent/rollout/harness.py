@@ -14,13 +14,13 @@ import contextlib
 import logging
 import math
 import os
-import time
 
 import numpy as np
 
 from grpo_agent.rollout.agent_programs import AgentCommand, AgentFailure, resolve_agent, run_agent
 from grpo_agent.rollout.gateway import Gateway, HarnessLimits
-from grpo_agent.rollout.loop import _ROLLOUT_VERSION, AsyncRolloutLoop
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.rollout.versions import rollout_version
 from grpo_agent.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -62,18 +62,10 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             "HarnessRolloutLoop rolls out by running the agent on a dataset row "
             "(run_agent_rollout); the built-in tool loop's generate_one does not apply.")
 
-    async def _run_rollout(self, slot, group_id: int) -> tuple:
-        in_flight = await self.slots.acquire()
-        self._observe("rollout/concurrency", in_flight)
-        started = time.perf_counter()
-        try:
-            prompt, rollout = await self.run_agent_rollout(slot.row)
-        finally:
-            await self.slots.release()
-        self._completed_rollouts += 1
-        self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
-        self._observe("rollout/duration_s", time.perf_counter() - started)
-        return slot.row.get("prompt") or prompt, rollout, None
+    async def run_episode(self, row: dict, row_index: int, group_id: int) -> tuple:
+        """The agent on the whole row instead of the env and tool loop; no env reward."""
+        prompt, rollout = await self.run_agent_rollout(row)
+        return row.get("prompt") or prompt, rollout, None
 
     def compute_advantages(self, group) -> np.ndarray:
         """Failed rollouts stay unscored (NaN), even when `reward_funcs` scored their empty
@@ -87,7 +79,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         """Run the agent once with its own gateway session; failures become a dropped rollout.
 
         Returns the first call's messages (the rollout's prompt) and the rollout."""
-        version = _ROLLOUT_VERSION.get(None)
+        version = rollout_version()
         if version is None:
             version = int(self.model_version_value.value)
         failure: AgentFailure | None = None

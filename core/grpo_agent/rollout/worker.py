@@ -1,10 +1,11 @@
 """`RolloutWorker`: the trainer's handle on the spawned rollout process.
 
 Design decision: the worker is *spawned* (never forked: the trainer holds CUDA and threads)
-with `CUDA_VISIBLE_DEVICES=""`, and shares only small things with the trainer: the sample
-queue, the model version, a cumulative token allowance, a heartbeat timestamp and a failure
-channel carrying the child's traceback. Staleness lives here, at pull time: samples more than
-`max_staleness` versions old are dropped and counted. Every wait is bounded, and each `pull`
+with `CUDA_VISIBLE_DEVICES=""`, and shares only small things with the trainer, named in
+`WorkerChannels`: the sample queue, the model version, a cumulative token allowance, a
+heartbeat timestamp, a failure channel carrying the child's traceback and the stop and
+metric-flush requests. The staleness rule (`rollout.allowance.TokenAllowance`) runs here, at
+pull time: samples more than `max_staleness` versions old are dropped and counted. Every wait is bounded, and each `pull`
 checks the child's health first, so a crashed, killed or hung worker surfaces in the trainer
 within `rollout_worker_timeout` with the reason. `stop` is idempotent and leaves no process.
 """
@@ -22,7 +23,8 @@ from typing import Any
 from typing_extensions import Self
 
 from grpo_agent.metrics import Observation
-from grpo_agent.rollout.loop import ALLOWANCE_HELD
+from grpo_agent.rollout.allowance import TokenAllowance, initial_step_tokens
+from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.types import PromptConsumed, TrainingSample
 
 STOP_GRACE_S = 15.0
@@ -37,56 +39,46 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker failed, died or hung; the message carries the reason."""
 
 
-def _child_main(loop_cls, loop_kwargs: dict[str, Any], stop_event) -> None:
+def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
     """Entry of the spawned process: build the loop, run it, report any failure."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        loop = loop_cls(**loop_kwargs)
-        loop.stop_event = stop_event
-        loop.run()
+        loop_cls(**loop_kwargs, channels=channels).run()
     except BaseException:  # noqa: BLE001 - everything goes back to the trainer
-        loop_kwargs["exception_info_queue"].put(traceback.format_exc())
-        loop_kwargs["failed_event"].set()
-        loop_kwargs["rollout_buffer"].cancel_join_thread()
+        channels.error.put(traceback.format_exc())
+        channels.failed.set()
+        channels.samples.cancel_join_thread()
         raise SystemExit(1)
     # Unread samples and metrics must not keep this process alive after a stop.
-    loop_kwargs["rollout_buffer"].cancel_join_thread()
-    loop_kwargs["metrics_queue"].cancel_join_thread()
+    channels.samples.cancel_join_thread()
+    channels.metrics.cancel_join_thread()
 
 
 class RolloutWorker:
     """Starts, feeds, watches and stops one rollout worker process."""
 
     def __init__(self, loop_cls, *, config, model_name, dataset, reward_funcs, processing_class,
-                 tools=None, environment_factory=None, dataset_start_index=0, lora_name=None):
+                 tools=None, environment_factory=None, dataset_start_index=0, lora_name=None,
+                 token_budget: int | None = None):
+        """`token_budget`: the tokens of one packed row, as the trainer resolved it (the config's,
+        else the server's max_model_len); it sizes the allowance until the first step reports.
+        Without one (a worker run alone), one group of full completions per row is assumed."""
         self.config = config
         self._context = mp.get_context("spawn")
-        self._buffer = self._context.Queue()
-        self._metrics_queue = self._context.Queue()
-        self._exception_queue = self._context.Queue()
-        self._failed = self._context.Event()
-        self._stop_event = self._context.Event()
-        self._model_version = self._context.Value("q", 0)
-        self._token_allowance = self._context.Value("d", 0.0)
-        self._heartbeat = self._context.Value("d", 0.0)
-        self._consumed_tokens = 0  # forwarded tokens the trainer has pulled (stale ones too)
-        self._window_base = 0  # max_staleness=0: _consumed_tokens when the last step ended
-        self._window_tokens = max(config.max_staleness, 1) * _full_step_tokens(config)
-        self._held = False
+        self.channels = WorkerChannels.create(self._context)
+        row_tokens = (token_budget or config.token_budget
+                      or config.max_completion_length * config.num_generations)
+        self.allowance = TokenAllowance(config.max_staleness, initial_step_tokens(
+            row_tokens, config.gradient_accumulation_steps, getattr(config, "world_size", 1)))
         self._publish_allowance()
         self._trainer_observations: list[Observation] = []
-        self._stale_groups: set[int] = set()
         self._process = None
         self._stopped = False
         eos = getattr(processing_class, "eos_token_id", None)
         self._loop_kwargs = {
             "config": config, "model_name": model_name, "dataset": dataset, "reward_funcs": reward_funcs,
             "processing_class": processing_class, "eos_token_ids": [] if eos is None else [eos],
-            "rollout_buffer": self._buffer, "model_version_value": self._model_version,
-            "token_allowance": self._token_allowance, "heartbeat_value": self._heartbeat,
-            "failed_event": self._failed, "exception_info_queue": self._exception_queue,
-            "metrics_queue": self._metrics_queue, "tools": tools,
-            "environment_factory": environment_factory, "lora_name": lora_name,
+            "tools": tools, "environment_factory": environment_factory, "lora_name": lora_name,
             "dataset_start_index": dataset_start_index}
         self._loop_cls = loop_cls
 
@@ -95,7 +87,7 @@ class RolloutWorker:
     def start(self) -> None:
         """Spawn the worker and wait for its first heartbeat; raises if it dies first."""
         self._process = self._context.Process(
-            target=_child_main, args=(self._loop_cls, self._loop_kwargs, self._stop_event),
+            target=_child_main, args=(self._loop_cls, self._loop_kwargs, self.channels),
             name="grpo-agent-rollout", daemon=True)
         with _ENV_LOCK:  # the child must never see the trainer's GPUs, even while importing
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -107,7 +99,7 @@ class RolloutWorker:
         self._close_our_write_ends()
         startup_s = max(self.config.rollout_worker_timeout, MIN_STARTUP_S)
         deadline = time.monotonic() + startup_s
-        while self._heartbeat.value == 0.0:
+        while self.channels.heartbeat.value == 0.0:
             self._check_alive()
             if time.monotonic() > deadline:
                 self.stop(grace_s=0.0)
@@ -122,7 +114,7 @@ class RolloutWorker:
             self._stopped = True
             return
         self._stopped = True
-        self._stop_event.set()
+        self.channels.stop.set()
         process = self._process
         # A child exits only after flushing what it queued; with a long backlog that needs us to
         # read. Keep draining until it is gone: unread samples are discarded, metrics are kept.
@@ -138,7 +130,7 @@ class RolloutWorker:
             process.kill()
             process.join(5.0)
         self._trainer_observations += self._read_metrics_queue()  # keep them for drain_metrics
-        for channel in (self._buffer, self._metrics_queue, self._exception_queue):
+        for channel in self.channels.queues:
             channel.cancel_join_thread()
             channel.close()
 
@@ -156,33 +148,47 @@ class RolloutWorker:
     # ------------------------------------------------------------------ trainer side
 
     def set_model_version(self, version: int) -> None:
-        self._model_version.value = int(version)
+        self.channels.model_version.value = int(version)
 
     @property
     def model_version(self) -> int:
-        return int(self._model_version.value)
+        return int(self.channels.model_version.value)
 
     def report_step_tokens(self, tokens: int) -> None:
         """The forwarded tokens the last optimizer step used: the allowance window follows it.
 
         Called after the step's weight push, so it also ends a `hold_admission`."""
-        self._window_tokens = max(self.config.max_staleness, 1) * max(int(tokens), 1)
-        self._window_base, self._held = self._consumed_tokens, False
+        self.allowance.after_step(tokens)
         self._publish_allowance()
 
     def hold_admission(self) -> None:
-        """Start no new group until the next `report_step_tokens`.
-
-        For max_staleness=0: a group started between taking a step's samples and that step's
-        weight push is stale before it can be trained, so generating it is wasted work; the
-        window opens again once the new weights are on the server."""
-        self._held = True
+        """Start no new group until the next `report_step_tokens` (see `TokenAllowance`)."""
+        self.allowance.hold()
         self._publish_allowance()
+
+    def flush_metrics(self, timeout_s: float) -> bool:
+        """Ask the worker for its observations now and wait up to `timeout_s` until they are
+        here (for `drain_metrics`); they are otherwise sent once a second. False on timeout."""
+        self.channels.flush_metrics.set()
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0 and not self._stopped:
+            try:
+                batch = self.channels.metrics.get(timeout=min(PULL_POLL_S, remaining))
+            except queue.Empty:
+                if not self._process.is_alive():
+                    return False
+                continue
+            except (EOFError, OSError):
+                return False
+            if batch == METRICS_FLUSHED:
+                return True
+            self._trainer_observations += batch
+        return False
 
     @property
     def queue_size(self) -> int:
         try:
-            return self._buffer.qsize()
+            return self.channels.samples.qsize()
         except NotImplementedError:  # macOS has no sem_getvalue
             return -1
 
@@ -196,7 +202,7 @@ class RolloutWorker:
             if remaining <= 0:
                 return []
             try:
-                items.append(self._buffer.get(timeout=min(PULL_POLL_S, remaining)))
+                items.append(self.channels.samples.get(timeout=min(PULL_POLL_S, remaining)))
             except queue.Empty:
                 continue
             except (EOFError, OSError) as error:  # the child died mid-message
@@ -205,7 +211,7 @@ class RolloutWorker:
                 raise RolloutWorkerError(f"The sample queue broke: {error!r}") from error
         while len(items) < MAX_ITEMS_PER_PULL:
             try:
-                items.append(self._buffer.get_nowait())
+                items.append(self.channels.samples.get_nowait())
             except (queue.Empty, EOFError, OSError):  # a broken queue shows at the next pull
                 break
         self._trainer_observations.append(("rollout/queue_size", float(self.queue_size)))
@@ -219,13 +225,13 @@ class RolloutWorker:
     def _close_our_write_ends(self) -> None:
         """Only the child writes to the queues. With our copy of each pipe's write end closed,
         a child killed mid-message leaves readers an EOF instead of a read that never returns."""
-        for channel in (self._buffer, self._metrics_queue, self._exception_queue):
+        for channel in self.channels.queues:
             channel._writer.close()  # multiprocessing.Queue has no public API for this
 
     def _discard_queued_samples(self) -> None:
         for _ in range(MAX_ITEMS_PER_PULL):
             try:
-                self._buffer.get_nowait()
+                self.channels.samples.get_nowait()
             except (queue.Empty, OSError, EOFError):
                 return
 
@@ -233,51 +239,26 @@ class RolloutWorker:
         observations: list[Observation] = []
         while True:
             try:
-                observations.extend(self._metrics_queue.get_nowait())
+                batch = self.channels.metrics.get_nowait()
+                if batch != METRICS_FLUSHED:  # the reply to a flush that timed out
+                    observations.extend(batch)
             except (queue.Empty, OSError, EOFError):
                 return observations
 
     # ------------------------------------------------------------------ internals
 
     def _publish_allowance(self) -> None:
-        """The cumulative token allowance the dispatcher compares its committed tokens with.
-
-        The window slides with every pull, except under max_staleness=0: there it counts from
-        the end of the last step (after its weight push), so each step gets one step of groups
-        (pulls while it fills do not admit the next step's groups, which would arrive stale)."""
-        if self._held:
-            self._token_allowance.value = ALLOWANCE_HELD
-            return
-        base = self._window_base if self.config.max_staleness == 0 else self._consumed_tokens
-        self._token_allowance.value = float(base + self._window_tokens)
+        self.channels.token_allowance.value = self.allowance.value()
 
     def _drop_stale(self, items: list) -> list:
-        now, version = time.time(), self.model_version
-        kept: list = []
-        dropped = 0
-        for item in items:
-            if not isinstance(item, TrainingSample):
-                kept.append(item)
-                continue
-            self._consumed_tokens += item.num_tokens
-            staleness = version - item.model_version
-            if staleness > self.config.max_staleness:
-                dropped += 1
-                if item.group_id not in self._stale_groups:  # the prompt is consumed, untrained
-                    self._stale_groups.add(item.group_id)
-                    kept.append(PromptConsumed(item.prompt_index, item.row_index, "stale"))
-                continue
-            self._trainer_observations += [
-                ("sample/staleness_mean", float(staleness)), ("sample/staleness_max", float(staleness)),
-                ("sample/time_in_queue_s", now - item.queued_at)]
-            kept.append(item)
-        self._trainer_observations.append(("sample/dropped_stale_count", float(dropped)))
+        kept, observations = self.allowance.after_pull(items, self.model_version, time.time())
+        self._trainer_observations += observations
         self._publish_allowance()
         return kept
 
     def _check_health(self) -> None:
         self._check_alive()
-        age = time.time() - self._heartbeat.value
+        age = time.time() - self.channels.heartbeat.value
         if age > self.config.rollout_worker_timeout:
             self.stop(grace_s=0.0)  # a hung worker will not stop politely
             raise RolloutWorkerError(
@@ -288,7 +269,7 @@ class RolloutWorker:
     def _check_alive(self) -> None:
         if self._process is None:
             raise RolloutWorkerError("The rollout worker was never started: call start() first.")
-        if self._failed.is_set():
+        if self.channels.failed.is_set():
             child_traceback = self._child_traceback()
             self.stop()
             raise RolloutWorkerError(f"The rollout worker failed:\n{child_traceback}")
@@ -303,27 +284,9 @@ class RolloutWorker:
 
     def _child_traceback(self) -> str:
         try:
-            return self._exception_queue.get(timeout=5.0)
+            return self.channels.error.get(timeout=5.0)
         except (queue.Empty, OSError, ValueError):
             return "(the worker's traceback was lost)"
-
-
-def _full_step_tokens(config) -> int:
-    """Tokens of one step of full rows, assumed until the trainer reports a real step."""
-    row_tokens = config.token_budget or _server_max_model_len(config)
-    return row_tokens * config.gradient_accumulation_steps * max(getattr(config, "world_size", 1), 1)
-
-
-def _server_max_model_len(config) -> int:
-    import httpx
-
-    url = config.vllm_server_base_url.rstrip("/") + "/v1/models"
-    try:
-        response = httpx.get(url, timeout=30.0)
-        return int(response.json()["data"][0]["max_model_len"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        # The worker reports the unreachable server properly; size the window generously.
-        return config.max_completion_length * config.num_generations
 
 
 def _restore_env(name: str, value: str | None) -> None:

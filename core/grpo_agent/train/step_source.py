@@ -10,51 +10,41 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from grpo_agent import stall
 from grpo_agent.metrics import MetricWindow
-from grpo_agent.rollout.loop import METRICS_FLUSH_INTERVAL_S
 from grpo_agent.train.batching import StepPlanner
+from grpo_agent.train.checkpoint import PromptLedger
+from grpo_agent.train.no_progress import NoProgressGuard
 from grpo_agent.types import PromptConsumed, TrainingSample
-
-if TYPE_CHECKING:
-    from grpo_agent.train.trainer import AsyncGRPOTrainer
 
 PULL_POLL_S = 1.0
 STARVED_WARNING_S = 60.0
+# The run's last step waits this long at most for the worker's last metrics (usually ~0.1 s).
+LAST_FLUSH_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
 
 class StepSource:
-    """Wraps the rollout worker (rank 0 only)."""
+    """Fills optimizer steps from the rollout worker's sample queue (rank 0 only).
 
-    def __init__(self, worker: Any, trainer: AsyncGRPOTrainer) -> None:
+    `ledger` takes the prompt notices, `epochs_done(in_hand)` says whether the run's prompts
+    are all consumed counting the samples in hand, `window` takes the pull and worker metrics.
+    """
+
+    def __init__(self, worker: Any, *, ledger: PromptLedger,
+                 epochs_done: Callable[[list[TrainingSample]], bool], window: MetricWindow,
+                 no_progress_timeout: float) -> None:
         self.worker = worker
-        self.trainer = trainer
+        self.ledger = ledger
+        self.epochs_done = epochs_done
+        self.window = window
         self._carry: list[TrainingSample] = []
-        self.no_progress = stall.NoProgressGuard(trainer.args.no_progress_timeout, stall.active())
-
-    @classmethod
-    def start(cls, trainer: AsyncGRPOTrainer, model_name: str, start_index: int) -> StepSource:
-        from grpo_agent.rollout.worker import RolloutWorker
-
-        worker = RolloutWorker(
-            trainer.loop_cls,
-            config=trainer.args,
-            model_name=model_name,
-            dataset=trainer.train_dataset,
-            reward_funcs=trainer.reward_funcs,
-            processing_class=trainer.processing_class,
-            tools=trainer.tools,
-            environment_factory=trainer.environment_factory,
-            dataset_start_index=start_index,
-            lora_name=trainer.pusher.lora_name,  # the adapter name prefix under LoRA sync
-        )
-        worker.set_model_version(trainer.model_version)
-        worker.start()
-        return cls(worker, trainer)
+        self._last_starved_warning = 0.0
+        self.no_progress = NoProgressGuard(no_progress_timeout, stall.active())
 
     def next_step(self, planner: StepPlanner) -> list[TrainingSample]:
         """Fill `planner` with one step: block until its rows are full (the spec: kept groups
@@ -71,7 +61,7 @@ class StepSource:
         with stall.stage("queue_pull", step_samples=len(taken)) as pull_stage:
             while True:
                 if not pending:
-                    if self.trainer.prompt_epochs_done(taken):
+                    if self.epochs_done(taken):
                         break  # the run's last, partial step (or an empty one)
                     started = time.perf_counter()
                     items = self.worker.pull(timeout=PULL_POLL_S)
@@ -90,7 +80,8 @@ class StepSource:
                     self._carry = [sample, *pending]
                     break
                 taken.append(sample)
-        self._record_pull_metrics(waited)
+        # Staleness, time in queue and queue size are recorded once, by the worker's pull.
+        self.window.add("perf/rollout_wait_s", waited)
         return taken
 
     def _warn_if_starved(self, idle: float, num_taken: int) -> None:
@@ -105,12 +96,8 @@ class StepSource:
             idle, num_taken,
         )
 
-    def _record_pull_metrics(self, waited: float) -> None:
-        # Staleness, time in queue and queue size are recorded once, by RolloutWorker.pull.
-        self.trainer.window.add("perf/rollout_wait_s", waited)
-
     def _accept(self, items: list[TrainingSample | PromptConsumed]) -> list[TrainingSample]:
-        ledger = self.trainer.ledger
+        ledger = self.ledger
         fresh = []
         for item in items:
             if isinstance(item, PromptConsumed):
@@ -121,20 +108,13 @@ class StepSource:
                 self.no_progress.record(None)
         return fresh
 
-    def set_model_version(self, version: int) -> None:
-        self.worker.set_model_version(version)
-
-    def hold_admission(self) -> None:
-        self.worker.hold_admission()
-
-    def finish_step(self, samples: list[TrainingSample], window: MetricWindow) -> None:
-        """Tell the worker how many tokens a step uses (its staleness allowance); take its metrics."""
+    def finish_step(self, samples: list[TrainingSample], *, last: bool) -> None:
+        """Tell the worker how many tokens a step uses (its staleness allowance); take its
+        metrics. On the run's `last` step, first ask for the ones not sent yet: notices come at
+        once, observations once a second, and a run whose last groups were all dropped would
+        otherwise log no reward."""
         self.worker.report_step_tokens(sum(s.num_tokens for s in samples))
-        if self.trainer.prompt_epochs_done():
-            # The worker sends its observations once a flush interval, its notices at once: wait
-            # for the last flush, or a run whose last groups were all dropped logs no reward.
-            time.sleep(2 * METRICS_FLUSH_INTERVAL_S)
-        window.extend(self.worker.drain_metrics())
-
-    def stop(self) -> None:
-        self.worker.stop()
+        if last and not self.worker.flush_metrics(LAST_FLUSH_TIMEOUT_S):
+            logger.warning("The rollout worker did not send its last metrics within %.0f s; the "
+                           "last step's rollout metrics may be incomplete.", LAST_FLUSH_TIMEOUT_S)
+        self.window.extend(self.worker.drain_metrics())

@@ -4,8 +4,9 @@ Design decision: keep `transformers.Trainer` in charge of what it already does w
 scheduler, gradient accumulation, clipping, checkpoints with RNG state, callbacks, `report_to`,
 `save_model`, `push_to_hub`) and replace only the data side. `get_batch_samples` pulls one
 step's samples from the rollout worker and plans them into `gradient_accumulation_steps`
-packed micro-batches; `compute_loss` is the packed row loss; `_AsyncStepCallback` does what
-happens between steps (prompt ledger, weight push, epoch accounting in prompts, metrics).
+packed micro-batches; `compute_loss` is the packed row loss; `end_step` does what happens
+between steps (prompt ledger, weight push, epoch accounting in prompts), called by
+`AsyncStepCallback` (train/step_callback.py), which also records the step's perf metrics.
 The worker starts at train begin (after a resumed checkpoint is loaded, so its position and
 the pushed weights match the restored model) and always stops when `train()` returns or raises.
 """
@@ -13,20 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
+from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import fsdp, perf, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
@@ -36,14 +35,18 @@ from grpo_agent.train.checkpoint import (
     append_ledger_line,
     last_complete_checkpoint,
 )
+from grpo_agent.train.inputs import resolve_plugins
 from grpo_agent.train.loss import build_loss_config, row_loss
 from grpo_agent.train.packing import PackedRow, pack_row
+from grpo_agent.train.pipeline import RolloutPipelineMixin
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.row_clock import RowClock
+from grpo_agent.train.sharded_checkpoint import ShardedCheckpointMixin
+from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
 from grpo_agent.train.step_source import StepSource
-from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 from grpo_agent.types import TrainingSample
+from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +66,17 @@ class _NoBatches:
         return iter(())
 
 
-class AsyncGRPOTrainer(Trainer):
-    """Asynchronous GRPO: a rollout worker generates while this trainer trains (see the spec)."""
+class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
+    """Asynchronous GRPO: a rollout worker generates while this trainer trains (see the spec).
+
+    One optimizer step, in order: pull (`get_batch_samples`: the step's samples from the
+    worker's queue, planned into packed rows), train (each row's forward and backward, the
+    step's losses read once, the optimizer step), then `end_step`: the prompt ledger, the
+    weight push and version bump, the worker's allowance and metrics, the epoch count.
+    """
 
     loop_cls = AsyncRolloutLoop
+    pusher_factory = staticmethod(build_weight_pusher)  # called at train begin (train/pipeline.py)
 
     def __init__(
         self,
@@ -99,7 +109,7 @@ class AsyncGRPOTrainer(Trainer):
         from grpo_agent.train import evaluation
 
         eval_dataset, eval_threshold = evaluation.resolve_eval_split(eval_dataset, environment_factory, args)
-        self.reward_funcs, self.tools, self.environment_factory = _resolve_plugins(
+        self.reward_funcs, self.tools, self.environment_factory = resolve_plugins(
             reward_funcs, tools, environment_factory
         )
         _check_dataset(train_dataset, environment_factory, args)
@@ -136,6 +146,7 @@ class AsyncGRPOTrainer(Trainer):
         self.source: StepSource | None = None
         self.pusher: Pusher | None = None
         self._step_samples: list[TrainingSample] = []
+        self.step_trained_tokens = 0  # this step's trained (completion) tokens, all processes
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
         self.step_forwarded_tokens = 0  # this step's, over all processes
@@ -144,7 +155,7 @@ class AsyncGRPOTrainer(Trainer):
         self.evaluator = (evaluation.TrainingEvaluator(self, eval_dataset, eval_threshold)
                           if eval_dataset is not None else None)
         self.add_callback(evaluation.EvaluationCallback(self))
-        self.add_callback(_AsyncStepCallback(self))
+        self.add_callback(AsyncStepCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,51 +193,9 @@ class AsyncGRPOTrainer(Trainer):
             return RolloutState(model_version=state.model_version)
         return state
 
-    def start_pipeline(self) -> None:
-        """Check the server, push restored weights if resuming, start the rollout worker."""
-        if fsdp.is_main_process():  # stage deadlines and stall_report.json (grpo_agent/stall.py)
-            self.stalls = stall.StallWatch(self.args, "trainer", context=self._stall_context).start()
-        facts = setup.check_server(self.args, self.model)
-        self.token_budget = self.args.token_budget or facts.max_model_len
-        self.pusher = build_weight_pusher(self.args, self.model, facts)  # LoRA adapters or merged
-        # Push before the first rollout only when the served weights can differ from ours: a
-        # resumed run, or a server an earlier run pushed into. A fresh server already has them.
-        if self.state.global_step > 0 or self.pusher.needs_initial_push(
-                self.model, facts.holds_pushed_weights):
-            self.model_version += 1
-            self.window.update(self.pusher.push(self.model, self.model_version))
-        if fsdp.is_main_process():
-            self.source = StepSource.start(self, facts.model_id, self.ledger.frontier)
-            self.stalls.peer_pid = self.source.worker.pid
-            stall.on_abort(self._kill_worker)
-
-    def _stall_context(self) -> dict[str, Any]:
-        """What the trainer's stall report records besides its stages and stacks."""
-        worker = self.source.worker if self.source is not None else None
-        return {"global_step": self.state.global_step, "model_version": self.model_version,
-                "server": self.args.vllm_server_base_url,
-                "sample_queue_size": worker.queue_size if worker else None,
-                "worker_pid": worker.pid if worker else None, "prompt_frontier": self.ledger.frontier}
-
-    def _kill_worker(self) -> None:
-        if self.source is not None:
-            self.source.worker.stop(grace_s=0.0)
-
     def _save_checkpoint(self, model, trial) -> None:
         with stall.stage("checkpoint_save", step=self.state.global_step):
             super()._save_checkpoint(model, trial)
-
-    def _stop_pipeline(self) -> None:
-        stall.remove_abort(self._kill_worker)
-        if getattr(self, "stalls", None) is not None:
-            self.stalls.stop()
-            self.stalls = None
-        if self.source is not None:
-            self.source.stop()
-            self.source = None
-        if self.pusher is not None:
-            self.pusher.close()
-            self.pusher = None
 
     # ------------------------------------------------------------------ batches and loss
 
@@ -274,16 +243,42 @@ class AsyncGRPOTrainer(Trainer):
             )
             self._step_samples = self.source.next_step(planner)
             plan = planner.plan()
-            if self.args.max_staleness == 0 and self._step_ends_with_push():
-                self.source.hold_admission()  # until the push: new groups would arrive stale
+            if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
+                self.source.worker.hold_admission()  # until the push: new groups would arrive stale
         if fsdp.world_size() > 1:  # the ledger too, so every rank makes the same stop decision
             box = [(plan, self._step_samples, self.ledger)]
             torch.distributed.broadcast_object_list(box, src=0)
             plan, self._step_samples, self.ledger = box[0]
+        self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_samples)
         return plan
 
     def _step_ends_with_push(self) -> bool:
         return (self.state.global_step + 1) % self.args.weight_sync_steps == 0
+
+    def end_step(self, state) -> bool:
+        """After the optimizer step: the last part of pull, train, push. In order: the ledger
+        records the step's samples as trained (and its line is written); every
+        `weight_sync_steps` steps the weights are pushed and the model version bumped (new
+        groups sample it); the worker learns the step's tokens (its staleness allowance, which
+        also ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
+        prompts. Returns True when the run's prompt epochs are done."""
+        samples = self._step_samples
+        completed = self.ledger.record_trained(samples)
+        if fsdp.is_main_process():
+            append_ledger_line(self.args.output_dir, state.global_step, completed,
+                               self.ledger.take_noticed(), self.ledger.frontier)
+        if state.global_step % self.args.weight_sync_steps == 0:
+            self.model_version += 1
+            self.window.update(self.pusher.push(self.model, self.model_version))
+            if self.source is not None:
+                self.source.worker.set_model_version(self.model_version)
+        done = self.prompt_epochs_done()
+        if self.source is not None:
+            self.source.finish_step(samples, last=done)
+        size = _dataset_size(self.train_dataset)
+        if size is not None:
+            state.epoch = self.ledger.frontier / size
+        return done
 
     def prompt_epochs_done(self, in_hand: list[TrainingSample] = ()) -> bool:
         """`num_train_epochs` counted in prompts (without `max_steps`): all consumed, counting
@@ -292,41 +287,6 @@ class AsyncGRPOTrainer(Trainer):
         if self.args.max_steps > 0 or size is None:
             return False
         return self.ledger.frontier_after(list(in_hand)) >= self.args.num_train_epochs * size
-
-    # ------------------------------------------------------------------ sharded checkpoints
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if fsdp.world_size() == 1:
-            return super().save_model(output_dir, _internal_call)
-        state = fsdp.full_model_state(self.model)  # every rank gathers, rank 0 writes
-        if self.args.should_save:
-            self._save(output_dir or self.args.output_dir, state_dict=state)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if fsdp.world_size() == 1:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        state = fsdp.full_optimizer_state(self.model, self.optimizer)
-        if self.args.should_save:
-            torch.save(state, Path(output_dir) / OPTIMIZER_NAME)
-            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if fsdp.world_size() == 1:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from safetensors.torch import load_file
-
-        files = sorted(Path(resume_from_checkpoint).glob("model*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{resume_from_checkpoint} holds no model*.safetensors to resume from.")
-        state = {k: v for f in files for k, v in load_file(f).items()}
-        fsdp.load_full_model_state(model or self.model, state)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or fsdp.world_size() == 1:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        state = torch.load(Path(checkpoint) / OPTIMIZER_NAME, map_location="cpu", weights_only=False)
-        fsdp.load_full_optimizer_state(self.model, self.optimizer, state)
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
@@ -403,83 +363,6 @@ class AsyncGRPOTrainer(Trainer):
         return {k: v for k, v in summary.items() if not (k.startswith("perf/") and math.isnan(v))}
 
 
-class _AsyncStepCallback(TrainerCallback):
-    """Between optimizer steps: ledger, weight push, prompt epochs, step metrics."""
-
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
-        self.trainer = trainer
-        self._step_started = time.perf_counter()
-        self._optimizer_started = 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.start_pipeline()
-        self._step_started = time.perf_counter()
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.read_step_rows()
-        self._optimizer_started = time.perf_counter()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.window.add("perf/optimizer_s", time.perf_counter() - self._optimizer_started)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        samples = trainer._step_samples
-        completed = trainer.ledger.record_trained(samples)
-        if fsdp.is_main_process():
-            append_ledger_line(args.output_dir, state.global_step, completed,
-                               trainer.ledger.take_noticed(), trainer.ledger.frontier)
-        if state.global_step % args.weight_sync_steps == 0:
-            trainer.model_version += 1
-            trainer.window.update(trainer.pusher.push(trainer.model, trainer.model_version))
-            if trainer.source is not None:
-                trainer.source.set_model_version(trainer.model_version)
-        if trainer.source is not None:
-            trainer.source.finish_step(samples, trainer.window)
-        self._record_step_metrics(samples)
-        self._count_prompt_epochs(args, state, control)
-
-    def _record_step_metrics(self, samples: list[TrainingSample]) -> None:
-        trainer = self.trainer
-        now = time.perf_counter()
-        step_s = now - self._step_started
-        self._step_started = now
-        fwd_bwd_s, fwd_s = trainer.step_timings["fwd_bwd"], trainer.step_timings["fwd"]
-        forwarded = trainer.step_forwarded_tokens
-        trained = sum(s.sequence.num_trained for s in samples)
-        window = trainer.window
-        window.add("perf/step_s", step_s)
-        window.add("perf/fwd_bwd_s", fwd_bwd_s)
-        window.add("perf/fwd_s", fwd_s)
-        window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
-        window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-        window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
-        peak = _device_peak(trainer.args)
-        for name, seconds in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
-            value = perf.mfu(trainer.step_flops, seconds, peak, fsdp.world_size())
-            if value is not None:
-                window.add(name, value)
-
-    def _count_prompt_epochs(self, args, state, control) -> None:
-        size = _dataset_size(self.trainer.train_dataset)
-        if size is not None:
-            state.epoch = self.trainer.ledger.frontier / size
-        if self.trainer.prompt_epochs_done():
-            control.should_training_stop = True
-
-    def on_save(self, args, state, control, **kwargs):
-        if fsdp.is_main_process():
-            folder = f"{args.output_dir}/checkpoint-{state.global_step}"
-            self.trainer.ledger.state(self.trainer.model_version).save(folder)
-
-
-def _device_peak(args: AsyncGRPOConfig) -> float | None:
-    if not torch.cuda.is_available() or args.use_cpu:
-        return None
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return perf.peak_flops_per_s(torch.cuda.get_device_name(), precision)
-
-
 def _dataset_size(dataset: Any) -> int | None:
     if dataset is None or _is_streaming(dataset):
         return None
@@ -508,25 +391,3 @@ def _check_dataset(dataset: Any, environment_factory: Any, args: AsyncGRPOConfig
             f"train_dataset has columns {columns} but no 'prompt' column. Rename the column with "
             "the conversational prompt to 'prompt' (a list of {'role', 'content'} messages)."
         )
-
-
-def _resolve_plugins(reward_funcs, tools, environment_factory):
-    """Turn registered names into objects and check everything pickles (the worker is spawned)."""
-    from grpo_agent.plugins import check_picklable, load_registry
-
-    if reward_funcs is None:
-        reward_funcs = []
-    elif not isinstance(reward_funcs, (list, tuple)):
-        reward_funcs = [reward_funcs]
-    tools = list(tools or [])
-    env_refs = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
-    if any(isinstance(ref, str) for ref in [*reward_funcs, *tools, *env_refs]):
-        registry = load_registry()
-        reward_funcs = [registry.resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
-        tools = [registry.resolve_tool(t) if isinstance(t, str) else t for t in tools]
-        if environment_factory is not None:
-            environment_factory = registry.resolve_environment(environment_factory)
-    check_picklable(
-        {"reward_funcs": reward_funcs, "tools": tools, "environment_factory": environment_factory}
-    )
-    return list(reward_funcs), tools, environment_factory

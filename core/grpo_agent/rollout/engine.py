@@ -1,0 +1,384 @@
+"""`RolloutEngine`: dispatch, scoring, server polling, heartbeat and metric flushes.
+
+Design decision: one asyncio event loop runs six cooperating tasks (dispatch, score, server
+poll, heartbeat, metric flush, stop watch) plus one task per group and per rollout. The
+dispatcher starts a group only while the token allowance has room (`rollout.allowance`) and a
+rollout slot is free; groups go through a bounded score queue to a scorer, so slow rewards
+block generation (`rollout/score_block_s`) instead of piling up memory. Blocking work (chat
+templates, sync rewards, reconciliation, environment calls) runs in the loop's
+`tool_executor`, never on the loop thread. The engine calls the user's hooks on the
+`AsyncRolloutLoop` it drives and talks to the trainer only through `WorkerChannels`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from grpo_agent.metrics import Observation
+from grpo_agent.rollout import allowance, observations
+from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
+from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
+from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
+from grpo_agent.rollout.reconcile import reconcile_turns
+from grpo_agent.rollout.scoring import (
+    RewardFailureTracker,
+    add_rollout_sources,
+    has_signal,
+    run_reward_functions,
+)
+from grpo_agent.rollout.versions import pin_rollout_version
+from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.stall import StageStalled
+from grpo_agent.types import PromptConsumed, RolloutGroup, TrainingSample, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+METRICS_FLUSH_INTERVAL_S = 1.0
+ALLOWANCE_POLL_S = 0.05
+CHANNEL_POLL_S = 0.05  # how often the stop and flush requests are checked
+
+
+class RolloutEngine:
+    """Drives one `AsyncRolloutLoop` inside the worker until `channels.stop` is set."""
+
+    def __init__(self, loop, channels: WorkerChannels) -> None:
+        """`loop`: the `AsyncRolloutLoop` (or subclass) whose hooks this engine calls."""
+        self.loop = loop
+        self.config = loop.config
+        self.channels = channels
+        self.cap: ConcurrencyCap | None = None
+        self.slots: RolloutSlots | None = None
+        self.score_queue: asyncio.Queue[RolloutGroup] | None = None
+        self._failures = RewardFailureTracker()
+        self._observations: list[Observation] = []
+        self._group_tasks: set[asyncio.Task] = set()
+        self._fatal: asyncio.Future | None = None
+        self._groups_in_flight = 0
+        self._groups_done = 0
+        self._stalled_groups = 0
+        self._group_tokens_total = 0
+        self._queued_tokens = 0
+        self._completed_rollouts = 0
+        self._generated_tokens = 0
+        self._progress_mark = (time.perf_counter(), 0, 0)
+
+    async def run(self) -> None:
+        """Connect, run the loop's `setup`, the pipeline and `close`; raise the first failure."""
+        loop, config = self.loop, self.config
+        sampler = SamplerClient(
+            config.vllm_server_base_url, timeout=config.vllm_server_timeout,
+            max_connections=config.max_concurrent_rollouts + 8)
+        executor = ThreadPoolExecutor(config.max_concurrent_rollouts, thread_name_prefix="rollout-tools")
+        loop.stalls.context = self.stall_context
+        loop.stalls.peer_pid = os.getppid()  # the trainer: its stacks go in our reports
+        loop.stalls.start()
+        self._beat()
+        try:
+            await loop.connect(sampler, executor)
+            self._start_scheduling()
+            await loop.setup()
+            try:
+                await self._run_pipeline()
+            finally:
+                await loop.close()
+        finally:
+            loop.stalls.stop()
+            await sampler.aclose()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def stall_context(self) -> dict[str, Any]:
+        """What a stall report of the worker records besides its stages and stacks."""
+        return {"model_version": int(self.channels.model_version.value),
+                "server": self.config.vllm_server_base_url,
+                "server_model": getattr(self.loop.server, "model_id", None),
+                "groups_in_flight": self._groups_in_flight,
+                "score_queue_size": self.score_queue.qsize() if self.score_queue else None,
+                "completed_rollouts": self._completed_rollouts, "stalled_groups": self._stalled_groups}
+
+    def _start_scheduling(self) -> None:
+        """The concurrency cap from the probed server, the score queue, the failure future."""
+        facts = self.loop.server
+        self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, facts.kv_tokens,
+                                  facts.max_model_len)
+        self.slots = RolloutSlots(self.cap)
+        self.score_queue = asyncio.Queue(self.loop.score_queue_maxsize)
+        self._fatal = asyncio.get_running_loop().create_future()
+
+    async def _run_pipeline(self) -> None:
+        tasks = [asyncio.create_task(coro) for coro in (
+            self._dispatch(), self._score_forever(), self._poll_server(), self._heartbeat(),
+            self._flush_metrics(), self._wait_for_stop(), _await_future(self._fatal))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # re-raise the first failure
+        finally:
+            for task in [*tasks, *self._group_tasks]:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._group_tasks, return_exceptions=True)
+            self._send_observations()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _allowance_has_room(self) -> bool:
+        return allowance.has_room(
+            self.channels.token_allowance.value, max_staleness=self.config.max_staleness,
+            queued_tokens=self._queued_tokens, groups_in_flight=self._groups_in_flight,
+            groups_done=self._groups_done, group_tokens_total=self._group_tokens_total)
+
+    async def _wait_for_room(self) -> None:
+        started = time.perf_counter()
+        while not self._allowance_has_room():
+            await asyncio.sleep(ALLOWANCE_POLL_S)
+        self.observe("rollout/backpressure_s", time.perf_counter() - started)
+        while not (self.slots.can_dispatch() and self._allowance_has_room()):
+            await asyncio.sleep(ALLOWANCE_POLL_S)
+
+    async def _dispatch(self) -> None:
+        loop = self.loop
+        stream = iterate_prompts(loop.dataset, seed=self.config.seed,
+                                 start_index=loop.dataset_start_index, accept=loop.filter_prompt)
+        for group_id, slot in enumerate(stream):
+            if not slot.accepted:
+                self._put(PromptConsumed(slot.prompt_index, slot.row_index, "filtered"))
+                continue
+            await self._wait_for_room()
+            self._groups_in_flight += 1
+            self.slots.promise(self.config.num_generations)
+            task = asyncio.create_task(self._run_group(slot, group_id))
+            self._group_tasks.add(task)
+            task.add_done_callback(self._group_finished)
+
+    def _group_finished(self, task: asyncio.Task) -> None:
+        self._group_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._fatal.done():
+            self._fatal.set_exception(task.exception())
+
+    async def _run_group(self, slot: PromptSlot, group_id: int) -> None:
+        version = int(self.channels.model_version.value)
+        pin_rollout_version(version)  # inherited by the rollout tasks that gather creates
+        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id))
+                    for _ in range(self.config.num_generations)]
+        try:
+            results = await asyncio.gather(*rollouts)
+        except StageStalled:  # reported by the watch: drop the group, count it, go on
+            for task in rollouts:
+                task.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            self._drop_stalled(slot.prompt_index, slot.row_index)
+            return
+        group = await self._build_group(slot, group_id, version, results)
+        started = time.perf_counter()
+        await self.score_queue.put(group)
+        self.observe("rollout/score_block_s", time.perf_counter() - started)
+        self.observe("rollout/score_queue_size", self.score_queue.qsize())
+
+    async def _run_rollout(self, slot: PromptSlot, group_id: int) -> tuple:
+        in_flight = await self.slots.acquire()
+        self.observe("rollout/concurrency", in_flight)
+        started = time.perf_counter()
+        try:
+            prompt, rollout, env_reward = await self.loop.run_episode(slot.row, slot.row_index, group_id)
+        finally:
+            await self.slots.release()
+        self._completed_rollouts += 1
+        self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
+        self.observe("rollout/duration_s", time.perf_counter() - started)
+        return prompt, rollout, env_reward
+
+    async def _build_group(self, slot, group_id, version, results) -> RolloutGroup:
+        prompts, rollouts, env_rewards = (list(column) for column in zip(*results))
+        aio = asyncio.get_running_loop()
+        reconciled = await aio.run_in_executor(
+            self.loop.tool_executor, _reconcile_all, [rollout.turns for rollout in rollouts])
+        for sequences, stats in reconciled:
+            self.observe("rollout/samples_per_rollout", len(sequences))
+            self.observe_rate("rollout/fork_frac", stats.num_forks, stats.num_transitions)
+            for drift in stats.drift_tokens:
+                self.observe("rollout/drift_tokens_mean", drift)
+                self.observe("rollout/drift_tokens_max", drift)
+        columns = {k: v for k, v in slot.row.items() if k != "prompt"}
+        size = len(rollouts)
+        return RolloutGroup(
+            prompts=prompts, reward_kwargs={k: [v] * size for k, v in columns.items()},
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=[sequences for sequences, _ in reconciled],
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version, group_id=group_id, row_index=slot.row_index,
+            env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
+            queued_at=time.monotonic(), rollouts=rollouts, prompt_index=slot.prompt_index,
+        )
+
+    # ------------------------------------------------------------------ scoring
+
+    async def _score_forever(self) -> None:
+        while True:
+            group = await self.score_queue.get()
+            self.observe("rollout/score_wait_s", time.monotonic() - group.queued_at)
+            started = time.perf_counter()
+            await self._score(group)
+            self.observe("rollout/score_s", time.perf_counter() - started)
+
+    async def _score(self, group: RolloutGroup) -> None:
+        loop, prompt_index = self.loop, group.prompt_index
+        try:
+            with loop.stalls.stage("scoring", recover=True, group_id=group.group_id,
+                                   row_index=group.row_index, rewards=list(loop.reward_funcs)):
+                scores, failure = await run_reward_functions(loop.reward_funcs, group, loop.tool_executor)
+        except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
+            self._drop_stalled(prompt_index, group.row_index)
+            return
+        self._failures.record(list(loop.reward_funcs), failure)
+        self._observations += observations.completion_observations(
+            group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools))
+        if failure is not None:
+            self.observe("rollout/reward_error_count", 1)
+            self._finish_group(group, [], PromptConsumed(prompt_index, group.row_index, "reward_error"))
+            return
+        add_rollout_sources(scores, group)
+        group.rewards = scores.total(len(group.rollouts))
+        advantages = np.asarray(loop.compute_advantages(group), dtype=float)
+        if advantages.shape != group.rewards.shape:
+            raise ValueError(
+                f"compute_advantages returned shape {advantages.shape} for a group of "
+                f"{len(group.rewards)} rollouts; return one advantage per rollout.")
+        kept = has_signal(group.rewards)
+        samples = _samples(group, advantages) if kept else []
+        per_rollout = [sum(s.rollout_id == r.rollout_id for s in samples) for r in group.rollouts]
+        self._observations += observations.reward_observations(scores, group.rewards, per_rollout, kept)
+        self._observations += observations.sample_observations(samples)
+        notice = None if samples else PromptConsumed(prompt_index, group.row_index, "zero_std")
+        self._finish_group(group, samples, notice)
+
+    def _finish_group(self, group: RolloutGroup, samples: list, notice: PromptConsumed | None) -> None:
+        tokens = sum(sample.num_tokens for sample in samples)
+        self._group_tokens_total += sum(
+            len(seq.token_ids) for seqs in group.completions_sequences for seq in seqs)
+        self._queued_tokens += tokens
+        self._groups_done += 1
+        self._groups_in_flight -= 1
+        for sample in samples:
+            self._put(sample)
+        if notice is not None:
+            self._put(notice)
+
+    def _drop_stalled(self, prompt_index: int, row_index: int) -> None:
+        """A group whose stage passed its deadline: consumed untrained, counted."""
+        self._groups_in_flight -= 1
+        self._stalled_groups += 1
+        self.observe("rollout/stalled_group_count", 1)
+        self._put(PromptConsumed(prompt_index, row_index, "stalled"))
+
+    def _put(self, item: TrainingSample | PromptConsumed) -> None:
+        self.channels.samples.put(item)
+
+    # ------------------------------------------------------------------ background tasks
+
+    async def _poll_server(self) -> None:
+        """Every 5 s: adjust the concurrency cap and record the server's load gauges."""
+        sampler = self.loop.sampler
+        last_preemptions = None
+        while True:
+            try:
+                metrics = await sampler.metrics()
+            except SamplerError as error:
+                logger.warning("Polling %s/metrics failed: %s", sampler.base_url, error)
+                metrics = None
+            self.cap.update(metrics, self._completed_rollouts)
+            await self.slots.cap_changed()
+            self.observe("rollout/concurrency_cap", self.cap.value)
+            if metrics is not None:
+                self.observe("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
+                self.observe("rollout/vllm_running_requests", metrics.running)
+                self.observe("rollout/vllm_queued_requests", metrics.waiting)
+                if last_preemptions is not None:
+                    self.observe("rollout/vllm_preemption_count", metrics.preemptions - last_preemptions)
+                last_preemptions = metrics.preemptions
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    def _beat(self) -> None:
+        self.channels.heartbeat.value = time.time()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._beat()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _wait_for_stop(self) -> None:
+        while not self.channels.stop.is_set():
+            await asyncio.sleep(CHANNEL_POLL_S)
+
+    async def _flush_metrics(self) -> None:
+        """Send observations once a flush interval, and at once when the trainer asks
+        (`flush_metrics`: its last step waits for them)."""
+        channels = self.channels
+        next_flush = time.monotonic() + METRICS_FLUSH_INTERVAL_S
+        while True:
+            await asyncio.sleep(CHANNEL_POLL_S)
+            requested = channels.flush_metrics.is_set()
+            if requested or time.monotonic() >= next_flush:
+                if requested:
+                    channels.flush_metrics.clear()
+                self._send_observations()
+                next_flush = time.monotonic() + METRICS_FLUSH_INTERVAL_S
+                if requested:
+                    channels.metrics.put(METRICS_FLUSHED)
+
+    def _record_progress(self) -> None:
+        """Throughput and retries since the last flush."""
+        now = time.perf_counter()
+        retries = self.loop.sampler.retry_count
+        last_time, last_retries, last_tokens = self._progress_mark
+        self.observe_rate("rollout/generated_tokens_per_s", self._generated_tokens - last_tokens,
+                          now - last_time)
+        self.observe("rollout/vllm_retry_count", retries - last_retries)
+        self._progress_mark = (now, retries, self._generated_tokens)
+
+    def observe(self, name: str, value: float) -> None:
+        self._observations.append((name, float(value)))
+
+    def observe_rate(self, name: str, amount: float, seconds: float) -> None:
+        self._observations.append((name, (float(amount), float(seconds))))
+
+    def _send_observations(self) -> None:
+        self._record_progress()
+        if self._observations:
+            batch, self._observations = self._observations, []
+            self.channels.metrics.put(batch)
+
+
+def _samples(group: RolloutGroup, advantages: np.ndarray) -> list[TrainingSample]:
+    """Training samples of a kept group; unscored and zero-advantage rollouts add nothing."""
+    samples = []
+    for rollout, reward, advantage, sequences in zip(
+            group.rollouts, group.rewards, advantages, group.completions_sequences):
+        if math.isnan(reward) or advantage == 0:
+            continue
+        samples += [TrainingSample(
+            sequence=sequence, advantage=float(advantage), model_version=group.model_version,
+            group_id=group.group_id, row_index=group.row_index, prompt_index=group.prompt_index,
+            rollout_id=rollout.rollout_id) for sequence in sequences]
+    now = time.time()
+    for sample in samples:
+        sample.group_num_samples = len(samples)
+        sample.queued_at = now
+    return samples
+
+
+def _reconcile_all(turn_lists: list[list[TurnRecord]]) -> list:
+    return [reconcile_turns(turns) for turns in turn_lists]
+
+
+async def _await_future(future: asyncio.Future) -> None:
+    await future

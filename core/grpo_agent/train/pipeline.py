@@ -1,0 +1,79 @@
+"""The trainer's rollout pipeline: server check, weight pusher, rollout worker, step source.
+
+Design decision: `AsyncGRPOTrainer` starts the pipeline at train begin (after a resumed
+checkpoint is loaded, so the worker's position and the pushed weights match the restored
+model) and always stops it when `train()` returns or raises. Only rank 0 runs a worker; it is
+the one process that reads the sample queue, and its stall watch reports on both sides.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_agent import stall
+from grpo_agent.rollout.worker import RolloutWorker
+from grpo_agent.train import fsdp, setup
+from grpo_agent.train.step_source import StepSource
+
+
+class RolloutPipelineMixin:
+    """Starts, wires and stops the pipeline of an `AsyncGRPOTrainer` (its `source`, `pusher`,
+    `stalls` and `token_budget`)."""
+
+    def start_pipeline(self) -> None:
+        """Check the server, push restored weights if resuming, start the rollout worker."""
+        if fsdp.is_main_process():  # stage deadlines and stall_report.json (grpo_agent/stall.py)
+            self.stalls = stall.StallWatch(self.args, "trainer", context=self._stall_context).start()
+        facts = setup.check_server(self.args, self.model)
+        self.token_budget = self.args.token_budget or facts.max_model_len
+        self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
+        # Push before the first rollout only when the served weights can differ from ours: a
+        # resumed run, or a server an earlier run pushed into. A fresh server already has them.
+        if self.state.global_step > 0 or self.pusher.needs_initial_push(
+                self.model, facts.holds_pushed_weights):
+            self.model_version += 1
+            self.window.update(self.pusher.push(self.model, self.model_version))
+        if fsdp.is_main_process():
+            self.source = self._step_source(self._start_worker(facts.model_id))
+            self.stalls.peer_pid = self.source.worker.pid
+            stall.on_abort(self._kill_worker)
+
+    def _start_worker(self, model_name: str) -> RolloutWorker:
+        """Spawn the rollout worker at the ledger's frontier, on our model version."""
+        worker = RolloutWorker(
+            self.loop_cls, config=self.args, model_name=model_name, dataset=self.train_dataset,
+            reward_funcs=self.reward_funcs, processing_class=self.processing_class,
+            tools=self.tools, environment_factory=self.environment_factory,
+            dataset_start_index=self.ledger.frontier, token_budget=self.token_budget,
+            lora_name=self.pusher.lora_name)  # the adapter name prefix under LoRA sync
+        worker.set_model_version(self.model_version)
+        worker.start()
+        return worker
+
+    def _step_source(self, worker: Any) -> StepSource:
+        """Steps from `worker` (a `RolloutWorker`, or a stand-in with its trainer-side methods)."""
+        return StepSource(worker, ledger=self.ledger, epochs_done=self.prompt_epochs_done,
+                          window=self.window, no_progress_timeout=self.args.no_progress_timeout)
+
+    def _stall_context(self) -> dict[str, Any]:
+        """What the trainer's stall report records besides its stages and stacks."""
+        worker = self.source.worker if self.source is not None else None
+        return {"global_step": self.state.global_step, "model_version": self.model_version,
+                "server": self.args.vllm_server_base_url,
+                "sample_queue_size": worker.queue_size if worker else None,
+                "worker_pid": worker.pid if worker else None, "prompt_frontier": self.ledger.frontier}
+
+    def _kill_worker(self) -> None:
+        if self.source is not None:
+            self.source.worker.stop(grace_s=0.0)
+
+    def _stop_pipeline(self) -> None:
+        stall.remove_abort(self._kill_worker)
+        if getattr(self, "stalls", None) is not None:
+            self.stalls.stop()
+            self.stalls = None
+        if self.source is not None:
+            self.source.worker.stop()
+            self.source = None
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
