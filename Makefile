@@ -33,8 +33,8 @@ $(STAMP): $(PYPROJECTS) Makefile
 verifiers-venv: $(VF_STAMP)
 
 # Layered over .venv (a .pth line after its own site-packages), so only verifiers and the
-# packages it pins differently install here: ~25 s and ~90 MB; its harness's first episode adds
-# ~60 MB of uv cache.
+# packages it pins differently install here: ~25 s and ~130 MB with uv; its harness's first
+# episode adds ~60 MB of uv cache.
 $(VF_STAMP): $(STAMP)
 	@test -x $(VF_VENV)/bin/python || $(PY) -m venv $(VF_VENV)
 	@$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
