@@ -1,0 +1,416 @@
+"""Where a training step's time goes when the trainer shares the CPU with its own rollout machinery.
+
+Runs issue 21's task for `--steps` optimizer steps on the tiny random Qwen3 against a real
+vLLM CPU server it starts (bf16, `--max-model-len 1024`, gloo weight sync, no core pinning
+beyond vLLM's own): 256 conversational prompts alternating "Count from 1 to K." and
+"What is a + b?", reward = share of the completion's non-space characters that are digits,
+8 generations, `max_completion_length=64`, one micro-batch of `token_budget=2120` (about 32
+samples), `learning_rate=1e-4`, `max_staleness=4`, a weight push every step, fp32 trainer on
+one torch thread.
+
+Per step it prints trained and generated tokens/s, the step's breakdown (forward+backward,
+optimizer, weight sync, waiting for samples, pulling them, packing, metrics), each process's
+CPU share read from /proc (trainer and its main thread, rollout worker, vLLM API server, engine
+core) and generated tokens so far. After the run, with the worker stopped and the server idle,
+each step's packed row is forwarded and backpropagated again in isolation: the summary's
+`fwd_bwd_inflation` is the median of in-pipeline / isolated time of the same rows. `waste` is
+generated tokens not trained per trained token (the server's own generation counter). The last
+line is the summary as JSON; the first `--warmup` steps are left out of it.
+
+    python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
+
+`--profile DIR` records py-spy flame graphs of the trainer and the rollout worker into DIR
+(py-spy on PATH), else a torch.profiler trace of the trainer.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+
+NUM_PROMPTS = 256
+TOKEN_BUDGET = 2120
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def task_dataset():
+    from datasets import Dataset
+
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        if i % 2 == 0:
+            text = f"Count from 1 to {3 + i % 17}."
+        else:
+            text = f"What is {i % 50} + {(7 * i) % 40}?"
+        prompts.append([{"role": "user", "content": text}])
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def digit_fraction(completions, **kwargs):
+    """Share of the completion's non-whitespace characters that are digits (0 when empty)."""
+    scores = []
+    for completion in completions:
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        chars = [c for c in text if not c.isspace()]
+        scores.append(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+    return scores
+
+
+# ---------------------------------------------------------------- /proc CPU counters
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (or one of its threads), in seconds; 0 if it is gone."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                children = [int(c) for c in task.read_text().split()]
+            except FileNotFoundError:
+                continue
+            found += children
+            frontier += children
+    return found
+
+
+class CpuShares:
+    """CPU seconds per named process between two readings, as a share of one core."""
+
+    def __init__(self, pids: dict[str, tuple[int, int | None] | list[int]]) -> None:
+        self.pids = pids
+        self._last = self._read()
+        self._last_t = time.perf_counter()
+
+    def _read(self) -> dict[str, float]:
+        values = {}
+        for name, ids in self.pids.items():
+            if isinstance(ids, tuple):
+                values[name] = cpu_seconds(*ids)
+            else:
+                values[name] = sum(cpu_seconds(p) for p in ids)
+        return values
+
+    def shares(self) -> dict[str, float]:
+        now, values = time.perf_counter(), self._read()
+        wall = max(now - self._last_t, 1e-9)
+        shares = {name: round((values[name] - self._last[name]) / wall, 3) for name in values}
+        self._last, self._last_t = values, now
+        return shares
+
+
+def server_processes(server_pid: int) -> dict[str, list[int]]:
+    """The API server and its engine-core process(es): vLLM names the engine `VLLM::EngineCore`."""
+    engine = []
+    for pid in descendants(server_pid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except FileNotFoundError:
+            continue
+        if "Engine" in name or "VLLM" in name:
+            engine.append(pid)
+    return {"api_server": [server_pid], "engine_core": engine}
+
+
+def generated_tokens(base_url: str) -> float:
+    from grpo_agent.sampler.prometheus import parse_samples
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return sum(parse_samples(text).get("vllm:generation_tokens_total", [0.0]))
+
+
+# ---------------------------------------------------------------- step timers
+
+class StepTimers:
+    """Seconds spent in named trainer-side methods since the last `take()` (bench-side wraps,
+    so the trainer needs no hooks beyond the perf/* metrics it logs)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._undo: list = []
+
+    def wrap(self, owner, method: str, label: str) -> None:
+        original = getattr(owner, method)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - started
+
+        setattr(owner, method, timed)
+        self._undo.append((owner, method, original))
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
+
+    def restore(self) -> None:
+        for owner, method, original in reversed(self._undo):
+            setattr(owner, method, original)
+
+
+# (module, class, method, label): the first of each label's candidates that exists is timed,
+# so the bench follows the trainer's code as it moves between modules.
+TIMED = [
+    ("grpo_agent.train.step_source", "StepSource", "next_step", "next_step"),  # all three below
+    ("grpo_agent.rollout.worker", "RolloutWorker", "pull", "waiting"),  # queue wait + unpickling
+    ("grpo_agent.train.batching", "StepPlanner", "add", "packing_add"),  # inside next_step
+    ("grpo_agent.train.batching", "StepPlanner", "plan", "packing_plan"),  # after it
+    ("grpo_agent.train.step_source", "StepSource", "finish_step", "metrics"),  # worker metrics
+    ("grpo_agent.train.trainer", "AsyncGRPOTrainer", "read_step_rows", "metrics"),
+    ("grpo_agent.train.step_callback", "AsyncStepCallback", "_record_step_metrics", "metrics"),
+    ("grpo_agent.train.trainer", "_AsyncStepCallback", "_record_step_metrics", "metrics"),
+    ("grpo_agent.train.trainer", "AsyncGRPOTrainer", "log", "metrics"),
+]
+
+
+def instrument(timers: StepTimers, rows: list) -> None:
+    import importlib
+
+    from grpo_agent.train import trainer
+
+    for module, owner, method, label in TIMED:
+        try:
+            cls = getattr(importlib.import_module(module), owner)
+        except (ImportError, AttributeError):
+            continue
+        if method in vars(cls):
+            timers.wrap(cls, method, label)
+    original = trainer.AsyncGRPOTrainer.get_batch_samples
+
+    def keep_rows(self, *args, **kwargs):
+        batches, count = original(self, *args, **kwargs)
+        rows.append(batches)
+        return batches, count
+
+    trainer.AsyncGRPOTrainer.get_batch_samples = keep_rows
+    timers._undo.append((trainer.AsyncGRPOTrainer, "get_batch_samples", original))
+
+
+# ---------------------------------------------------------------- the run
+
+def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: str):
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        """One record per logged step (logging_steps=1), read right after the trainer logs."""
+
+        def __init__(self) -> None:
+            self.shares = None
+            self.last_t = time.perf_counter()
+            self.last_generated = generated_tokens(base_url)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last_t = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "perf/step_s" not in (logs or {}):
+                return
+            if self.shares is None:  # the worker exists once the pipeline started
+                self.shares = CpuShares({
+                    "trainer": (os.getpid(), None), "trainer_main_thread": (os.getpid(), os.getpid()),
+                    "rollout_worker": [trainer.source.worker.pid],
+                    **server_processes(server.pid)})
+            now, generated = time.perf_counter(), generated_tokens(base_url)
+            wall = now - self.last_t
+            timed = timers.take()
+            records.append(step_record(state.global_step, logs, timed, wall,
+                                       generated - self.last_generated, self.shares.shares()))
+            self.last_t, self.last_generated = now, generated
+            print(json.dumps(records[-1]), flush=True)
+
+    return Recorder()
+
+
+def step_record(step: int, logs: dict, timed: dict, wall: float, generated: float,
+                shares: dict) -> dict:
+    trained = logs.get("batch/trained_tokens_per_step", 0.0)
+    waiting = timed.get("waiting", 0.0)
+    adding = timed.get("packing_add", 0.0)
+    return {
+        "step": step, "wall_s": round(wall, 3),
+        "trained_tokens": trained, "generated_tokens": generated,
+        "trained_tokens_per_s": round(trained / wall, 1),
+        "generated_tokens_per_s": round(generated / wall, 1),
+        "fwd_bwd_s": round(logs.get("perf/fwd_bwd_s", 0.0), 3),
+        "optimizer_s": round(logs.get("perf/optimizer_s", 0.0), 3),
+        "sync_s": round(logs.get("perf/weight_sync_s", 0.0), 3),
+        "waiting_s": round(waiting, 3),
+        "pull_s": round(timed.get("next_step", 0.0) - waiting - adding, 3),
+        "packing_s": round(adding + timed.get("packing_plan", 0.0), 3),
+        "metrics_s": round(timed.get("metrics", 0.0), 3),
+        "reward": logs.get("reward"),
+        "cpu": shares,
+    }
+
+
+def isolated_fwd_bwd(trainer, batches: list) -> list[float]:
+    """Each step's row forwarded and backpropagated again, alone (min of 2 after a warm-up)."""
+    from grpo_agent.train.loss import build_loss_config
+
+    model, config = trainer.model, build_loss_config(trainer.args, trainer.model)
+    times = []
+    for step_batches in batches:
+        best = float("inf")
+        for repeat in range(3 if not times else 2):
+            started = time.perf_counter()
+            for mb in step_batches:
+                loss, _ = model.grpo_row_loss(mb.row, config, mb.num_trained_global)
+                loss.backward()
+            elapsed = time.perf_counter() - started
+            model.zero_grad(set_to_none=True)
+            if times or repeat > 0:
+                best = min(best, elapsed)
+        times.append(best)
+    return times
+
+
+@contextlib.contextmanager
+def profiling(directory: str | None, pids_later):
+    """py-spy flame graphs of the trainer and worker, or a torch.profiler trace."""
+    if directory is None:
+        yield lambda: None
+        return
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy")
+    recorders: list[subprocess.Popen] = []
+    if spy:
+        def attach():
+            if recorders:
+                return
+            for name, pid in pids_later().items():
+                recorders.append(subprocess.Popen(
+                    [spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking",
+                     "--output", str(out / f"{name}.svg")], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL))
+        try:
+            yield attach
+        finally:
+            for recorder in recorders:
+                recorder.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            for recorder in recorders:
+                recorder.wait(timeout=60)
+        return
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield lambda: None
+    prof.export_chrome_trace(str(out / "trainer_trace.json"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the summary")
+    parser.add_argument("--profile", metavar="DIR", help="write py-spy / torch.profiler output here")
+    parser.add_argument("--base-url", help="a server with the issue's flags that you started "
+                        "(weights get pushed into it); needs --server-pid for its CPU share")
+    parser.add_argument("--server-pid", type=int, help="the API server process of --base-url")
+    opts = parser.parse_args()
+    if opts.steps <= opts.warmup:
+        raise SystemExit(f"--steps {opts.steps} must exceed --warmup {opts.warmup}.")
+    import torch
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.testing import build_tiny_model
+
+    model_path = str(build_tiny_model())
+    timers, batches, records = StepTimers(), [], []
+    load_before = os.getloadavg()
+    if opts.base_url and not opts.server_pid:
+        raise SystemExit("--base-url needs --server-pid (the API server's pid, for its CPU share).")
+    server = (contextlib.nullcontext(argparse.Namespace(base_url=opts.base_url, pid=opts.server_pid))
+              if opts.base_url else
+              ManagedVLLMServer(model_path, dtype="bfloat16", max_model_len=1024, kv_cache_gib=2,
+                                startup_timeout=1800))
+    with tempfile.TemporaryDirectory() as tmp, server as server:
+        args = AsyncGRPOConfig(
+            output_dir=tmp, vllm_server_base_url=server.base_url, max_steps=opts.steps,
+            num_generations=8, max_completion_length=64, token_budget=TOKEN_BUDGET,
+            gradient_accumulation_steps=1, learning_rate=1e-4, max_staleness=4,
+            weight_sync_steps=1, bf16=False, gradient_checkpointing=False, logging_steps=1,
+            report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+        trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
+                                   train_dataset=task_dataset(), args=args)
+        instrument(timers, batches)
+        trainer.add_callback(make_recorder(trainer, server, timers, records, server.base_url))
+        pids = lambda: {"trainer": os.getpid(), "rollout_worker": trainer.source.worker.pid}
+        with profiling(opts.profile, pids) as attach:
+            from transformers import TrainerCallback
+
+            class Attach(TrainerCallback):  # py-spy attaches once the worker runs
+                def on_step_begin(self, *args, **kwargs):
+                    attach()
+
+            trainer.add_callback(Attach())
+            started = time.perf_counter()
+            trainer.train()
+            run_s = time.perf_counter() - started
+        timers.restore()
+        torch.set_num_threads(1)
+        isolated = isolated_fwd_bwd(trainer, batches)
+    load_after = os.getloadavg()
+    measured = records[opts.warmup:]
+    for record, alone in zip(records, isolated):
+        record["isolated_fwd_bwd_s"] = round(alone, 3)
+    print(json.dumps(summary(measured, isolated[opts.warmup:], run_s, load_before, load_after)))
+
+
+def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
+    def median(key):
+        return round(statistics.median(r[key] for r in measured), 3)
+
+    wall = sum(r["wall_s"] for r in measured)
+    trained = sum(r["trained_tokens"] for r in measured)
+    generated = sum(r["generated_tokens"] for r in measured)
+    inflation = [r["fwd_bwd_s"] / alone for r, alone in zip(measured, isolated) if alone > 0]
+    cpu = {name: round(statistics.mean(r["cpu"][name] for r in measured), 3)
+           for name in measured[0]["cpu"]}
+    rewards = [r["reward"] for r in measured if r["reward"] is not None]
+    third = max(1, len(rewards) // 3)
+    return {
+        "summary": "pipeline", "steps_measured": len(measured), "run_s": round(run_s, 1),
+        "trained_tokens_per_s": round(trained / wall, 1),
+        "generated_tokens_per_s": round(generated / wall, 1),
+        "waste_per_trained_token": round(max(generated - trained, 0.0) / trained, 3),
+        "step_s": median("wall_s"), "fwd_bwd_s": median("fwd_bwd_s"),
+        "isolated_fwd_bwd_s": round(statistics.median(isolated), 3),
+        "fwd_bwd_inflation": round(statistics.median(inflation), 2),
+        "optimizer_s": median("optimizer_s"), "sync_s": median("sync_s"),
+        "waiting_s": median("waiting_s"), "pull_s": median("pull_s"),
+        "packing_s": median("packing_s"), "metrics_s": median("metrics_s"),
+        "cpu_share": cpu,
+        "worker_cpu_s_per_1k_generated": round(
+            1000 * cpu["rollout_worker"] * wall / generated, 3) if generated else None,
+        "reward_first_third": round(statistics.mean(rewards[:third]), 3) if rewards else None,
+        "reward_last_third": round(statistics.mean(rewards[-third:]), 3) if rewards else None,
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in load_after],
+    }
+
+
+if __name__ == "__main__":
+    main()
