@@ -47,6 +47,33 @@ async def counter_agent(client, row: dict) -> float:
     return float(counter == row["target"])
 
 
+RESPONSES_TOOL = {"type": "function", **INCREMENT_TOOL["function"]}  # the Responses API's flat form
+
+
+@agent("counter-responses")
+async def responses_counter_agent(client, row: dict) -> float:
+    """The counter task through `client.responses.create`, sending the whole history each call
+    (its output items, then a `function_call_output` per call), or, with `row["chain"]`, only
+    the new items after `previous_response_id`."""
+    model = await model_name(client)
+    items = [{"role": "user", "content": f"Increment the counter by {row['target']}."}]
+    counter, previous = 0, None
+    for _ in range(3):
+        response = await client.responses.create(model=model, input=items, tools=[RESPONSES_TOOL],
+                                                 previous_response_id=previous)
+        calls = [item for item in response.output if item.type == "function_call"]
+        if row.get("chain"):
+            items, previous = [], response.id
+        else:
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+        if not calls:
+            break
+        for call in calls:
+            counter += int(json.loads(call.arguments).get("step", 0))
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": str(counter)})
+    return float(counter == row["target"])
+
+
 async def one_call_agent(client, row: dict) -> None:
     await client.chat.completions.create(model=await model_name(client), messages=row["prompt"])
     # None: reward_funcs score it

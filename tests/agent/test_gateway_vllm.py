@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import harness_agents
 import httpx
@@ -28,9 +30,15 @@ PROMPT = [{"role": "user", "content": "Increment the counter by 3."}]
 
 @pytest.fixture(scope="module")
 def warm_server(tmp_path_factory):
+    """Its own server on the tool-warmed model (the trainer test pushes weights into it), or
+    GRPO_AGENT_TEST_WARM_VLLM_URL: one you started on that model and let these tests change."""
     from grpo_agent.sampler.server import ManagedVLLMServer
     from grpo_agent.testing.warmup import build_tool_warmed_model
 
+    url = os.environ.get("GRPO_AGENT_TEST_WARM_VLLM_URL")
+    if url:
+        yield SimpleNamespace(base_url=url.rstrip("/"), model_path=build_tool_warmed_model())
+        return
     server = ManagedVLLMServer(
         build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
         log_path=tmp_path_factory.mktemp("vllm-gateway") / "server.log",
@@ -246,3 +254,34 @@ def test_a_call_over_the_rollouts_budget_gets_a_429_the_agent_sees(warm_server, 
     assert rollout.reward == 1.0 and len(rollout.turns) == 1  # the agent caught the budget error
     assert rollout.metrics["harness/rejected_calls_count"] == [1.0]
     assert rollout.metrics["harness/errors_count"] == [0.0]
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["whole-history", "previous_response_id"])
+def test_responses_api_tool_calls_are_function_call_items_and_multi_turn_is_one_sample(
+        warm_server, tmp_path, chain):
+    async def main():
+        async with started_loop(warm_server, tmp_path, harness_agents.responses_counter_agent) as loop:
+            rows = [{"target": t, "chain": chain} for t in (1, 2, 3, 4)]
+            results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
+            session = loop.gateway.open_session(0)
+            url = loop.gateway.base_url + "/responses"
+            async with httpx.AsyncClient() as http:
+                bad = await http.post(url, headers={"Authorization": f"Bearer {session.key}"}, json={
+                    "model": loop.server.model_id, "input": "hi", "previous_response_id": "resp_x"})
+            return loop, results, bad
+
+    loop, results, bad = asyncio.run(main())
+    chat_tool = harness_agents.INCREMENT_TOOL
+    multi_turn = 0
+    for prompt, rollout in results:
+        assert rollout.turns and rollout.metrics["harness/errors_count"] == [0.0], rollout.metrics
+        recorded = [(t.prompt_ids, t.output_ids, t.output_log_probs) for t in rollout.turns]
+        assert all(entry in loop.sampled for entry in recorded)
+        # the flat Responses tool renders exactly as the chat tool the model was warmed on
+        assert rollout.turns[0].prompt_ids == render(loop.tokenizer, prompt, [chat_tool])
+        sequences, stats = reconcile_turns(rollout.turns)
+        if len(rollout.turns) > 1:
+            multi_turn += 1
+            assert stats.num_forks == 0 and len(sequences) == 1, stats
+    assert multi_turn >= 2
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "response_not_found"

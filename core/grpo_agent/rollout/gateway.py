@@ -284,12 +284,9 @@ class Gateway:
         """Render, sample token-in/token-out, record the turn, parse tool calls: the reply as
         an OpenAI assistant message, its finish reason, and (prompt, completion) token counts."""
         messages = template_messages(raw_messages)
-        executor = self.loop.tool_executor
-        aio = asyncio.get_running_loop()
-        try:
-            renderer = await aio.run_in_executor(executor, ConversationRenderer, self.loop.tokenizer,
-                                                 tools, _template_kwargs(self.loop.config))
-            prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
+        try:  # one hop off the event loop (each hop costs a thread handoff under the GIL)
+            renderer, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self.loop.tool_executor, self._render, tools, messages)
         except Exception as error:  # the template refused these messages
             raise GatewayError(400, f"The chat template could not render these messages: "
                                f"{type(error).__name__}: {error}", param="messages") from error
@@ -322,6 +319,10 @@ class Gateway:
             finish = "tool_calls" if finish == "stop" else finish
         session.last_messages = [*raw_messages, message]
         return message, finish, (len(prompt_ids), len(turn.output_ids))
+
+    def _render(self, tools: list | None, messages: list[dict]) -> tuple[ConversationRenderer, list[int]]:
+        renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config))
+        return renderer, renderer.prompt_ids(messages)
 
     def _check_budget(self, session: AgentSession) -> None:
         limits = self.limits
