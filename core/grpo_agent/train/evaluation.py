@@ -222,6 +222,12 @@ def start_training_eval(trainer: AsyncGRPOTrainer) -> dict[str, float]:
 
     if trainer.evaluator is not None and fsdp.is_main_process():
         trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
+        if trainer.control.should_training_stop:
+            # The run's last one is awaited and logged now: `report_to` integrations close their
+            # run in on_train_end (trackio's later logs are lost), which runs before ours.
+            trainer.evaluator.wait()
+            if (metrics := trainer.evaluator.take_finished()) is not None:
+                trainer.log(metrics)
     trainer.control.should_evaluate = False  # Trainer.evaluate's on_evaluate would reset it
     return {}
 
