@@ -239,4 +239,7 @@ def build_tool_warmed_model(
 
 
 if __name__ == "__main__":
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its per-file load/save bars would bury ours
     print(build_tool_warmed_model(show_progress=sys.stderr.isatty()))
