@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
+from grpo_agent.rollout.gateway_errors import GatewayError
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
 from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.types import TurnRecord
@@ -49,20 +50,6 @@ class HarnessLimits:
     # Command agents running at once (each is a process tree; the rollout cap is in the
     # hundreds). None: max(4, CPU count).
     max_commands: int | None = None
-
-
-class GatewayError(Exception):
-    """An error the agent sees as an OpenAI error body with an HTTP status."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-        return web.json_response(body, status=self.status)
 
 
 @dataclass

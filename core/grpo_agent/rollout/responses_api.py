@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from grpo_agent.rollout.gateway import GatewayError
+from grpo_agent.rollout.gateway_errors import GatewayError
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant")
 
