@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -142,6 +143,8 @@ class _Collector:
         elif report.skipped and outcome == "passed":
             outcome = "skipped"
         self.results[report.nodeid] = (outcome, duration)
+        if report.when == "teardown":  # one line per test as it ends: a cut-short run still shows them
+            print(f"\n[{outcome} {duration:.1f} s] {report.nodeid}", flush=True)
 
 
 def _matching(case: Case, results: dict[str, tuple[str, float]]) -> list[tuple[str, float]]:
@@ -169,6 +172,8 @@ def main() -> int:
     parser.add_argument("--fast", action="store_true", help="skip cases that need a vLLM server or the CLI end to end")
     parser.add_argument("-k", dest="keyword", default="", help="only cases whose name contains this")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    parser.add_argument("--budget", type=int, default=3600,
+                        help="seconds for the whole pytest session; later cases are NOT RUN (default 3600)")
     args = parser.parse_args()
     cases = [c for c in CASES if args.keyword in c.name and not (args.fast and c.slow)]
     nodes = sorted({c.node.split("[")[0] for c in cases if c.node and not c.node.endswith("::")}
@@ -178,8 +183,10 @@ def main() -> int:
     collector = _Collector()
     os.chdir(ROOT)
     started = time.monotonic()
-    pytest.main(["-q", "-p", "no:cacheprovider", *nodes],
-                plugins=[collector])
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # pytest stops cleanly
+    signal.alarm(args.budget)
+    pytest.main(["-q", "-p", "no:cacheprovider", *nodes], plugins=[collector])
+    signal.alarm(0)
     total = time.monotonic() - started
     rows = [_row(case, collector.results) for case in cases]
     print(f"\n== fault suite: {len(rows)} cases, {total:.0f} s in all")
