@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from grpo_agent.plugins.errors import PluginError
 
+# Set by `--debug` (a flag of the main callback) and read by the commands that catch errors.
+DEBUG_ENV = "GRPO_AGENT_DEBUG"
+
 
 class CliError(Exception):
     """A user mistake detected by a command (bad flag value, missing file)."""

@@ -17,8 +17,7 @@ import typer
 
 from grpo_agent.cli import config_cmd, env, plugins_cmd, train
 from grpo_agent.cli import eval as eval_cmd
-
-DEBUG_ENV = "GRPO_AGENT_DEBUG"
+from grpo_agent.cli.errors import DEBUG_ENV
 
 app = typer.Typer(
     name="grpo-agent",

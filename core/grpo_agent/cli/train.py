@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_agent.cli.errors import CliError
+from grpo_agent.cli.errors import DEBUG_ENV, CliError
 
 
 def train(
@@ -127,7 +127,6 @@ def train(
                            env_args=spec.option_values, agent=program)
     except Exception as err:
         from grpo_agent.cli.failure import report_failure
-        from grpo_agent.cli.main import DEBUG_ENV
 
         message, code = report_failure(err, config.output_dir)
         if os.environ.get(DEBUG_ENV) == "1":
