@@ -194,6 +194,20 @@ def perturb(model, step: int) -> None:
             local.add_(torch.randn_like(local), alpha=1e-2 * (step + 1))
 
 
+def point_vllm_at_torchs_nccl() -> None:
+    """vLLM's PyNccl loads `libnccl.so.2` by name; name the file of the NCCL wheel torch uses,
+    so both ends of the group run the NCCL that torch was built with (inherited by the
+    receiver)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        library = os.path.join(folder, "lib", "libnccl.so.2")
+        if os.path.exists(library):
+            os.environ.setdefault("VLLM_NCCL_SO_PATH", library)
+            return
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=("trainer", "receiver"), default="trainer")
@@ -201,6 +215,7 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=4)
     parser.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B has 28")
     args = parser.parse_args()
+    point_vllm_at_torchs_nccl()
     if args.role == "receiver":
         serve(args.port)
         return

@@ -30,18 +30,22 @@ def _has_vllm_engine() -> bool:
         return False
 
 
+# vLLM's import is slow: looked up only where two GPUs are there.
+_TWO_GPUS = torch.cuda.device_count() >= 2
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
-    pytest.mark.skipif(not _has_vllm_engine(), reason="needs vLLM's weight-transfer modules"),
+    pytest.mark.skipif(not _TWO_GPUS, reason="needs two CUDA GPUs"),
+    pytest.mark.skipif(_TWO_GPUS and not _has_vllm_engine(),
+                       reason="needs vLLM's weight-transfer modules"),
 ]
 
 
 def test_push_lands_bit_for_bit_in_vllms_nccl_engine():
     result = subprocess.run(
         [sys.executable, str(BENCH), "--pushes", "3", "--layers", "4"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rounds = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
