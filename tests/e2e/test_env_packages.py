@@ -57,6 +57,22 @@ def test_textarena_game_trains_through_the_cli(cli, private_server, tmp_path):
     assert any("tools/call_frequency" in row for row in metrics), metrics  # move was offered
 
 
+def test_openenv_environment_trains_through_the_cli(cli, private_server, tmp_path):
+    """An OpenEnv MCPEnvironment stepped in process: every group scored by the env's own
+    observation rewards, the step tool offered to the model."""
+    pytest.importorskip("grpo_agent_env_openenv")
+    pytest.importorskip("openenv.core")
+    out = tmp_path / "run"
+    cli.run([
+        "train", "--env", "openenv", "--env-arg", "size=4",
+        "--vllm-url", private_server.base_url, "--output-dir", str(out),
+        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
+        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+    ], tmp_path / "cli.log", timeout=420)
+    metrics = assert_trained(out, "rewards/OpenEnvEnv/mean")
+    assert any("tools/call_frequency" in row for row in metrics), metrics  # step was offered
+
+
 def assert_trained(out, reward: str) -> list[dict]:
     """The run logged `reward` within [0, 1] and saved its final model; its metric rows."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
