@@ -101,6 +101,18 @@ def test_unversioned_env_name_resolves_to_the_latest_version():
         "a": EchoEnvV1, "b": EchoEnvV2}
 
 
+def test_a_spec_resolves_its_reward_names_in_the_registry_it_came_from():
+    import pickle
+
+    spec = build_registry(SamplePlugin()).environment_spec("echo")
+    assert spec.reward_funcs() == [length_reward]  # "length" is not in the installed plugins
+    copy = pickle.loads(pickle.dumps(spec))  # what the worker gets: the spec, not every plugin
+    assert copy.registry is None and copy().reset() == "Say hi."
+    with pytest.raises(ValueError, match=r"names its rewards \['length'\].*reward_funcs\("):
+        copy.reward_funcs()
+    assert copy.reward_funcs(build_registry(SamplePlugin())) == [length_reward]
+
+
 def test_names_and_import_paths_resolve_and_callables_pass_through():
     registry = build_registry(SamplePlugin())
     assert registry.resolve_reward("length") is length_reward

@@ -26,13 +26,8 @@ STAGES = {
 FACE = "grpo_agent"  # the package face re-exports everything lazily; nothing imports it
 
 # Cycles still open, each with its owner (issue 16: the trainer/step-source seam is in
-# progress; the registry's lazy `load_registry` keeps `EnvironmentSpec.reward_funcs()` callable
-# without arguments, as docs/plugins.md shows; the gateway's Responses API and the CLI's
-# `--debug` variable are new). An entry that no longer is a cycle may simply be deleted.
+# progress). An entry that no longer is a cycle may simply be deleted.
 PENDING_CYCLES = [
-    {"grpo_agent.plugins.manager", "grpo_agent.plugins.registry"},
-    {"grpo_agent.rollout.gateway", "grpo_agent.rollout.responses_api"},
-    {"grpo_agent.cli.main", "grpo_agent.cli.train"},
     {"grpo_agent.train.trainer", "grpo_agent.train.step_source", "grpo_agent.train.evaluation"},
 ]
 

@@ -52,6 +52,12 @@ class EnvironmentSpec:
     option_values: dict[str, Any] = field(default_factory=dict)
     eval_dataset: Callable[..., Any] | None = None
     success_threshold: float | None = None  # reward at which a rollout counts as solved (eval)
+    # The registry the spec came from: `reward_funcs()` resolves reward names there. It stays
+    # behind when the spec is pickled (the worker gets the spec, not every plugin).
+    registry: Registry | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "registry": None}
 
     def __call__(self) -> Any:
         """A new environment instance built with this spec's option values."""
@@ -89,12 +95,17 @@ class EnvironmentSpec:
         return None if self.eval_dataset is None else self.eval_dataset(**self.option_values)
 
     def reward_funcs(self, registry: Registry | None = None) -> list[Callable]:
-        """The env's declared rewards, resolved to functions (by default through the installed
-        plugins)."""
+        """The env's declared rewards, resolved to functions (by default through the registry
+        the spec came from)."""
+        registry = registry if registry is not None else self.registry
         if registry is None:
-            from grpo_agent.plugins.manager import load_registry  # manager imports this module
-
-            registry = load_registry()
+            names = [ref for ref in self.rewards if isinstance(ref, str)]
+            if names:
+                raise ValueError(
+                    f"Environment {self.name!r} names its rewards {names}, but this spec came "
+                    "from no registry to look them up in; pass one: "
+                    "reward_funcs(grpo_agent.plugins.load_registry()).")
+            return list(self.rewards)
         return [registry.resolve_reward(ref) for ref in self.rewards]
 
 
@@ -179,7 +190,7 @@ class Registry:
         """`register(EnvClass, name=None)` for `register_environments`."""
 
         def register(cls: type, name: str | None = None) -> None:
-            spec = environment_spec_from_class(cls, name, distribution)
+            spec = environment_spec_from_class(cls, name, distribution, registry=self)
             spec.tool_schemas()  # every tool method must have a schema
             self.add("environment", spec.id, spec, distribution)
             if spec.version is not None:
@@ -256,7 +267,7 @@ class Registry:
         """The full spec (class, dataset, rewards) of an environment, its options bound."""
         if ":" in name:
             cls = import_object(name)
-            return environment_spec_from_class(cls, None, cls.__module__).bind(options)
+            return environment_spec_from_class(cls, None, cls.__module__, registry=self).bind(options)
         spec = self.entries["environment"][self._canonical("environment", name)].obj
         return spec.bind(options)
 
@@ -269,7 +280,8 @@ class Registry:
         return ref
 
 
-def environment_spec_from_class(cls: type, name: str | None, distribution: str) -> EnvironmentSpec:
+def environment_spec_from_class(cls: type, name: str | None, distribution: str, *,
+                                registry: Registry | None = None) -> EnvironmentSpec:
     """Read the `@environment` marker (if any) of a class into an `EnvironmentSpec`."""
     if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
         raise PluginError(
@@ -292,6 +304,7 @@ def environment_spec_from_class(cls: type, name: str | None, distribution: str) 
         option_values={option.name: option.default for option in options.get("options", ())},
         eval_dataset=options.get("eval_dataset"),
         success_threshold=options.get("success_threshold"),
+        registry=registry,
     )
 
 
