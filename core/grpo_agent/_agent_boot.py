@@ -17,6 +17,7 @@ import json
 import os
 import pwd
 import resource
+import signal
 import socket
 import struct
 import sys
@@ -25,6 +26,7 @@ CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+PR_SET_PDEATHSIG = 1
 ISOLATION_FAILED_EXIT = 97
 
 
@@ -110,8 +112,15 @@ def set_limits(limits):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
+def die_with_parent():
+    """SIGKILL when the parent dies (a killed rollout worker must not leave agents running).
+    Cleared by fork and by a change of user, so each process that needs it sets it."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def main():
     limits, command = json.loads(sys.argv[1]), sys.argv[2:]
+    die_with_parent()
     if limits["network"] == "gateway":
         root = os.getuid() == 0
         try:
@@ -125,6 +134,7 @@ def main():
         relay_then_wait(limits)
     if limits.get("user"):
         drop_to(limits["user"], limits["home"])
+    die_with_parent()  # the relay's child, or after the user change
     set_limits(limits)
     try:
         os.execvp(command[0], command)
