@@ -9,7 +9,13 @@ and the OpenAI response. Rounds alternate so drift on a shared machine hits both
 JSON line per round; the last line is the summary, whose `ratio` (gateway / raw, target >= 0.9)
 is the median of the per-round ratios.
 
-    python bench/gateway_overhead.py [--base-url URL] [--concurrency 16] [--rounds 4]
+`--client in-loop` (default) runs the `openai` client on the gateway's event loop, as an async
+agent does in the rollout worker: the client's own cost (building and parsing its pydantic
+models, about as much as the gateway's) shares that loop. `--client process` runs it in a
+separate process, as a command agent or an external harness does; the process times itself
+after a warm-up, so its start is not counted.
+
+    python bench/gateway_overhead.py [--base-url URL] [--concurrency 16] [--rounds 4] [--client process]
 
 Without --base-url it builds the tiny model and starts its own vLLM server.
 """
@@ -20,10 +26,42 @@ import asyncio
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+
+CLIENT_PROCESS = """
+import asyncio, json, sys, time
+import openai
+
+async def main(url, key, model, concurrency, items):
+    client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(messages):
+        async with gate:
+            await client.chat.completions.create(model=model, messages=messages)
+
+    await asyncio.gather(*(one(m) for m in items[:concurrency]))  # warm-up, not timed
+    began = time.perf_counter()
+    await asyncio.gather(*(one(m) for m in items))
+    print(time.perf_counter() - began)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.load(sys.stdin)))
+"""
+
+
+async def in_process(url: str, key: str, model: str, concurrency: int, items) -> float:
+    """One round from a separate client process; the seconds it timed."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT_PROCESS, url, key, model, str(concurrency),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    out, _ = await process.communicate(json.dumps(items).encode())
+    if process.returncode != 0:
+        raise SystemExit(f"the client process failed with {process.returncode}")
+    return float(out.decode().split()[-1])
 
 
 def conversations(count: int) -> list[list[dict]]:
@@ -84,7 +122,11 @@ async def bench(base_url: str, model_path: str, args) -> dict:
         for index in range(args.rounds):
             order = [("raw", raw), ("gateway", through_gateway)]
             for name, send in order if index % 2 == 0 else order[::-1]:
-                seconds = await run_all(send, items, args.concurrency)
+                if name == "gateway" and args.client == "process":
+                    seconds = await in_process(gateway.base_url, session.key, loop.model_name,
+                                               args.concurrency, items)
+                else:
+                    seconds = await run_all(send, items, args.concurrency)
                 rate = args.requests * args.tokens / seconds
                 results[name].append(rate)
                 print(json.dumps({"round": index, "client": name, "tokens_per_s": round(rate, 1),
@@ -94,7 +136,8 @@ async def bench(base_url: str, model_path: str, args) -> dict:
         await gateway.stop()
         await loop.sampler.aclose()
         loop.tool_executor.shutdown(wait=False)
-    expected = args.concurrency + args.requests * args.rounds  # warm-up + measured calls
+    warmups = 1 + (args.rounds if args.client == "process" else 0)  # each process warms up
+    expected = args.concurrency * warmups + args.requests * args.rounds  # every call recorded
     assert len(session.turns) == expected, (len(session.turns), expected)  # each one recorded
     return results
 
@@ -107,6 +150,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--client", choices=("in-loop", "process"), default="in-loop",
+                        help="where the openai client runs (see the module docstring)")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         base_url, model_path = args.base_url, args.model_path
@@ -121,7 +166,8 @@ def main() -> None:
         results = asyncio.run(bench(base_url, model_path, args))
     raw, ours = statistics.median(results["raw"]), statistics.median(results["gateway"])
     paired = statistics.median(g / r for g, r in zip(results["gateway"], results["raw"]))
-    print(json.dumps({"summary": "gateway_overhead", "concurrency": args.concurrency,
+    print(json.dumps({"summary": "gateway_overhead", "client": args.client,
+                      "concurrency": args.concurrency,
                       "requests_per_round": args.requests, "tokens_per_request": args.tokens,
                       "raw_tokens_per_s": round(raw, 1), "gateway_tokens_per_s": round(ours, 1),
                       "ratio": round(paired, 4), "ratio_of_medians": round(ours / raw, 4),

@@ -1,20 +1,26 @@
-"""The counter task trained two ways on the tool-warmed tiny model: as an `openai`-SDK agent
-through `HarnessAsyncGRPOTrainer` (the gateway) and as an `environment_factory` through
-`AsyncGRPOTrainer` (the built-in tool loop). Same rows, seed, steps and config; one vLLM server.
+"""The counter task trained three ways on the tool-warmed tiny model: as an `openai`-SDK agent
+through `HarnessAsyncGRPOTrainer` (the gateway, "harness"), as a command agent with the sync
+client in its own sandboxed process ("command", bench/counter_command_agent.py), and as an
+`environment_factory` through `AsyncGRPOTrainer` (the built-in tool loop, "env"). Same rows,
+seed, steps and config; one vLLM server, whose weights are put back to the warmed model's
+before each run (a run pushes its trained weights into it).
 
 Prints the reward per logged step for each run and a summary JSON line last (first and last
-thirds' mean reward per run). No learning claim is made from a run this short; it shows the two
-paths train the same task at the same cost.
+thirds' mean reward per run).
 
-    python bench/harness_vs_env.py [--steps 15] [--learning-rate 1e-4] [--runs harness,env]
+    python bench/harness_vs_env.py [--steps 15] [--learning-rate 1e-4] [--runs harness,command,env]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 from transformers.utils import get_json_schema
 
@@ -47,6 +53,7 @@ class IncrementEnv:
 # rendered JSON, and a tiny model warmed on one key order fails on another (measured: mean
 # reward 0.004 vs 0.12 over 4 steps when "required" came before "properties").
 INCREMENT = get_json_schema(IncrementEnv().increment)
+COMMAND_AGENT = Path(__file__).with_name("counter_command_agent.py")
 
 
 async def counter_agent(client, row: dict) -> float:
@@ -69,6 +76,7 @@ async def counter_agent(client, row: dict) -> float:
 def train(kind: str, server, steps: int, learning_rate: float) -> dict:
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, HarnessAsyncGRPOTrainer
+    from grpo_agent.rollout.agent_programs import AgentCommand
 
     targets = TARGETS * 64
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
@@ -79,11 +87,14 @@ def train(kind: str, server, steps: int, learning_rate: float) -> dict:
         chat_template_kwargs={"enable_thinking": False}, learning_rate=learning_rate, seed=0,
         report_to="none", logging_steps=1)
     model = str(server.model_path)
-    if kind == "harness":
-        trainer = HarnessAsyncGRPOTrainer(model=model, agent=counter_agent, args=config, train_dataset=dataset)
-    else:
+    if kind in ("harness", "command"):
+        agent = counter_agent if kind == "harness" else AgentCommand(f"{sys.executable} {COMMAND_AGENT}")
+        trainer = HarnessAsyncGRPOTrainer(model=model, agent=agent, args=config, train_dataset=dataset)
+    elif kind == "env":
         trainer = AsyncGRPOTrainer(model=model, args=config, train_dataset=dataset,
                                    environment_factory=IncrementEnv)
+    else:
+        raise SystemExit(f"Unknown run {kind!r}: use harness, command or env.")
     began = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - began
@@ -97,18 +108,47 @@ def train(kind: str, server, steps: int, learning_rate: float) -> dict:
     return result
 
 
+def restore_weights(server) -> None:
+    """Push the warmed model's weights back (version 0): each run starts from the same policy."""
+    import torch
+    from grpo_agent.weight_sync.transports import build_weight_sync
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.float32)
+    sync = build_weight_sync(server.base_url, backend="disk")
+    try:
+        sync.push(model.named_parameters(), version=0)
+    finally:
+        sync.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--runs", default="harness,env", help="which runs, in order")
+    parser.add_argument("--runs", default="harness,command,env", help="which runs, in order")
+    parser.add_argument("--base-url", help="a running server on the tool-warmed model that this "
+                        "bench may push weights into (default: start one)")
     args = parser.parse_args()
     from grpo_agent.sampler.server import ManagedVLLMServer
     from grpo_agent.testing.warmup import build_tool_warmed_model
 
-    with ManagedVLLMServer(build_tool_warmed_model(), dtype="float32", max_model_len=1024,
-                           enforce_eager=True) as server:
-        results = [train(kind, server, args.steps, args.learning_rate) for kind in args.runs.split(",")]
+    sys.path.insert(0, str(COMMAND_AGENT.parent))
+    from counter_command_agent import INCREMENT as COMMAND_SCHEMA
+
+    if json.dumps(COMMAND_SCHEMA) != json.dumps(INCREMENT):
+        raise SystemExit("bench/counter_command_agent.py's schema differs from the env's: "
+                         f"{COMMAND_SCHEMA} vs {INCREMENT}")
+    results = []
+    model = build_tool_warmed_model()
+    with contextlib.ExitStack() as stack:
+        server = SimpleNamespace(base_url=args.base_url, model_path=model)
+        if args.base_url is None:
+            server = stack.enter_context(ManagedVLLMServer(model, dtype="float32", max_model_len=1024,
+                                                           enforce_eager=True))
+        for kind in args.runs.split(","):
+            restore_weights(server)
+            results.append(train(kind, server, args.steps, args.learning_rate))
     print(json.dumps({"summary": "harness_vs_env", "steps": args.steps,
                       "learning_rate": args.learning_rate,
                       **{f"{r['run']}_{key}": r[key] for r in results
