@@ -85,7 +85,13 @@ def make_engine(recorder: Recorder):
 def serve(port: int) -> None:
     torch.cuda.set_device(0)
     recorder = Recorder()
-    engine = make_engine(recorder)
+    server = make_server(make_engine(recorder), recorder, port)
+    print(f"receiver ready on {port}", flush=True)
+    server.serve_forever()
+
+
+def make_server(engine, recorder: Recorder, port: int) -> ThreadingHTTPServer:
+    """vLLM's RL routes, each calling the engine the way a vLLM worker does."""
     state = {"version": None}
 
     def baseline(num_bytes: int, repeats: int) -> None:
@@ -133,9 +139,7 @@ def serve(port: int) -> None:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    print(f"receiver ready on {port}", flush=True)
-    server.serve_forever()
+    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
 
 
 # ---------------------------------------------------------------- trainer (GPU 0..N-1)
