@@ -89,8 +89,9 @@ def test_an_episode_returns_the_tasksets_weighted_rewards(taskset_path, endpoint
     async def episode(row):
         return await play(openai.AsyncOpenAI(base_url=base_url, api_key="rollout-key"), dict(row))
 
-    assert asyncio.run(episode(rows[0])) == 1.5  # exact (1 x 1.0) + short (1 x 0.5)
-    assert asyncio.run(episode(rows[2])) == 0.0  # wrong and long
+    # exact (1 x 1.0) + brevity ((1 - 5/40) x 0.5); then wrong, 22 characters
+    assert asyncio.run(episode(rows[0])) == pytest.approx(1.0 + 0.875 * 0.5)
+    assert asyncio.run(episode(rows[2])) == pytest.approx((1 - 22 / 40) * 0.5)
     assert [r["messages"][-1]["content"] for r in requests][-2:] == [rows[0]["prompt"], rows[2]["prompt"]]
 
 

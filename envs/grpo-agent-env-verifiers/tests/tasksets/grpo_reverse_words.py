@@ -1,7 +1,8 @@
 """A verifiers 0.4.0 taskset for the tests (imported by verifiers in its venv, by id).
 
-Reverse a word; `exact` (weight 1) when the reply is the reversed word, `short` (weight 0.5)
-when the reply has at most 8 characters, so a reply's reward tells both rewards arrived.
+Reverse a word; `exact` (weight 1) when the reply is the reversed word, `brevity` (weight 0.5)
+falls from 1 to 0 as the reply grows to 40 characters, so a reply's reward tells both rewards
+and their weights arrived (and a group's replies of different lengths score differently).
 """
 import verifiers.v1 as vf
 
@@ -18,8 +19,8 @@ class ReverseTask(vf.Task[ReverseData]):
         return float(trace.last_reply == self.data.answer)
 
     @vf.reward(weight=0.5)
-    async def short(self, trace: vf.Trace) -> float:
-        return float(0 < len(trace.last_reply) <= 8)
+    async def brevity(self, trace: vf.Trace) -> float:
+        return max(0.0, 1.0 - len(trace.last_reply) / 40)
 
 
 class ReverseConfig(vf.TasksetConfig):
