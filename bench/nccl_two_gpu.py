@@ -70,6 +70,29 @@ class Recorder(torch.nn.Module):
         return loaded
 
 
+def load_mtp_validation_alone() -> None:
+    """`receive_weights` imports `vllm.model_executor.model_loader.mtp_validation` (a ContextVar
+    switch); that package's __init__ imports every model loader (fastapi, xgrammar, ...), which
+    the carry leaves out. Load vLLM's one file under its name, the package left unexecuted."""
+    import importlib.util
+    import types
+
+    import vllm.model_executor
+
+    package = "vllm.model_executor.model_loader"
+    if package in sys.modules:
+        return
+    folder = os.path.join(os.path.dirname(vllm.model_executor.__file__), "model_loader")
+    stub = types.ModuleType(package)
+    stub.__path__ = [folder]
+    sys.modules[package] = stub
+    spec = importlib.util.spec_from_file_location(
+        package + ".mtp_validation", os.path.join(folder, "mtp_validation.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
 def make_engine(recorder: Recorder):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -84,6 +107,7 @@ def make_engine(recorder: Recorder):
 
 def serve(port: int) -> None:
     torch.cuda.set_device(0)
+    load_mtp_validation_alone()
     recorder = Recorder()
     server = make_server(make_engine(recorder), recorder, port)
     print(f"receiver ready on {port}", flush=True)
