@@ -16,12 +16,34 @@ import json
 import os
 import signal
 import subprocess
+import weakref
 from pathlib import Path
 
 from grpo_agent import Option, agent, environment, hookimpl
 
 RUNNER = Path(__file__).with_name("runner.py")
 DEFAULT_VENV = ".venv-verifiers"
+# Each episode is a Python process with verifiers' own servers and programs: the rollout worker
+# may run hundreds of rollouts at once, so episodes queue for a few slots (a box once ran 252 and
+# swapped to a halt). $VERIFIERS_MAX_EPISODES overrides.
+MAX_EPISODES = int(os.environ.get("VERIFIERS_MAX_EPISODES") or 0) or max(2, os.cpu_count() or 1)
+_episode_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PR_SET_PDEATHSIG = 1
+
+
+def _slots() -> asyncio.Semaphore:
+    """The running event loop's episode slots (a semaphore belongs to one loop)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _episode_slots:
+        _episode_slots[loop] = asyncio.Semaphore(MAX_EPISODES)
+    return _episode_slots[loop]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the rollout worker dies (no orphaned episodes)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class VerifiersVenvMissing(RuntimeError):
@@ -95,15 +117,16 @@ async def play(client, row: dict) -> float:
     python = Path(row["vf_python"])
     env = {**run_env(python), "OPENAI_BASE_URL": str(client.base_url),
            "OPENAI_API_KEY": client.api_key}
-    process = await asyncio.create_subprocess_exec(
-        str(python), str(RUNNER), "episode", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        start_new_session=True)
-    try:
-        out, err = await process.communicate(json.dumps(row).encode())
-    except asyncio.CancelledError:  # the rollout's time is up: end verifiers and its programs
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
+    async with _slots():
+        process = await asyncio.create_subprocess_exec(
+            str(python), str(RUNNER), "episode", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            out, err = await process.communicate(json.dumps(row).encode())
+        except asyncio.CancelledError:  # the rollout's time is up: end verifiers and its programs
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
     if process.returncode != 0:
         raise RuntimeError(f"verifiers episode exited {process.returncode}: "
                            f"{err.decode(errors='replace')[-2000:]}")
