@@ -91,6 +91,33 @@ class DiesMidMessageLoop:
         os._exit(0)
 
 
+class ObservesOnceLoop:
+    """A worker whose engine observes one value at start, then only beats and flushes, with a
+    flush interval of an hour: the value reaches the trainer only if a flush request sends it."""
+
+    def __init__(self, *, channels, **kwargs):
+        self.channels = channels
+
+    def run(self):
+        import asyncio
+        from types import SimpleNamespace
+
+        from grpo_agent.rollout import engine as engine_module
+
+        engine_module.METRICS_FLUSH_INTERVAL_S = 3600.0
+        hooks = SimpleNamespace(config=None, sampler=SimpleNamespace(retry_count=0))
+        engine = engine_module.RolloutEngine(hooks, self.channels)
+        engine.observe("test/observed_once", 1.0)
+
+        async def main():
+            tasks = [asyncio.create_task(c) for c in (engine._heartbeat(), engine._flush_metrics())]
+            await engine._wait_for_stop()
+            for task in tasks:
+                task.cancel()
+
+        asyncio.run(main())
+
+
 class BoxedAnswerLoop(AsyncRolloutLoop):
     """Samples from the server, then answers `What is a + a?` in `\\boxed{}`: right on the odd
     rollouts of each group, wrong on the even ones, so accuracy_reward must tell them apart.

@@ -28,3 +28,18 @@ def test_a_truncated_message_neither_hangs_the_metrics_drain_nor_the_next_pull()
             worker.pull(timeout=5.0)
     finally:
         assert _finishes_within(30, worker.stop)
+
+
+def test_the_last_metrics_arrive_when_the_trainer_asks_for_them():
+    """The run's last step asks the worker to flush (instead of sleeping through its interval):
+    the observation comes back with the flush, before the worker stops."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.ObservesOnceLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    try:
+        assert worker.flush_metrics(timeout_s=30.0)
+        assert ("test/observed_once", 1.0) in worker.drain_metrics()
+    finally:
+        assert _finishes_within(30, worker.stop)
