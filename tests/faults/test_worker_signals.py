@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports the reward by module name
 import fault_helpers
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # run by bench/faults.py; not yet seen passing (server starts timed out)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # not yet seen passing: both runs lost the server start
 
 
 def _gone(pid: int) -> bool:
