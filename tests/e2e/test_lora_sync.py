@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_agent.sampler.client import SamplerClient, SamplingParams
+from grpo_agent.weight_sync.transports.control import ServerControl
 from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, TrainerCallback
@@ -38,10 +39,8 @@ def lora_server(tiny_model_path, tmp_path_factory):
 
 
 def _served(url: str) -> list[str]:
-    async def ask():
-        async with SamplerClient(url, timeout=60) as client:
-            return await client.served_models()
-    return asyncio.run(ask())
+    with ServerControl(url, timeout=60) as control:
+        return control.served_models()
 
 
 def _logprobs(model, token_ids: list[int], start: int) -> list[float]:
@@ -64,13 +63,13 @@ def test_vllm_cpu_serves_a_peft_adapter_with_the_trainers_logprobs(lora_server, 
 
     async def sample():
         async with SamplerClient(lora_server.base_url, timeout=120) as client:
-            await client.load_lora_adapter("probe-adapter", str(tmp_path / "adapter"))
             params = SamplingParams(max_tokens=16, num_logprobs=0, ignore_eos=True)
-            turn = await client.generate(prompt, params, model="probe-adapter")
-            await client.unload_lora_adapter("probe-adapter")
-            return turn
+            return await client.generate(prompt, params, model="probe-adapter")
 
-    turn = asyncio.run(sample())
+    with ServerControl(lora_server.base_url, timeout=120) as control:
+        control.load_lora_adapter("probe-adapter", str(tmp_path / "adapter"))
+        turn = asyncio.run(sample())
+        control.unload_lora_adapter("probe-adapter")
     ids = prompt + turn.output_ids
     adapter_gap = max(abs(a - b) for a, b in zip(_logprobs(model, ids, len(prompt)),
                                                   turn.output_log_probs))

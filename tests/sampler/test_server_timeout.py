@@ -156,9 +156,8 @@ def test_weight_sync_calls_take_vllm_server_timeout(tmp_path):
         pusher = WeightPusher(args)
         assert pusher._sync.control._http.timeout.read == 7.0  # merged-weight pushes
         pusher.close()
-        lora_client = AdapterPusher._client(SimpleNamespace(args=args))  # adapter loads
-        assert lora_client.timeout == 7.0
-        asyncio.run(lora_client.aclose())
+        with AdapterPusher._control(SimpleNamespace(args=args)) as control:  # adapter loads
+            assert control._http.timeout.read == 7.0
     finally:
         httpd.shutdown()
         httpd.server_close()

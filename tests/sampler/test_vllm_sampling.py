@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_agent.sampler import RequestRejectedError, SamplerClient, SamplingParams
+from grpo_agent.weight_sync.transports.control import ServerControl
 
 from .hf_reference import max_gap, token_logprobs
 
@@ -99,18 +100,22 @@ def test_prompt_longer_than_max_model_len_fails_at_once_with_the_servers_message
 
 
 def test_a_request_sent_while_paused_completes_after_resume(vllm_server):
+    control = ServerControl(vllm_server.base_url, timeout=120)
+
     async def main(client):
-        await client.pause(mode="keep")
+        control.call_retried("POST", "/pause?mode=keep&clear_cache=false", retries=0)
         try:
             task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_tokens=4)))
             await asyncio.sleep(1.0)
             assert not task.done()
         finally:
-            await client.resume()
+            control.call_retried("POST", "/resume", retries=0)
         return await asyncio.wait_for(task, timeout=120)
 
-    assert len(run(main, vllm_server.base_url).output_ids) == 4
+    with control:
+        assert len(run(main, vllm_server.base_url).output_ids) == 4
 
 
 def test_prefix_cache_reset_succeeds_when_idle(vllm_server):
-    assert run(lambda c: c.reset_prefix_cache(), vllm_server.base_url) is True
+    with ServerControl(vllm_server.base_url, timeout=120) as control:
+        assert control.call("POST", "/reset_prefix_cache")["success"] is True

@@ -18,9 +18,12 @@ from typing import Any
 import httpx
 
 from grpo_agent.sampler.errors import (
+    RETRYABLE_STATUS,
     RequestRejectedError,
-    SamplerError,
-    ServerUnreachableError,
+    exhausted_error,
+    rejected_error,
+    retry_delay_s,
+    server_message,
 )
 from grpo_agent.sampler.prometheus import ServerMetrics, parse_server_metrics
 from grpo_agent.types import TurnRecord
@@ -30,7 +33,6 @@ logger = logging.getLogger(__name__)
 # Below vLLM's default 5 s keep-alive, so we never reuse a connection the server just closed.
 KEEPALIVE_EXPIRY_S = 3.0
 CONTROL_TIMEOUT_S = 120.0
-_RETRYABLE_STATUS = range(500, 600)
 
 
 def adapter_name(lora_name: str | None, version: int) -> str | None:
@@ -157,11 +159,6 @@ class SamplerClient:
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
         return self._model_info
 
-    async def served_models(self) -> list[str]:
-        """Every model id the server answers to: the base model, then loaded LoRA adapters."""
-        data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
-        return [entry["id"] for entry in data["data"]]
-
     async def metrics(self) -> ServerMetrics | None:
         """Scheduler gauges from `/metrics`; None when the server does not expose them."""
         text = await self.metrics_text()
@@ -177,32 +174,6 @@ class SamplerClient:
         """The server's resolved configuration (`GET /server_info?config_format=json`)."""
         return await self._request_json("GET", "/server_info", params={"config_format": "json"},
                                         timeout=CONTROL_TIMEOUT_S)
-
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        """Stop scheduling; `keep` freezes running requests in place (needs dev mode)."""
-        await self._request("POST", "/pause", timeout=CONTROL_TIMEOUT_S,
-                            params={"mode": mode, "clear_cache": str(clear_cache).lower()})
-
-    async def resume(self) -> None:
-        await self._request("POST", "/resume", timeout=CONTROL_TIMEOUT_S)
-
-    async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
-        """Drop cached KV blocks; False when running requests still hold blocks."""
-        data = await self._request_json(
-            "POST", "/reset_prefix_cache", timeout=CONTROL_TIMEOUT_S,
-            params={"reset_running_requests": str(reset_running_requests).lower()},
-        )
-        return bool(data.get("success"))
-
-    async def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter saved in `path` as model `name` (needs `--enable-lora` and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server).
-        A weight-sync call: it takes the client's timeout (`vllm_server_timeout`)."""
-        await self._request("POST", "/v1/load_lora_adapter",
-                            json={"lora_name": name, "lora_path": str(path)})
-
-    async def unload_lora_adapter(self, name: str) -> None:
-        await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     # ------------------------------------------------------------------ transport
 
@@ -224,7 +195,7 @@ class SamplerClient:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.retry_count += 1
-                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+                await asyncio.sleep(retry_delay_s(attempt))
             try:
                 response = await self._http.request(
                     method, path, json=json, params=params,
@@ -233,47 +204,19 @@ class SamplerClient:
             except httpx.TransportError as error:
                 last_problem = f"{type(error).__name__}: {error or 'connection failed'}"
                 continue
-            if response.status_code in _RETRYABLE_STATUS:
-                last_problem = f"HTTP {response.status_code}: {_server_message(response)}"
+            if response.status_code in RETRYABLE_STATUS:
+                last_problem = f"HTTP {response.status_code}: {server_message(response)}"
                 continue
             if response.status_code >= 400 and response.status_code not in allow_status:
-                message = _server_message(response)
-                raise RequestRejectedError(
-                    f"{method} {self.base_url}{path} was rejected with HTTP "
-                    f"{response.status_code}: {message}",
-                    status_code=response.status_code, server_message=message,
-                )
+                raise rejected_error(method, f"{self.base_url}{path}", response)
             return response
-        raise self._exhausted_error(method, path, last_problem)
-
-    def _exhausted_error(self, method: str, path: str, problem: str) -> SamplerError:
-        where = f"{method} {self.base_url}{path}"
-        if problem.startswith(("ConnectError", "ConnectTimeout")):
-            return ServerUnreachableError(
-                f"No vLLM server answered at {self.base_url} ({problem}) after "
-                f"{self.max_retries + 1} attempts. Start one (e.g. `vllm serve MODEL "
-                f"--enable-scale-out`) or pass the right URL."
-            )
-        return SamplerError(f"{where} failed after {self.max_retries + 1} attempts: {problem}")
+        raise exhausted_error(method, self.base_url, path, last_problem, self.max_retries + 1)
 
 
 def _route_missing(error: RequestRejectedError) -> bool:
     """403: scale-out endpoints disabled; a bare 404: no such route (not an unknown model)."""
     return error.status_code == 403 or (
         error.status_code == 404 and error.server_message == "Not Found")
-
-
-def _server_message(response: httpx.Response) -> str:
-    try:
-        data = response.json()
-    except ValueError:
-        return response.text.strip()[:2000] or response.reason_phrase
-    if isinstance(data, dict):
-        error = data.get("error", data)
-        if isinstance(error, dict):
-            return str(error.get("message") or error.get("detail") or error)
-        return str(data.get("detail") or error)
-    return str(data)
 
 
 def _sampling_body(params: SamplingParams) -> dict[str, Any]:

@@ -2,8 +2,12 @@
 
 Split by what the caller can do about them: an unreachable server (check the URL or restart
 it), a request the server rejected for good (fix the request; retrying cannot help), and
-everything else that survived the bounded retries.
+everything else that survived the bounded retries. The retry rule both HTTP clients (the
+sampler's and the control calls') follow lives here too, so their errors read the same.
 """
+from typing import Any
+
+RETRYABLE_STATUS = range(500, 600)
 
 
 class SamplerError(RuntimeError):
@@ -29,3 +33,41 @@ class ServerStartupError(SamplerError):
 
 class WeightSyncError(SamplerError):
     """A weight push failed; the server may need a restart if the engine died."""
+
+
+def retry_delay_s(attempt: int) -> float:
+    """The pause before retry number `attempt` (1, 2, ...): 0.25 s doubling, at most 4 s."""
+    return min(0.25 * 2 ** (attempt - 1), 4.0)
+
+
+def server_message(response: Any) -> str:
+    """The server's own words from an error response (vLLM's JSON `error.message`/`detail`)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:2000] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error", data)
+        if isinstance(error, dict):
+            return str(error.get("message") or error.get("detail") or error)
+        return str(data.get("detail") or error)
+    return str(data)
+
+
+def rejected_error(method: str, url: str, response: Any) -> RequestRejectedError:
+    message = server_message(response)
+    return RequestRejectedError(
+        f"{method} {url} was rejected with HTTP {response.status_code}: {message}",
+        status_code=response.status_code, server_message=message,
+    )
+
+
+def exhausted_error(method: str, base_url: str, path: str, problem: str,
+                    attempts: int) -> SamplerError:
+    """What a call that failed `attempts` times raises; `problem` is the last failure."""
+    if problem.startswith(("ConnectError", "ConnectTimeout")):
+        return ServerUnreachableError(
+            f"No vLLM server answered at {base_url} ({problem}) after {attempts} attempts. "
+            f"Start one (e.g. `vllm serve MODEL --enable-scale-out`) or pass the right URL."
+        )
+    return SamplerError(f"{method} {base_url}{path} failed after {attempts} attempts: {problem}")

@@ -13,7 +13,6 @@ LoRA B to zero, so nothing needs registering before the first optimizer step.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -27,12 +26,13 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.client import SamplerClient, adapter_name
+from grpo_agent.sampler.client import adapter_name
 from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
 from grpo_agent.weight_sync.full import WeightPusher
+from grpo_agent.weight_sync.transports.control import ServerControl
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ class AdapterPusher:
         with torch.no_grad():
             initial = lora_adapter_weights(unwrapped)  # FSDP2 gathers: every rank takes part
         if self._main:
-            self._run(self._forget_earlier_runs())
-            self._run(self._check_server_loads(unwrapped, initial))
+            self._forget_earlier_runs()
+            self._check_server_loads(unwrapped, initial)
 
     # ------------------------------------------------------------------ the trainer's interface
 
@@ -161,7 +161,7 @@ class AdapterPusher:
         transfer_s = 0.0
         if self._main:
             folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
-            self._run(self._register(folder))
+            self._register(folder)
             transfer_s = time.perf_counter() - started
             self.last_num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         barrier_started = time.perf_counter()
@@ -179,7 +179,7 @@ class AdapterPusher:
         if not self._main:
             return
         try:
-            self._run(self._unload_all())
+            self._unload_all()
         except SamplerError as error:  # a dead server must not hide why training stopped
             logger.warning("Could not unload this run's LoRA adapters: %s", error)
         finally:
@@ -207,35 +207,35 @@ class AdapterPusher:
 
     # ------------------------------------------------------------------ server
 
-    async def _register(self, folder: Path) -> None:
+    def _register(self, folder: Path) -> None:
         """Load the new version, then unload beyond the window; delete last sync's unloads."""
         for old in self._unloaded_folders:
             shutil.rmtree(old, ignore_errors=True)
         self._unloaded_folders = []
-        async with self._client() as client:
-            await client.load_lora_adapter(folder.name, str(folder))
+        with self._control() as control:
+            control.load_lora_adapter(folder.name, str(folder))
             self._registered.append((folder.name, folder))
             while len(self._registered) > self.keep_versions:
                 name, old_folder = self._registered.popleft()
-                await client.unload_lora_adapter(name)
+                control.unload_lora_adapter(name)
                 self._unloaded_folders.append(old_folder)
 
-    async def _forget_earlier_runs(self) -> None:
+    def _forget_earlier_runs(self) -> None:
         """Unload adapters an earlier run of this output_dir left registered; clear its cache."""
-        async with self._client() as client:
-            for served in await client.served_models():
+        with self._control() as control:
+            for served in control.served_models():
                 if served.startswith(f"{self.lora_name}-v") or served == self._probe_name:
-                    await client.unload_lora_adapter(served)
+                    control.unload_lora_adapter(served)
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
-    async def _check_server_loads(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    def _check_server_loads(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load the initial adapter once under a probe name, so a server that cannot serve it
         fails now, with its reason, rather than at the first sync."""
         folder = self._write_version(model, state, self._probe_name)
         try:
-            async with self._client() as client:
-                await client.load_lora_adapter(self._probe_name, str(folder))
-                await client.unload_lora_adapter(self._probe_name)
+            with self._control() as control:
+                control.load_lora_adapter(self._probe_name, str(folder))
+                control.unload_lora_adapter(self._probe_name)
         except SamplerError as error:
             raise RuntimeError(
                 f"The vLLM server at {self.args.vllm_server_base_url} runs with --enable-lora "
@@ -246,22 +246,18 @@ class AdapterPusher:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    async def _unload_all(self) -> None:
-        async with self._client() as client:
+    def _unload_all(self) -> None:
+        with self._control() as control:
             for name, _ in self._registered:
-                await client.unload_lora_adapter(name)
+                control.unload_lora_adapter(name)
 
     @property
     def _probe_name(self) -> str:
         return f"{self.lora_name}-probe"
 
-    def _client(self) -> Any:
-        return SamplerClient(self.args.vllm_server_base_url,
-                             timeout=self.args.vllm_server_timeout, max_retries=2)
-
-    @staticmethod
-    def _run(coroutine) -> Any:
-        return asyncio.run(coroutine)
+    def _control(self) -> ServerControl:
+        """A control client per operation; adapter calls take `vllm_server_timeout`."""
+        return ServerControl(self.args.vllm_server_base_url, self.args.vllm_server_timeout)
 
     def _restore_base_weights(self, model: nn.Module) -> None:
         """An earlier merged-sync run changed the served base weights: put ours back, once."""

@@ -1,5 +1,8 @@
 """What every transport shares: the server's control routes and the end of a push.
 
+`ServerControl` is the one client for control calls (weight routes, version, prefix cache,
+LoRA adapters); generation goes through the async `SamplerClient`.
+
 Every push ends by setting the server's weight version and dropping the prefix cache
 (`finish_push`), since cached KV from the old weights would otherwise keep producing
 old-weight logprobs.
@@ -7,6 +10,7 @@ old-weight logprobs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,10 +19,16 @@ import httpx
 import torch
 
 from grpo_agent import stall
+from grpo_agent.sampler.client import CONTROL_TIMEOUT_S
 from grpo_agent.sampler.errors import (
+    RETRYABLE_STATUS,
     RequestRejectedError,
     ServerUnreachableError,
     WeightSyncError,
+    exhausted_error,
+    rejected_error,
+    retry_delay_s,
+    server_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +56,13 @@ class WeightSync(Protocol):
 
 
 class ServerControl:
-    """Blocking HTTP calls to the server's weight and cache routes, each with a timeout."""
+    """Blocking HTTP calls to the server's control routes, each with a timeout.
+
+    Weight routes fail at once (a push is retried as a whole, if at all); the LoRA adapter
+    calls retry connection errors, timeouts and 5xx twice, as loads race the server's work.
+    """
+
+    LORA_RETRIES = 2
 
     def __init__(self, base_url: str, timeout: float):
         self.base_url = base_url.rstrip("/")
@@ -69,6 +85,45 @@ class ServerControl:
                 status_code=response.status_code,
             )
         return response.json() if response.content else None
+
+    def call_retried(self, method: str, path: str, *, retries: int,
+                     json_body: Any = None, timeout: float | None = None) -> httpx.Response:
+        """`call` with up to `retries` retries of connection errors, timeouts and 5xx; a 4xx
+        fails at once with the server's message. Returns the response: the LoRA routes answer
+        in plain text."""
+        extra = {} if timeout is None else {"timeout": timeout}
+        last_problem = ""
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(retry_delay_s(attempt))
+            try:
+                response = self._http.request(method, path, json=json_body, **extra)
+            except httpx.TransportError as error:
+                last_problem = f"{type(error).__name__}: {error or 'connection failed'}"
+                continue
+            if response.status_code in RETRYABLE_STATUS:
+                last_problem = f"HTTP {response.status_code}: {server_message(response)}"
+                continue
+            if response.status_code >= 400:
+                raise rejected_error(method, f"{self.base_url}{path}", response)
+            return response
+        raise exhausted_error(method, self.base_url, path, last_problem, retries + 1)
+
+    def served_models(self) -> list[str]:
+        """Every model id the server answers to: the base model, then loaded LoRA adapters."""
+        response = self.call_retried("GET", "/v1/models", retries=self.LORA_RETRIES,
+                                     timeout=CONTROL_TIMEOUT_S)
+        return [entry["id"] for entry in response.json()["data"]]
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter saved in `path` as model `name` (needs `--enable-lora` and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server)."""
+        self.call_retried("POST", "/v1/load_lora_adapter", retries=self.LORA_RETRIES,
+                          json_body={"lora_name": name, "lora_path": str(path)})
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.call_retried("POST", "/v1/unload_lora_adapter", retries=self.LORA_RETRIES,
+                          json_body={"lora_name": name})
 
     def server_info(self) -> dict:
         return self.call("GET", "/server_info", params={"config_format": "json"})
@@ -94,6 +149,12 @@ class ServerControl:
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> ServerControl:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def start_update(control: ServerControl) -> None:
