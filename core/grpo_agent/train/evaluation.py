@@ -17,14 +17,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from transformers import TrainerCallback
 
 from grpo_agent.rollout.evaluation import EvalResult, EvalSession, EvalSettings, run_evaluation
 
-if TYPE_CHECKING:
-    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+class TrainerView(Protocol):
+    """What evaluation reads of the trainer (the trainer imports this module, not the reverse):
+    the run's config and rollout parts for the eval session, and its log, step state, metric
+    window and evaluator for scheduling and logging."""
+
+    args: Any
+    loop_cls: type
+    processing_class: Any
+    reward_funcs: Any
+    tools: Any
+    environment_factory: Any
+    pusher: Any
+    model: Any
+    model_version: int
+    state: Any
+    control: Any
+    window: Any
+    evaluator: TrainingEvaluator | None
+
+    def log(self, logs: dict[str, float], *args: Any) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +120,7 @@ class _SessionThread:
 class TrainingEvaluator:
     """One evaluation at a time, beside training; the trainer logs finished ones."""
 
-    def __init__(self, trainer: AsyncGRPOTrainer, eval_dataset: Any, env_threshold: float | None) -> None:
+    def __init__(self, trainer: TrainerView, eval_dataset: Any, env_threshold: float | None) -> None:
         from grpo_agent.rollout.evaluation import dataset_rows
 
         self.trainer = trainer
@@ -185,7 +204,7 @@ class EvaluationCallback(TrainerCallback):
 
     Registered before the step callback that pushes, so its `on_step_end` runs first."""
 
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+    def __init__(self, trainer: TrainerView) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -215,7 +234,7 @@ class EvaluationCallback(TrainerCallback):
             control.should_log = should_log
 
 
-def start_training_eval(trainer: AsyncGRPOTrainer) -> dict[str, float]:
+def start_training_eval(trainer: TrainerView) -> dict[str, float]:
     """The Trainer's `_evaluate` hook during `train()`: start one in the background (main
     process only; metrics are logged when it ends, as `eval/*` with `eval/step`)."""
     from grpo_agent.train import fsdp
@@ -232,7 +251,7 @@ def start_training_eval(trainer: AsyncGRPOTrainer) -> dict[str, float]:
     return {}
 
 
-def evaluate_now(trainer: AsyncGRPOTrainer, eval_dataset: Any = None) -> dict[str, float]:
+def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, float]:
     """`trainer.evaluate()`: one blocking evaluation of the served version, logged and returned."""
     from grpo_agent.rollout.evaluation import dataset_rows
 
