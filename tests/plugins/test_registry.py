@@ -218,11 +218,11 @@ def test_trainer_resolves_reward_tool_and_environment_names(monkeypatch):
     """AsyncGRPOTrainer accepts registered names (and import paths) for every plugin kind."""
     import operator
 
-    import grpo_agent.plugins
+    from grpo_agent.train import inputs
     from grpo_agent.train.inputs import resolve_plugins as _resolve_plugins
 
     registry = build_registry(SamplePlugin())
-    monkeypatch.setattr(grpo_agent.plugins, "load_registry", lambda: registry)
+    monkeypatch.setattr(inputs, "load_registry", lambda: registry)
     rewards, tools, envs = _resolve_plugins(
         ["length"], ["add", "operator:mul"], {"a": "echo", "b": EchoEnvV1}
     )
