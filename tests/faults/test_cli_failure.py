@@ -33,7 +33,7 @@ def _train(monkeypatch, capsys, tmp_path, error, *flags):
         raise error
 
     monkeypatch.setattr(run, "run_training", failing)
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    monkeypatch.setenv(DEBUG_ENV, "0")  # off, and recorded: the CLI may set it
     with pytest.raises(SystemExit) as exited:
         main([*flags, "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
     return exited.value.code, capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_with_debug_the_traceback_reaches_the_terminal(monkeypatch, capsys, tmp_
         raise _worker_failure()
 
     monkeypatch.setattr(run, "run_training", failing)
-    monkeypatch.delenv(DEBUG_ENV, raising=False)  # recorded unset: --debug's "1" is undone after the test
+    monkeypatch.setenv(DEBUG_ENV, "0")  # recorded (delenv of an absent name is not): --debug's "1" is undone after the test
     with pytest.raises(RolloutWorkerError):
         main(["--debug", "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
     assert "ConnectionError" in (tmp_path / "out" / "error.log").read_text()
