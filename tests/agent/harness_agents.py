@@ -54,13 +54,17 @@ RESPONSES_TOOL = {"type": "function", **INCREMENT_TOOL["function"]}  # the Respo
 async def responses_counter_agent(client, row: dict) -> float:
     """The counter task through `client.responses.create`, sending the whole history each call
     (its output items, then a `function_call_output` per call), or, with `row["chain"]`, only
-    the new items after `previous_response_id`."""
+    the new items after `previous_response_id`; with `row["stream"]`, through
+    `client.responses.stream`."""
     model = await model_name(client)
     items = [{"role": "user", "content": f"Increment the counter by {row['target']}."}]
     counter, previous = 0, None
     for _ in range(3):
-        response = await client.responses.create(model=model, input=items, tools=[RESPONSES_TOOL],
-                                                 previous_response_id=previous)
+        request = {"model": model, "input": items, "tools": [RESPONSES_TOOL], "previous_response_id": previous}
+        if row.get("stream"):
+            response = await streamed_response(client, request)
+        else:
+            response = await client.responses.create(**request)
         calls = [item for item in response.output if item.type == "function_call"]
         if row.get("chain"):
             items, previous = [], response.id
@@ -72,6 +76,27 @@ async def responses_counter_agent(client, row: dict) -> float:
             counter += int(json.loads(call.arguments).get("step", 0))
             items.append({"type": "function_call_output", "call_id": call.call_id, "output": str(counter)})
     return float(counter == row["target"])
+
+
+async def streamed_response(client, request: dict):
+    """The final response of a streamed Responses call; raises unless the deltas the client
+    accumulated are exactly the final items (text and call arguments)."""
+    text, arguments, final = "", {}, None
+    async with client.responses.stream(**request) as stream:
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            elif event.type == "response.function_call_arguments.delta":
+                arguments[event.item_id] = arguments.get(event.item_id, "") + event.delta
+            elif event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    if final is None:
+        raise RuntimeError("the stream ended without response.completed or response.incomplete")
+    final_text = "".join(part.text for item in final.output if item.type == "message" for part in item.content)
+    final_arguments = {item.id: item.arguments for item in final.output if item.type == "function_call"}
+    if (text, arguments) != (final_text, final_arguments):
+        raise RuntimeError(f"streamed {(text, arguments)!r} but the response holds {(final_text, final_arguments)!r}")
+    return final
 
 
 async def one_call_agent(client, row: dict) -> None:

@@ -256,21 +256,33 @@ def test_a_call_over_the_rollouts_budget_gets_a_429_the_agent_sees(warm_server, 
     assert rollout.metrics["harness/errors_count"] == [0.0]
 
 
-@pytest.mark.parametrize("chain", [False, True], ids=["whole-history", "previous_response_id"])
+@pytest.mark.parametrize("chain, stream", [(False, False), (True, False), (False, True)],
+                         ids=["whole-history", "previous_response_id", "streamed"])
 def test_responses_api_tool_calls_are_function_call_items_and_multi_turn_is_one_sample(
-        warm_server, tmp_path, chain):
+        warm_server, tmp_path, chain, stream):
     async def main():
         async with started_loop(warm_server, tmp_path, harness_agents.responses_counter_agent) as loop:
-            rows = [{"target": t, "chain": chain} for t in (1, 2, 3, 4)]
+            rows = [{"target": t, "chain": chain, "stream": stream} for t in (1, 2, 3, 4)]
             results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
             session = loop.gateway.open_session(0)
             url = loop.gateway.base_url + "/responses"
             async with httpx.AsyncClient() as http:
                 bad = await http.post(url, headers={"Authorization": f"Bearer {session.key}"}, json={
                     "model": loop.server.model_id, "input": "hi", "previous_response_id": "resp_x"})
-            return loop, results, bad
+            client = openai.AsyncOpenAI(base_url=loop.gateway.base_url, api_key=session.key, max_retries=0)
+            cut = await client.responses.create(model=loop.server.model_id, input="Count.", stream=stream,
+                                                max_output_tokens=1)
+            cut = [event async for event in cut] if stream else cut
+            await client.close()
+            return loop, results, bad, cut
 
-    loop, results, bad = asyncio.run(main())
+    loop, results, bad, cut = asyncio.run(main())
+    if stream:  # a reply cut by max_output_tokens ends the stream with response.incomplete
+        assert [e.type for e in cut[:2]] == ["response.created", "response.in_progress"]
+        assert cut[-1].type == "response.incomplete" and cut[-1].response.usage.output_tokens == 1
+        assert [e.sequence_number for e in cut] == list(range(len(cut)))
+    else:
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     chat_tool = harness_agents.INCREMENT_TOOL
     multi_turn = 0
     for prompt, rollout in results:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from grpo_agent.rollout import responses_api
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
 from grpo_agent.rollout.gateway_errors import GatewayError
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
@@ -216,7 +217,9 @@ class Gateway:
                 session.rejected_calls += 1
             return error.response()
         if body.get("stream"):
-            return await _stream(request, result)
+            events = (_chat_chunks(result) if result.get("object") == "chat.completion"
+                      else responses_api.stream_events(result))
+            return await _stream(request, events)
         return web.json_response(result, headers={SAMPLING_HEADER: SAMPLING_NOTE})
 
     async def _complete(self, session: AgentSession, body: dict) -> dict:
@@ -241,12 +244,7 @@ class Gateway:
         }
 
     async def _respond(self, session: AgentSession, body: dict) -> dict:
-        """`/v1/responses` (non-streaming): the request as chat messages, sampled as a chat call."""
-        from grpo_agent.rollout import responses_api
-
-        if body.get("stream"):
-            raise GatewayError(400, "stream=true is not supported on /v1/responses yet; send "
-                               "stream=false, or stream from /v1/chat/completions.", param="stream")
+        """`/v1/responses`: the request as chat messages, sampled as a chat call."""
         model = self._model(body)
         self._check_budget(session)
         messages, conversation, tools = responses_api.chat_request(body, session.responses)
@@ -348,11 +346,8 @@ def _template_kwargs(config) -> dict:
     return json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)
 
 
-async def _stream(request: web.Request, result: dict) -> web.StreamResponse:
-    """The finished turn as Chat Completions chunks: role+content, tool calls, finish, [DONE]."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", SAMPLING_HEADER: SAMPLING_NOTE})
-    await response.prepare(request)
+def _chat_chunks(result: dict) -> list[dict]:
+    """The finished turn as Chat Completions chunks: role+content, tool calls, finish."""
     choice = result["choices"][0]
     base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
             "model": result["model"]}
@@ -362,8 +357,18 @@ async def _stream(request: web.Request, result: dict) -> web.StreamResponse:
     chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
     chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
                    "usage": result["usage"]})
-    for chunk in chunks:
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
+    return chunks
+
+
+async def _stream(request: web.Request, events: list[dict]) -> web.StreamResponse:
+    """Server-sent events: chat chunks end with `[DONE]`; Responses events are named by an
+    `event:` line and end with their last event, as the OpenAI API sends them."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", SAMPLING_HEADER: SAMPLING_NOTE})
+    await response.prepare(request)
+    chat = events[0].get("object") == "chat.completion.chunk"
+    payload = "".join(f"data: {json.dumps(e)}\n\n" if chat else
+                      f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+    await response.write((payload + ("data: [DONE]\n\n" if chat else "")).encode())
     await response.write_eof()
     return response

@@ -6,8 +6,9 @@ Design decision: a Responses request is translated into the chat messages and to
 keys in the same order), then sampled exactly as a chat call, so the token guarantees are the chat path's.
 The reply's assistant message becomes output items: an output_text message and one
 `function_call` item per parsed call. `previous_response_id` is resolved from the rollout's own
-earlier responses (a rollout's conversation is never shared). Not supported: streaming,
-built-in tools (web search, file search), and non-text input parts.
+earlier responses (a rollout's conversation is never shared). `stream=true` replays the
+finished reply as the Responses event sequence (`stream_events`). Not supported: built-in
+tools (web search, file search) and non-text input parts.
 """
 from __future__ import annotations
 
@@ -136,3 +137,37 @@ def response_body(model: str, message: dict, finish: str, usage: tuple[int, int]
                   "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                   "output_tokens_details": {"reasoning_tokens": 0}},
     }
+
+
+def stream_events(response: dict) -> list[dict]:
+    """The finished `response` as the Responses API's server-sent events, in the order the
+    `openai` client's stream state expects: created, in_progress, then per output item
+    added / its text or arguments (one delta: the turn is already generated) / done, then
+    completed (or incomplete when the reply ran out of tokens)."""
+    pending = {**response, "status": "in_progress", "output": [], "incomplete_details": None,
+               "usage": None}
+    events: list[dict] = [{"type": "response.created", "response": pending},
+                          {"type": "response.in_progress", "response": pending}]
+    for index, item in enumerate(response["output"]):
+        place = {"output_index": index, "item_id": item["id"]}
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [
+                {"type": "response.output_item.added", "output_index": index,
+                 "item": {**item, "status": "in_progress", "content": []}},
+                {"type": "response.content_part.added", **place, "content_index": 0,
+                 "part": {**part, "text": ""}},
+                {"type": "response.output_text.delta", **place, "content_index": 0,
+                 "delta": part["text"], "logprobs": []},
+                {"type": "response.output_text.done", **place, "content_index": 0,
+                 "text": part["text"], "logprobs": []},
+                {"type": "response.content_part.done", **place, "content_index": 0, "part": part}]
+        else:  # function_call
+            events += [
+                {"type": "response.output_item.added", "output_index": index,
+                 "item": {**item, "status": "in_progress", "arguments": ""}},
+                {"type": "response.function_call_arguments.delta", **place, "delta": item["arguments"]},
+                {"type": "response.function_call_arguments.done", **place, "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    events.append({"type": f"response.{response['status']}", "response": response})
+    return [{**event, "sequence_number": number} for number, event in enumerate(events)]
