@@ -38,10 +38,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_agent.train import cudnn_attention
+from grpo_agent.train.cudnn_attention import DensePart, padded
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
 KERNELS = ("flash", "reference")
+# Padded dense parts (`cudnn_attention`): "auto" runs them on cuDNN where its probe passes
+# (flash plans only), "off" keeps every part on the varlen kernel; "cudnn"/"reference" force.
+DENSE = "auto"
+DENSE_CHOICES = ("auto", "off", "cudnn", "reference")
 
 
 @dataclass
@@ -57,11 +63,15 @@ class LevelPlan:
     cu_k: list[torch.Tensor]  # per depth: int32 bounds in key_index
     max_q: list[int]  # per depth: longest query range
     max_k: list[int]  # per depth: longest key range
+    dense_kernel: str | None = None  # padded parts' kernel: "cudnn", "reference" or None
+    self_dense: list[DensePart] | None = None  # the self part as padded batches
+    depth_dense: list[DensePart | None] | None = None  # per depth: padded batch or varlen
 
     @classmethod
-    def build(cls, row: PackedRow, device, kernel: str) -> LevelPlan:
+    def build(cls, row: PackedRow, device, kernel: str, dense: str | None = None) -> LevelPlan:
         if kernel not in KERNELS:
             raise ValueError(f"level attention kernel {kernel!r}: choose one of {KERNELS}")
+        dense = _dense_kernel(kernel, torch.device(device), DENSE if dense is None else dense)
         _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
         ends = lens.cumsum(0).tolist()
         starts = [e - n for e, n in zip(ends, lens.tolist())]
@@ -70,7 +80,11 @@ class LevelPlan:
         # a segment's subtree ends where its last descendant (or itself) ends
         subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
         (self_cu,) = to_device(device, _bounds(lens.tolist()))
-        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [])
+        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [], dense)
+        if dense:
+            plan.self_dense = cudnn_attention.self_parts(
+                [range(a, b) for a, b in zip(starts, ends)], device)
+            plan.depth_dense = []
         for d in range(max(depth)):  # the deepest segments have no descendants
             pairs = [
                 (range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
@@ -91,7 +105,43 @@ class LevelPlan:
             plan.cu_k.append(cu_k)
             plan.max_q.append(max(q_lens))
             plan.max_k.append(max(k_lens))
+            if dense:
+                plan.depth_dense.append(cudnn_attention.depth_part(pairs, device))
         return plan
+
+    def parts(self) -> tuple[tuple, list[torch.Tensor]]:
+        """The parts as `_LevelAttention` takes them: one (kind, ints) each, tensors flat."""
+        layout, tensors = [], []
+        if self.self_dense:
+            for part in self.self_dense:
+                _add_dense(part, layout, tensors)
+        else:
+            layout.append(("self", (self.self_max,)))
+            tensors.append(self.self_cu)
+        depths = zip(self.query_index, self.key_index, self.cu_q, self.cu_k, self.max_q,
+                     self.max_k, self.depth_dense or [None] * len(self.max_q))
+        for qi, ki, cu_q, cu_k, max_q, max_k, dense in depths:
+            if dense is not None:
+                _add_dense(dense, layout, tensors)
+            else:
+                layout.append(("varlen", (max_q, max_k)))
+                tensors += [qi, ki, cu_q, cu_k]
+        return tuple(layout), tensors
+
+
+def _add_dense(part: DensePart, layout: list, tensors: list) -> None:
+    layout.append(("dense", (part.batch, part.len_q, part.len_k, part.causal)))
+    tensors += [part.q_index, part.q_valid, part.k_index, part.rows_q, part.pos_q, part.rows_k,
+                part.pos_k]
+
+
+def _dense_kernel(kernel: str, device: torch.device, dense: str) -> str | None:
+    if dense not in DENSE_CHOICES:
+        raise ValueError(f"level attention dense parts {dense!r}: choose one of {DENSE_CHOICES}")
+    if dense == "auto":
+        usable = kernel == "flash" and cudnn_attention.usable(device, torch.bfloat16)
+        return "cudnn" if usable else None
+    return None if dense == "off" else dense
 
 
 def _bounds(lengths: list[int]) -> torch.Tensor:
@@ -103,65 +153,121 @@ def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.T
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    depths = zip(plan.query_index, plan.key_index, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k)
-    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.self_cu,
-                                plan.self_max, *(x for depth in depths for x in depth))
+    layout, tensors = plan.parts()
+    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.dense_kernel, layout,
+                                *tensors)
     return out[None]
 
 
 class _LevelAttention(torch.autograd.Function):
     """Forward: every part, merged. Backward: every part's share, from the merged out/lse.
 
-    Arguments after `self_max` are the depths, six each: query rows, key rows, their bounds,
-    and the longest query and key range."""
+    `layout` is one (kind, ints) per part, its tensors follow in order (`LevelPlan.parts`):
+    "self" (the row's segments on the varlen kernel), "varlen" (a depth on the varlen kernel)
+    or "dense" (a padded batch on the dense kernel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernel, self_cu, self_max, *depths):
-        forward = _FORWARD[kernel]
-        out, lse = forward(q, k, v, self_cu, self_cu, self_max, self_max, True, scale)
+    def forward(ctx, q, k, v, scale, kernel, dense_kernel, layout, *tensors):
         work = _work_dtype(q)
-        merged, total = out.to(work), lse.to(work)
-        for qi, ki, cu_q, cu_k, max_q, max_k in _by_depth(depths):
-            part, part_lse = forward(q.index_select(0, qi), k.index_select(0, ki),
-                                     v.index_select(0, ki), cu_q, cu_k, max_q, max_k, False, scale)
-            before = total.index_select(0, qi)
-            after = torch.logaddexp(before, part_lse.to(work))
-            mixed = (merged.index_select(0, qi) * (before - after).exp()[..., None]
-                     + part.to(work) * (part_lse - after).exp()[..., None])
-            merged, total = merged.index_copy(0, qi, mixed), total.index_copy(0, qi, after)
+        merged = total = None
+        for (kind, ints), part in zip(layout, _split(layout, tensors)):
+            rows, out, lse = _part_forward(kind, ints, part, q, k, v, scale, kernel,
+                                           dense_kernel)
+            if rows is None:  # the self part covers every row in order: the merge starts there
+                merged, total = out.to(work), lse.to(work)
+                continue
+            if merged is None:
+                merged = q.new_zeros(q.shape, dtype=work)
+                total = q.new_full(q.shape[:2], float("-inf"), dtype=work)
+            before = total.index_select(0, rows)
+            after = torch.logaddexp(before, lse.to(work))
+            mixed = (merged.index_select(0, rows) * (before - after).exp()[..., None]
+                     + out.to(work) * (lse - after).exp()[..., None])
+            merged, total = merged.index_copy(0, rows, mixed), total.index_copy(0, rows, after)
         out = merged.to(q.dtype)
-        tensors = [x for x in depths if isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(q, k, v, out, total, self_cu, *tensors)
-        ctx.lengths = [self_max, *(x for x in depths if not isinstance(x, torch.Tensor))]
-        ctx.scale, ctx.kernel = scale, kernel
+        ctx.save_for_backward(q, k, v, out, total, *tensors)
+        ctx.layout, ctx.scale, ctx.kernel, ctx.dense_kernel = layout, scale, kernel, dense_kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, self_cu, *tensors = ctx.saved_tensors
-        self_max, *maxes = ctx.lengths
-        backward, scale = _BACKWARD[ctx.kernel], ctx.scale
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
         dout = dout.contiguous()
-        grads = backward(dout, q, k, v, out, lse, self_cu, self_cu, self_max, self_max, True,
-                         scale)
         work = _work_dtype(q)
-        dq, dk, dv = (g.to(work) for g in grads)
-        for d in range(len(maxes) // 2):
-            qi, ki, cu_q, cu_k = tensors[4 * d : 4 * d + 4]
-            part = backward(dout.index_select(0, qi), q.index_select(0, qi),
-                            k.index_select(0, ki), v.index_select(0, ki),
-                            out.index_select(0, qi), lse.index_select(0, qi), cu_q, cu_k,
-                            maxes[2 * d], maxes[2 * d + 1], False, scale)
-            # rows are distinct within a depth: an add per row, no accumulation races
-            dq = dq.index_add(0, qi, part[0].to(work))
-            dk = dk.index_add(0, ki, part[1].to(work))
-            dv = dv.index_add(0, ki, part[2].to(work))
-        n_inputs = 7 + 3 * len(maxes)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * (n_inputs - 3)
+        dq = dk = dv = None
+        for (kind, ints), part in zip(ctx.layout, _split(ctx.layout, tensors)):
+            for rows, grads in _part_backward(kind, ints, part, dout, q, k, v, out, lse,
+                                              ctx.scale, ctx.kernel, ctx.dense_kernel):
+                grads = [g.to(work) for g in grads]
+                if rows is None:  # the self part: every row in order
+                    dq, dk, dv = grads if dq is None else (a + b for a, b in zip((dq, dk, dv),
+                                                                                  grads))
+                    continue
+                if dq is None:
+                    dq, dk, dv = (torch.zeros_like(g, dtype=work) for g in (q, k, v))
+                # rows are distinct within a part: an add per row, no accumulation races
+                dq = dq.index_add(0, rows[0], grads[0])
+                dk = dk.index_add(0, rows[1], grads[1])
+                dv = dv.index_add(0, rows[1], grads[2])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * (4 + len(tensors))
 
 
-def _by_depth(depths):
-    return (depths[i : i + 6] for i in range(0, len(depths), 6))
+_PART_TENSORS = {"self": 1, "varlen": 4, "dense": 7}
+
+
+def _split(layout, tensors):
+    at = 0
+    for kind, _ in layout:
+        yield tensors[at : at + _PART_TENSORS[kind]]
+        at += _PART_TENSORS[kind]
+
+
+def _part_forward(kind, ints, part, q, k, v, scale, kernel, dense_kernel):
+    """(rows the part's queries are, or None for all in order; out; lse)."""
+    if kind == "self":
+        (cu,), (longest,) = part, ints
+        out, lse = _FORWARD[kernel](q, k, v, cu, cu, longest, longest, True, scale)
+        return None, out, lse
+    if kind == "varlen":
+        qi, ki, cu_q, cu_k = part
+        out, lse = _FORWARD[kernel](q.index_select(0, qi), k.index_select(0, ki),
+                                    v.index_select(0, ki), cu_q, cu_k, *ints, False, scale)
+        return qi, out, lse
+    q_index, q_valid, k_index, rows_q, pos_q, _, _ = part
+    batch, len_q, len_k, causal = ints
+    out, lse = _DENSE_FORWARD[dense_kernel](
+        padded(q, q_index, q_valid, batch, len_q), padded(k, k_index, None, batch, len_k),
+        padded(v, k_index, None, batch, len_k), causal, scale)
+    return (rows_q, out.reshape(batch * len_q, *q.shape[1:]).index_select(0, pos_q),
+            lse.reshape(batch * len_q, q.shape[1]).index_select(0, pos_q))
+
+
+def _part_backward(kind, ints, part, dout, q, k, v, out, lse, scale, kernel, dense_kernel):
+    """Yields (None, full-row grads) or ((query rows, key rows), their grads)."""
+    backward = _BACKWARD[kernel]
+    if kind == "self":
+        (cu,), (longest,) = part, ints
+        yield None, backward(dout, q, k, v, out, lse, cu, cu, longest, longest, True, scale)
+        return
+    if kind == "varlen":
+        qi, ki, cu_q, cu_k = part
+        yield (qi, ki), backward(dout.index_select(0, qi), q.index_select(0, qi),
+                                 k.index_select(0, ki), v.index_select(0, ki),
+                                 out.index_select(0, qi), lse.index_select(0, qi), cu_q, cu_k,
+                                 *ints, False, scale)
+        return
+    q_index, q_valid, k_index, rows_q, pos_q, rows_k, pos_k = part
+    batch, len_q, len_k, causal = ints
+
+    def at_queries(x):
+        return padded(x, q_index, q_valid, batch, len_q)
+
+    dq, dk, dv = _DENSE_BACKWARD[dense_kernel](
+        at_queries(dout), at_queries(q), padded(k, k_index, None, batch, len_k),
+        padded(v, k_index, None, batch, len_k), at_queries(out), at_queries(lse), causal, scale)
+    yield (rows_q, rows_k), (dq.reshape(batch * len_q, *q.shape[1:]).index_select(0, pos_q),
+                             dk.reshape(batch * len_k, *k.shape[1:]).index_select(0, pos_k),
+                             dv.reshape(batch * len_k, *v.shape[1:]).index_select(0, pos_k))
 
 
 def _work_dtype(q: torch.Tensor) -> torch.dtype:
@@ -237,5 +343,25 @@ def _reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causa
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _dense_reference_forward(q, k, v, causal, scale):
+    """The dense contract ([B, L, heads, dim]) through the varlen reference: B equal ranges."""
+    (batch, len_q), len_k = q.shape[:2], k.shape[1]
+    cu_q, cu_k = (torch.arange(0, batch * n + 1, n, device=q.device) for n in (len_q, len_k))
+    out, lse = _reference_forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                  len_q, len_k, causal, scale)
+    return out.unflatten(0, (batch, len_q)), lse.unflatten(0, (batch, len_q))
+
+
+def _dense_reference_backward(dout, q, k, v, out, lse, causal, scale):
+    (batch, len_q), len_k = q.shape[:2], k.shape[1]
+    cu_q, cu_k = (torch.arange(0, batch * n + 1, n, device=q.device) for n in (len_q, len_k))
+    grads = _reference_backward(*(t.flatten(0, 1) for t in (dout, q, k, v, out, lse)), cu_q,
+                                cu_k, len_q, len_k, causal, scale)
+    return tuple(g.unflatten(0, (batch, -1)) for g in grads)
+
+
 _FORWARD = {"flash": _flash_forward, "reference": _reference_forward}
 _BACKWARD = {"flash": _flash_backward, "reference": _reference_backward}
+_DENSE_FORWARD = {"cudnn": cudnn_attention.cudnn_forward, "reference": _dense_reference_forward}
+_DENSE_BACKWARD = {"cudnn": cudnn_attention.cudnn_backward,
+                   "reference": _dense_reference_backward}
