@@ -80,15 +80,24 @@ def _check_training_sequences(rollout):
 
 def test_increment_env_rollouts_call_the_tool_and_score_themselves(warm_server):
     loop = ServerLoop(warm_server)
-    results = asyncio.run(_rollouts(loop, IncrementEnv, [{}] * 16))  # 8 once gave no success
+    # Measured on this model at temperature 0.7 (2026-12-02): all of 320 rollouts called the tool,
+    # 13% reached the target and 2.5% wrote a malformed call (the model is told, as an error). 16 rollouts then gave no success 1
+    # time in 10 and a malformed call 1 time in 3 (the CI flakes); with 64 the first chance is
+    # about 1e-4, and malformed calls are checked as the errors they are.
+    results = asyncio.run(_rollouts(loop, IncrementEnv, [{}] * 64))
     with_calls = [(episode, rollout, reward) for episode, rollout, reward in results if rollout.tool_call_count]
-    assert len(with_calls) >= 8, [r.completion for _, r, _ in results]
+    assert len(with_calls) >= 32, [r.completion for _, r, _ in results]
     for episode, rollout, reward in with_calls:
         assert len(rollout.turns) >= 2
-        assert rollout.completion[1]["role"] == "tool"
+        tool_message = rollout.completion[1]
+        assert tool_message["role"] == "tool"
         assert reward[0] is IncrementEnv and reward[1] == float(episode.env.counter == episode.env.target)
-        assert "tools/increment/latency_s" in rollout.metrics
+        if rollout.metrics["tools/failure_frequency"][0]:  # a malformed call or a tool error
+            assert '"error"' in tool_message["content"], rollout.completion
+        else:
+            assert "tools/increment/latency_s" in rollout.metrics
         _check_training_sequences(rollout)
+    assert sum(1 for _, r, _ in with_calls if not r.metrics["tools/failure_frequency"][0]) >= 32
     assert sum(reward for _, _, (_, reward) in results) >= 1  # the warm-up copies the target
     assert all(episode.reset_s >= 0 and episode.reward_s is not None for episode, _, _ in results)
 
