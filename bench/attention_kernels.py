@@ -9,7 +9,10 @@ to the query heads for every line of the comparison). Each line: median ms of 20
 events), TFLOP/s of the causal pairs (x3.5 for forward+backward), and for cuDNN varlen the
 largest difference to flash's output. A variant that torch rejects prints its error.
 
-    python bench/attention_kernels.py
+Then tree rows through `level_attention` (bench/packing.py's rows: prompts of 1024, completions
+of 128-384), every part on flash (the old path) against padded parts on cuDNN.
+
+    PYTHONPATH=core python bench/attention_kernels.py
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from grpo_agent.train.packing import pack_row
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HEADS, DIM = 16, 128
@@ -114,7 +118,74 @@ def varlen(lengths):
     report(f"{name} cudnn", lengths, cudnn_step, max_diff_to_flash=diff)
 
 
+def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, repeats=20,
+           profile=False):
+    """A tree row's attention (16 q / 8 kv heads of 128) through `level_attention`: every part
+    on torch's flash varlen kernel (the old path) vs padded parts on cuDNN, alternating."""
+    from grpo_agent.train import cudnn_attention
+    from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
+    from grpo_agent.train.tree_attention import dense_tree_mask
+    from packing import make_samples
+
+    cudnn_attention.usable(torch.device("cuda"), torch.bfloat16)  # the probe, once
+    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000))
+    n = row.num_tokens
+    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    mask = dense_tree_mask(row.segment_ids.cuda(), row.segment_ancestors.cuda())
+    pairs = float(mask.sum())
+    plans = {dense: LevelPlan.build(row, "cuda", "flash", dense=dense)
+             for dense in ("off", "cudnn")}
+    outs = {}
+    for dense, plan in plans.items():
+        out = level_tree_attention(q, k, v, plan, DIM ** -0.5)
+        out.backward(grad)
+        outs[dense] = [out.float(), *(t.grad.float() for t in (q, k, v))]
+        for t in (q, k, v):
+            t.grad = None
+    times = {"off": [], "cudnn": []}
+    for _ in range(2):  # alternate: drift between the two shows as spread
+        for dense, plan in plans.items():
+            times[dense].append(timed_ms(
+                lambda plan=plan: level_tree_attention(q, k, v, plan, DIM ** -0.5).backward(grad),
+                repeats))
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        for dense, plan in plans.items():
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    level_tree_attention(q, k, v, plan, DIM ** -0.5).backward(grad)
+                torch.cuda.synchronize()
+            print(f"profile {dense}, 5 steps, G={group_size}", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    diffs = [round(float((a - b).norm() / b.norm()), 5) for a, b in zip(outs["cudnn"], outs["off"])]
+    cudnn = plans["cudnn"]
+    print(json.dumps({
+        "case": f"levels G={group_size} {n} tokens", "pairs": pairs,
+        "flash_ms": [round(t, 3) for t in times["off"]],
+        "cudnn_ms": [round(t, 3) for t in times["cudnn"]],
+        "cudnn_over_flash": round(statistics.median(times["cudnn"])
+                                  / statistics.median(times["off"]), 3),
+        "flash_tflops": round(3.5 * 4 * HEADS * DIM * pairs / min(times["off"]) / 1e9, 1),
+        "cudnn_tflops": round(3.5 * 4 * HEADS * DIM * pairs / min(times["cudnn"]) / 1e9, 1),
+        "self_batches": [(p.batch, p.len_q) for p in cudnn.self_dense],
+        "depth_dense": [None if p is None else (p.batch, p.len_q, p.len_k)
+                        for p in cudnn.depth_dense],
+        "rel_diff_out_dq_dk_dv": diffs, "probe": cudnn_attention.PROBE_NOTES,
+    }), flush=True)
+
+
 def main() -> None:
+    import sys
+
+    if "--levels-only" in sys.argv:  # the tree rows alone, the first with a kernel profile
+        levels(8, 16384, profile=True)
+        levels(56, 16384)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention_kernels.py measures a GPU: run it on one.")
     print(json.dumps({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
@@ -123,6 +194,8 @@ def main() -> None:
     dense(16, 1024)
     varlen([1024] + [256] * 8 + [1024] + [256] * 8 + [1024] + [256] * 8 + [1024] + [256] * 8)
     varlen([4096] * 4)
+    for group_size, budget in ((8, 16384), (56, 16384), (8, 8192), (1, 16384)):
+        levels(group_size, budget)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import json
 import statistics
 
 import torch
-from grpo_agent.train import logprobs, perf, varlen_attention
+from grpo_agent.train import level_attention, logprobs, perf, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -62,6 +62,12 @@ def main() -> None:
     parser.add_argument("--gather-dtypes", default="fp32",
                         help="comma-separated: fp32 (old) and/or compute (the gather's "
                         "backward sums in the gradient's dtype; varlen only)")
+    parser.add_argument("--dense", default="off,auto",
+                        help="comma-separated level_attention.DENSE values: off (the varlen "
+                        "flash kernel for every level part, the old path), auto (padded parts "
+                        "on cuDNN where its probe passes); levels only")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="time every variant this many times, alternating")
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -79,49 +85,52 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        for backend in args.backends.split(","):
-            for gather in args.gather_dtypes.split(","):
-                for lm_head in args.lm_heads.split(","):
-                    logprobs.LM_HEAD = lm_head
-                    varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
+        variants = [(b, g, h, d) for b in args.backends.split(",")
+                    for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
+                    for d in args.dense.split(",")]
+        for backend, gather, lm_head, dense in variants * args.passes:
+            logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
+            varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
 
-                    def row_step(row, backend=backend):
-                        lp = forward_row(model, row, temperature=1.0, backend=backend)
-                        lp.token.logprobs.sum().backward()
-                        return lp.token.logprobs
+            def row_step(row, backend=backend):
+                lp = forward_row(model, row, temperature=1.0, backend=backend)
+                lp.token.logprobs.sum().backward()
+                return lp.token.logprobs
 
-                    seconds = steps_seconds(
-                        lambda rows=rows: [row_step(r) for r in rows], args.repeats)
-                    memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
-                    with torch.no_grad():
-                        lp = forward_row(model, rows[0], temperature=1.0,
-                                         backend=backend).token.logprobs.float()
-                    reference = lp if reference is None else reference
-                    model.zero_grad(set_to_none=True)
-                    chosen = (choose_backend(torch.device("cuda"), dtype, rows[0].num_tokens)
-                              if backend == "auto" else backend)
-                    results.append({
-                        "case": f"{args.model}/G={group_size}", "backend": chosen,
-                        "lm_head": lm_head, "gather_grad": gather,
-                        "compiled": not args.no_compile,
-                        "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
-                        "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
-                                               / sum(r.num_tokens for r in rows), 3),
-                        "s_per_row": round(seconds / args.rows, 5),
-                        "mfu": round(perf.mfu(flops, seconds, peak), 4),
-                        "tflops": round(flops / seconds / 1e12, 1),
-                        "peak_gib": memory,
-                        "max_logprob_diff_to_first": round(float((lp - reference).abs().max()),
-                                                           5),
-                    })
-                    print(json.dumps(results[-1]), flush=True)
-    logprobs.LM_HEAD = "auto"
+            seconds = steps_seconds(
+                lambda rows=rows: [row_step(r) for r in rows], args.repeats)
+            memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
+            with torch.no_grad():
+                lp = forward_row(model, rows[0], temperature=1.0,
+                                 backend=backend).token.logprobs.float()
+            reference = lp if reference is None else reference
+            model.zero_grad(set_to_none=True)
+            chosen = (choose_backend(torch.device("cuda"), dtype, rows[0].num_tokens)
+                      if backend == "auto" else backend)
+            results.append({
+                "case": f"{args.model}/G={group_size}", "backend": chosen,
+                "lm_head": lm_head, "gather_grad": gather,
+                "dense": dense if chosen == "levels" else "-",
+                "compiled": not args.no_compile,
+                "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
+                "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
+                                       / sum(r.num_tokens for r in rows), 3),
+                "s_per_row": round(seconds / args.rows, 5),
+                "mfu": round(perf.mfu(flops, seconds, peak), 4),
+                "tflops": round(flops / seconds / 1e12, 1),
+                "peak_gib": memory,
+                "max_logprob_diff_to_first": round(float((lp - reference).abs().max()),
+                                                   5),
+            })
+            print(json.dumps(results[-1]), flush=True)
+    logprobs.LM_HEAD, level_attention.DENSE = "auto", "auto"
     best = max(results, key=lambda r: r["mfu"])
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
-                                                    "mfu")},
-                      "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"], r["mfu"])
-                              for r in results]}), flush=True)
+                                                    "dense", "mfu")},
+                      "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
+                               r["dense"], r["mfu"], r["peak_gib"]) for r in results]}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from grpo_agent.train import fused_projections, logprobs, varlen_attention
+from grpo_agent.train import fused_projections, level_attention, logprobs, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
@@ -316,14 +316,16 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
 
 
 class previous_kernels:
-    """The LM head's torch tiles and float32 sums in the gather's backward (before issue 23)."""
+    """Before issue 23: the LM head's torch tiles, float32 sums in the gather's backward, every
+    level part on the flash varlen kernel (no padded cuDNN parts)."""
 
     def __enter__(self):
-        self.saved = logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE
+        self.saved = logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE, level_attention.DENSE
         logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE = "torch", torch.float32
+        level_attention.DENSE = "off"
 
     def __exit__(self, *exc):
-        logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE = self.saved
+        logprobs.LM_HEAD, varlen_attention.GATHER_GRAD_DTYPE, level_attention.DENSE = self.saved
 
 
 def _gdn_kernel(model, device) -> str:

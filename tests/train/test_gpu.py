@@ -118,7 +118,7 @@ def test_level_attention_on_flash_matches_the_reference(dtype):
     from the merged output) against the same split in float32 plain math, which the CPU tests
     hold to the dense tree mask."""
     row = _big_shared_row()
-    plan = LevelPlan.build(row, "cuda", "flash")
+    plan = LevelPlan.build(row, "cuda", "flash", dense="off")
     assert len(plan.query_index) == 2  # prompts -> completions, and a second fork
 
     def attend(q, k, v, fast):
@@ -202,3 +202,37 @@ def test_compiled_lm_head_matches_eager(monkeypatch, temperature, masked):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
     for a, b in zip(got[2:], ref[2:]):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-2)
+
+
+def _groups_row(groups=3, group_size=5, prompt=300, vocab=96):
+    """Groups whose prompts have one length: every level part pads into a dense batch."""
+    gen = torch.Generator().manual_seed(7)
+    samples = []
+    for g in range(groups):
+        head = torch.randint(1, vocab, (prompt,), generator=gen).tolist()
+        for i in range(group_size):
+            comp = torch.randint(1, vocab, (30 + 41 * i,), generator=gen).tolist()
+            samples.append(make_sample(head + comp, [0] * prompt + [1] * len(comp), group_id=g))
+    return pack_row(samples)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups_only", [False, True])
+def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, groups_only):
+    """Padded level parts on cuDNN's SDPA kernel (the self part by length groups; the prompt
+    part dense where prompts have one length) against the float32 reference of the same plan,
+    which the CPU tests hold to the dense tree mask."""
+    from grpo_agent.train import cudnn_attention
+
+    assert cudnn_attention.usable(torch.device("cuda"), torch.bfloat16), \
+        cudnn_attention.PROBE_NOTES
+    row = _groups_row() if groups_only else _big_shared_row()
+    plan = LevelPlan.build(row, "cuda", "flash", dense="cudnn")
+    assert len(plan.self_dense) >= 2
+    assert (plan.depth_dense[0] is not None) == groups_only
+
+    def attend(q, k, v, fast):
+        exact = dataclasses.replace(plan, kernel="reference", dense_kernel="reference")
+        return level_tree_attention(q, k, v, plan if fast else exact, 0.125)
+
+    _assert_matches_reference(attend, row.num_tokens, dtype)

@@ -44,9 +44,11 @@ from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
 KERNELS = ("flash", "reference")
-# Padded dense parts (`cudnn_attention`): "auto" runs them on cuDNN where its probe passes
-# (flash plans only), "off" keeps every part on the varlen kernel; "cudnn"/"reference" force.
-DENSE = "auto"
+# Padded dense parts (`cudnn_attention`): "off" keeps every part on the varlen kernel; "auto"
+# runs them on cuDNN where its probe passes (flash plans only); "cudnn"/"reference" force.
+# Off by default: on an H200 they were slower than flash at 6-16k-token rows and took 5 GiB
+# more at 16k (docs/performance.md).
+DENSE = "off"
 DENSE_CHOICES = ("auto", "off", "cudnn", "reference")
 
 
