@@ -9,8 +9,9 @@ to the query heads for every line of the comparison). Each line: median ms of 20
 events), TFLOP/s of the causal pairs (x3.5 for forward+backward), and for cuDNN varlen the
 largest difference to flash's output. A variant that torch rejects prints its error.
 
-Then tree rows through `level_attention` (bench/packing.py's rows: prompts of 1024, completions
-of 128-384), every part on flash (the old path) against padded parts on cuDNN.
+Then tree rows through `level_attention` (bench/packing.py's rows: prompts of 1024,
+completions of 128-384), every part on flash (the old path) against padded parts on cuDNN (all
+parts, or the depth parts alone).
 
     PYTHONPATH=core python bench/attention_kernels.py
 """
@@ -137,7 +138,7 @@ def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
     mask = dense_tree_mask(row.segment_ids.cuda(), row.segment_ancestors.cuda())
     pairs = float(mask.sum())
     plans = {dense: LevelPlan.build(row, "cuda", "flash", dense=dense)
-             for dense in ("off", "cudnn")}
+             for dense in ("off", "cudnn", "cudnn-depth")}
     outs = {}
     for dense, plan in plans.items():
         out = level_tree_attention(q, k, v, plan, DIM ** -0.5)
@@ -145,7 +146,7 @@ def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
         outs[dense] = [out.float(), *(t.grad.float() for t in (q, k, v))]
         for t in (q, k, v):
             t.grad = None
-    times = {"off": [], "cudnn": []}
+    times = {dense: [] for dense in plans}
     for _ in range(2):  # alternate: drift between the two shows as spread
         for dense, plan in plans.items():
             times[dense].append(timed_ms(
@@ -162,20 +163,24 @@ def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
                 torch.cuda.synchronize()
             print(f"profile {dense}, 5 steps, G={group_size}", flush=True)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
-    diffs = [round(float((a - b).norm() / b.norm()), 5) for a, b in zip(outs["cudnn"], outs["off"])]
+    diffs = {dense: [round(float((a - b).norm() / b.norm()), 5) for a, b in zip(got, outs["off"])]
+             for dense, got in outs.items() if dense != "off"}
     cudnn = plans["cudnn"]
     print(json.dumps({
         "case": f"levels G={group_size} {n} tokens", "pairs": pairs,
         "flash_ms": [round(t, 3) for t in times["off"]],
         "cudnn_ms": [round(t, 3) for t in times["cudnn"]],
+        "cudnn_depth_ms": [round(t, 3) for t in times["cudnn-depth"]],
         "cudnn_over_flash": round(statistics.median(times["cudnn"])
                                   / statistics.median(times["off"]), 3),
+        "cudnn_depth_over_flash": round(statistics.median(times["cudnn-depth"])
+                                        / statistics.median(times["off"]), 3),
         "flash_tflops": round(3.5 * 4 * HEADS * DIM * pairs / min(times["off"]) / 1e9, 1),
         "cudnn_tflops": round(3.5 * 4 * HEADS * DIM * pairs / min(times["cudnn"]) / 1e9, 1),
         "self_batches": [(p.batch, p.len_q) for p in cudnn.self_dense],
         "depth_dense": [None if p is None else (p.batch, p.len_q, p.len_k)
                         for p in cudnn.depth_dense],
-        "rel_diff_out_dq_dk_dv": diffs, "probe": cudnn_attention.PROBE_NOTES,
+        "rel_diff_out_dq_dk_dv_to_flash": diffs, "probe": cudnn_attention.PROBE_NOTES,
     }), flush=True)
 
 

@@ -31,21 +31,21 @@ def _groups(prompt_len: int, completion_lens: list[list[int]]):
 
 
 def test_self_parts_group_segments_by_length():
-    segs = [range(0, 10), range(10, 14), range(14, 20), range(20, 22), range(22, 31)]
+    segs = [range(10), range(10, 14), range(14, 20), range(20, 22), range(22, 31)]
     parts = cudnn_attention.self_parts(segs, "cpu")
     assert [(p.batch, p.len_q) for p in parts] == [(3, 10), (2, 4)]  # 6 >= 10 / 2, 2 >= 4 / 2
     covered = torch.cat([p.rows_q for p in parts]).sort().values
     assert torch.equal(covered, torch.arange(31))
     first = parts[0]
-    assert torch.equal(first.q_index.view(3, 10)[2, :6], torch.arange(14, 20))
-    assert not first.q_valid.view(3, 10)[2, 6:].any()
+    assert torch.equal(first.q_index[2, :6], torch.arange(14, 20))
+    assert not first.q_valid[2, 6:].any()
 
 
 def test_depth_part_needs_one_key_length():
-    same = [(range(4, 10), range(0, 4)), (range(14, 17), range(10, 14))]
+    same = [(range(4, 10), range(4)), (range(14, 17), range(10, 14))]
     part = cudnn_attention.depth_part(same, "cpu")
     assert (part.batch, part.len_q, part.len_k, part.causal) == (2, 6, 4, False)
-    assert cudnn_attention.depth_part([(range(4, 10), range(0, 4)),
+    assert cudnn_attention.depth_part([(range(4, 10), range(4)),
                                        (range(13, 17), range(10, 13))], "cpu") is None
 
 
@@ -87,3 +87,16 @@ def test_auto_keeps_cpu_plans_on_varlen_and_rejects_unknown_names():
     assert LevelPlan.build(row, "cpu", "reference").dense_kernel is None
     with pytest.raises(ValueError, match="choose one of"):
         LevelPlan.build(row, "cpu", "reference", dense="cudnn9")
+
+
+def test_depth_only_keeps_the_self_part_on_the_varlen_kernel():
+    row = pack_row(_groups(7, [[3, 5, 4], [6, 2, 3]]))
+    plan = LevelPlan.build(row, "cpu", "reference", dense="cudnn-depth")
+    layout, _ = plan.parts()
+    assert [kind for kind, _ in layout] == ["self", "dense"]
+    n = row.num_tokens
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    exact = LevelPlan.build(row, "cpu", "reference", dense="off")
+    plan.dense_kernel = "reference"
+    torch.testing.assert_close(level_tree_attention(q, k, v, plan, 0.3),
+                               level_tree_attention(q, k, v, exact, 0.3), atol=1e-12, rtol=0)

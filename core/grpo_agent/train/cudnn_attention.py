@@ -31,9 +31,9 @@ PAD_RATIO = 0.5
 class DensePart:
     """One padded batch: where each padded slot reads from, and where real slots go back to."""
 
-    q_index: torch.Tensor  # long [B * len_q]: row of each query slot (0 for padding)
-    q_valid: torch.Tensor  # bool [B * len_q]
-    k_index: torch.Tensor  # long [B * len_k]: row of each key slot (0 for padding)
+    q_index: torch.Tensor  # long [B, len_q]: row of each query slot (0 for padding)
+    q_valid: torch.Tensor  # bool [B, len_q]
+    k_index: torch.Tensor  # long [B, len_k]: row of each key slot (0 for padding)
     rows_q: torch.Tensor  # long: the real query rows ...
     pos_q: torch.Tensor  # ... and their slots
     rows_k: torch.Tensor  # long: the real key rows ...
@@ -58,12 +58,10 @@ class DensePart:
             q_valid[b, : len(q)] = True
             k_index[b, : len(k)] = torch.arange(k.start, k.stop)
             k_valid[b, : len(k)] = True
-        q_index, q_valid, k_index, k_valid = (
-            t.flatten() for t in (q_index, q_valid, k_index, k_valid)
-        )
-        pos_q, pos_k = q_valid.nonzero().squeeze(1), k_valid.nonzero().squeeze(1)
-        tensors = to_device(device, q_index, q_valid, k_index, q_index[pos_q], pos_q,
-                            k_index[pos_k], pos_k)
+        # slots in the flattened [B * len] batch
+        pos_q, pos_k = (m.flatten().nonzero().squeeze(1) for m in (q_valid, k_valid))
+        tensors = to_device(device, q_index, q_valid, k_index, q_index.flatten()[pos_q], pos_q,
+                            k_index.flatten()[pos_k], pos_k)
         return cls(*tensors, len(pairs), len_q, len_k, causal)
 
 
@@ -88,13 +86,15 @@ def depth_part(pairs: list[tuple[range, range]], device) -> DensePart | None:
     return DensePart.build(pairs, False, device)
 
 
-def padded(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None, batch: int,
-           length: int) -> torch.Tensor:
-    """Rows of x [N, ...] into [batch, length, ...]; slots outside `valid` are zero."""
-    out = x.index_select(0, index)
+def padded(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Rows of x [N, ...] into [B, L, ...] by index [B, L]; slots outside `valid` are zero.
+    (The batch shape rides on the index tensors: ints 0/1 in a compiled autograd.Function's
+    context broke tracing on torch 2.11.)"""
+    out = x.index_select(0, index.flatten())
     if valid is not None:
         out = torch.where(valid.view(-1, *[1] * (x.dim() - 1)), out, 0)
-    return out.view(batch, length, *x.shape[1:])
+    return out.view(*index.shape, *x.shape[1:])
 
 
 # --- the cuDNN kernel: [B, L, heads, dim] in, (out [B, L, heads, dim], lse [B, L, heads] f32)

@@ -45,11 +45,12 @@ from grpo_agent.train.transfer import to_device
 
 KERNELS = ("flash", "reference")
 # Padded dense parts (`cudnn_attention`): "off" keeps every part on the varlen kernel; "auto"
-# runs them on cuDNN where its probe passes (flash plans only); "cudnn"/"reference" force.
+# runs them on cuDNN where its probe passes (flash plans only); "cudnn"/"reference" force;
+# "cudnn-depth" keeps the self part on flash and pads only the depth parts.
 # Off by default: on an H200 they were slower than flash at 6-16k-token rows and took 5 GiB
 # more at 16k (docs/performance.md).
 DENSE = "off"
-DENSE_CHOICES = ("auto", "off", "cudnn", "reference")
+DENSE_CHOICES = ("auto", "off", "cudnn", "cudnn-depth", "reference")
 
 
 @dataclass
@@ -73,7 +74,9 @@ class LevelPlan:
     def build(cls, row: PackedRow, device, kernel: str, dense: str | None = None) -> LevelPlan:
         if kernel not in KERNELS:
             raise ValueError(f"level attention kernel {kernel!r}: choose one of {KERNELS}")
-        dense = _dense_kernel(kernel, torch.device(device), DENSE if dense is None else dense)
+        dense = DENSE if dense is None else dense
+        depth_only = dense == "cudnn-depth"
+        dense = _dense_kernel(kernel, torch.device(device), dense)
         _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
         ends = lens.cumsum(0).tolist()
         starts = [e - n for e, n in zip(ends, lens.tolist())]
@@ -83,10 +86,10 @@ class LevelPlan:
         subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
         (self_cu,) = to_device(device, _bounds(lens.tolist()))
         plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [], dense)
-        if dense:
+        if dense and not depth_only:
             plan.self_dense = cudnn_attention.self_parts(
                 [range(a, b) for a, b in zip(starts, ends)], device)
-            plan.depth_dense = []
+        plan.depth_dense = [] if dense else None
         for d in range(max(depth)):  # the deepest segments have no descendants
             pairs = [
                 (range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
@@ -132,7 +135,7 @@ class LevelPlan:
 
 
 def _add_dense(part: DensePart, layout: list, tensors: list) -> None:
-    layout.append(("dense", (part.batch, part.len_q, part.len_k, part.causal)))
+    layout.append(("dense", (part.causal,)))
     tensors += [part.q_index, part.q_valid, part.k_index, part.rows_q, part.pos_q, part.rows_k,
                 part.pos_k]
 
@@ -143,7 +146,7 @@ def _dense_kernel(kernel: str, device: torch.device, dense: str) -> str | None:
     if dense == "auto":
         usable = kernel == "flash" and cudnn_attention.usable(device, torch.bfloat16)
         return "cudnn" if usable else None
-    return None if dense == "off" else dense
+    return {"off": None, "cudnn-depth": "cudnn"}.get(dense, dense)
 
 
 def _bounds(lengths: list[int]) -> torch.Tensor:
@@ -236,12 +239,10 @@ def _part_forward(kind, ints, part, q, k, v, scale, kernel, dense_kernel):
                                     v.index_select(0, ki), cu_q, cu_k, *ints, False, scale)
         return qi, out, lse
     q_index, q_valid, k_index, rows_q, pos_q, _, _ = part
-    batch, len_q, len_k, causal = ints
-    out, lse = _DENSE_FORWARD[dense_kernel](
-        padded(q, q_index, q_valid, batch, len_q), padded(k, k_index, None, batch, len_k),
-        padded(v, k_index, None, batch, len_k), causal, scale)
-    return (rows_q, out.reshape(batch * len_q, *q.shape[1:]).index_select(0, pos_q),
-            lse.reshape(batch * len_q, q.shape[1]).index_select(0, pos_q))
+    out, lse = _DENSE_FORWARD[dense_kernel](padded(q, q_index, q_valid), padded(k, k_index),
+                                            padded(v, k_index), *ints, scale)
+    return (rows_q, out.flatten(0, 1).index_select(0, pos_q),
+            lse.flatten(0, 1).index_select(0, pos_q))
 
 
 def _part_backward(kind, ints, part, dout, q, k, v, out, lse, scale, kernel, dense_kernel):
@@ -259,17 +260,12 @@ def _part_backward(kind, ints, part, dout, q, k, v, out, lse, scale, kernel, den
                                  *ints, False, scale)
         return
     q_index, q_valid, k_index, rows_q, pos_q, rows_k, pos_k = part
-    batch, len_q, len_k, causal = ints
-
-    def at_queries(x):
-        return padded(x, q_index, q_valid, batch, len_q)
-
-    dq, dk, dv = _DENSE_BACKWARD[dense_kernel](
-        at_queries(dout), at_queries(q), padded(k, k_index, None, batch, len_k),
-        padded(v, k_index, None, batch, len_k), at_queries(out), at_queries(lse), causal, scale)
-    yield (rows_q, rows_k), (dq.reshape(batch * len_q, *q.shape[1:]).index_select(0, pos_q),
-                             dk.reshape(batch * len_k, *k.shape[1:]).index_select(0, pos_k),
-                             dv.reshape(batch * len_k, *v.shape[1:]).index_select(0, pos_k))
+    at_q = [padded(x, q_index, q_valid) for x in (dout, q, out, lse)]
+    dq, dk, dv = _DENSE_BACKWARD[dense_kernel](at_q[0], at_q[1], padded(k, k_index),
+                                               padded(v, k_index), at_q[2], at_q[3], *ints, scale)
+    yield (rows_q, rows_k), (dq.flatten(0, 1).index_select(0, pos_q),
+                             dk.flatten(0, 1).index_select(0, pos_k),
+                             dv.flatten(0, 1).index_select(0, pos_k))
 
 
 def _work_dtype(q: torch.Tensor) -> torch.dtype:
