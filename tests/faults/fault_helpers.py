@@ -19,3 +19,19 @@ def hangs_on_row_3(completion_ids, row_id, **kwargs):
 def constant_reward(completion_ids, **kwargs):
     """Every rollout scores the same: zero reward std, so every group is dropped."""
     return [0.0] * len(completion_ids)
+
+
+def kills_the_server_at_group_3(completion_ids, **kwargs):
+    """token_sum_reward that SIGKILLs the vLLM server (pid in GRPO_FAULT_SERVER_PID) once, when
+    the third group is scored: other groups are generating then. The marker file makes it once
+    per test, across calls in the worker process."""
+    import os
+    import signal
+    from pathlib import Path
+
+    marker = Path(os.environ["GRPO_FAULT_MARKER"])
+    calls = int(marker.read_text() or 0) + 1 if marker.exists() else 1
+    marker.write_text(str(calls))
+    if calls == 3:
+        os.kill(int(os.environ["GRPO_FAULT_SERVER_PID"]), signal.SIGKILL)
+    return token_sum_reward(completion_ids)

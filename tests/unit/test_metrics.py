@@ -92,6 +92,7 @@ EXPECTED_REDUCTIONS = {
     "rollout/vllm_kv_cache_usage_frac": "mean", "rollout/vllm_running_requests": "mean",
     "rollout/vllm_queued_requests": "mean", "rollout/vllm_preemption_count": "sum",
     "rollout/reward_error_count": "sum", "rollout/stalled_group_count": "sum",
+    "rollout/server_lost_group_count": "sum", "server/restart_count": "sum",
     "tools/call_frequency": "mean", "tools/failure_frequency": "mean", "tools/latency_s": "mean",
     "tools/{tool}/latency_s": "mean", "tools/{tool}/call_count": "sum",
     "tools/{tool}/failure_count": "sum", "tools/unknown_name_count": "sum",

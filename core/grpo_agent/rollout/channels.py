@@ -26,6 +26,8 @@ class WorkerChannels:
     stop: Any  # Event: the trainer asks the child to stop
     flush_metrics: Any  # Event: the trainer asks for the child's observations now; the child
     # clears it, sends them and then METRICS_FLUSHED on `metrics` (after them: one FIFO writer)
+    server_down: Any = None  # Event: the child lost the server and waits; the trainer clears
+    # it once the server is back with its weights (`sampler.recovery`)
 
     @classmethod
     def create(cls, context) -> WorkerChannels:
@@ -34,7 +36,7 @@ class WorkerChannels:
                    failed=context.Event(), model_version=context.Value("q", 0),
                    token_allowance=context.Value("d", 0.0),
                    heartbeat=context.Value("d", 0.0), stop=context.Event(),
-                   flush_metrics=context.Event())
+                   flush_metrics=context.Event(), server_down=context.Event())
 
     @property
     def queues(self) -> tuple:

@@ -34,6 +34,7 @@ from grpo_agent.rollout.scoring import (
     run_reward_functions,
 )
 from grpo_agent.rollout.versions import pin_rollout_version
+from grpo_agent.sampler import recovery
 from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.stall import StageStalled
@@ -140,7 +141,7 @@ class RolloutEngine:
         while not self._allowance_has_room():
             await asyncio.sleep(ALLOWANCE_POLL_S)
         self.observe("rollout/backpressure_s", time.perf_counter() - started)
-        while not (self.slots.can_dispatch() and self._allowance_has_room()):
+        while not (self.slots.can_dispatch() and self._allowance_has_room()) or self._server_down():
             await asyncio.sleep(ALLOWANCE_POLL_S)
 
     async def _dispatch(self) -> None:
@@ -171,10 +172,14 @@ class RolloutEngine:
         try:
             results = await asyncio.gather(*rollouts)
         except StageStalled:  # reported by the watch: drop the group, count it, go on
-            for task in rollouts:
-                task.cancel()
-            await asyncio.gather(*rollouts, return_exceptions=True)
+            await _cancel_all(rollouts)
             self._drop_stalled(slot.prompt_index, slot.row_index)
+            return
+        except SamplerError as error:
+            if not await self._lost_the_server(error):
+                raise
+            await _cancel_all(rollouts)  # lost with the server: counted, recorded as consumed
+            self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
         group = await self._build_group(slot, group_id, version, results)
         started = time.perf_counter()
@@ -275,10 +280,31 @@ class RolloutEngine:
 
     def _drop_stalled(self, prompt_index: int, row_index: int) -> None:
         """A group whose stage passed its deadline: consumed untrained, counted."""
-        self._groups_in_flight -= 1
         self._stalled_groups += 1
-        self.observe("rollout/stalled_group_count", 1)
-        self._put(PromptConsumed(prompt_index, row_index, "stalled"))
+        self._drop_group(prompt_index, row_index, "stalled")
+
+    def _drop_group(self, prompt_index: int, row_index: int, reason: str) -> None:
+        """A group that ends untrained: consumed (the ledger moves past it), counted as
+        `rollout/{reason}_group_count`."""
+        self._groups_in_flight -= 1
+        self.observe(f"rollout/{reason}_group_count", 1)
+        self._put(PromptConsumed(prompt_index, row_index, reason))
+
+    async def _lost_the_server(self, error: SamplerError) -> bool:
+        """Whether `error` means the server is gone (`recovery.means_server_lost`); then ask
+        the trainer to restore it (`server_down`) and dispatch nothing until it has."""
+        if self.channels.server_down is None or not await recovery.means_server_lost(
+                error, self.config.vllm_server_base_url):
+            return False
+        if not self.channels.server_down.is_set():
+            logger.warning("Lost the vLLM server at %s (%s); the groups in flight are dropped "
+                           "and counted, and new ones wait until the trainer restores it.",
+                           self.config.vllm_server_base_url, error)
+            self.channels.server_down.set()
+        return True
+
+    def _server_down(self) -> bool:
+        return self.channels.server_down is not None and self.channels.server_down.is_set()
 
     def _put(self, item: TrainingSample | PromptConsumed) -> None:
         self.channels.samples.put(item)
@@ -382,3 +408,9 @@ def _reconcile_all(turn_lists: list[list[TurnRecord]]) -> list:
 
 async def _await_future(future: asyncio.Future) -> None:
     await future
+
+
+async def _cancel_all(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

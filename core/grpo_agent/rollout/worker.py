@@ -186,6 +186,15 @@ class RolloutWorker:
         return False
 
     @property
+    def server_down(self) -> bool:
+        """The worker lost the vLLM server and waits for the trainer to restore it."""
+        return self.channels.server_down.is_set()
+
+    def server_restored(self) -> None:
+        """The server is back with the trainer's weights: the worker dispatches again."""
+        self.channels.server_down.clear()
+
+    @property
     def queue_size(self) -> int:
         try:
             return self.channels.samples.qsize()

@@ -34,6 +34,15 @@ _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
 _HEALTH_POLL_S = 0.5
 _STOP_GRACE_S = 20.0
 
+# The servers this process started and has not stopped, by base URL: the run's recovery
+# (`sampler.recovery`) restarts the one it trains against when it dies.
+_RUNNING: weakref.WeakValueDictionary[str, ManagedVLLMServer] = weakref.WeakValueDictionary()
+
+
+def managed_server_at(base_url: str) -> ManagedVLLMServer | None:
+    """The server this process started at `base_url`, if any (None: an external server)."""
+    return _RUNNING.get(base_url.rstrip("/"))
+
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A port the OS says is free right now (the usual bind-to-0 trick)."""
@@ -173,13 +182,24 @@ class ManagedVLLMServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - began
+        _RUNNING[self.base_url] = self
         return self
 
     def stop(self) -> None:
         """Stop our own process group (SIGTERM, then SIGKILL after a grace period)."""
+        if _RUNNING.get(self.base_url) is self:
+            del _RUNNING[self.base_url]
         if self._finalizer is not None:
             self._finalizer()  # runs _stop_process_group once
             self._finalizer = None
+
+    def restart(self) -> ManagedVLLMServer:
+        """Stop what is left of the server (its engine may outlive a killed API process) and
+        start it again on the same port, so clients keep their URL."""
+        self.stop()
+        self._process = None
+        logger.info("restarting the vLLM server on %s (log: %s)", self.base_url, self.log_path)
+        return self.start()
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -225,7 +245,8 @@ def _new_log_path() -> Path:
 
 def _stop_process_group(process: subprocess.Popen) -> None:
     """Signal the session we created for `process` (its PID is the group id)."""
-    if process.poll() is not None:
+    if process.poll() is not None:  # killed from outside: its engine may still run
+        _reap_group_leftovers(process.pid)
         return
     for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 10.0)):
         try:

@@ -7,10 +7,12 @@ the one process that reads the sample queue, and its stall watch reports on both
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from grpo_agent import stall
 from grpo_agent.rollout.worker import RolloutWorker
+from grpo_agent.sampler.recovery import ServerRecovery
 from grpo_agent.train import fsdp, setup
 from grpo_agent.train.step_source import StepSource
 
@@ -31,7 +33,7 @@ class RolloutPipelineMixin:
         if self.state.global_step > 0 or self.pusher.needs_initial_push(
                 self.model, facts.holds_pushed_weights):
             self.model_version += 1
-            self.window.update(self.pusher.push(self.model, self.model_version))
+            self.push_weights()
         if fsdp.is_main_process():
             self.source = self._step_source(self._start_worker(facts.model_id))
             self.stalls.peer_pid = self.source.worker.pid
@@ -52,7 +54,28 @@ class RolloutPipelineMixin:
     def _step_source(self, worker: Any) -> StepSource:
         """Steps from `worker` (a `RolloutWorker`, or a stand-in with its trainer-side methods)."""
         return StepSource(worker, ledger=self.ledger, epochs_done=self.prompt_epochs_done,
-                          window=self.window, no_progress_timeout=self.args.no_progress_timeout)
+                          window=self.window, no_progress_timeout=self.args.no_progress_timeout,
+                          restore_server=self._restore_server)
+
+    @functools.cached_property
+    def recovery(self) -> ServerRecovery:
+        """Brings a dead server back (rank 0 of a single-process run only)."""
+        return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
+                              enabled=fsdp.world_size() == 1)
+
+    def push_weights(self) -> None:
+        """Push the policy as `model_version`; a failed push is retried once after restoring
+        the server (`sampler.recovery`)."""
+        restarts = self.recovery.restarts
+        self.window.update(self.recovery.push(self.pusher, self.model, self.model_version))
+        if self.recovery.restarts != restarts and self.source is not None:
+            self.source.worker.server_restored()
+
+    def _restore_server(self) -> None:
+        """The worker lost the server: bring it back with our weights, then let it go on."""
+        self.window.update(self.recovery.restore(self.pusher, self.model, self.model_version,
+                                                 cause="the rollout worker lost it"))
+        self.source.worker.server_restored()
 
     def _stall_context(self) -> dict[str, Any]:
         """What the trainer's stall report records besides its stages and stacks."""

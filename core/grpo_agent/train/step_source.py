@@ -37,8 +37,11 @@ class StepSource:
 
     def __init__(self, worker: Any, *, ledger: PromptLedger,
                  epochs_done: Callable[[list[TrainingSample]], bool], window: MetricWindow,
-                 no_progress_timeout: float) -> None:
+                 no_progress_timeout: float,
+                 restore_server: Callable[[], None] | None = None) -> None:
+        """`restore_server` brings the vLLM server back when the worker lost it."""
         self.worker = worker
+        self.restore_server = restore_server
         self.ledger = ledger
         self.epochs_done = epochs_done
         self.window = window
@@ -63,6 +66,10 @@ class StepSource:
                 if not pending:
                     if self.epochs_done(taken):
                         break  # the run's last, partial step (or an empty one)
+                    if self.restore_server is not None and getattr(self.worker, "server_down", False):
+                        self.restore_server()  # bounded: a restart or vllm_server_timeout
+                        if pull_stage is not None:
+                            pull_stage.touch()
                     started = time.perf_counter()
                     items = self.worker.pull(timeout=PULL_POLL_S)
                     waited += time.perf_counter() - started

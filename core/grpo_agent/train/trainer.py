@@ -269,7 +269,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                                self.ledger.take_noticed(), self.ledger.frontier)
         if state.global_step % self.args.weight_sync_steps == 0:
             self.model_version += 1
-            self.window.update(self.pusher.push(self.model, self.model_version))
+            self.push_weights()  # retried once after a server restore (train/pipeline.py)
             if self.source is not None:
                 self.source.worker.set_model_version(self.model_version)
         done = self.prompt_epochs_done()

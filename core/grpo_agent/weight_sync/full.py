@@ -66,6 +66,12 @@ class WeightPusher:
             self.last_num_bytes = timings.num_bytes
         return metrics
 
+    def reopen(self) -> None:
+        """The server was restarted: the next push opens a new transfer group with it."""
+        reopen = getattr(self._sync, "reopen", None)
+        if reopen is not None:
+            reopen()
+
     def close(self) -> None:
         close = getattr(self._sync, "close", None)
         if close is not None:

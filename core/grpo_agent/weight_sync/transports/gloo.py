@@ -142,6 +142,10 @@ class GlooWeightSync:
                            total_s=time.perf_counter() - began,
                            num_bytes=sum(s.num_bytes for s in specs))
 
+    def reopen(self) -> None:
+        """Forget the group (its server died): the next push opens one with the new server."""
+        self._group = self._store = None
+
     def close(self) -> None:
         if self._group is not None:
             try:

@@ -74,6 +74,10 @@ class NcclWeightSync:
         return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
                            total_s=time.perf_counter() - began, num_bytes=num_bytes)
 
+    def reopen(self) -> None:
+        """Forget the engine (its server died): the next push opens one with the new server."""
+        self._engine = None
+
     def close(self) -> None:
         if self._engine is not None:
             self.control.call("POST", "/shutdown_weight_transfer_engine")

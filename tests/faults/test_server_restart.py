@@ -1,0 +1,102 @@
+"""The managed vLLM server dies mid-run: the trainer restarts it, pushes its weights and the run
+reaches max_steps (issue 22 item 2). Killed while generating (the worker notices: its groups in
+flight are dropped and counted) and at the start of a weight push (the push is retried once
+after re-opening the gloo group). The prompt ledger shows no prompt trained twice.
+
+Each case starts (and restarts) its own server, never the session's: slow.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+from grpo_agent.weight_sync.pusher import build_weight_pusher
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
+from fault_helpers import kills_the_server_at_group_3, token_sum_reward
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+MAX_STEPS = 4
+
+
+@pytest.fixture
+def own_server(tiny_model_path, tmp_path):
+    from grpo_agent.sampler.server import ManagedVLLMServer
+
+    server = ManagedVLLMServer(tiny_model_path, dtype="float32", weight_transfer_backend="gloo",
+                               max_model_len=512, enforce_eager=True,
+                               log_path=tmp_path / "server.log").start()
+    yield server
+    server.stop()
+
+
+def _trainer(server, tmp_path, reward) -> AsyncGRPOTrainer:
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(200)])
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), vllm_server_base_url=server.base_url, num_generations=2,
+        max_completion_length=8, token_budget=128, max_steps=MAX_STEPS, num_train_epochs=1000,
+        save_strategy="no", report_to="none", use_cpu=True, logging_steps=1,
+        vllm_server_timeout=120, rollout_worker_timeout=300)
+    return AsyncGRPOTrainer(model=str(server.model_path), reward_funcs=reward,
+                            train_dataset=dataset, args=args)
+
+
+def _summed(trainer: AsyncGRPOTrainer, name: str) -> float:
+    return sum(entry.get(name, 0.0) for entry in trainer.state.log_history)
+
+
+def _check_ledger(trainer: AsyncGRPOTrainer) -> list[dict]:
+    lines = [json.loads(line) for line in
+             (Path(trainer.args.output_dir) / "prompt_ledger.jsonl").read_text().splitlines()]
+    consumed = [p for line in lines for p in line["completed"] + line["noticed"]]
+    assert len(consumed) == len(set(consumed)), f"a prompt was consumed twice: {lines}"
+    return lines
+
+
+def test_a_server_killed_while_generating_is_restarted_and_the_run_goes_on(
+        own_server, tmp_path, monkeypatch):
+    first_pid = own_server.pid
+    monkeypatch.setenv("GRPO_FAULT_SERVER_PID", str(first_pid))
+    monkeypatch.setenv("GRPO_FAULT_MARKER", str(tmp_path / "scored_groups"))
+    trainer = _trainer(own_server, tmp_path, kills_the_server_at_group_3)
+    trainer.train()
+    assert trainer.state.global_step == MAX_STEPS
+    assert own_server.pid != first_pid and own_server.is_running()
+    assert _summed(trainer, "server/restart_count") >= 1
+    assert _summed(trainer, "rollout/server_lost_group_count") >= 1
+    _check_ledger(trainer)
+
+
+def test_a_server_killed_as_a_push_starts_is_restarted_and_the_push_retried(
+        own_server, tmp_path, monkeypatch):
+    first_pid = own_server.pid
+    pushes = []
+
+    def killing_pusher(args, model, facts):
+        pusher = build_weight_pusher(args, model, facts)
+        push = pusher.push
+
+        def push_and_kill_at_the_second(model, version, **kwargs):
+            pushes.append(version)
+            if len(pushes) == 2:  # the first opened the gloo group with the old server
+                os.kill(first_pid, signal.SIGKILL)
+            return push(model, version, **kwargs)
+
+        pusher.push = push_and_kill_at_the_second
+        return pusher
+
+    trainer = _trainer(own_server, tmp_path, token_sum_reward)
+    trainer.pusher_factory = killing_pusher
+    trainer.train()
+    assert trainer.state.global_step == MAX_STEPS
+    assert own_server.pid != first_pid and own_server.is_running()
+    assert pushes.count(2) == 2, pushes  # version 2 failed once, then went through
+    assert _summed(trainer, "server/restart_count") >= 1
+    _check_ledger(trainer)
