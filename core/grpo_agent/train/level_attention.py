@@ -44,12 +44,11 @@ from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
 KERNELS = ("flash", "reference")
-# Padded dense parts (`cudnn_attention`): "off" keeps every part on the varlen kernel; "auto"
-# runs them on cuDNN where its probe passes (flash plans only); "cudnn"/"reference" force;
-# "cudnn-depth" keeps the self part on flash and pads only the depth parts.
-# Off by default: on an H200 they were slower than flash at 6-16k-token rows and took 5 GiB
-# more at 16k (docs/performance.md).
-DENSE = "off"
+# Padded dense parts (`cudnn_attention`): "off" keeps every part on the varlen kernel;
+# "cudnn-depth" pads the depth parts onto cuDNN and keeps the self part on flash; "auto" is
+# "cudnn-depth" where cuDNN's probe passes (flash plans only); "cudnn"/"reference" pad every
+# part (all-dense was slower than flash on an H200: docs/performance.md).
+DENSE = "auto"
 DENSE_CHOICES = ("auto", "off", "cudnn", "cudnn-depth", "reference")
 
 
@@ -75,7 +74,7 @@ class LevelPlan:
         if kernel not in KERNELS:
             raise ValueError(f"level attention kernel {kernel!r}: choose one of {KERNELS}")
         dense = DENSE if dense is None else dense
-        depth_only = dense == "cudnn-depth"
+        depth_only = dense in ("auto", "cudnn-depth")
         dense = _dense_kernel(kernel, torch.device(device), dense)
         _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
         ends = lens.cumsum(0).tolist()
