@@ -13,9 +13,11 @@ is the median of the per-round ratios.
 agent does in the rollout worker: the client's own cost (building and parsing its pydantic
 models, about as much as the gateway's) shares that loop. `--client process` runs it in a
 separate process, as a command agent or an external harness does; the process times itself
-after a warm-up, so its start is not counted.
+after a warm-up, so its start is not counted. `--client httpx` posts the same JSON with a plain
+`httpx.AsyncClient` on the loop and reads the JSON back (no client models): what the gateway
+itself costs, apart from the `openai` client's own work.
 
-    python bench/gateway_overhead.py [--base-url URL] [--concurrency 16] [--rounds 4] [--client process]
+    python bench/gateway_overhead.py [--base-url URL] [--concurrency 16] [--rounds 4] [--client process|httpx]
 
 Without --base-url it builds the tiny model and starts its own vLLM server.
 """
@@ -82,6 +84,7 @@ async def run_all(send, items, concurrency: int) -> float:
 
 
 async def bench(base_url: str, model_path: str, args) -> dict:
+    import httpx
     import openai
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.rollout.agent import ConversationRenderer
@@ -114,8 +117,17 @@ async def bench(base_url: str, model_path: str, args) -> dict:
     async def raw(messages):
         await loop.generate_one_turn(rendered[id(messages)])
 
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.concurrency),
+                             headers={"Authorization": f"Bearer {session.key}"})
+
     async def through_gateway(messages):
-        await client.chat.completions.create(model=loop.model_name, messages=messages)
+        if args.client == "httpx":
+            response = await http.post(gateway.base_url + "/chat/completions",
+                                       json={"model": loop.model_name, "messages": messages})
+            response.raise_for_status()
+            response.json()
+        else:
+            await client.chat.completions.create(model=loop.model_name, messages=messages)
 
     try:
         await run_all(through_gateway, items[: args.concurrency], args.concurrency)  # warm-up
@@ -133,6 +145,7 @@ async def bench(base_url: str, model_path: str, args) -> dict:
                                   "seconds": round(seconds, 3)}), flush=True)
     finally:
         await client.close()
+        await http.aclose()
         await gateway.stop()
         await loop.sampler.aclose()
         loop.tool_executor.shutdown(wait=False)
@@ -150,7 +163,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--client", choices=("in-loop", "process"), default="in-loop",
+    parser.add_argument("--client", choices=("in-loop", "process", "httpx"), default="in-loop",
                         help="where the openai client runs (see the module docstring)")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
