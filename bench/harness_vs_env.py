@@ -5,16 +5,21 @@ client in its own sandboxed process ("command", bench/counter_command_agent.py),
 seed, steps and config; one vLLM server, whose weights are put back to the warmed model's
 before each run (a run pushes its trained weights into it).
 
-Prints the reward per logged step for each run and a summary JSON line last (first and last
-thirds' mean reward per run).
+Prints one JSON line per run (reward and `tools/call_frequency` per logged step) and a summary
+line last: per run, the first and last thirds' mean reward, their mean over seeds and the
+seeds' spread (min, max), and the mean tool-call frequency, so the three ways can be compared
+as the same kind of numbers. `--config` takes a JSON object of `AsyncGRPOConfig` overrides
+(for example a config under which the counter task learns); `--model` another model folder.
 
-    python bench/harness_vs_env.py [--steps 15] [--learning-rate 1e-4] [--runs harness,command,env]
+    python bench/harness_vs_env.py [--steps 15] [--seeds 0,1] [--config overrides.json]
+                                   [--runs harness,command,env] [--base-url URL] [--model DIR]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -73,7 +78,7 @@ async def counter_agent(client, row: dict) -> float:
     return float(counter == row["target"])
 
 
-def train(kind: str, server, steps: int, learning_rate: float) -> dict:
+def train(kind: str, server, steps: int, seed: int, overrides: dict) -> dict:
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, HarnessAsyncGRPOTrainer
     from grpo_agent.rollout.agent_programs import AgentCommand
@@ -81,11 +86,11 @@ def train(kind: str, server, steps: int, learning_rate: float) -> dict:
     targets = TARGETS * 64
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
                                  "target": targets})
-    config = AsyncGRPOConfig(
-        output_dir=tempfile.mkdtemp(), vllm_server_base_url=server.base_url, max_steps=steps,
-        num_generations=8, max_completion_length=64, max_tool_calling_iterations=2,
-        chat_template_kwargs={"enable_thinking": False}, learning_rate=learning_rate, seed=0,
-        report_to="none", logging_steps=1)
+    values = {"num_generations": 8, "max_completion_length": 64, "max_tool_calling_iterations": 2,
+              "chat_template_kwargs": {"enable_thinking": False}, "learning_rate": 1e-4,
+              **overrides, "output_dir": tempfile.mkdtemp(), "vllm_server_base_url": server.base_url,
+              "max_steps": steps, "seed": seed, "report_to": "none", "logging_steps": 1}
+    config = AsyncGRPOConfig(**values)
     model = str(server.model_path)
     if kind in ("harness", "command"):
         agent = counter_agent if kind == "harness" else AgentCommand(f"{sys.executable} {COMMAND_AGENT}")
@@ -98,10 +103,12 @@ def train(kind: str, server, steps: int, learning_rate: float) -> dict:
     began = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - began
-    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    rewards = [entry["reward"] for entry in logged]
+    calls = [entry.get("tools/call_frequency", float("nan")) for entry in logged]
     third = max(len(rewards) // 3, 1)
-    result = {"run": kind, "steps": trainer.state.global_step, "seconds": round(seconds, 1),
-              "rewards": [round(r, 3) for r in rewards],
+    result = {"run": kind, "seed": seed, "steps": trainer.state.global_step, "seconds": round(seconds, 1),
+              "rewards": [round(r, 3) for r in rewards], "call_frequency": [round(c, 3) for c in calls],
               "first_third_reward": round(statistics.fmean(rewards[:third]), 3),
               "last_third_reward": round(statistics.fmean(rewards[-third:]), 3)}
     print(json.dumps(result), flush=True)
@@ -125,7 +132,9 @@ def restore_weights(server) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds; each run per seed")
+    parser.add_argument("--config", help="a JSON file of AsyncGRPOConfig overrides for every run")
+    parser.add_argument("--model", help="the model folder (default: the tool-warmed tiny model)")
     parser.add_argument("--runs", default="harness,command,env", help="which runs, in order")
     parser.add_argument("--base-url", help="a running server on the tool-warmed model that this "
                         "bench may push weights into (default: start one)")
@@ -139,20 +148,37 @@ def main() -> None:
     if json.dumps(COMMAND_SCHEMA) != json.dumps(INCREMENT):
         raise SystemExit("bench/counter_command_agent.py's schema differs from the env's: "
                          f"{COMMAND_SCHEMA} vs {INCREMENT}")
+    overrides = json.loads(Path(args.config).read_text()) if args.config else {}
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     results = []
-    model = build_tool_warmed_model()
+    model = args.model or build_tool_warmed_model()
     with contextlib.ExitStack() as stack:
         server = SimpleNamespace(base_url=args.base_url, model_path=model)
         if args.base_url is None:
             server = stack.enter_context(ManagedVLLMServer(model, dtype="float32", max_model_len=1024,
                                                            enforce_eager=True))
-        for kind in args.runs.split(","):
-            restore_weights(server)
-            results.append(train(kind, server, args.steps, args.learning_rate))
-    print(json.dumps({"summary": "harness_vs_env", "steps": args.steps,
-                      "learning_rate": args.learning_rate,
-                      **{f"{r['run']}_{key}": r[key] for r in results
-                         for key in ("first_third_reward", "last_third_reward", "seconds")}}))
+        for seed in seeds:
+            for kind in args.runs.split(","):
+                restore_weights(server)
+                results.append(train(kind, server, args.steps, seed, overrides))
+    print(json.dumps({"summary": "harness_vs_env", "steps": args.steps, "seeds": seeds,
+                      "overrides": overrides, **summarize(results)}))
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per run: each third's reward averaged over seeds with its (min, max) over seeds, the
+    mean tool-call frequency and the mean seconds."""
+    out = {}
+    for kind in dict.fromkeys(r["run"] for r in results):
+        mine = [r for r in results if r["run"] == kind]
+        for key in ("first_third_reward", "last_third_reward"):
+            values = [r[key] for r in mine]
+            out[f"{kind}_{key}"] = round(statistics.fmean(values), 3)
+            out[f"{kind}_{key}_range"] = [min(values), max(values)]
+        calls = [c for r in mine for c in r["call_frequency"] if not math.isnan(c)]
+        out[f"{kind}_call_frequency"] = round(statistics.fmean(calls), 3) if calls else None
+        out[f"{kind}_seconds"] = round(statistics.fmean(r["seconds"] for r in mine), 1)
+    return out
 
 
 if __name__ == "__main__":
