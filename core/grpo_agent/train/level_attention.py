@@ -23,6 +23,11 @@ Measured on an H200 (docs/performance.md): less GPU time and 12-15% less peak me
 slower at 6-7k, where the packed step is bound by the host queueing kernels; so "auto" picks
 it for rows of at least `tree_attention.LEVELS_MIN_TOKENS`.
 
+A part can also run as one padded dense batch on cuDNN's SDPA kernel (`cudnn_attention`,
+`DENSE`): by default the depth parts, where every key range has one length (a group's prompt),
+which on an H200 made the compiled 1.7B step 1.7-3.4% faster at 15-16k-token rows; the self
+part stays on flash (padding it too was slower: its gathers cost more than cuDNN saves).
+
 Everything is tensor ops with no host synchronisation, so torch.compile traces it into the
 compiled decoder layer, backward included. (A first version wrapped it in custom ops; their
 Python dispatch made the compiled step 0.126 s instead of 0.095 s.) A row whose tree has a new
