@@ -152,7 +152,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     if "ok" not in _PROBE:
-        _PROBE.update(_probe(device, dtype))
+        # plans are also built for no-grad evaluation; the probe checks gradients
+        with torch.inference_mode(False), torch.enable_grad():
+            _PROBE.update(_probe(device, dtype))
     return _PROBE["ok"]
 
 
