@@ -100,3 +100,19 @@ def test_depth_only_keeps_the_self_part_on_the_varlen_kernel():
     plan.dense_kernel = "reference"
     torch.testing.assert_close(level_tree_attention(q, k, v, plan, 0.3),
                                level_tree_attention(q, k, v, exact, 0.3), atol=1e-12, rtol=0)
+
+
+def test_cudnn_parts_fall_back_to_varlen_for_unseen_head_sizes(monkeypatch):
+    """A head size cuDNN was not checked with runs every part on the varlen kernel."""
+    from grpo_agent.train import level_attention
+
+    row = pack_row(_groups(7, [[3, 5, 4], [6, 2, 3]]))
+    plan = LevelPlan.build(row, "cpu", "reference", dense="cudnn-depth")
+    seen = []
+    monkeypatch.setitem(level_attention._DENSE_FORWARD, "cudnn",
+                        lambda *a: seen.append(a) or level_attention._dense_reference_forward(*a))
+    n = row.num_tokens
+    for dim, calls in ((8, 0), (64, 1)):
+        q, k, v = (torch.randn(1, 2, n, dim, dtype=torch.float64) for _ in range(3))
+        level_tree_attention(q, k, v, plan, 0.3)
+        assert len(seen) == calls

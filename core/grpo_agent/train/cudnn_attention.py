@@ -29,6 +29,7 @@ import torch
 from grpo_agent.train.transfer import to_device
 
 PAD_RATIO = 0.5
+HEAD_DIMS = (64, 128)  # seen matching the reference on an H200 (probe, tests/train/test_gpu.py)
 
 
 @dataclass

@@ -118,20 +118,21 @@ class LevelPlan:
                 plan.depth_dense.append(cudnn_attention.depth_part(pairs, device))
         return plan
 
-    def parts(self) -> tuple[tuple, list[torch.Tensor]]:
-        """The parts as `_LevelAttention` takes them: one (kind, ints) each, tensors flat."""
+    def parts(self, dense: bool = True) -> tuple[tuple, list[torch.Tensor]]:
+        """The parts as `_LevelAttention` takes them: one (kind, ints) each, tensors flat.
+        `dense=False`: every part on the varlen kernel (a head size cuDNN was not seen with)."""
         layout, tensors = [], []
-        if self.self_dense:
+        if self.self_dense and dense:
             for part in self.self_dense:
                 _add_dense(part, layout, tensors)
         else:
             layout.append(("self", (self.self_max,)))
             tensors.append(self.self_cu)
         depths = zip(self.query_index, self.key_index, self.cu_q, self.cu_k, self.max_q,
-                     self.max_k, self.depth_dense or [None] * len(self.max_q))
-        for qi, ki, cu_q, cu_k, max_q, max_k, dense in depths:
-            if dense is not None:
-                _add_dense(dense, layout, tensors)
+                     self.max_k, (dense and self.depth_dense) or [None] * len(self.max_q))
+        for qi, ki, cu_q, cu_k, max_q, max_k, part in depths:
+            if part is not None:
+                _add_dense(part, layout, tensors)
             else:
                 layout.append(("varlen", (max_q, max_k)))
                 tensors += [qi, ki, cu_q, cu_k]
@@ -162,7 +163,8 @@ def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.T
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    layout, tensors = plan.parts()
+    dense = plan.dense_kernel != "cudnn" or q.shape[-1] in cudnn_attention.HEAD_DIMS
+    layout, tensors = plan.parts(dense)
     out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.dense_kernel, layout,
                                 *tensors)
     return out[None]
