@@ -8,6 +8,10 @@ OPENAI_BASE_URL / OPENAI_API_KEY, verifiers plays the episode with its own harne
 interception server, every model call reaches the policy through the gateway (so the trained
 tokens are exactly the sampled ones), and the taskset's own rewards, summed with their weights,
 come back as the rollout's reward. The env gives the dataset: the taskset's first `size` tasks.
+
+Each rollout worker keeps one episode server (`runner.py serve`) per venv and plays every
+episode there: a process per episode spent about 20 s of a 2-core machine importing verifiers
+and loading the taskset, so a training step waited minutes for its groups.
 """
 from __future__ import annotations
 
@@ -16,18 +20,21 @@ import json
 import os
 import signal
 import subprocess
+import uuid
 import weakref
+from collections import deque
 from pathlib import Path
 
 from grpo_agent import Option, agent, environment, hookimpl
 
 RUNNER = Path(__file__).with_name("runner.py")
 DEFAULT_VENV = ".venv-verifiers"
-# Each episode is a Python process with verifiers' own servers and programs: the rollout worker
-# may run hundreds of rollouts at once, so episodes queue for a few slots (a box once ran 252 and
-# swapped to a halt). $VERIFIERS_MAX_EPISODES overrides.
+# Each episode runs verifiers' interception server and a harness program: the rollout worker may
+# run hundreds of rollouts at once, so episodes queue for a few slots (a box once ran 252
+# episode processes and swapped to a halt). $VERIFIERS_MAX_EPISODES overrides.
 MAX_EPISODES = int(os.environ.get("VERIFIERS_MAX_EPISODES") or 0) or max(2, os.cpu_count() or 1)
 _episode_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_episode_servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PR_SET_PDEATHSIG = 1
 
 
@@ -111,26 +118,89 @@ class VerifiersEnv:
             "`--agent verifiers` (HarnessAsyncGRPOTrainer(agent='verifiers')).")
 
 
+class EpisodeServer:
+    """The worker's `runner.py serve` process in one venv: episodes go in as JSON lines and
+    their rewards come back by id (runner.py says the protocol). It dies with the worker."""
+
+    def __init__(self, python: Path):
+        self.python = python
+        self.pending: dict[str, asyncio.Future] = {}
+        self.stderr_tail: deque[str] = deque(maxlen=40)
+        self.process: asyncio.subprocess.Process | None = None
+        self.started = asyncio.ensure_future(self._start())
+
+    @property
+    def alive(self) -> bool:
+        if not self.started.done():
+            return True
+        if self.started.cancelled() or self.started.exception() is not None:
+            return False
+        return self.process.returncode is None
+
+    async def _start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            str(self.python), str(RUNNER), "serve", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=run_env(self.python),
+            limit=2**24, start_new_session=True, preexec_fn=_die_with_parent)
+        self._readers = [asyncio.ensure_future(self._read_answers()),
+                         asyncio.ensure_future(self._read_stderr())]
+
+    async def _read_answers(self) -> None:
+        while line := await self.process.stdout.readline():
+            reply = json.loads(line)
+            future = self.pending.get(reply["id"])
+            if future is not None and not future.done():
+                future.set_result(reply)
+        returncode = await self.process.wait()
+        error = RuntimeError(f"the verifiers episode server exited {returncode}: "
+                             + "".join(self.stderr_tail)[-2000:])
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def _read_stderr(self) -> None:
+        while line := await self.process.stderr.readline():
+            self.stderr_tail.append(line.decode(errors="replace"))
+
+    async def _send(self, message: dict) -> None:
+        self.process.stdin.write((json.dumps(message) + "\n").encode())
+        await self.process.stdin.drain()
+
+    async def play(self, row: dict, base_url: str, api_key: str, model: str) -> float:
+        await self.started
+        request_id = uuid.uuid4().hex
+        future = self.pending[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send({"id": request_id, "row": row, "base_url": base_url,
+                              "api_key": api_key, "model": model})
+            reply = await future
+        except asyncio.CancelledError:  # the rollout's time is up: end its episode there
+            if self.alive:
+                await asyncio.shield(self._send({"cancel": request_id}))
+            raise
+        finally:
+            self.pending.pop(request_id, None)
+        if "error" in reply:
+            raise RuntimeError(f"verifiers episode failed: {reply['error'][-2000:]}")
+        return float(reply["reward"])
+
+
+def _episode_server(python: Path) -> EpisodeServer:
+    """The running event loop's server for `python`'s venv (a new one if it died)."""
+    servers = _episode_servers.setdefault(asyncio.get_running_loop(), {})
+    server = servers.get(python)
+    if server is None or not server.alive:
+        server = servers[python] = EpisodeServer(python)
+    return server
+
+
 @agent("verifiers")
 async def play(client, row: dict) -> float:
     """One verifiers episode of the row's task, every model call through `client`'s gateway."""
-    python = Path(row["vf_python"])
-    env = {**run_env(python), "OPENAI_BASE_URL": str(client.base_url),
-           "OPENAI_API_KEY": client.api_key}
+    model = (await client.models.list()).data[0].id
     async with _slots():
-        process = await asyncio.create_subprocess_exec(
-            str(python), str(RUNNER), "episode", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent)
-        try:
-            out, err = await process.communicate(json.dumps(row).encode())
-        except asyncio.CancelledError:  # the rollout's time is up: end verifiers and its programs
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
-    if process.returncode != 0:
-        raise RuntimeError(f"verifiers episode exited {process.returncode}: "
-                           f"{err.decode(errors='replace')[-2000:]}")
-    return float(out.decode().strip().splitlines()[-1])
+        return await _episode_server(Path(row["vf_python"])).play(
+            row, str(client.base_url), client.api_key, model)
 
 
 @hookimpl

@@ -1,45 +1,83 @@
-"""The `verifiers` agent runs at most MAX_EPISODES episode processes at once, and an episode dies
-with its rollout worker: the worker may hold hundreds of rollouts, and each episode is a Python
-process with verifiers' own servers (252 at once once swapped a 2-core box to a halt)."""
+"""The `verifiers` agent plays at most MAX_EPISODES episodes at once, all in one episode server
+per worker: the worker may hold hundreds of rollouts, and each episode runs verifiers' own
+servers and programs (252 episode processes at once once swapped a 2-core box to a halt)."""
 
 import asyncio
+import json
 import sys
 from types import SimpleNamespace
 
 import grpo_agent_env_verifiers as vf
+import pytest
 
-# A stand-in runner (the seam: verifiers itself): notes its start and end in a shared folder,
-# records how many episodes were running when it started, and reports reward 1.
-RUNNER = """
-import os, sys, time, uuid
-folder = os.environ["SLOTS_DIR"]
-me = os.path.join(folder, uuid.uuid4().hex + ".running")
-open(me, "w").close()
-running = sum(name.endswith(".running") for name in os.listdir(folder))
-open(os.path.join(folder, uuid.uuid4().hex + f".seen{running}"), "w").close()
-sys.stdin.read()
-time.sleep(0.4)
-os.remove(me)
-print(1.0)
+# A stand-in episode server (the seam: verifiers itself), speaking runner.py's protocol: each
+# episode's reward is how many episodes were running when it started, plus the server's pid.
+SERVER = """
+import asyncio, json, os, sys
+
+async def main():
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    running = 0
+
+    async def episode(request):
+        nonlocal running
+        running += 1
+        seen = running
+        await asyncio.sleep(0.3)
+        running -= 1
+        if request["row"].get("fail"):
+            reply = {"id": request["id"], "error": "the harness broke"}
+        else:
+            reply = {"id": request["id"], "reward": seen + os.getpid() * 1000}
+        print(json.dumps(reply), flush=True)
+
+    tasks = []
+    while line := await reader.readline():
+        request = json.loads(line)
+        if request["row"].get("die"):
+            print("the server fell over", file=sys.stderr, flush=True)
+            os._exit(3)
+        tasks.append(asyncio.ensure_future(episode(request)))
+    await asyncio.gather(*tasks)
+
+asyncio.run(main())
 """
 
 
-def test_episodes_wait_for_a_slot(tmp_path, monkeypatch):
+class Models:
+    async def list(self):
+        return SimpleNamespace(data=[SimpleNamespace(id="stand-in")])
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER)
-    folder = tmp_path / "slots"
-    folder.mkdir()
+    runner.write_text(SERVER)
     monkeypatch.setattr(vf, "RUNNER", runner)
     monkeypatch.setattr(vf, "MAX_EPISODES", 2)
-    monkeypatch.setenv("SLOTS_DIR", str(folder))
-    client = SimpleNamespace(base_url="http://127.0.0.1:9/v1", api_key="k")
+    return SimpleNamespace(base_url="http://127.0.0.1:9/v1", api_key="k", models=Models())
+
+
+def test_episodes_wait_for_a_slot_in_one_server(server):
     row = {"vf_python": sys.executable}
 
     async def main():
-        return await asyncio.gather(*(vf.play(client, row) for _ in range(6)))
+        return await asyncio.gather(*(vf.play(server, row) for _ in range(6)))
 
-    assert asyncio.run(main()) == [1.0] * 6
-    seen = [int(path.suffix.removeprefix(".seen")) for path in folder.iterdir()
-            if path.suffix.startswith(".seen")]
-    assert len(seen) == 6
-    assert max(seen) <= 2, f"episodes running at once: {sorted(seen)}"
+    rewards = asyncio.run(main())
+    running, pids = [int(r) % 1000 for r in rewards], {int(r) // 1000 for r in rewards}
+    assert len(pids) == 1, f"episode servers started: {pids}"
+    assert max(running) <= 2, f"episodes running at once: {running}"
+
+
+def test_a_failed_episode_or_server_raises_and_a_new_server_follows(server):
+    async def main():
+        with pytest.raises(RuntimeError, match="verifiers episode failed: the harness broke"):
+            await vf.play(server, {"vf_python": sys.executable, "fail": True})
+        with pytest.raises(RuntimeError, match="exited 3: the server fell over"):
+            await vf.play(server, {"vf_python": sys.executable, "die": True})
+        return await vf.play(server, {"vf_python": sys.executable})
+
+    assert asyncio.run(main()) % 1000 == 1

@@ -95,13 +95,15 @@ def test_an_episode_returns_the_tasksets_weighted_rewards(taskset_path, endpoint
     assert [r["messages"][-1]["content"] for r in requests][-2:] == [rows[0]["prompt"], rows[2]["prompt"]]
 
 
-def test_a_failed_episode_raises_so_the_rollout_is_dropped(taskset_path):
+def test_a_failed_episode_raises_so_the_rollout_is_dropped(taskset_path, endpoint):
     import openai
 
+    base_url, _ = endpoint
     row = dict(load_environment("verifiers", id="grpo_reverse_words", size=1).load_dataset()[0])
-    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")  # nothing listens
-    with pytest.raises(RuntimeError, match="verifiers episode exited 1"):
-        asyncio.run(play(client, row))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="k")
+    with pytest.raises(RuntimeError, match="verifiers episode failed: taskset 'grpo_reverse_words' "
+                                           "has no task 99"):
+        asyncio.run(play(client, {**row, "vf_idx": 99}))
 
 
 def test_missing_venv_unknown_taskset_and_the_plain_loop_are_clear_errors(taskset_path):
