@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from types import SimpleNamespace
 
+import httpx
 import pytest
 from grpo_agent import agent, hookimpl
 from grpo_agent.plugins import build_registry
-from grpo_agent.rollout.agent_programs import AgentCommand, AgentFailure, resolve_agent, run_agent
+from grpo_agent.rollout.agent_programs import (
+    AgentCommand,
+    AgentFailure,
+    resolve_agent,
+    run_agent,
+    shared_http_client,
+)
 from grpo_agent.rollout.gateway import GatewayError, template_messages
 
 
@@ -29,6 +37,66 @@ def test_register_agents_hook_and_resolution():
     assert resolve_agent("harness_agents:counter_agent").__name__ == "counter_agent"
     with pytest.raises(TypeError, match="not an async function"):
         resolve_agent(lambda client, row: 1.0)
+
+
+def test_async_agents_share_the_workers_http_pool_with_their_own_keys():
+    """Each rollout's client sends its own key over one pool (a pool per rollout costs ~24 ms
+    of the worker loop's CPU); an agent closing its client leaves the pool to the others."""
+    seen = []
+
+    async def closing_agent(client, row):
+        seen.append((client.api_key, client._client))
+        async with client:  # closes the client, as an agent may
+            return 1.0
+
+    async def main():
+        shared = shared_http_client()
+        for key in ("k1", "k2"):
+            assert await run_agent(closing_agent, "http://127.0.0.1:9/v1", key, {}, 5.0, http_client=shared) == 1.0
+        still_open = not shared.is_closed
+        await shared.shutdown()
+        return shared, still_open
+
+    shared, still_open = asyncio.run(main())
+    assert [key for key, _ in seen] == ["k1", "k2"] and all(pool is shared for _, pool in seen)
+    assert still_open and shared.is_closed
+
+
+def test_the_gateway_counts_tool_calls_as_the_tool_loop_does(scripted_loop):
+    """The same model turns (a readable and an unreadable call, then an answer) give the same
+    `tools/call_frequency` and malformed count through the gateway as through the tool loop."""
+    from grpo_agent.rollout.agent import run_tool_loop
+    from grpo_agent.rollout.gateway import Gateway, HarnessLimits
+    from test_tool_loop import call, multiply
+    from transformers.utils import get_json_schema
+
+    texts = [call("multiply", a=3, b=4) + "\n<tool_call>\n{not json\n</tool_call>", "It is 12."]
+    prompt = [{"role": "user", "content": "What is 3 times 4?"}]
+    looped = asyncio.run(run_tool_loop(scripted_loop(list(texts)), prompt, [multiply], group_id=0))
+
+    loop = scripted_loop(list(texts))
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.model_name = "m"
+    scripted = loop.generate_one_turn
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: scripted(prompt_ids)
+
+    async def through_gateway():
+        gateway = Gateway(loop, HarnessLimits())
+        await gateway.start()
+        session = gateway.open_session(0)
+        try:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {session.key}"}) as http:
+                for _ in texts:
+                    reply = await http.post(gateway.base_url + "/chat/completions", json={
+                        "model": "m", "messages": prompt, "tools": [get_json_schema(multiply)]})
+                    reply.raise_for_status()
+        finally:
+            await gateway.stop()
+        return session
+
+    session = asyncio.run(through_gateway())
+    assert looped.tool_call_count == 2 and looped.metrics["tools/malformed_call_count"] == [1.0]
+    assert (session.tool_calls, session.malformed_calls) == (2, 1)
 
 
 def _command(code: str) -> AgentCommand:

@@ -79,12 +79,34 @@ def check_reward(value: Any, source: str) -> float | None:
     return float(value)
 
 
+def shared_http_client():
+    """One HTTP connection pool for every rollout's `openai.AsyncOpenAI` in a worker.
+
+    A new client per rollout builds its own pool and TLS context: 24 ms of CPU on the worker's
+    event loop (measured, against 0.1 ms shared; 220 ms wall on the loaded 2-core box), more
+    than a call's own gateway cost. The key stays per rollout (the client sends it per request). An agent that
+    closes its client (`async with client:`) must not close the others' pool, so `aclose` is a
+    no-op here and the worker calls `shutdown`."""
+    import openai
+
+    class SharedHttpClient(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+        async def shutdown(self) -> None:
+            await super().aclose()
+
+    return SharedHttpClient()
+
+
 async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row: dict,
-                    timeout_s: float, gateway_socket: str | None = None) -> float | None:
+                    timeout_s: float, gateway_socket: str | None = None,
+                    http_client=None) -> float | None:
     """Run the agent for one rollout; raises `AgentFailure` for anything it does wrong.
 
     `gateway_socket`: the gateway's Unix socket, which a command confined to the gateway's
-    network reaches through its relay (without it, such a command has no network at all)."""
+    network reaches through its relay (without it, such a command has no network at all).
+    `http_client`: the worker's `shared_http_client()` for an async agent's client."""
     if isinstance(agent, AgentCommand):
         home = tempfile.mkdtemp(prefix="grpo-agent-cmd-")
         try:
@@ -93,7 +115,8 @@ async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row
             shutil.rmtree(home, ignore_errors=True)
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s,
+                                http_client=http_client)
     name = getattr(agent, "__name__", repr(agent))
     try:
         value = await asyncio.wait_for(agent(client, dict(row)), timeout_s)

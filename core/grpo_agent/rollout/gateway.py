@@ -292,15 +292,17 @@ class Gateway:
         text = _strip_stop_tokens(tokenizer.decode(turn.output_ids, skip_special_tokens=False), tokenizer)
         parse = tools is not None and tool_choice != "none"
         parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
-        if any(isinstance(call, MalformedCall) for call in parsed.calls):
-            session.malformed_calls += sum(isinstance(c, MalformedCall) for c in parsed.calls)
+        malformed = sum(isinstance(call, MalformedCall) for call in parsed.calls)
+        if parsed.calls and turn.finish_reason != "length":  # counted as the tool loop counts:
+            session.tool_calls += len(parsed.calls)  # every call written, readable or not,
+            session.parallel_calls.append(len(parsed.calls))  # in a turn not cut off
+            session.malformed_calls += malformed
+        if malformed:
             parsed = ParsedTurn(text)  # the raw text stays visible, as in the tool loop
         message = {"role": "assistant", "content": parsed.content or None}
         finish = "length" if turn.finish_reason == "length" else "stop"
         if parsed.calls:
             message["tool_calls"] = _openai_calls(parsed)
-            session.tool_calls += len(parsed.calls)
-            session.parallel_calls.append(len(parsed.calls))
             finish = "tool_calls" if finish == "stop" else finish
         session.last_messages = [*raw_messages, message]
         return message, finish, (len(prompt_ids), len(turn.output_ids))

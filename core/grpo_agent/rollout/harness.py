@@ -17,7 +17,13 @@ import os
 
 import numpy as np
 
-from grpo_agent.rollout.agent_programs import AgentCommand, AgentFailure, resolve_agent, run_agent
+from grpo_agent.rollout.agent_programs import (
+    AgentCommand,
+    AgentFailure,
+    resolve_agent,
+    run_agent,
+    shared_http_client,
+)
 from grpo_agent.rollout.gateway import Gateway, HarnessLimits
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.versions import rollout_version
@@ -39,11 +45,14 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self.limits = limits or HarnessLimits()
         self.gateway: Gateway | None = None
         self.command_slots: asyncio.Semaphore | None = None
+        self.http_client = None  # async agents' shared connection pool
 
     async def setup(self) -> None:
         self.agent = resolve_agent(self.agent_ref)
         if isinstance(self.agent, AgentCommand):  # hundreds of rollouts, not hundreds of processes
             self.command_slots = asyncio.Semaphore(self.limits.max_commands or max(4, os.cpu_count() or 1))
+        else:
+            self.http_client = shared_http_client()
         self.gateway = Gateway(self, self.limits)
         url = await self.gateway.start()
         logger.info("Agent gateway listening on %s", url)
@@ -53,6 +62,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         try:
             await super().close()
         finally:
+            if self.http_client is not None:
+                await self.http_client.shutdown()
+                self.http_client = None
             if self.gateway is not None:
                 await self.gateway.stop()
 
@@ -88,7 +100,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             session = self.gateway.open_session(version)
             try:
                 reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
-                                         self.limits.timeout_s, self.gateway.unix_path)
+                                         self.limits.timeout_s, self.gateway.unix_path, self.http_client)
             except AgentFailure as error:
                 failure = error
             finally:
