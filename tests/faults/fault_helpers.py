@@ -35,3 +35,11 @@ def kills_the_server_at_group_3(completion_ids, **kwargs):
     if calls == 3:
         os.kill(int(os.environ["GRPO_FAULT_SERVER_PID"]), signal.SIGKILL)
     return token_sum_reward(completion_ids)
+
+
+class FailsOnRow1Env:
+    """An environment whose reset fails for one task (row_id 1); the others' prompt is the row's."""
+
+    def reset(self, row_id=None, **kwargs):
+        if row_id == 1:
+            raise ConnectionError("the game server refused task 1")

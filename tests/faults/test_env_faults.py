@@ -1,8 +1,8 @@
-"""An environment whose `reset` raises or returns the wrong type: a clear error naming it.
+"""An environment whose `reset` raises or returns the wrong type.
 
-The engine treats an exception out of a rollout as fatal (the worker stops and the trainer's
-next pull raises `RolloutWorkerError` with the traceback, as tests/rollout/test_worker_vllm.py
-shows for rewards); these tests pin what that error says and that the instance is not lost.
+A raising reset is wrapped in `EnvironmentResetError` naming the env class and the error: it
+costs its group only (tests/faults/test_group_failures.py shows the real worker). A reset of the
+wrong type is a bug in the env: a clear error naming it. The instance is not lost either way.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from grpo_agent.rollout.environments import EnvironmentRunner
+from grpo_agent.rollout.environments import EnvironmentResetError, EnvironmentRunner
 
 
 class RaisingEnv:
@@ -28,10 +28,12 @@ class MessagesEnv:
         return [{"role": "user", "content": "hi"}]
 
 
-def test_a_raising_reset_propagates_and_the_instance_goes_back_to_the_pool():
+def test_a_raising_reset_is_named_and_the_instance_goes_back_to_the_pool():
     runner = EnvironmentRunner(RaisingEnv, ThreadPoolExecutor(2))
-    with pytest.raises(ConnectionError, match="game server refused"):
+    with pytest.raises(EnvironmentResetError,
+                       match=r"RaisingEnv.reset\(\) raised ConnectionError: game server refused") as raised:
         asyncio.run(runner.start({"prompt": "play"}))
+    assert isinstance(raised.value.__cause__, ConnectionError)
     assert len(runner._idle["RaisingEnv"]) == 1
 
 

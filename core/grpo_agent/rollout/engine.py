@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from grpo_agent.metrics import Observation
-from grpo_agent.rollout import allowance, observations
+from grpo_agent.rollout import allowance, group_failures, observations
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
+from grpo_agent.rollout.environments import EnvironmentResetError
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.rollout.scoring import (
@@ -36,7 +37,7 @@ from grpo_agent.rollout.scoring import (
 from grpo_agent.rollout.versions import pin_rollout_version
 from grpo_agent.sampler import recovery
 from grpo_agent.sampler.client import SamplerClient
-from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
 from grpo_agent.stall import StageStalled
 from grpo_agent.types import PromptConsumed, RolloutGroup, TrainingSample, TurnRecord
 
@@ -60,6 +61,7 @@ class RolloutEngine:
         self.slots: RolloutSlots | None = None
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
         self._failures = RewardFailureTracker()
+        self._group_failures = group_failures.GroupFailureTracker()
         self._observations: list[Observation] = []
         self._group_tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
@@ -175,12 +177,21 @@ class RolloutEngine:
             await _cancel_all(rollouts)
             self._drop_stalled(slot.prompt_index, slot.row_index)
             return
+        except (EnvironmentResetError, RequestRejectedError) as error:
+            reason = group_failures.failure_reason(error)
+            if reason is None:
+                raise
+            await _cancel_all(rollouts)  # one bad row costs its group; a window of them, the run
+            self._group_failures.failed(reason, error, slot.prompt_index, slot.row_index)
+            self._drop_group(slot.prompt_index, slot.row_index, reason)
+            return
         except SamplerError as error:
             if not await self._lost_the_server(error):
                 raise
             await _cancel_all(rollouts)  # lost with the server: counted, recorded as consumed
             self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
+        self._group_failures.succeeded()
         group = await self._build_group(slot, group_id, version, results)
         started = time.perf_counter()
         await self.score_queue.put(group)

@@ -25,6 +25,10 @@ from grpo_agent.plugins.schemas import public_tool_names
 ROUTING_COLUMN = "environment"
 
 
+class EnvironmentResetError(RuntimeError):
+    """An environment's `reset` raised: costs its group (`rollout/group_failures.py`)."""
+
+
 @dataclass
 class EnvEpisode:
     """One rollout's environment: the instance, its prompt, its tools and timings."""
@@ -121,7 +125,11 @@ class EnvironmentRunner:
         started = time.perf_counter()
         try:
             reset_text = await self._run(env.reset, **kwargs)
-        except BaseException:
+        except Exception as error:
+            self._idle[key].append(env)
+            raise EnvironmentResetError(
+                f"{type(env).__name__}.reset() raised {type(error).__name__}: {error}") from error
+        except BaseException:  # cancelled
             self._idle[key].append(env)
             raise
         reset_s = time.perf_counter() - started
