@@ -175,8 +175,11 @@ def start_update(control: ServerControl) -> None:
                 control.call("POST", path)
 
 
-def finish_push(control: ServerControl, version: int) -> None:
-    with stall.stage("weight_sync/resume", server=control.base_url, version=version):
-        control.set_version(version)
+def finish_push(control: ServerControl, version: int, *, version_set: bool = False) -> None:
+    """`version_set`: the transport already set the version (gloo sends it with
+    `/finish_weight_update`, one HTTP round trip fewer per push)."""
+    if not version_set:
+        with stall.stage("weight_sync/resume", server=control.base_url, version=version):
+            control.set_version(version)
     with stall.stage("weight_sync/cache_reset", server=control.base_url, version=version):
         control.reset_prefix_cache()

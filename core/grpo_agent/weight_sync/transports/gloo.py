@@ -135,9 +135,11 @@ class GlooWeightSync:
                 broadcast_from_trainer(self._group, pack(chunk, tensors))
             rpc.result(timeout=self.timeout)
         with stall.stage("weight_sync/finish", version=version):
-            self.control.call("POST", "/finish_weight_update")
+            # The version rides on the finish call (vLLM sets it right after the finish).
+            self.control.call("POST", "/finish_weight_update",
+                              json_body={"weight_version": str(version)})
         transfer_s = time.perf_counter() - transfer_began
-        finish_push(self.control, version)
+        finish_push(self.control, version, version_set=True)
         return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
                            total_s=time.perf_counter() - began,
                            num_bytes=sum(s.num_bytes for s in specs))
