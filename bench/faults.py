@@ -13,6 +13,7 @@ involves no prompts. Cases the suite does not cover yet are listed as NOT COVERE
     .venv/bin/python bench/faults.py                 # every case (~15-25 min on 2 busy cores)
     .venv/bin/python bench/faults.py --fast          # no vLLM server, no e2e (~3 min)
     .venv/bin/python bench/faults.py -k sandbox --markdown table.md
+    .venv/bin/python bench/faults.py -k "worker SIGSTOP" -k "no progress"   # several cases
 """
 from __future__ import annotations
 
@@ -181,12 +182,14 @@ def _row(case: Case, results: dict[str, tuple[str, float]]) -> tuple[str, str, s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fast", action="store_true", help="skip cases that need a vLLM server or the CLI end to end")
-    parser.add_argument("-k", dest="keyword", default="", help="only cases whose name contains this")
+    parser.add_argument("-k", dest="keywords", action="append", default=[],
+                        help="only cases whose name contains this (repeat for several)")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
     parser.add_argument("--budget", type=int, default=3600,
                         help="seconds for the whole pytest session; later cases are NOT RUN (default 3600)")
     args = parser.parse_args()
-    cases = [c for c in CASES if args.keyword in c.name and not (args.fast and c.slow)]
+    cases = [c for c in CASES if (not args.keywords or any(k in c.name for k in args.keywords))
+             and not (args.fast and c.slow)]
     nodes = sorted({c.node.split("[")[0] for c in cases if c.node and not c.node.endswith("::")}
                    | {c.node[:-2] for c in cases if c.node and c.node.endswith("::")})
     import pytest
