@@ -3,7 +3,9 @@
 Design decision: a checker reports every step instead of stopping at the first failure, so it
 catches the env's own exceptions per step and records them as failed steps. It instantiates
 the env, resets it on sample rows, calls each tool with the env's example arguments, and
-scores the env's gold answer with the same reward sources a training run would sum.
+scores the env's gold answer with the same reward sources a training run would sum. An env
+class with `agent_only = "AGENT"` has no reset (its registered agent plays the rows against a
+model), so only its dataset and declarations are checked and the report says how to check more.
 """
 from __future__ import annotations
 
@@ -81,6 +83,13 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
     _run_step(steps, "tool schemas", lambda: _schema_names(spec))
     _run_step(steps, "rewards", lambda: ", ".join(
         getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards) or "get_reward only")
+    agent = getattr(spec.factory, "agent_only", None)
+    if agent:  # its episodes need a model: nothing to reset, call or score here
+        steps.append(CheckStep("episodes", True, (
+            f"not checked here: {spec.name!r} is agent-only (the {agent!r} agent plays each row "
+            f"against a model); check its episodes with a short run: grpo-agent train --env "
+            f"{spec.name} --agent {agent} --set max_steps=1 --vllm-url URL")))
+        return steps
     for i, row in enumerate(rows):
         _run_step(steps, f"reset row {i}", lambda row=row: _check_reset(spec, row))
         for tool, args in spec.tool_examples.items():

@@ -109,6 +109,8 @@ def task_rows(id: str = "", harness: str = "null", size: int = 100, venv: str = 
 class VerifiersEnv:
     """The taskset's rows; the episodes are the `verifiers` agent's (train with --agent verifiers)."""
 
+    agent_only = "verifiers"  # `env check` checks the rows, not a reset (grpo_agent.plugins.check)
+
     def __init__(self, id: str = "", harness: str = "null", size: int = 100, venv: str = ""):
         self.id = id
 

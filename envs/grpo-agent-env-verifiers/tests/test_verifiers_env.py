@@ -115,3 +115,14 @@ def test_missing_venv_unknown_taskset_and_the_plain_loop_are_clear_errors(taskse
         load_environment("verifiers").load_dataset()
     with pytest.raises(RuntimeError, match="train with `--agent verifiers`"):
         VerifiersEnv(id="grpo_reverse_words").reset(prompt="x")
+
+
+def test_env_check_lists_the_tasks_and_says_the_env_is_agent_only(taskset_path):
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.plugins.check import check_environment
+
+    spec = load_environment("verifiers", id="grpo_reverse_words")
+    steps = check_environment(spec, load_registry())
+    assert all(step.ok for step in steps), steps
+    assert [step.name for step in steps] == ["dataset", "tool schemas", "rewards", "episodes"]
+    assert "is agent-only" in steps[-1].detail and "--agent verifiers" in steps[-1].detail
