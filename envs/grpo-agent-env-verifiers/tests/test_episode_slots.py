@@ -3,7 +3,6 @@ per worker: the worker may hold hundreds of rollouts, and each episode runs veri
 servers and programs (252 episode processes at once once swapped a 2-core box to a halt)."""
 
 import asyncio
-import json
 import sys
 from types import SimpleNamespace
 
