@@ -75,10 +75,11 @@ def one_side(base_url: str, model_path: str, pushes: int) -> dict:
             total = time.perf_counter() - began
             if version == 0:
                 continue  # opens the group
-            # The update route runs beside the broadcast; it is part of it, not added to it.
+            # The broadcast runs inside the update route's call (the server receives, then
+            # loads): `other_s` is the trainer's own gathering and packing.
             row = {"push_s": total, **{k: round(v, 4) for k, v in spent.items()},
                    "http_calls": sum(calls.values())}
-            row["other_s"] = total - sum(v for k, v in spent.items() if k != "http /update_weights")
+            row["other_s"] = total - sum(v for k, v in spent.items() if k.startswith("http"))
             rows.append(row)
     finally:
         pusher.close()

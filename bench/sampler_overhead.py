@@ -5,7 +5,9 @@ logprobs) at the same concurrency; the baseline only posts and decodes the JSON,
 builds `TurnRecord`s (top-k selection, weight-version expansion, retry bookkeeping). Rounds
 alternate between the two so drift on a shared machine hits both equally. Prints one JSON
 object per round; the last line is the summary, whose `ratio` (ours / baseline, target
->= 0.97) is the median of the per-round ratios.
+>= 0.97) is the median of the per-round ratios. On a shared box throughput swings with other
+jobs' load, so each round also reports this process's CPU per 1,000 tokens (the client's own
+cost, which load barely moves): `client_cpu_ratio` is ours / baseline of its medians.
 
     python bench/sampler_overhead.py [--base-url URL] [--concurrency 32] [--rounds 6]
 
@@ -37,9 +39,9 @@ async def run_requests(send, prompt_list, concurrency: int) -> float:
         async with gate:
             await send(prompt)
 
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(p) for p in prompt_list))
-    return time.perf_counter() - began
+    return time.perf_counter() - began, time.process_time() - cpu_began
 
 
 async def bench(base_url: str, concurrency: int, rounds: int, requests: int, tokens: int):
@@ -62,16 +64,20 @@ async def bench(base_url: str, concurrency: int, rounds: int, requests: int, tok
 
         await run_requests(send_ours, prompt_list[:concurrency], concurrency)  # warm-up
         results = {"baseline": [], "ours": []}
+        cpu_ms = {"baseline": [], "ours": []}  # this process's CPU per 1,000 tokens
         for round_index in range(rounds):
             order = [("baseline", send_plain), ("ours", send_ours)]
             for name, send in order if round_index % 2 == 0 else order[::-1]:
-                seconds = await run_requests(send, prompt_list, concurrency)
+                seconds, cpu_s = await run_requests(send, prompt_list, concurrency)
                 tokens_per_s = requests * tokens / seconds
                 results[name].append(tokens_per_s)
+                cpu_ms[name].append(1e6 * cpu_s / (requests * tokens))
                 print(json.dumps({"round": round_index, "client": name,
                                   "tokens_per_s": round(tokens_per_s, 1),
-                                  "seconds": round(seconds, 3)}), flush=True)
-        return results, client.retry_count
+                                  "seconds": round(seconds, 3),
+                                  "client_cpu_ms_per_1k_tokens": round(cpu_ms[name][-1], 2)}),
+                      flush=True)
+        return results, cpu_ms, client.retry_count
 
 
 def main() -> None:
@@ -91,7 +97,7 @@ def main() -> None:
             server = stack.enter_context(ManagedVLLMServer(build_tiny_model(), dtype="float32",
                                                            enforce_eager=True))
             base_url = server.base_url
-        results, retries = asyncio.run(bench(base_url, args.concurrency, args.rounds,
+        results, cpu_ms, retries = asyncio.run(bench(base_url, args.concurrency, args.rounds,
                                              args.requests, args.tokens))
     baseline = statistics.median(results["baseline"])
     ours = statistics.median(results["ours"])
@@ -102,6 +108,10 @@ def main() -> None:
                       "baseline_tokens_per_s": round(baseline, 1),
                       "ours_tokens_per_s": round(ours, 1), "ratio": round(paired, 4),
                       "ratio_of_medians": round(ours / baseline, 4),
+                      "client_cpu_ms_per_1k_tokens": {
+                          name: round(statistics.median(v), 2) for name, v in cpu_ms.items()},
+                      "client_cpu_ratio": round(statistics.median(cpu_ms["ours"])
+                                                / statistics.median(cpu_ms["baseline"]), 3),
                       "client_retries": retries, "target_ratio": 0.97}))
 
 
