@@ -8,7 +8,8 @@ purpose the right increment only half the time, so GRPO groups see reward varian
 tokens only, fixed seed, 100 tiny steps (about a minute on a busy 2-core CPU). The result is
 cached next to the base model, built behind a file lock like `build_tiny_model`; bump
 `WARMUP_VERSION` when the recipe changes. `python -m grpo_agent.testing.warmup` builds it with a
-progress bar and prints its folder (`make demo` does).
+progress bar and prints its folder (`... warmup counter`: the counter-warmed model `make demo`
+trains, see `build_counter_warmed_model`).
 """
 from __future__ import annotations
 
@@ -170,7 +171,8 @@ def _assistant_masked_example(tokenizer, template: str, messages: list[dict], to
     return ids, labels
 
 
-def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: bool = False) -> None:
+def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: bool = False,
+           transcripts=None, lr: float = 5e-3) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,12 +181,14 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     template = choose_training_template(tokenizer).template or tokenizer.chat_template
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if transcripts is None:
+        transcripts = synthetic_transcripts(steps * batch_size // 4, seed)
     examples = [
         _assistant_masked_example(tokenizer, template, messages, tools)
-        for messages, tools in synthetic_transcripts(steps * batch_size // 4, seed)
+        for messages, tools in transcripts
     ]
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     model.train()
     for _ in _steps(steps, show_progress):
@@ -216,8 +220,14 @@ def build_tool_warmed_model(
     steps: int = 100, batch_size: int = 8, seed: int = 0, show_progress: bool = False
 ) -> Path:
     """The tiny model after a tool-calling warm-up (cached; built once per machine)."""
-    base = build_tiny_model()
     name = f"tiny-qwen3-v{KIT_VERSION}-tools-v{WARMUP_VERSION}-s{steps}"
+    return _cached_build(name, build_tiny_model(), str(WARMUP_VERSION),
+                         lambda folder: _train(folder, steps, batch_size, seed, show_progress))
+
+
+def _cached_build(name: str, base: Path, version: str, train) -> Path:
+    """`base` copied and trained into the cache folder `name`, once per machine (a file lock
+    keeps concurrent builders out; a marker file says the folder is complete)."""
     target = default_cache_dir() / name
     with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -226,10 +236,10 @@ def build_tool_warmed_model(
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
             shutil.copytree(base, staging, dirs_exist_ok=True)
-            (staging / ".complete").unlink(missing_ok=True)
+            (staging / _COMPLETE_MARKER).unlink(missing_ok=True)
             staging.chmod(0o755)
-            _train(staging, steps, batch_size, seed, show_progress)
-            (staging / _COMPLETE_MARKER).write_text(f"{WARMUP_VERSION}\n")
+            train(staging)
+            (staging / _COMPLETE_MARKER).write_text(f"{version}\n")
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)
@@ -238,8 +248,51 @@ def build_tool_warmed_model(
     return target
 
 
+COUNTER_WARMUP_VERSION = 1
+COUNTER_MAX_TARGET = 9
+COUNTER_RIGHT_SHARE = 0.35
+
+
+def counter_transcripts(count: int, seed: int = 0) -> list[tuple[list[dict], list]]:
+    """The counter task only, with a habit to unlearn: the step copies the target
+    COUNTER_RIGHT_SHARE of the time and overshoots it by one otherwise."""
+    rng = random.Random(f"{seed}:counter")
+    transcripts = []
+    for _ in range(count):
+        target = rng.randint(1, COUNTER_MAX_TARGET)
+        step = target if rng.random() < COUNTER_RIGHT_SHARE else target + 1
+        messages = [
+            {"role": "user", "content": f"Increment the counter by {target}."},
+            {"role": "assistant", "content": EMPTY_THINK + _call("increment", {"step": step})},
+            {"role": "tool", "content": str(step)},
+            {"role": "assistant", "content": EMPTY_THINK + "Done."},
+        ]
+        transcripts.append((messages, [increment]))
+    return transcripts
+
+
+def build_counter_warmed_model(
+    steps: int = 300, batch_size: int = 16, seed: int = 0, show_progress: bool = False
+) -> Path:
+    """The `make demo` starting point: the tool-warmed model, then taught the counter task
+    with an overshoot habit (cached; built once per machine).
+
+    Why: the tool-warmed model calls `increment` with a step that ignores the target (about one
+    call in nine is right, whatever the target), which leaves RL a mapping to discover from a
+    ~0.8M-parameter model in minutes. After this pass the step depends on the target, but greedy
+    decoding picks the overshoot: held-out success starts low while sampled groups hold right
+    answers, so GRPO has the signal to flip the habit, and the eval split measures whether it
+    did."""
+    base = build_tool_warmed_model(show_progress=show_progress)
+    name = f"{base.name}-counter-v{COUNTER_WARMUP_VERSION}-s{steps}"
+    transcripts = counter_transcripts(2000, seed)
+    return _cached_build(name, base, str(COUNTER_WARMUP_VERSION), lambda folder: _train(
+        folder, steps, batch_size, seed, show_progress, transcripts=transcripts, lr=3e-3))
+
+
 if __name__ == "__main__":
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its per-file load/save bars would bury ours
-    print(build_tool_warmed_model(show_progress=sys.stderr.isatty()))
+    build = build_counter_warmed_model if sys.argv[1:] == ["counter"] else build_tool_warmed_model
+    print(build(show_progress=sys.stderr.isatty()))
