@@ -12,7 +12,7 @@ import random
 
 from grpo_agent import environment, hookimpl
 
-MAX_TARGET = 6
+MAX_TARGET = 9
 
 
 def eval_rows():
@@ -34,7 +34,7 @@ def solve(env: CounterEnv, row: dict) -> None:
     gold=solve,
     eval_dataset=eval_rows,
     success_threshold=1.0,
-    description="Reach a self-sampled target (1-6) by calling increment(step).",
+    description="Reach a self-sampled target (1-9) by calling increment(step).",
 )
 class CounterEnv:
     """Increment a counter until it equals the target."""
