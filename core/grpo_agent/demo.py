@@ -1,7 +1,7 @@
 """The `words` demo environment: a task a ~1M-parameter random model can visibly learn on a CPU.
 
-Design decision: `make demo` must show learning in minutes on two cores, so the reward has to be
-dense and reachable by a random policy: answer an arithmetic question in words, scored by the
+Design decision: `make demo-words` must show learning in minutes on two cores, so the reward
+has to be dense and reachable by a random policy: answer an arithmetic question in words, scored by the
 share of letters among the answer's non-space characters. The random tiny model (its tokenizer
 was trained on arithmetic text) answers mostly in digits, about 0.23 letters on average, so
 every group has reward variance and there is a long way up; a few dozen GRPO steps at a high

@@ -24,7 +24,7 @@ from grpo_agent.train.checkpoint import last_complete_checkpoint
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 LEARNING_MARGIN = 0.3
-# The demo's settings (the Makefile's `make demo` uses the same, over the whole dataset). The run
+# The demo's settings (the Makefile's `make demo-words` uses the same, over the whole dataset). The run
 # ends by prompt epochs, not max_steps: once the task saturates every group is dropped, and only
 # the prompt count still moves.
 DEMO_SETS = [
