@@ -78,12 +78,12 @@ async def counter_agent(client, row: dict) -> float:
     return float(counter == row["target"])
 
 
-def train(kind: str, server, steps: int, seed: int, overrides: dict) -> dict:
+def train(kind: str, server, steps: int, seed: int, overrides: dict, targets: list[int]) -> dict:
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, HarnessAsyncGRPOTrainer
     from grpo_agent.rollout.agent_programs import AgentCommand
 
-    targets = TARGETS * 64
+    targets = targets * (512 // len(targets) + 1)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
                                  "target": targets})
     values = {"num_generations": 8, "max_completion_length": 64, "max_tool_calling_iterations": 2,
@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; each run per seed")
     parser.add_argument("--config", help="a JSON file of AsyncGRPOConfig overrides for every run")
     parser.add_argument("--model", help="the model folder (default: the tool-warmed tiny model)")
+    parser.add_argument("--targets", default=",".join(map(str, TARGETS)),
+                        help="the rows' targets, in order, repeated")
     parser.add_argument("--runs", default="harness,command,env", help="which runs, in order")
     parser.add_argument("--base-url", help="a running server on the tool-warmed model that this "
                         "bench may push weights into (default: start one)")
@@ -160,9 +162,10 @@ def main() -> None:
         for seed in seeds:
             for kind in args.runs.split(","):
                 restore_weights(server)
-                results.append(train(kind, server, args.steps, seed, overrides))
+                results.append(train(kind, server, args.steps, seed, overrides,
+                                     [int(t) for t in args.targets.split(",")]))
     print(json.dumps({"summary": "harness_vs_env", "steps": args.steps, "seeds": seeds,
-                      "overrides": overrides, **summarize(results)}))
+                      "targets": args.targets, "overrides": overrides, **summarize(results)}))
 
 
 def summarize(results: list[dict]) -> dict:
