@@ -24,22 +24,28 @@ async def main():
         nonlocal running
         running += 1
         seen = running
-        await asyncio.sleep(0.3)
-        running -= 1
+        try:
+            await asyncio.sleep(60 if request["row"].get("slow") else 0.3)
+        finally:
+            running -= 1
         if request["row"].get("fail"):
             reply = {"id": request["id"], "error": "the harness broke"}
         else:
             reply = {"id": request["id"], "reward": seen + os.getpid() * 1000}
         print(json.dumps(reply), flush=True)
 
-    tasks = []
+    tasks = {}
     while line := await reader.readline():
         request = json.loads(line)
+        if "cancel" in request:
+            tasks[request["cancel"]].cancel()
+            open(os.path.join(os.environ["CANCELS_DIR"], request["cancel"]), "w").close()
+            continue
         if request["row"].get("die"):
             print("the server fell over", file=sys.stderr, flush=True)
             os._exit(3)
-        tasks.append(asyncio.ensure_future(episode(request)))
-    await asyncio.gather(*tasks)
+        tasks[request["id"]] = asyncio.ensure_future(episode(request))
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 asyncio.run(main())
 """
@@ -52,6 +58,7 @@ class Models:
 
 @pytest.fixture
 def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANCELS_DIR", str(tmp_path))
     runner = tmp_path / "runner.py"
     runner.write_text(SERVER)
     monkeypatch.setattr(vf, "RUNNER", runner)
@@ -80,3 +87,14 @@ def test_a_failed_episode_or_server_raises_and_a_new_server_follows(server):
         return await vf.play(server, {"vf_python": sys.executable})
 
     assert asyncio.run(main()) % 1000 == 1
+
+
+def test_a_rollout_out_of_time_cancels_its_episode_in_the_server(server, tmp_path):
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(vf.play(server, {"vf_python": sys.executable, "slow": True}), 2)
+        # the cancel request was sent before play() re-raised; the next episode follows it
+        return await vf.play(server, {"vf_python": sys.executable})
+
+    assert asyncio.run(main()) % 1000 == 1
+    assert len(list(tmp_path.iterdir())) == 2, list(tmp_path.iterdir())  # runner.py + one cancel
