@@ -31,6 +31,7 @@ STOP_GRACE_S = 15.0
 # Spawning re-imports torch/transformers and unpickles the dataset: allow for a busy machine.
 MIN_STARTUP_S = 120.0
 PULL_POLL_S = 0.25
+ORPHAN_POLL_S = 1.0
 MAX_ITEMS_PER_PULL = 4096
 _ENV_LOCK = threading.Lock()
 
@@ -39,9 +40,27 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker failed, died or hung; the message carries the reason."""
 
 
-def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
+def exit_when_orphaned(parent: int, poll_s: float = ORPHAN_POLL_S) -> threading.Thread:
+    """End this process when `parent` (the trainer, its pid passed in: it may die before we
+    look) is no longer its parent. A trainer killed with SIGKILL (or SIGTERM outside the CLI)
+    runs no clean-up, and its daemon worker would go on dispatching rollouts with nobody
+    reading them; its own children (agents, episode servers) die with it in turn."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.write(2, f"grpo-agent rollout worker: trainer (pid {parent}) is gone; exiting.\n".encode())
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="grpo-agent-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels, trainer_pid: int) -> None:
     """Entry of the spawned process: build the loop, run it, report any failure."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    exit_when_orphaned(trainer_pid)
     try:
         loop_cls(**loop_kwargs, channels=channels).run()
     except BaseException:  # noqa: BLE001 - everything goes back to the trainer
@@ -87,7 +106,7 @@ class RolloutWorker:
     def start(self) -> None:
         """Spawn the worker and wait for its first heartbeat; raises if it dies first."""
         self._process = self._context.Process(
-            target=_child_main, args=(self._loop_cls, self._loop_kwargs, self.channels),
+            target=_child_main, args=(self._loop_cls, self._loop_kwargs, self.channels, os.getpid()),
             name="grpo-agent-rollout", daemon=True)
         with _ENV_LOCK:  # the child must never see the trainer's GPUs, even while importing
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")

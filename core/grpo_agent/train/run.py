@@ -61,7 +61,7 @@ def run_training(
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
-    with _server(model_path, vllm_url, lora, config) as base_url:
+    with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config) as base_url:
         config.vllm_server_base_url = base_url
         config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
@@ -165,7 +165,7 @@ def _server(
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
                       "max_loras": config.max_staleness + 2}
     split = _core_split()
-    with _exit_on_sigterm(), ManagedVLLMServer(
+    with ManagedVLLMServer(
         model_path, dtype="float32",
         max_model_len=managed_max_model_len(model_path, config.max_completion_length),
         env=split.server_env() if split else None, **lora_flags
@@ -191,7 +191,7 @@ def _core_split() -> CoreSplit | None:
 def _exit_on_sigterm() -> Iterator[None]:
     """SIGTERM (`kill PID`, a job scheduler) exits like Ctrl-C, so the managed server and the
     rollout worker are stopped on the way out. Its default action ends the process at once,
-    leaving the server (its own session, so it gets no signal) running with its memory."""
+    leaving the server (its own session, so it gets no signal) and the worker running."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
