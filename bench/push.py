@@ -123,7 +123,8 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     with server as server:
         for round_index in range(opts.rounds):
-            for side, core in sides.items():
+            order = list(sides.items())
+            for side, core in order if round_index % 2 == 0 else order[::-1]:
                 result = run_child(core, server.base_url, model_path, opts.pushes)
                 pushes[side] += result["rows"]
                 print(json.dumps({"round": round_index, "side": side,
