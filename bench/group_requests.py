@@ -19,7 +19,6 @@ import statistics
 import time
 
 import httpx
-
 from grpo_agent.sampler import SamplingParams
 from grpo_agent.sampler.client import _sampling_body
 

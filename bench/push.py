@@ -25,17 +25,15 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 
 def one_side(base_url: str, model_path: str, pushes: int) -> dict:
     """`pushes` pushes (after one that opens the group) with per-route timings."""
     import torch
-    from transformers import AutoModelForCausalLM
-
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.weight_sync import wire
     from grpo_agent.weight_sync.full import WeightPusher
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     args = AsyncGRPOConfig(output_dir="/tmp/bench_push", vllm_server_base_url=base_url,

@@ -2,7 +2,6 @@
 is tests/sampler/test_weight_sync.py): the version rides on /finish_weight_update, so a push
 costs four round trips, not five."""
 import torch
-
 from grpo_agent.weight_sync.transports import gloo
 from grpo_agent.weight_sync.transports.control import ServerControl
 from grpo_agent.weight_sync.transports.gloo import GlooWeightSync
