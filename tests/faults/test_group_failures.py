@@ -101,3 +101,30 @@ def test_a_run_whose_every_prompt_is_too_long_stops_with_a_clear_error(vllm_serv
             worker.report_step_tokens(10_000)
     message = str(raised.value)
     assert "10 groups in a row failed" in message and "--max-model-len" in message
+
+
+def test_a_dropped_group_gives_back_the_slots_its_rollouts_never_took():
+    """One rollout runs, one waits for a slot; the group is dropped: both slots are free again
+    (a leaked promise per drop would shrink the dispatcher's room until nothing dispatches)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from grpo_agent.rollout.concurrency import RolloutSlots
+    from grpo_agent.rollout.engine import RolloutEngine
+
+    async def hang(*args):
+        await asyncio.sleep(3600)
+
+    async def main():
+        engine = RolloutEngine(SimpleNamespace(config=None, run_episode=hang), channels=None)
+        engine.slots = RolloutSlots(SimpleNamespace(value=1))
+        engine.slots.promise(2)
+        took_slot = [0]
+        slot = SimpleNamespace(row={}, row_index=0)
+        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        assert took_slot == [1]
+        await engine._cancel_group(rollouts, took_slot)
+        return engine.slots.in_flight, engine.slots.promised, engine.slots.can_dispatch()
+
+    assert asyncio.run(main()) == (0, 0, True)

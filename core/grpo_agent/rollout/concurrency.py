@@ -72,6 +72,10 @@ class RolloutSlots:
         """Called synchronously at dispatch, so the dispatcher sees the work it just created."""
         self.promised += rollouts
 
+    def withdraw(self, rollouts: int) -> None:
+        """Rollouts cancelled before they took their slot (their group was dropped)."""
+        self.promised = max(self.promised - rollouts, 0)
+
     async def acquire(self) -> int:
         """Take a slot (fulfilling a promise); returns the number in flight including this one."""
         async with self._changed:

@@ -169,26 +169,27 @@ class RolloutEngine:
     async def _run_group(self, slot: PromptSlot, group_id: int) -> None:
         version = int(self.channels.model_version.value)
         pin_rollout_version(version)  # inherited by the rollout tasks that gather creates
-        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id))
+        took_slot = [0]  # rollouts that took their slot: the rest are withdrawn if the group drops
+        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id, took_slot))
                     for _ in range(self.config.num_generations)]
         try:
             results = await asyncio.gather(*rollouts)
         except StageStalled:  # reported by the watch: drop the group, count it, go on
-            await _cancel_all(rollouts)
+            await self._cancel_group(rollouts, took_slot)
             self._drop_stalled(slot.prompt_index, slot.row_index)
             return
         except (EnvironmentResetError, RequestRejectedError) as error:
             reason = group_failures.failure_reason(error)
             if reason is None:
                 raise
-            await _cancel_all(rollouts)  # one bad row costs its group; a window of them, the run
+            await self._cancel_group(rollouts, took_slot)  # one bad row costs its group
             self._group_failures.failed(reason, error, slot.prompt_index, slot.row_index)
             self._drop_group(slot.prompt_index, slot.row_index, reason)
             return
         except SamplerError as error:
             if not await self._lost_the_server(error):
                 raise
-            await _cancel_all(rollouts)  # lost with the server: counted, recorded as consumed
+            await self._cancel_group(rollouts, took_slot)  # lost with the server: counted
             self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
         self._group_failures.succeeded()
@@ -198,8 +199,15 @@ class RolloutEngine:
         self.observe("rollout/score_block_s", time.perf_counter() - started)
         self.observe("rollout/score_queue_size", self.score_queue.qsize())
 
-    async def _run_rollout(self, slot: PromptSlot, group_id: int) -> tuple:
+    async def _cancel_group(self, rollouts: list[asyncio.Future], took_slot: list[int]) -> None:
+        """Cancel a dropped group's rollouts; those that never ran give their promise back
+        (else each drop would shrink the dispatcher's room for good)."""
+        await _cancel_all(rollouts)
+        self.slots.withdraw(len(rollouts) - took_slot[0])
+
+    async def _run_rollout(self, slot: PromptSlot, group_id: int, took_slot: list[int]) -> tuple:
         in_flight = await self.slots.acquire()
+        took_slot[0] += 1
         self.observe("rollout/concurrency", in_flight)
         started = time.perf_counter()
         try:
