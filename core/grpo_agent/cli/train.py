@@ -72,8 +72,8 @@ def train(
 
     Example: grpo-agent train --env reasoning-gym --env-arg task=countdown --env-arg size=200
 
-    Without --model the built-in tiny random model is trained: it learns the `words` demo
-    (make demo), but it does not emit tool calls, so tool envs such as `counter` give it no
+    Without --model the built-in tiny random model is trained: it learns `words`
+    (make demo-words), but it does not emit tool calls, so tool envs such as `counter` give it no
     reward signal (every group scores the same and is dropped).
 
     With --lora-rank the policy is a LoRA adapter; a managed server is started with
