@@ -2,11 +2,11 @@
 on starting agent episodes with nobody reading them)."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
+
+from grpo_agent.testing.processes import gone_within, kill_quietly
 
 # The "trainer": spawns a child the way RolloutWorker does, prints its pid, then waits forever.
 TRAINER = """
@@ -26,43 +26,23 @@ if __name__ == "__main__":
 """
 
 
-def _child_outlives_its_trainer(tmp_path, mode: str, wait_s: float) -> bool:
+def _child_gone_after_trainer_killed(tmp_path, mode: str, wait_s: float) -> bool:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     trainer = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
     child = int(trainer.stdout.readline())
     trainer.send_signal(signal.SIGKILL)  # at once: the child may not have started its watch yet
     trainer.wait()
-    deadline = time.monotonic() + wait_s
     try:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                return False
-            if _is_zombie(child):
-                return False
-            time.sleep(0.1)
-        return True
+        return gone_within(child, wait_s)
     finally:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+        kill_quietly(child, signal.SIGKILL)
 
 
 def test_a_worker_exits_when_its_trainer_is_killed(tmp_path):
-    assert not _child_outlives_its_trainer(tmp_path, "watch", wait_s=60)  # ~1 s once imported
+    assert _child_gone_after_trainer_killed(tmp_path, "watch", wait_s=60)  # ~1 s once imported
 
 
 def test_without_the_watch_the_child_would_outlive_it(tmp_path):
     """The control: the same child without the watch is still running (so the test above can fail)."""
-    assert _child_outlives_its_trainer(tmp_path, "none", wait_s=5)
+    assert not _child_gone_after_trainer_killed(tmp_path, "none", wait_s=5)

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from grpo_agent.sampler.errors import ServerStartupError
+from grpo_agent.sampler.vllm_entry import OWNER_PID_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class ManagedVLLMServer:
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600",  # pooled client connections stay usable
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(self.kv_cache_gib))),
             "PYTHONUNBUFFERED": "1",
+            OWNER_PID_ENV: str(os.getpid()),  # vllm_entry stops the server when we are gone
         })
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
