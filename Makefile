@@ -60,7 +60,7 @@ demo: setup
 	@echo "Counter-warmed tiny model (built once, minutes, then cached):"
 	@MODEL=$$($(PY) -m grpo_agent.testing.warmup counter) && echo "  $$MODEL" && \
 	  $(VENV)/bin/grpo-agent train --env counter --model "$$MODEL" --output-dir runs/demo \
-	  $(DEMO_SETS) && $(PY) -m grpo_agent.demo runs/demo && echo "Plot: runs/demo/reward.png"
+	  $(DEMO_SETS) && $(PY) -m grpo_agent.train.reporting runs/demo && echo "Plot: runs/demo/reward.png"
 
 # The built-in `words` env on the tiny model (dense reward, no tools; docs/quickstart.md).
 demo-words: setup

@@ -11,7 +11,6 @@ registered like any env plugin (through the built-in plugin modules), so
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from grpo_agent.plugins.decorators import environment, reward
@@ -96,25 +95,3 @@ def register_environments(register):
 @hookimpl
 def register_rewards(register):
     register(reward("letter_fraction")(letter_fraction))
-
-
-def held_out_summary(output_dir: str | Path) -> str:
-    """`make demo`'s last lines: held-out success (`eval/pass@1`) at each evaluation of a run,
-    first and last side by side, read from its metrics.jsonl."""
-    from grpo_agent.train.reporting import read_metrics
-
-    evals = [row for row in read_metrics(Path(output_dir) / "metrics.jsonl") if "eval/pass@1" in row]
-    if not evals:
-        raise SystemExit(f"{output_dir}/metrics.jsonl holds no eval/pass@1 row: was the run "
-                         "started with --set eval_strategy=steps --set eval_on_start=true?")
-    first, last = evals[0], evals[-1]
-    trail = ", ".join(f"step {int(r['eval/step'])}: {r['eval/pass@1']:.2f}" for r in evals)
-    return (f"held-out success (eval/pass@1 over {int(first['eval/num_rows'])} eval rows): "
-            f"{first['eval/pass@1']:.2f} at step {int(first['eval/step'])} -> "
-            f"{last['eval/pass@1']:.2f} at step {int(last['eval/step'])}\n  ({trail})")
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(held_out_summary(sys.argv[1]))

@@ -7,7 +7,7 @@ import pytest
 
 
 def test_summary_reads_first_and_last_evaluation(tmp_path):
-    from grpo_agent.demo import held_out_summary
+    from grpo_agent.train.reporting import held_out_summary
 
     rows = [{"step": 1, "eval/pass@1": 2 / 9, "eval/step": 0.0, "eval/num_rows": 9.0},
             {"step": 1, "loss": 0.1, "reward": 0.4},
@@ -21,7 +21,7 @@ def test_summary_reads_first_and_last_evaluation(tmp_path):
 
 
 def test_summary_of_a_run_without_evaluation_says_how_to_get_one(tmp_path):
-    from grpo_agent.demo import held_out_summary
+    from grpo_agent.train.reporting import held_out_summary
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     with pytest.raises(SystemExit, match="eval_strategy=steps"):

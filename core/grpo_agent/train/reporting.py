@@ -210,3 +210,23 @@ def print_completions(samples: list, tokenizer, limit: int | None, step: int) ->
         table.add_row(tokenizer.decode(ids[:start])[-200:], tokenizer.decode(ids[start:]),
                       f"{sample.advantage:+.3f}")
     Console().print(table)
+
+
+def held_out_summary(output_dir: str | Path) -> str:
+    """`make demo`'s last lines: held-out success (`eval/pass@1`) at each evaluation of a run,
+    first and last side by side, read from its metrics.jsonl."""
+    evals = [row for row in read_metrics(Path(output_dir) / "metrics.jsonl") if "eval/pass@1" in row]
+    if not evals:
+        raise SystemExit(f"{output_dir}/metrics.jsonl holds no eval/pass@1 row: was the run "
+                         "started with --set eval_strategy=steps --set eval_on_start=true?")
+    first, last = evals[0], evals[-1]
+    trail = ", ".join(f"step {int(r['eval/step'])}: {r['eval/pass@1']:.2f}" for r in evals)
+    return (f"held-out success (eval/pass@1 over {int(first['eval/num_rows'])} eval rows): "
+            f"{first['eval/pass@1']:.2f} at step {int(first['eval/step'])} -> "
+            f"{last['eval/pass@1']:.2f} at step {int(last['eval/step'])}\n  ({trail})")
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(held_out_summary(sys.argv[1]))
