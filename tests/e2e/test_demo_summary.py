@@ -26,3 +26,10 @@ def test_summary_of_a_run_without_evaluation_says_how_to_get_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     with pytest.raises(SystemExit, match="eval_strategy=steps"):
         held_out_summary(tmp_path)
+
+
+def test_summary_of_a_folder_without_metrics_names_it(tmp_path):
+    from grpo_agent.train.reporting import held_out_summary
+
+    with pytest.raises(SystemExit, match="metrics.jsonl does not exist: pass the --output-dir"):
+        held_out_summary(tmp_path / "nothing")

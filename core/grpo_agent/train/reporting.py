@@ -215,7 +215,10 @@ def print_completions(samples: list, tokenizer, limit: int | None, step: int) ->
 def held_out_summary(output_dir: str | Path) -> str:
     """`make demo`'s last lines: held-out success (`eval/pass@1`) at each evaluation of a run,
     first and last side by side, read from its metrics.jsonl."""
-    evals = [row for row in read_metrics(Path(output_dir) / "metrics.jsonl") if "eval/pass@1" in row]
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise SystemExit(f"{metrics} does not exist: pass the --output-dir of a run.")
+    evals = [row for row in read_metrics(metrics) if "eval/pass@1" in row]
     if not evals:
         raise SystemExit(f"{output_dir}/metrics.jsonl holds no eval/pass@1 row: was the run "
                          "started with --set eval_strategy=steps --set eval_on_start=true?")
