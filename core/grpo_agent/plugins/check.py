@@ -81,9 +81,10 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
 
     _run_step(steps, "dataset", load)
     _run_step(steps, "tool schemas", lambda: _schema_names(spec))
-    _run_step(steps, "rewards", lambda: ", ".join(
-        getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards) or "get_reward only")
     agent = getattr(spec.factory, "agent_only", None)
+    without_rewards = f"the {agent!r} agent's own score" if agent else "get_reward only"
+    _run_step(steps, "rewards", lambda: ", ".join(
+        getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards) or without_rewards)
     if agent:  # its episodes need a model: nothing to reset, call or score here
         steps.append(CheckStep("episodes", True, (
             f"not checked here: {spec.name!r} is agent-only (the {agent!r} agent plays each row "

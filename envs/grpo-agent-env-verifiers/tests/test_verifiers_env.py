@@ -126,3 +126,4 @@ def test_env_check_lists_the_tasks_and_says_the_env_is_agent_only(taskset_path):
     assert all(step.ok for step in steps), steps
     assert [step.name for step in steps] == ["dataset", "tool schemas", "rewards", "episodes"]
     assert "is agent-only" in steps[-1].detail and "--agent verifiers" in steps[-1].detail
+    assert steps[2].detail == "the 'verifiers' agent's own score"  # not "get_reward only"
