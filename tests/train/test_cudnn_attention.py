@@ -9,14 +9,12 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from grpo_agent.train import cudnn_attention
 from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
 from grpo_agent.train.packing import pack_row
-from grpo_agent.train.tree_attention import dense_tree_mask
 
 from .conftest import VOCAB, make_sample
-from .test_level_attention import _deep_tree_samples
+from .test_level_attention import _deep_tree_samples, assert_exact_against_dense_mask
 
 
 def _groups(prompt_len: int, completion_lens: list[list[int]]):
@@ -59,19 +57,7 @@ def test_dense_parts_are_exact_with_gqa(samples):
     row = pack_row(samples())
     plan = LevelPlan.build(row, "cpu", "reference", dense="reference")
     assert plan.self_dense and len(plan.self_dense) >= 2
-    n = row.num_tokens
-    q = torch.randn(1, 4, n, 8, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    mask = dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
-    ref = ref.transpose(1, 2)
-    got = level_tree_attention(q, k, v, plan, 0.3)
-    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
-    weights = torch.randn_like(ref)
-    for a, b, name in zip(torch.autograd.grad((got * weights).sum(), (q, k, v)),
-                          torch.autograd.grad((ref * weights).sum(), (q, k, v)),
-                          ("dq", "dk", "dv")):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+    assert_exact_against_dense_mask(row, plan)
 
 
 def test_a_group_row_takes_the_prompt_part_dense():

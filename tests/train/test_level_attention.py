@@ -82,6 +82,12 @@ def test_merge_and_backward_are_exact_with_gqa():
     """float64: out and dq/dk/dv equal attention with the dense tree mask."""
     row = pack_row(_deep_tree_samples())
     plan = LevelPlan.build(row, "cpu", "reference")
+    assert_exact_against_dense_mask(row, plan)
+
+
+def assert_exact_against_dense_mask(row, plan):
+    """float64, GQA (4 query heads over 2 K/V heads): `plan`'s output and dq/dk/dv equal
+    attention with the row's dense tree mask."""
     n = row.num_tokens
     q = torch.randn(1, 4, n, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
