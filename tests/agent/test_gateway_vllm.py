@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import harness_agents
 import httpx
@@ -30,20 +28,10 @@ PROMPT = [{"role": "user", "content": "Increment the counter by 3."}]
 
 @pytest.fixture(scope="module")
 def warm_server(tmp_path_factory):
-    """Its own server on the tool-warmed model (the trainer test pushes weights into it), or
-    GRPO_AGENT_TEST_WARM_VLLM_URL: one you started on that model and let these tests change."""
-    from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.testing.warmup import build_tool_warmed_model
+    """The tool-warmed model's server (the trainer test pushes weights into it; `tool_warmed_server`)."""
+    from grpo_agent.testing.warm_server import tool_warmed_server
 
-    url = os.environ.get("GRPO_AGENT_TEST_WARM_VLLM_URL")
-    if url:
-        yield SimpleNamespace(base_url=url.rstrip("/"), model_path=build_tool_warmed_model())
-        return
-    server = ManagedVLLMServer(
-        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
-        log_path=tmp_path_factory.mktemp("vllm-gateway") / "server.log",
-    )
-    with server:
+    with tool_warmed_server(tmp_path_factory.mktemp("vllm-gateway")) as server:
         yield server
 
 

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from grpo_agent_env_verifiers import VerifiersVenvMissing, venv_python
@@ -32,19 +31,10 @@ except VerifiersVenvMissing as missing:
 
 @pytest.fixture(scope="module")
 def warm_server(tmp_path_factory):
-    """Its own server on the tool-warmed model (the run pushes weights into it), or
-    GRPO_AGENT_TEST_WARM_VLLM_URL: one you started on that model and let this test change."""
-    from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.testing.warmup import build_tool_warmed_model
+    """The tool-warmed model's server (the run pushes weights into it; `tool_warmed_server`)."""
+    from grpo_agent.testing.warm_server import tool_warmed_server
 
-    url = os.environ.get("GRPO_AGENT_TEST_WARM_VLLM_URL")
-    if url:
-        yield SimpleNamespace(base_url=url.rstrip("/"), model_path=build_tool_warmed_model())
-        return
-    server = ManagedVLLMServer(
-        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
-        log_path=tmp_path_factory.mktemp("vllm-verifiers") / "server.log")
-    with server:
+    with tool_warmed_server(tmp_path_factory.mktemp("vllm-verifiers")) as server:
         yield server
 
 
