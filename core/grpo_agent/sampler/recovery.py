@@ -21,6 +21,7 @@ import httpx
 
 from grpo_agent.sampler.errors import RequestRejectedError, SamplerError, ServerUnreachableError
 from grpo_agent.sampler.server import managed_server_at
+from grpo_agent.stall import StageStalled
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class ServerRecovery:
         try:
             return pusher.push(model, version)
         except (SamplerError, httpx.HTTPError, RuntimeError) as error:
-            if not self.enabled or type(error).__name__ == "StageStalled":
+            if not self.enabled or isinstance(error, StageStalled):
                 raise
             logger.warning("Pushing weights version %d failed (%s: %s); retrying once after "
                            "re-opening the transfer group.", version, type(error).__name__, error)
