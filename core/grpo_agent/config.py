@@ -8,6 +8,7 @@ back to full precision with a logged note instead of failing construction.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,10 +126,16 @@ class AsyncGRPOConfig(TrainingArguments):
         "Seconds one tool call may run; a late call becomes an error message the model sees.",
         default=300.0,
     )
+    share_first_turn_request: bool = _help(
+        "Not a spec field (grpo-agent only). True: a group's rollouts whose first prompts are "
+        "equal get their first turns from one vLLM request with n samples (the server shares "
+        "the prompt; later turns go per rollout); False: one request per rollout.",
+        default=True,
+    )
     stall_timeouts: dict[str, float] = _help(
         "Deadline in seconds by stage, overriding the derived one (docs/reliability.md): "
         "vllm_generate, tool, env_reset, env_finish, scoring, queue_pull, weight_sync (or one "
-        "phase: weight_sync/transfer, ...), checkpoint_save. A late stage writes "
+        "phase: weight_sync/transfer, ...), checkpoint_save, collective (FSDP). A late stage writes "
         "stall_report.json; a rollout stage is dropped and counted, any other stops the run.",
         default_factory=dict,
     )
@@ -176,6 +183,11 @@ class AsyncGRPOConfig(TrainingArguments):
             # rank would then log, save checkpoints and count itself as the main process.
             self.use_cpu = True
         self._check()
+        from grpo_agent.stall import process_group_timeout
+
+        # The process group (created by transformers from ddp_timeout) must outwait every
+        # collective phase, so a phase's stall report and exit come first (stall.py).
+        self.ddp_timeout = max(int(self.ddp_timeout), math.ceil(process_group_timeout(self)))
         super().__post_init__()
 
     def _check(self) -> None:

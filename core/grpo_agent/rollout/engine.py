@@ -6,12 +6,14 @@ dispatcher starts a group only while the token allowance has room (`rollout.allo
 rollout slot is free; groups go through a bounded score queue to a scorer, so slow rewards
 block generation (`rollout/score_block_s`) instead of piling up memory. Blocking work (chat
 templates, sync rewards, reconciliation, environment calls) runs in the loop's
-`tool_executor`, never on the loop thread. The engine calls the user's hooks on the
+`tool_executor`, never on the loop thread. A group's equal first turns go to the server as one
+request with `n` (`rollout.first_turns`). The engine calls the user's hooks on the
 `AsyncRolloutLoop` it drives and talks to the trainer only through `WorkerChannels`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -26,6 +28,7 @@ from grpo_agent.rollout import allowance, group_failures, observations
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
 from grpo_agent.rollout.environments import EnvironmentResetError
+from grpo_agent.rollout.first_turns import SharedFirstTurns
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.rollout.scoring import (
@@ -170,7 +173,9 @@ class RolloutEngine:
         version = int(self.channels.model_version.value)
         pin_rollout_version(version)  # inherited by the rollout tasks that gather creates
         took_slot = [0]  # rollouts that took their slot: the rest are withdrawn if the group drops
-        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id, took_slot))
+        shared = (SharedFirstTurns(self.config.num_generations)
+                  if self.config.share_first_turn_request else None)
+        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id, took_slot, shared))
                     for _ in range(self.config.num_generations)]
         try:
             results = await asyncio.gather(*rollouts)
@@ -192,6 +197,9 @@ class RolloutEngine:
             await self._cancel_group(rollouts, took_slot)  # lost with the server: counted
             self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
+        finally:
+            if shared is not None:
+                await shared.close()
         self._group_failures.succeeded()
         group = await self._build_group(slot, group_id, version, results)
         started = time.perf_counter()
@@ -205,8 +213,18 @@ class RolloutEngine:
         await _cancel_all(rollouts)
         self.slots.withdraw(len(rollouts) - took_slot[0])
 
-    async def _run_rollout(self, slot: PromptSlot, group_id: int, took_slot: list[int]) -> tuple:
-        in_flight = await self.slots.acquire()
+    async def _run_rollout(self, slot: PromptSlot, group_id: int, took_slot: list[int],
+                           shared: SharedFirstTurns | None = None) -> tuple:
+        if shared is None:
+            return await self._run_episode(slot, group_id, took_slot)
+        with shared.ticket():  # its first turn may go out in one request with its siblings'
+            return await self._run_episode(slot, group_id, took_slot, shared)
+
+    async def _run_episode(self, slot: PromptSlot, group_id: int, took_slot: list[int],
+                           shared: SharedFirstTurns | None = None) -> tuple:
+        must_wait = shared is not None and not self.slots.has_free_slot()
+        with shared.away() if must_wait else contextlib.nullcontext():
+            in_flight = await self.slots.acquire()
         took_slot[0] += 1
         self.observe("rollout/concurrency", in_flight)
         started = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_agent.rollout import first_turns
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.engine import RolloutEngine
 from grpo_agent.rollout.environments import EnvironmentRunner
@@ -98,15 +99,26 @@ class AsyncRolloutLoop:
         params = self.sampling_params
         if max_tokens is not None:
             params = replace(params, max_tokens=max_tokens)
-        if self.seeds is not None:
-            params = replace(params, seed=next(self.seeds))
         version = rollout_version()
         if version is None:  # called outside a rollout (e.g. from setup): the newest policy
             version = int(self.model_version_value.value)
         model = adapter_name(self.lora_name, version)
+        shared = first_turns.claim()  # a group's first turns: one request with n (first_turns.py)
+        with self.stalls.stage("vllm_generate", recover=True, prompt_tokens=len(prompt_ids)):
+            if shared is not None:
+                return await shared.sample(prompt_ids, params, model, self._sample_turns)
+            return (await self._sample_turns(prompt_ids, params, model, 1))[0]
+
+    async def _sample_turns(self, prompt_ids: list[int], params, model: str | None,
+                            n: int) -> list[TurnRecord]:
+        """`n` samples of `prompt_ids` in one request. A seeded server gets a fresh seed per
+        request and skips `n` of them (vLLM seeds choice i with seed + i)."""
+        if self.seeds is not None:
+            params = replace(params, seed=next(self.seeds))
+            for _ in range(n - 1):
+                next(self.seeds)
         try:
-            with self.stalls.stage("vllm_generate", recover=True, prompt_tokens=len(prompt_ids)):
-                return await self.sampler.generate(prompt_ids, params, model=model)
+            return await self._request_turns(prompt_ids, params, model, n)
         except RequestRejectedError as error:
             newest = adapter_name(self.lora_name, int(self.model_version_value.value))
             if model is None or error.status_code != 404 or newest == model:
@@ -114,8 +126,12 @@ class AsyncRolloutLoop:
         # The trainer unloaded this rollout's adapter: it is more than max_staleness versions
         # old, so its samples are dropped as stale anyway. Finish it on the newest policy.
         logger.debug("Adapter %s was unloaded mid-rollout; continuing on %s.", model, newest)
-        with self.stalls.stage("vllm_generate", recover=True, prompt_tokens=len(prompt_ids)):
-            return await self.sampler.generate(prompt_ids, params, model=newest)
+        return await self._request_turns(prompt_ids, params, newest, n)
+
+    async def _request_turns(self, prompt_ids, params, model, n) -> list[TurnRecord]:
+        if n == 1:
+            return [await self.sampler.generate(prompt_ids, params, model=model)]
+        return await self.sampler.generate_many(prompt_ids, params, n, model=model)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout from `group.rewards` (group-normalised by default)."""

@@ -20,6 +20,7 @@ import httpx
 from grpo_agent.sampler.errors import (
     RETRYABLE_STATUS,
     RequestRejectedError,
+    SamplerError,
     exhausted_error,
     rejected_error,
     retry_delay_s,
@@ -118,10 +119,20 @@ class SamplerClient:
 
         `model` names a loaded LoRA adapter to sample with; default the server's base model.
         """
+        return (await self.generate_many(prompt_ids, params, 1, model=model))[0]
+
+    async def generate_many(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, *, model: str | None = None
+    ) -> list[TurnRecord]:
+        """Sample `n` completions of one prompt in one request (vLLM's `n`: the server shares
+        the prompt, and one HTTP exchange replaces `n`). Record i is choice i, with its own ids,
+        logprobs, top-k, finish reason and weight versions, as `n` calls of `generate` give."""
+        if n < 1:
+            raise ValueError(f"n={n}: ask for at least one completion")
         model = model or (await self.model_info()).id
         if self._endpoint != "completions":
             try:
-                return await self._generate_tokens(prompt_ids, params, model)
+                return await self._generate_tokens(prompt_ids, params, model, n)
             except RequestRejectedError as error:
                 if self._endpoint == "generate" or not _route_missing(error):
                     raise
@@ -131,23 +142,25 @@ class SamplerClient:
                     self.base_url,
                 )
                 self._endpoint = "completions"
-        return await self._generate_completions(prompt_ids, params, model)
+        return await self._generate_completions(prompt_ids, params, model, n)
 
     async def _generate_tokens(
-        self, prompt_ids: list[int], params: SamplingParams, model: str
-    ) -> TurnRecord:
+        self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
+    ) -> list[TurnRecord]:
         body = {"model": model, "token_ids": list(prompt_ids),
-                "sampling_params": _sampling_body(params)}
+                "sampling_params": _sampling_body(params, n)}
         data = await self._request_json("POST", "/inference/v1/generate", json=body)
-        return _turn_from_generate(prompt_ids, data["choices"][0], params)
+        return [_turn_from_generate(prompt_ids, choice, params)
+                for choice in _choices(data, n, self.base_url)]
 
     async def _generate_completions(
-        self, prompt_ids: list[int], params: SamplingParams, model: str
-    ) -> TurnRecord:
+        self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
+    ) -> list[TurnRecord]:
         body = {"model": model, "prompt": list(prompt_ids), "return_token_ids": True,
-                "return_tokens_as_token_ids": True, **_sampling_body(params)}
+                "return_tokens_as_token_ids": True, **_sampling_body(params, n)}
         data = await self._request_json("POST", "/v1/completions", json=body)
-        return _turn_from_completion(prompt_ids, data["choices"][0], params)
+        return [_turn_from_completion(prompt_ids, choice, params)
+                for choice in _choices(data, n, self.base_url)]
 
     # ------------------------------------------------------------------ server state
 
@@ -219,7 +232,16 @@ def _route_missing(error: RequestRejectedError) -> bool:
         error.status_code == 404 and error.server_message == "Not Found")
 
 
-def _sampling_body(params: SamplingParams) -> dict[str, Any]:
+def _choices(data: dict, n: int, base_url: str) -> list[dict]:
+    """The response's `n` choices in index order (choice i is the i-th sample)."""
+    choices = sorted(data.get("choices") or [], key=lambda choice: choice.get("index", 0))
+    if len(choices) != n:
+        raise SamplerError(f"{base_url} answered {len(choices)} choices to a request for n={n}; "
+                           "a vLLM server returns one per requested sample (check the server version).")
+    return choices
+
+
+def _sampling_body(params: SamplingParams, n: int = 1) -> dict[str, Any]:
     """vLLM sampling fields; asks for k+1 logprobs so a full top-k survives (see module doc)."""
     body: dict[str, Any] = {
         "max_tokens": params.max_tokens,
@@ -229,6 +251,8 @@ def _sampling_body(params: SamplingParams) -> dict[str, Any]:
         "repetition_penalty": params.repetition_penalty,
         "logprobs": params.num_logprobs + 1 if params.num_logprobs > 0 else 0,
     }
+    if n != 1:
+        body["n"] = n
     if params.min_p is not None:
         body["min_p"] = params.min_p
     if params.seed is not None:
