@@ -10,7 +10,11 @@ Python stacks of this process and of its peer, the latter dumped by `faulthandle
 logs a summary, then acts: a stage with a `cancel` callback is cancelled (the rollout is dropped
 and counted; the code that owns the stage sees `StageStalled`); a stage without one is fatal:
 the abort callbacks run and the process exits with `STALL_EXIT_CODE` after `ABORT_GRACE_S`
-(a polled stage, such as the trainer's queue pull, raises `StageStalled` itself sooner).
+(a polled stage, such as the trainer's queue pull, raises `StageStalled` itself sooner; a
+stage nothing can unblock, such as a collective, exits right after its report).
+
+Under FSDP every trainer process holds a watch (`collective` stages, `train/collectives.py`);
+rank r > 0 writes `stall_report-rank<r>.json`.
 """
 from __future__ import annotations
 
@@ -43,7 +47,15 @@ REPORT_NAME = "stall_report.json"
 OWN_TIMEOUT_MARGIN_S = 60.0
 STAGES = ("vllm_generate", "tool", "env_reset", "env_finish", "scoring", "queue_pull",
           "weight_sync", "weight_sync/pause", "weight_sync/transfer", "weight_sync/finish",
-          "weight_sync/resume", "weight_sync/cache_reset", "checkpoint_save")
+          "weight_sync/resume", "weight_sync/cache_reset", "checkpoint_save", "collective")
+# The trainer's collectives under FSDP: a phase's deadline is the collective deadline plus the
+# stage rank 0 may legitimately spend in it while the other ranks wait (None: nothing).
+COLLECTIVE_DEADLINE_S = 1800.0  # torch's own default process-group timeout
+COLLECTIVE_PHASES = {"step plan": "queue_pull", "train step": None, "step end": None,
+                     "weight push": "weight_sync", "checkpoint save": "checkpoint_save"}
+# The process group's own timeout is this much past the longest phase deadline, so the stall
+# report and exit come first (NCCL's watchdog would kill the process without one).
+PROCESS_GROUP_MARGIN_S = 60.0
 
 
 _ACTIVE: StallWatch | None = None  # the started watch of this process, for `stage`
@@ -102,10 +114,23 @@ def stage_deadline(config: Any, stage: str) -> float:
         "queue_pull": server + worker,  # one generation may take up to vllm_server_timeout
         "weight_sync": server + OWN_TIMEOUT_MARGIN_S,
         "checkpoint_save": server,
+        "collective": COLLECTIVE_DEADLINE_S,
     }
     if family not in derived:
         raise KeyError(f"Unknown stall stage {stage!r}; known stages: {', '.join(STAGES)}.")
     return derived[family]
+
+
+def collective_deadline(config: Any, phase: str) -> float:
+    """Seconds one rank may wait for the others in `phase` (`COLLECTIVE_PHASES`)."""
+    waits_for = COLLECTIVE_PHASES[phase]
+    own = stage_deadline(config, waits_for) if waits_for else 0.0
+    return stage_deadline(config, "collective") + own
+
+
+def process_group_timeout(config: Any) -> float:
+    """The distributed process group's timeout (`ddp_timeout`): past every phase deadline."""
+    return max(collective_deadline(config, p) for p in COLLECTIVE_PHASES) + PROCESS_GROUP_MARGIN_S
 
 
 def check_stall_timeouts(timeouts: dict[str, float]) -> None:
@@ -128,6 +153,8 @@ class _Stage:
     task: asyncio.Task | None = None  # a recoverable stage's task: its stack is the stuck one
     stalled_at: float | None = None  # set once its report is written (owners poll this)
     reported: bool = False
+    grace_s: float = ABORT_GRACE_S  # a fatal stage's owner has this long to raise, then exit
+    report_extra: Callable[[], dict[str, Any]] | None = None  # fields computed at report time
 
     def touch(self) -> None:
         """Progress was made: the deadline counts from now (a poll that received something)."""
@@ -145,9 +172,11 @@ class StallWatch:
     """The registry of in-flight stages of one process, its monitor thread and report writer."""
 
     def __init__(self, config: Any, role: str, *, output_dir: str | os.PathLike | None = None,
-                 context: Callable[[], dict[str, Any]] | None = None) -> None:
+                 context: Callable[[], dict[str, Any]] | None = None,
+                 report_name: str = REPORT_NAME) -> None:
         self.config = config
         self.role = role
+        self.report_name = report_name
         self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or ".")
         self.context = context or dict
         self.peer_pid: int | None = None
@@ -192,13 +221,17 @@ class StallWatch:
 
     @contextlib.contextmanager
     def stage(self, name: str, deadline_s: float | None = None, *, recover: bool = False,
+              grace_s: float = ABORT_GRACE_S,
+              report_extra: Callable[[], dict[str, Any]] | None = None,
               **detail: Any) -> Iterator[_Stage]:
         """Bracket one stage. With `recover` (asyncio code only) the stage is recoverable: at its
         deadline its task is cancelled and the block raises `StageStalled`, for the owner to
-        drop and count; without it a late stage is fatal (see the module docstring)."""
+        drop and count; without it a late stage is fatal (see the module docstring): the
+        process exits `grace_s` after the report unless the owner raised meanwhile.
+        `report_extra` adds fields to its report, computed when it is written."""
         deadline = stage_deadline(self.config, name) if deadline_s is None else float(deadline_s)
         key = next(self._ids)
-        entry = _Stage(name, detail, deadline)
+        entry = _Stage(name, detail, deadline, grace_s=grace_s, report_extra=report_extra)
         if recover:
             task, loop = asyncio.current_task(), asyncio.get_running_loop()
             entry.cancel = lambda: loop.call_soon_threadsafe(self._cancel_task, key, task)
@@ -258,14 +291,14 @@ class StallWatch:
         return late
 
     def _abort_if_still_stuck(self, entry: _Stage) -> None:
-        deadline = time.monotonic() + ABORT_GRACE_S
+        deadline = time.monotonic() + entry.grace_s
         while time.monotonic() < deadline:
             with self._lock:
                 if entry not in self._stages.values():
                     return  # its owner raised StageStalled and is shutting down
             time.sleep(0.2)
         logger.critical("Stage %s is still stuck %.0f s after its stall report: exiting with code %d.",
-                        entry.name, ABORT_GRACE_S, STALL_EXIT_CODE)
+                        entry.name, entry.grace_s, STALL_EXIT_CODE)
         for callback in _ABORT_CALLBACKS:
             with contextlib.suppress(Exception):
                 callback()
@@ -281,6 +314,11 @@ class StallWatch:
             context = self.context()
         except Exception as error:  # noqa: BLE001 - the report must still be written
             context = {"error": f"context unavailable: {error!r}"}
+        if entry.report_extra is not None:
+            try:
+                extra = {**entry.report_extra(), **extra}
+            except Exception as error:  # noqa: BLE001
+                extra = {"report_extra_error": repr(error), **extra}
         report = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "role": self.role,
             "pid": os.getpid(), **entry.as_dict(now),
@@ -290,7 +328,7 @@ class StallWatch:
             "stacks": {self.role: own_stacks(), **self._peer_stacks()},
         }
         self.stalls.append(report)
-        path = self.output_dir / REPORT_NAME
+        path = self.output_dir / self.report_name
         with contextlib.suppress(OSError):
             self.output_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -312,28 +350,39 @@ class StallWatch:
         detail = ", ".join(f"{k}={v}" for k, v in entry.detail.items())
         return (f"STALL in the {self.role}: stage {entry.name!r}{f' ({detail})' if detail else ''} "
                 f"passed its {entry.deadline_s:g} s deadline. Raise stall_timeouts[{entry.name!r}] "
-                f"if it is only slow; see {self.output_dir / REPORT_NAME}.")
+                f"if it is only slow; see {self.output_dir / self.report_name}.")
 
     def _peer_stacks(self) -> dict[str, str]:
-        """Ask the peer process to dump its stacks (faulthandler on SIGUSR2) and read them."""
+        """The stacks of the peer process (the worker of the trainer, or the trainer's)."""
         if self.peer_pid is None:
             return {}
-        peer_role = "worker" if self.role == "trainer" else "trainer"
-        path = self.stack_path(peer_role)
-        if not path.exists():  # the peer has no SIGUSR2 handler: the signal would kill it
-            return {peer_role: "(the peer watches no stages: no stack dump)"}
-        offset = path.stat().st_size
-        try:
-            os.kill(self.peer_pid, STACK_SIGNAL)
-        except OSError as error:
-            return {peer_role: f"(could not signal pid {self.peer_pid}: {error})"}
-        time.sleep(PEER_DUMP_WAIT_S)
-        try:
-            with open(path) as file:
-                file.seek(offset)
-                return {peer_role: file.read() or "(the peer wrote no stacks)"}
-        except OSError as error:
-            return {peer_role: f"(no stack dump: {error})"}
+        return self.stacks_of({"worker" if self.role == "trainer" else "trainer": self.peer_pid})
+
+    def stacks_of(self, pids: dict[str, int]) -> dict[str, str]:
+        """Ask processes (role: pid) to dump their stacks (faulthandler on SIGUSR2, each into
+        its `stack_path(role)`), wait once, and read what each wrote."""
+        stacks, offsets = {}, {}
+        for role, pid in pids.items():
+            path = self.stack_path(role)
+            if not path.exists():  # no SIGUSR2 handler there: the signal would kill it
+                stacks[role] = "(that process watches no stages: no stack dump)"
+                continue
+            offsets[role] = path.stat().st_size
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except OSError as error:
+                stacks[role] = f"(could not signal pid {pid}: {error})"
+                del offsets[role]
+        if offsets:
+            time.sleep(PEER_DUMP_WAIT_S)
+        for role, offset in offsets.items():
+            try:
+                with open(self.stack_path(role)) as file:
+                    file.seek(offset)
+                    stacks[role] = file.read() or "(it wrote no stacks)"
+            except OSError as error:
+                stacks[role] = f"(no stack dump: {error})"
+        return stacks
 
 
 def own_stacks() -> str:

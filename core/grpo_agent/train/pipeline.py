@@ -13,7 +13,7 @@ from typing import Any
 from grpo_agent import stall
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
-from grpo_agent.train import fsdp, setup
+from grpo_agent.train import collectives, fsdp, setup
 from grpo_agent.train.step_source import StepSource
 
 
@@ -23,8 +23,9 @@ class RolloutPipelineMixin:
 
     def start_pipeline(self) -> None:
         """Check the server, push restored weights if resuming, start the rollout worker."""
-        if fsdp.is_main_process():  # stage deadlines and stall_report.json (grpo_agent/stall.py)
-            self.stalls = stall.StallWatch(self.args, "trainer", context=self._stall_context).start()
+        # Stage deadlines and stall_report.json (grpo_agent/stall.py); under FSDP every rank
+        # watches its collective phases (train/collectives.py).
+        self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
@@ -67,7 +68,8 @@ class RolloutPipelineMixin:
         """Push the policy as `model_version`; a failed push is retried once after restoring
         the server (`sampler.recovery`)."""
         restarts = self.recovery.restarts
-        self.window.update(self.recovery.push(self.pusher, self.model, self.model_version))
+        with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
+            self.window.update(self.recovery.push(self.pusher, self.model, self.model_version))
         if self.recovery.restarts != restarts and self.source is not None:
             self.source.worker.server_restored()
 
@@ -90,6 +92,7 @@ class RolloutPipelineMixin:
             self.source.worker.stop(grace_s=0.0)
 
     def _stop_pipeline(self) -> None:
+        self.phases.leave()
         stall.remove_abort(self._kill_worker)
         if getattr(self, "stalls", None) is not None:
             self.stalls.stop()

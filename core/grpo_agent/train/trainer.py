@@ -27,7 +27,7 @@ from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.loop import AsyncRolloutLoop
-from grpo_agent.train import fsdp, perf, setup
+from grpo_agent.train import collectives, fsdp, perf, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.checkpoint import (
     PromptLedger,
@@ -131,6 +131,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                 model, backend=args.torch_compile_backend, mode=args.torch_compile_mode
             )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
+        self.phases = collectives.RankPhases(args)  # the collective phase of this rank (FSDP)
         self.window = MetricWindow()
         # This step's rows: losses and metrics stay on the device and are read at the optimizer
         # step, so the host queues row i+1 while the GPU still runs row i (no wait between rows).
@@ -177,6 +178,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except Exception as error:
+            self.phases.raise_if_rank_missing(error)  # a rank that died is named in the report
+            raise
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
             self._stop_pipeline()
@@ -194,7 +198,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         return state
 
     def _save_checkpoint(self, model, trial) -> None:
-        with stall.stage("checkpoint_save", step=self.state.global_step):
+        step = self.state.global_step
+        with (self.phases.during("checkpoint save", step=step),  # gathers on all ranks
+              stall.stage("checkpoint_save", step=step)):
             super()._save_checkpoint(model, trial)
 
     # ------------------------------------------------------------------ batches and loss
@@ -234,6 +240,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     def _next_step_plan(self) -> StepPlan:
         """Rank 0 pulls and plans; the other ranks receive the same plan."""
+        step = self.state.global_step + 1
+        self.phases.enter("step plan", step=step)  # the other ranks wait while rank 0 pulls
         plan = None
         if self.source is not None:
             planner = StepPlanner(
@@ -249,6 +257,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             box = [(plan, self._step_samples, self.ledger)]
             torch.distributed.broadcast_object_list(box, src=0)
             plan, self._step_samples, self.ledger = box[0]
+        self.phases.enter("train step", step=step)  # FSDP gathers and reductions
         self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_samples)
         return plan
 
@@ -262,6 +271,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         groups sample it); the worker learns the step's tokens (its staleness allowance, which
         also ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
         prompts. Returns True when the run's prompt epochs are done."""
+        self.phases.enter("step end", step=state.global_step)  # push, logging, saves
         samples = self._step_samples
         completed = self.ledger.record_trained(samples)
         if fsdp.is_main_process():
