@@ -172,3 +172,11 @@ async def over_budget_agent(client, row: dict) -> float:
     except openai.RateLimitError as error:
         return float(error.code == "rollout_call_budget")
     return 0.0
+
+
+async def odd_target_fails_agent(client, row: dict) -> None:
+    """One call; raises on odd targets (dropped rollouts), else None (reward_funcs score it)."""
+    messages = [{"role": "user", "content": f"Increment the counter by {row['target']}."}]
+    await client.chat.completions.create(model=await model_name(client), messages=messages)
+    if row["target"] % 2:
+        raise RuntimeError("agent bug on odd targets")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,6 +212,83 @@ def test_harness_trainer_trains_the_counter_agent_through_the_gateway(warm_serve
     assert {"tools/call_frequency", "rollout/samples_per_rollout", "rollout/fork_frac",
             "rollout/turns_mean", "harness/errors_count", "rewards/rollout/mean"} <= set(logged), sorted(logged)
     assert max(logged["tools/call_frequency"]) > 0
+
+
+@pytest.mark.e2e
+def test_harness_trainer_evaluates_the_agent_greedily_on_a_held_out_split(warm_server, tmp_path):
+    """eval/* at eval_on_start and every eval_steps from the counter agent on the counter env's
+    eval split (targets 1-9) through the evaluation's own gateway: pinned to one version,
+    greedy (two evaluations of a version agree), and no eval row reaches training."""
+    from datasets import Dataset
+    from grpo_agent import HarnessAsyncGRPOTrainer
+    from grpo_agent.plugins import load_registry
+    from transformers import TrainerCallback
+
+    eval_split = load_registry().environment_spec("counter").load_eval_dataset()
+    train_targets = [1, 2, 3]  # eval targets 4-9 in a trained sample would be a leak
+    targets = train_targets * 22
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Increment the counter by {t}."}]
+                                            for t in targets], "target": targets})
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(warm_server.model_path), agent="harness_agents:counter_agent",
+        args=harness_config(warm_server, tmp_path, eval_strategy="steps", eval_steps=1,
+                            eval_on_start=True, save_strategy="no"),
+        train_dataset=dataset, eval_dataset=eval_split, agent_timeout_s=120)
+    trained = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trained.extend(trainer._step_samples)
+
+    trainer.add_callback(Record())
+    trainer.train()
+    evals = [row for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert [row["eval/step"] for row in evals] == [0.0, 1.0, 2.0]
+    for row in evals:
+        assert row["eval/num_rows"] == 9.0 and 0.0 <= row["eval/pass@1"] <= 1.0, row
+        assert math.isfinite(row["eval/rewards/rollout/mean"]), row  # the agent's own reward
+        assert row["eval/completions/mean_length"] > 0, row
+    for result in trainer.evaluator.results:
+        assert len(result.served_versions) == 1, result.served_versions  # the pin held
+        if result.model_version > 0:
+            assert result.served_versions == {str(result.model_version)}
+        assert all(len(row.completions) == 1 for row in result.rows)
+    first, second = trainer.evaluate(), trainer.evaluate()
+    a, b = trainer.evaluator.results[-2:]
+    assert a.model_version == b.model_version == trainer.model_version
+    assert [r.completions for r in a.rows] == [r.completions for r in b.rows]  # greedy
+    assert first["eval/pass@1"] == second["eval/pass@1"]
+    tokenizer = trainer.processing_class
+    texts = [tokenizer.decode(s.sequence.token_ids) for s in trained]
+    assert texts and all("Increment the counter by" in t for t in texts)
+    assert not any(f"counter by {t}." in text for text in texts for t in range(4, 10))
+
+
+def test_evaluation_fails_a_dropped_agent_run_even_when_reward_funcs_score_it(warm_server, tmp_path):
+    """An agent that raises costs its eval rollout (a failure), though `reward_funcs` would
+    score its empty completion 1.0; the other rollouts are scored by `reward_funcs`."""
+    import functools
+
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings
+    from transformers import AutoTokenizer
+
+    def always_one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    async def main():
+        loop_cls = functools.partial(HarnessRolloutLoop, agent=harness_agents.odd_target_fails_agent,
+                                     limits=HarnessLimits(timeout_s=120))
+        session = EvalSession(loop_cls, config=harness_config(warm_server, tmp_path),
+                              processing_class=AutoTokenizer.from_pretrained(warm_server.model_path),
+                              reward_funcs=[always_one], settings=EvalSettings(),
+                              model_name=str(warm_server.model_path))
+        async with session:
+            return await session.evaluate([{"target": t} for t in (1, 2, 3, 4)], version=0)
+
+    result = asyncio.run(main())
+    assert [row.passed for row in result.rows] == [[False], [True], [False], [True]]
+    assert [row.rewards for row in result.rows] == [[None], [1.0], [None], [1.0]]
+    assert result.metrics["eval/pass@1"] == 0.5
 
 
 def test_openai_agents_sdk_drives_a_rollout_end_to_end(warm_server, tmp_path):

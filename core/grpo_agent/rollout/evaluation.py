@@ -1,13 +1,15 @@
-"""Evaluation rollouts: a held-out split through the training tool loop, on one weight version.
+"""Evaluation rollouts: a held-out split rolled out as in training, on one weight version.
 
-Design decision: an evaluation reuses the run's own loop class (its `setup`, `generate_one`
-and `generate_one_turn` hooks: the tool loop, the environments) and its reward functions, but
-none of the training machinery: no prompt stream, no token allowance, no sample queue, no
-ledger. So an evaluation cannot change what trains. It samples with its own settings (greedy
-by default, `eval_num_generations` rollouts per row for pass@k) and every request names the
-version it evaluates (that version's LoRA adapter under adapter sync; the served weights
-otherwise, which the trainer does not replace until the evaluation ends). The versions the
-server stamps on the generated tokens are collected, so the pin is checked, not assumed.
+Design decision: an evaluation reuses the run's own loop class (its `setup`, `run_episode`
+and `generate_one_turn` hooks: the tool loop and the environments, or the agent program
+through the harness gateway) and its reward functions, but none of the training machinery:
+no prompt stream, no token allowance, no sample queue, no ledger. So an evaluation cannot
+change what trains. It samples with its own settings (greedy by default,
+`eval_num_generations` rollouts per row for pass@k) and every request names the version it
+evaluates (that version's LoRA adapter under adapter sync; the served weights otherwise, which
+the trainer does not replace until the evaluation ends). The versions the server stamps on
+the generated tokens are collected, so the pin is checked, not assumed. A rollout the loop
+dropped (its own reward NaN: an agent that failed) is unscored, so it fails.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import numpy as np
 from typing_extensions import Self
 
 from grpo_agent.rollout.environments import EnvironmentRunner
-from grpo_agent.rollout.images import strip_images
 from grpo_agent.rollout.observations import generated_length
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
@@ -149,8 +150,8 @@ class EvalSession:
         loop.sampling_params = replace(params, temperature=self.settings.temperature,
                                         num_logprobs=0, return_sampling_mask=False, seed=None)
         loop.seeds = None  # the same request twice must decode the same text (greedy)
-        self._env_runner = (None if loop.environment_factory is None
-                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
+        loop.env_runner = (None if loop.environment_factory is None
+                           else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
         await loop.setup()
         return self
 
@@ -196,7 +197,7 @@ class EvalSession:
             scores.by_source.clear()
         add_rollout_sources(scores, group)
         total = scores.total(size)
-        rewards = [None if math.isnan(v) else float(v) for v in total]
+        rewards = [None if math.isnan(v) or _dropped(r) else float(v) for v, r in zip(total, rollouts)]
         threshold = self.settings.success_threshold
         return EvalRow(
             row_index=index, completions=[_text(r) for r in rollouts], rewards=rewards,
@@ -206,23 +207,15 @@ class EvalSession:
         ), rollouts, int(failure is not None)
 
     async def _rollout(self, row: dict[str, Any], index: int, slots: asyncio.Semaphore):
-        loop = self.loop
+        """One rollout of `row` as the loop runs an episode in training (env reset, tool loop,
+        env reward; for the agent harness, the agent through the gateway)."""
         async with slots:
-            episode = None
-            if self._env_runner is not None:
-                episode = await self._env_runner.start(row)
-                prompt, tools = episode.prompt, [*loop.tools, *episode.tools]
-            else:
-                if "prompt" not in row:
-                    raise KeyError(
-                        f"The eval row {index} has no 'prompt' column (it has {sorted(row)}). Give "
-                        "the eval dataset a conversational 'prompt' column, or an environment "
-                        "whose reset() builds the prompt.")
-                prompt, tools = row["prompt"], loop.tools
-            prompt, _ = strip_images(prompt)
-            rollout = await loop.generate_one(prompt, tools, index)
-            env_reward = await self._env_runner.finish(episode) if episode is not None else None
-        return prompt, rollout, env_reward
+            return await self.loop.run_episode(row, index, index)
+
+
+def _dropped(rollout: Rollout) -> bool:
+    """A rollout its loop gave up on (the harness's failed agent run): reward NaN, not None."""
+    return rollout.reward is not None and math.isnan(rollout.reward)
 
 
 def _text(rollout: Rollout) -> str:

@@ -29,6 +29,8 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
     `agent_max_tokens` (generated tokens); `gateway_host` is loopback unless you open it.
     `agent_max_commands`: command agents running at once (default max(4, CPU count)); each is
     a sandboxed process tree, while the rollout cap (`max_concurrent_rollouts`) is in the hundreds.
+    `eval_dataset` rows run the same agent through an evaluation's own gateway with the eval
+    sampling settings (`train/evaluation.py`); they never reach training.
     """
 
     def __init__(self, model: Any, agent: Any, reward_funcs: Any = None, args: Any = None,
@@ -40,10 +42,6 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ValueError("HarnessAsyncGRPOTrainer runs your agent program, which owns its tools "
                              "and environment: drop tools=/environment_factory=, or use "
                              "AsyncGRPOTrainer for the built-in tool loop.")
-        if kwargs.get("eval_dataset") is not None:
-            raise ValueError("HarnessAsyncGRPOTrainer does not evaluate agents yet (evaluation runs "
-                             "the built-in tool loop); drop eval_dataset, or evaluate the saved "
-                             "model with your agent against a vLLM server.")
         resolve_agent(agent)  # fail now, naming the problem, not in the spawned worker
         if not isinstance(agent, (str, AgentCommand)):
             check_picklable({"agent": agent})
