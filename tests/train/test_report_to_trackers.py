@@ -1,7 +1,7 @@
 """`report_to="trackio"` (local, no Space) and `report_to="wandb"` (offline) through the real
 trainer (scripted samples and evaluations, no server): what each tracker writes on disk is read
-back. Skipped where the tracker is not installed (neither is in the dev extras: docs/metrics.md
-says why). Without the last evaluation logged before train end, trackio lost it."""
+back; nothing leaves tmp_path or touches the network. Both are dev extras (a missing one fails
+here rather than skipping). Without the last evaluation logged before train end, trackio lost it."""
 from __future__ import annotations
 
 import struct
@@ -13,7 +13,6 @@ from tests.train.test_evaluation_schedule import EVAL_SPLIT, run_trainer, script
 
 
 def test_trackio_logs_locally_every_logged_window_and_the_evaluations(tmp_path, scripted_eval, monkeypatch):  # noqa: F811
-    pytest.importorskip("trackio")
     from trackio import sqlite_storage
 
     store = tmp_path / "trackio"
@@ -60,13 +59,20 @@ def wandb_history(run_file: Path) -> list[dict[str, str]]:
 
 
 def test_wandb_offline_run_holds_every_logged_window_and_the_evaluations(tmp_path, scripted_eval, monkeypatch):  # noqa: F811
-    wandb = pytest.importorskip("wandb")
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    trainer = run_trainer(tmp_path / "out", scripted_eval, steps=3, eval_dataset=EVAL_SPLIT,
-                          eval_strategy="steps", eval_steps=2, eval_on_start=True, report_to="wandb")
-    wandb.finish()  # the callback leaves the run open (it ends at exit)
+    for name, folder in (("WANDB_DIR", "."), ("WANDB_CACHE_DIR", "cache"),  # debug logs go here
+                         ("WANDB_CONFIG_DIR", "config"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(name, str(tmp_path / folder))
+    try:
+        trainer = run_trainer(tmp_path / "out", scripted_eval, steps=3, eval_dataset=EVAL_SPLIT,
+                              eval_strategy="steps", eval_steps=2, eval_on_start=True,
+                              report_to="wandb")
+        wandb.finish()  # the callback leaves the run open (it ends at exit)
+    finally:
+        wandb.teardown()  # its wandb-core service would otherwise live until pytest exits
     (run_file,) = tmp_path.rglob("offline-run-*/run-*.wandb")
     history = wandb_history(run_file)
     logged = [row for row in trainer.state.log_history if "loss" in row]
