@@ -18,6 +18,10 @@ generated tokens not trained per trained token (the server's own generation coun
 line is the summary as JSON; the first `--warmup` steps are left out of it.
 
     python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
+        [--share-first-turn off]
+
+`--share-first-turn off` sends one request per rollout for a group's first turns (the config's
+`share_first_turn_request=False`, the path before issue 21's change) instead of one with n.
 
 `--profile DIR` records py-spy flame graphs of the trainer and the rollout worker into DIR
 (py-spy on PATH), else a torch.profiler trace of the trainer.
@@ -329,6 +333,8 @@ def main() -> None:
     parser.add_argument("--base-url", help="a server with the issue's flags that you started "
                         "(weights get pushed into it); needs --server-pid for its CPU share")
     parser.add_argument("--server-pid", type=int, help="the API server process of --base-url")
+    parser.add_argument("--share-first-turn", choices=("on", "off"), default="on",
+                        help="a group's first turns as one request with n (on) or one per rollout")
     opts = parser.parse_args()
     if opts.steps <= opts.warmup:
         raise SystemExit(f"--steps {opts.steps} must exceed --warmup {opts.warmup}.")
@@ -352,7 +358,8 @@ def main() -> None:
             num_generations=8, max_completion_length=64, token_budget=TOKEN_BUDGET,
             gradient_accumulation_steps=1, learning_rate=1e-4, max_staleness=4,
             weight_sync_steps=1, bf16=False, gradient_checkpointing=False, logging_steps=1,
-            report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+            report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
+            share_first_turn_request=opts.share_first_turn == "on")
         trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
                                    train_dataset=task_dataset(), args=args)
         instrument(timers, batches)
@@ -376,7 +383,8 @@ def main() -> None:
     measured = records[opts.warmup:]
     for record, alone in zip(records, isolated):
         record["isolated_fwd_bwd_s"] = round(alone, 3)
-    print(json.dumps(summary(measured, isolated[opts.warmup:], run_s, load_before, load_after)))
+    print(json.dumps({**summary(measured, isolated[opts.warmup:], run_s, load_before, load_after),
+                      "share_first_turn": opts.share_first_turn}))
 
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
