@@ -1,187 +1,175 @@
-"""The counter task trained three ways on the tool-warmed tiny model: as an `openai`-SDK agent
-through `HarnessAsyncGRPOTrainer` (the gateway, "harness"), as a command agent with the sync
-client in its own sandboxed process ("command", bench/counter_command_agent.py), and as an
-`environment_factory` through `AsyncGRPOTrainer` (the built-in tool loop, "env"). Same rows,
-seed, steps and config; one vLLM server, whose weights are put back to the warmed model's
-before each run (a run pushes its trained weights into it).
+"""Held-out success of the counter task trained three ways with `make demo`'s settings, on the
+counter-warmed tiny model: as the `counter` environment through `AsyncGRPOTrainer` (the
+built-in tool loop, "env": `make demo` itself), as an `openai`-SDK agent through
+`HarnessAsyncGRPOTrainer` (the gateway, "harness"), and as a command agent in its own
+sandboxed process ("command", bench/counter_command_agent.py, what `--agent-cmd` runs).
 
-Prints one JSON line per run (reward and `tools/call_frequency` per logged step) and a summary
-line last: per run, the first and last thirds' mean reward, their mean over seeds and the
-seeds' spread (min, max), and the mean tool-call frequency, so the three ways can be compared
-as the same kind of numbers. `--config` takes a JSON object of `AsyncGRPOConfig` overrides
-(for example a config under which the counter task learns); `--model` another model folder.
+Same settings (the Makefile's DEMO_SETS, read from it), seed and eval split (the env's: every
+target 1-9 once, greedy `eval/pass@1` at the start and every `eval_steps`). Each run gets its
+own managed vLLM server with the cores split as `grpo-agent train` splits them, so every run
+starts from the same weights. The agents get the rows the env would make: a seeded random
+target 1-9 per row, the env's prompt and tool schema, at most `max_tool_calling_iterations`
+tool rounds. If the gateway is token-faithful the agents' held-out success rises as the env's.
 
-    python bench/harness_vs_env.py [--steps 15] [--seeds 0,1] [--config overrides.json]
-                                   [--runs harness,command,env] [--base-url URL] [--model DIR]
+Prints one JSON line per run (the eval trail, training reward per step, tool calls and forks
+per rollout, seconds) and a summary line last: each run's first and last `eval/pass@1` per
+seed and their means.
+
+    python bench/harness_vs_env.py [--seeds 1,2] [--runs env,harness,command] [--model DIR]
+                                   [--set key=value ...]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
+import random
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from transformers.utils import get_json_schema
-
-PROMPT = "Increment the counter by {}."
-TARGETS = [1, 2, 3, 4, 5, 6, 3, 2]
-
-
-class IncrementEnv:
-    def reset(self, target, **kwargs) -> None:  # the row's prompt is the task, as for the agent
-        self.counter, self.target = 0, target
-
-    def get_reward(self) -> float:
-        return float(self.counter == self.target)
-
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self.counter += step
-        return self.counter
-
-
-# The agent sends the schema the env's tool loop renders, key order included: the prompt is the
-# rendered JSON, and a tiny model warmed on one key order fails on another (measured: mean
-# reward 0.004 vs 0.12 over 4 steps when "required" came before "properties").
-INCREMENT = get_json_schema(IncrementEnv().increment)
+ROOT = Path(__file__).resolve().parents[1]
 COMMAND_AGENT = Path(__file__).with_name("counter_command_agent.py")
+PROMPT = "Increment the counter by {}."
+TRAIN_ROWS = 4096
+sys.path.insert(0, str(COMMAND_AGENT.parent))
+from counter_command_agent import INCREMENT, MAX_ROUNDS  # noqa: E402
 
 
 async def counter_agent(client, row: dict) -> float:
-    """The same task with the SDK: tool rounds as the env's `max_tool_calling_iterations=2`."""
+    """The counter env as an SDK agent: its prompt and tool, tools run after at most
+    MAX_ROUNDS turns (the tool loop's `max_tool_calling_iterations`), reward 1 on the target."""
+    import json as json_
+
     model = (await client.models.list()).data[0].id
     messages = [{"role": "user", "content": PROMPT.format(row["target"])}]
     counter = 0
-    for _ in range(3):
-        message = (await client.chat.completions.create(
-            model=model, messages=messages, tools=[INCREMENT])).choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
+    for round_index in range(MAX_ROUNDS + 1):
+        choice = (await client.chat.completions.create(
+            model=model, messages=messages, tools=[INCREMENT])).choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if not choice.message.tool_calls or choice.finish_reason == "length" or round_index == MAX_ROUNDS:
             break
-        for call in message.tool_calls:
-            counter += int(json.loads(call.function.arguments).get("step", 0))
+        for call in choice.message.tool_calls:
+            counter += int(json_.loads(call.function.arguments).get("step", 0))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(counter)})
     return float(counter == row["target"])
 
 
-def train(kind: str, server, steps: int, seed: int, overrides: dict, targets: list[int]) -> dict:
-    from datasets import Dataset
-    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, HarnessAsyncGRPOTrainer
-    from grpo_agent.rollout.agent_programs import AgentCommand
+def demo_sets() -> list[str]:
+    """`make demo`'s `--set` values (key=value), read from the Makefile's DEMO_SETS."""
+    lines = ROOT.joinpath("Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("DEMO_SETS :="))
+    text = []
+    for line in lines[start:]:
+        text.append(line.rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    words = shlex.split(" ".join(text).split(":=", 1)[1])
+    return [word for word in words if word != "--set"]
 
-    targets = targets * (512 // len(targets) + 1)
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
-                                 "target": targets})
-    values = {"num_generations": 8, "max_completion_length": 64, "max_tool_calling_iterations": 2,
-              "chat_template_kwargs": {"enable_thinking": False}, "learning_rate": 1e-4,
-              **overrides, "output_dir": tempfile.mkdtemp(), "vllm_server_base_url": server.base_url,
-              "max_steps": steps, "seed": seed, "report_to": "none", "logging_steps": 1}
-    config = AsyncGRPOConfig(**values)
-    model = str(server.model_path)
-    if kind in ("harness", "command"):
-        agent = counter_agent if kind == "harness" else AgentCommand(f"{sys.executable} {COMMAND_AGENT}")
-        trainer = HarnessAsyncGRPOTrainer(model=model, agent=agent, args=config, train_dataset=dataset)
-    elif kind == "env":
-        trainer = AsyncGRPOTrainer(model=model, args=config, train_dataset=dataset,
-                                   environment_factory=IncrementEnv)
-    else:
-        raise SystemExit(f"Unknown run {kind!r}: use harness, command or env.")
+
+def train(kind: str, model: str, sets: list[str], seed: int) -> dict:
+    from grpo_agent.cli.config_files import build_config
+    from transformers.trainer_callback import PrinterCallback
+    from grpo_agent.train.reporting import read_metrics
+    from grpo_agent.train.run import _server, run_training
+
+    output_dir = tempfile.mkdtemp(prefix=f"harness-vs-env-{kind}-{seed}-")
+    config = build_config(None, [*sets, f"seed={seed}", "report_to=none"], output_dir=output_dir)
+    config.eval_success_threshold = 1.0  # the counter env's declared threshold
+    if config.max_tool_calling_iterations != MAX_ROUNDS:
+        raise SystemExit(f"The demo's max_tool_calling_iterations is {config.max_tool_calling_iterations}; "
+                         f"the agents run {MAX_ROUNDS} tool rounds (counter_command_agent.MAX_ROUNDS).")
     began = time.perf_counter()
-    trainer.train()
+    if kind == "env":  # `make demo`: the CLI's run, with its own managed server
+        run_training("counter", config, model=model)
+    else:
+        with _server(model, None, None, config) as base_url:
+            config.vllm_server_base_url = base_url
+            config.disable_tqdm = True  # as `grpo-agent train`: metrics go to metrics.jsonl
+            trainer = agent_trainer(kind, model, config, seed)
+            trainer.remove_callback(PrinterCallback)
+            trainer.train()
     seconds = time.perf_counter() - began
-    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
-    rewards = [entry["reward"] for entry in logged]
-    calls = [entry.get("tools/call_frequency", float("nan")) for entry in logged]
-    third = max(len(rewards) // 3, 1)
-    result = {"run": kind, "seed": seed, "steps": trainer.state.global_step, "seconds": round(seconds, 1),
-              "rewards": [round(r, 3) for r in rewards], "call_frequency": [round(c, 3) for c in calls],
-              "first_third_reward": round(statistics.fmean(rewards[:third]), 3),
-              "last_third_reward": round(statistics.fmean(rewards[-third:]), 3)}
+    rows = read_metrics(Path(output_dir) / "metrics.jsonl")
+    evals = [(int(r["eval/step"]), r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    steps = [r for r in rows if "reward" in r]
+    result = {"run": kind, "seed": seed, "seconds": round(seconds, 1),
+              "eval_pass@1": [[step, round(value, 3)] for step, value in evals],
+              "first_pass@1": evals[0][1] if evals else None,
+              "last_pass@1": evals[-1][1] if evals else None,
+              "rewards": [round(r["reward"], 3) for r in steps],
+              "calls_per_rollout": _mean(steps, "tools/call_frequency"),
+              "fork_frac": _mean(steps, "rollout/fork_frac"),
+              "agent_errors": sum(r.get("harness/errors_count", 0.0) for r in steps),
+              "output_dir": output_dir}
     print(json.dumps(result), flush=True)
     return result
 
 
-def restore_weights(server) -> None:
-    """Push the warmed model's weights back (version 0): each run starts from the same policy."""
-    import torch
-    from grpo_agent.weight_sync.transports import build_weight_sync
-    from transformers import AutoModelForCausalLM
+def agent_trainer(kind: str, model: str, config, seed: int):
+    """`HarnessAsyncGRPOTrainer` on seeded counter rows, evaluated on the env's eval split."""
+    from datasets import Dataset
+    from grpo_agent import HarnessAsyncGRPOTrainer
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.rollout.agent_programs import AgentCommand
+    from grpo_agent.train.reporting import JsonlMetricsCallback
 
-    model = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.float32)
-    sync = build_weight_sync(server.base_url, backend="disk")
-    try:
-        sync.push(model.named_parameters(), version=0)
-    finally:
-        sync.close()
+    rng = random.Random(seed)
+    targets = [rng.randint(1, 9) for _ in range(TRAIN_ROWS)]
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
+                                 "target": targets})
+    agent = counter_agent if kind == "harness" else AgentCommand(f"{sys.executable} {COMMAND_AGENT}")
+    return HarnessAsyncGRPOTrainer(
+        model=model, agent=agent, args=config, train_dataset=dataset,
+        eval_dataset=load_registry().environment_spec("counter").load_eval_dataset(),
+        callbacks=[JsonlMetricsCallback()], agent_timeout_s=300)
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return round(statistics.fmean(values), 3) if values else None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per run: first and last eval/pass@1 per seed and their means over seeds."""
+    out = {}
+    for kind in dict.fromkeys(r["run"] for r in results):
+        mine = [r for r in results if r["run"] == kind and r["first_pass@1"] is not None]
+        out[kind] = {"first": [r["first_pass@1"] for r in mine], "last": [r["last_pass@1"] for r in mine],
+                     "first_mean": round(statistics.fmean(r["first_pass@1"] for r in mine), 3),
+                     "last_mean": round(statistics.fmean(r["last_pass@1"] for r in mine), 3),
+                     "seconds_mean": round(statistics.fmean(r["seconds"] for r in mine), 1)}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds; each run per seed")
-    parser.add_argument("--config", help="a JSON file of AsyncGRPOConfig overrides for every run")
-    parser.add_argument("--model", help="the model folder (default: the tool-warmed tiny model)")
-    parser.add_argument("--targets", default=",".join(map(str, TARGETS)),
-                        help="the rows' targets, in order, repeated")
-    parser.add_argument("--runs", default="harness,command,env", help="which runs, in order")
-    parser.add_argument("--base-url", help="a running server on the tool-warmed model that this "
-                        "bench may push weights into (default: start one)")
+    parser.add_argument("--seeds", default="1", help="comma-separated seeds; each run per seed")
+    parser.add_argument("--runs", default="env,harness,command", help="which runs, in order")
+    parser.add_argument("--model", help="the model folder (default: the counter-warmed tiny model)")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        help="override a DEMO_SETS value for every run (key=value, repeatable)")
     args = parser.parse_args()
-    from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.testing.warmup import build_tool_warmed_model
+    from transformers.utils import get_json_schema
 
-    sys.path.insert(0, str(COMMAND_AGENT.parent))
-    from counter_command_agent import INCREMENT as COMMAND_SCHEMA
+    from grpo_agent.plugins import load_registry
+    from grpo_agent.testing.warmup import build_counter_warmed_model
 
-    if json.dumps(COMMAND_SCHEMA) != json.dumps(INCREMENT):
-        raise SystemExit("bench/counter_command_agent.py's schema differs from the env's: "
-                         f"{COMMAND_SCHEMA} vs {INCREMENT}")
-    overrides = json.loads(Path(args.config).read_text()) if args.config else {}
-    seeds = [int(seed) for seed in args.seeds.split(",")]
-    results = []
-    model = args.model or build_tool_warmed_model()
-    with contextlib.ExitStack() as stack:
-        server = SimpleNamespace(base_url=args.base_url, model_path=model)
-        if args.base_url is None:
-            server = stack.enter_context(ManagedVLLMServer(model, dtype="float32", max_model_len=1024,
-                                                           enforce_eager=True))
-        for seed in seeds:
-            for kind in args.runs.split(","):
-                restore_weights(server)
-                results.append(train(kind, server, args.steps, seed, overrides,
-                                     [int(t) for t in args.targets.split(",")]))
-    print(json.dumps({"summary": "harness_vs_env", "steps": args.steps, "seeds": seeds,
-                      "targets": args.targets, "overrides": overrides, **summarize(results)}))
-
-
-def summarize(results: list[dict]) -> dict:
-    """Per run: each third's reward averaged over seeds with its (min, max) over seeds, the
-    mean tool-call frequency and the mean seconds."""
-    out = {}
-    for kind in dict.fromkeys(r["run"] for r in results):
-        mine = [r for r in results if r["run"] == kind]
-        for key in ("first_third_reward", "last_third_reward"):
-            values = [r[key] for r in mine]
-            out[f"{kind}_{key}"] = round(statistics.fmean(values), 3)
-            out[f"{kind}_{key}_range"] = [min(values), max(values)]
-        calls = [c for r in mine for c in r["call_frequency"] if not math.isnan(c)]
-        out[f"{kind}_call_frequency"] = round(statistics.fmean(calls), 3) if calls else None
-        out[f"{kind}_seconds"] = round(statistics.fmean(r["seconds"] for r in mine), 1)
-    return out
+    env_schema = get_json_schema(load_registry().environment_spec("counter").environment_factory().increment)
+    if json.dumps(env_schema) != json.dumps(INCREMENT):
+        raise SystemExit(f"counter_command_agent.INCREMENT differs from the env's schema: {INCREMENT} vs {env_schema}")
+    kinds = args.runs.split(",")
+    if unknown := set(kinds) - {"env", "harness", "command"}:
+        raise SystemExit(f"Unknown runs {sorted(unknown)}: use env, harness, command.")
+    model = args.model or str(build_counter_warmed_model())
+    sets = [*demo_sets(), *args.sets]
+    results = [train(kind, model, sets, int(seed)) for seed in args.seeds.split(",") for kind in kinds]
+    print(json.dumps({"summary": "harness_vs_env", "seeds": args.seeds, "model": model, "sets": sets,
+                      **summarize(results)}))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,66 @@ def test_the_gateway_counts_tool_calls_as_the_tool_loop_does(scripted_loop):
     assert (session.tool_calls, session.malformed_calls) == (2, 1)
 
 
+def test_an_sdk_agent_gets_the_tool_loops_prompt_tokens_on_the_counter_task(scripted_loop):
+    """The same model turns (two increments, then an answer) through the env's tool loop and
+    through the gateway driven by the counter task as an `openai`-SDK agent (the one
+    bench/harness_vs_env.py compares): every turn's prompt tokens are equal, and each side is
+    one training sequence. What makes their training comparable, turn by turn."""
+    import json
+
+    import openai
+    from grpo_agent.rollout.agent import run_tool_loop
+    from grpo_agent.rollout.gateway import Gateway, HarnessLimits
+    from grpo_agent.rollout.reconcile import reconcile_turns
+    from grpo_agent_env_counter import CounterEnv
+    from test_tool_loop import call
+    from transformers.utils import get_json_schema
+
+    texts = [call("increment", step=2), call("increment", step=1), "Done."]
+    settings = {"chat_template_kwargs": {"enable_thinking": False}, "max_tool_calling_iterations": 2}
+    env = CounterEnv()
+    prompt = [{"role": "user", "content": env.reset(target=3)}]
+    env_loop = scripted_loop(list(texts), **settings)
+    looped = asyncio.run(run_tool_loop(env_loop, prompt, [env.increment], group_id=0))
+    assert env.get_reward() == 1.0
+
+    loop = scripted_loop(list(texts), **settings)
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.model_name = "m"
+    scripted = loop.generate_one_turn
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: scripted(prompt_ids)
+    schema = get_json_schema(CounterEnv().increment)
+
+    async def sdk_agent(client) -> float:  # bench/harness_vs_env.py's counter_agent
+        messages, counter = [dict(m) for m in prompt], 0
+        for round_index in range(3):
+            choice = (await client.chat.completions.create(
+                model="m", messages=messages, tools=[schema])).choices[0]
+            messages.append(choice.message.model_dump(exclude_none=True))
+            if not choice.message.tool_calls or round_index == 2:
+                break
+            for tool_call in choice.message.tool_calls:
+                counter += json.loads(tool_call.function.arguments)["step"]
+                messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": str(counter)})
+        return float(counter == 3)
+
+    async def through_gateway():
+        gateway = Gateway(loop, HarnessLimits())
+        await gateway.start()
+        session = gateway.open_session(0)
+        try:
+            async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key) as client:
+                return await sdk_agent(client), session
+        finally:
+            await gateway.stop()
+
+    reward, session = asyncio.run(through_gateway())
+    assert reward == 1.0 and len(loop.prompts) == len(env_loop.prompts) == 3
+    for turn, (ours, theirs) in enumerate(zip(loop.prompts, env_loop.prompts)):
+        assert ours == theirs, (turn, loop.tokenizer.decode(ours), loop.tokenizer.decode(theirs))
+    assert len(reconcile_turns(session.turns)[0]) == len(reconcile_turns(looped.turns)[0]) == 1
+
+
 def _command(code: str) -> AgentCommand:
     return AgentCommand(f"{sys.executable} -c {code!r}")
 
