@@ -51,6 +51,9 @@ CASES = [
     Case("server SIGKILL as a push starts", "recovered: restarted, group re-opened, push retried once",
          F + "test_server_restart.py::test_a_server_killed_as_a_push_starts_is_restarted_and_the_push_retried",
          lost="0", twice="0", slow=True),
+    Case("server SIGKILL as a LoRA push starts", "recovered: restarted, the adapter (not merged weights) pushed again, rollouts sample it",
+         F + "test_server_restart.py::test_a_lora_run_pushes_its_adapter_again_after_a_restart",
+         lost="0", twice="0", slow=True),
     Case("server SIGSTOP (frozen)", "recovered: vllm_generate stalls reported, groups dropped, resumes after SIGCONT",
          F + "test_rollout_stalls.py::test_a_frozen_server_stalls_generation_then_the_worker_recovers",
          lost="0 (dropped, recorded)", twice="0", slow=True),
@@ -67,6 +70,10 @@ CASES = [
          E + "test_cli_train.py::test_sigkill_then_resume_trains_every_prompt_once", lost="0", twice="0", slow=True),
     Case("every group dropped (no progress)", "clear error: warning with the cause, then a no_progress stop",
          F + "test_no_progress.py::test_a_run_whose_groups_are_all_dropped_says_why_then_stops", slow=True),
+    Case("FSDP rank SIGSTOP before a collective", "clear error: report names the collective phase and the stopped rank, exit 3",
+         F + "test_collective_stall.py::test_a_stopped_rank_is_named_and_the_waiting_rank_exits"),
+    Case("FSDP rank dies before a collective", "clear error: report names the dead rank at once (StageStalled)",
+         F + "test_collective_stall.py::test_a_dead_rank_is_named_at_once"),
     Case("a fatal stage never returns", "clear error: report, abort callbacks, exit 3",
          F + "test_stall_watch.py::test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code"),
     # --- rewards
@@ -199,6 +206,7 @@ def main() -> int:
     started = time.monotonic()
     signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # pytest stops cleanly
     signal.alarm(args.budget)
+    os.environ["GRPO_AGENT_LONG_FAULTS"] = "1"  # the cases too long for make test run here
     pytest.main(["-q", "-p", "no:cacheprovider", *nodes], plugins=[collector])
     signal.alarm(0)
     total = time.monotonic() - started

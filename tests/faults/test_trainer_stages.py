@@ -58,6 +58,7 @@ def watch(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("phase", "call"), [
     ("weight_sync/pause", lambda control: start_update(control)),
     ("weight_sync/resume", lambda control: finish_push(control, 5)),
+    ("weight_sync/cache_reset", lambda control: finish_push(control, 5, version_set=True)),
 ])
 def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase, call):
     control = ServerControl(frozen_server, timeout=3.0)

@@ -174,6 +174,13 @@ class AdapterPusher:
             "perf/weight_sync_transfer_s": transfer_s,
         }
 
+    def reopen(self) -> None:
+        """After a server restart (`sampler/recovery.py`): the new server holds none of our
+        adapters, so none may be unloaded from it; their folders go at the next sync, except
+        the one that sync writes anew."""
+        self._unloaded_folders += [folder for _, folder in self._registered]
+        self._registered.clear()
+
     def close(self) -> None:
         """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
         if not self._main:
@@ -210,7 +217,8 @@ class AdapterPusher:
     def _register(self, folder: Path) -> None:
         """Load the new version, then unload beyond the window; delete last sync's unloads."""
         for old in self._unloaded_folders:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
         self._unloaded_folders = []
         with self._control() as control:
             control.load_lora_adapter(folder.name, str(folder))
