@@ -27,7 +27,7 @@ from grpo_agent.metrics import Observation
 from grpo_agent.rollout import allowance, group_failures, observations
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
-from grpo_agent.rollout.environments import EnvironmentResetError
+from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.rollout.first_turns import SharedFirstTurns
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.reconcile import reconcile_turns
@@ -183,7 +183,7 @@ class RolloutEngine:
             await self._cancel_group(rollouts, took_slot)
             self._drop_stalled(slot.prompt_index, slot.row_index)
             return
-        except (EnvironmentResetError, RequestRejectedError) as error:
+        except (EnvironmentEpisodeError, RequestRejectedError) as error:
             reason = group_failures.failure_reason(error)
             if reason is None:
                 raise

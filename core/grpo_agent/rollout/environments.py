@@ -25,8 +25,17 @@ from grpo_agent.plugins.schemas import public_tool_names
 ROUTING_COLUMN = "environment"
 
 
-class EnvironmentResetError(RuntimeError):
-    """An environment's `reset` raised: costs its group (`rollout/group_failures.py`)."""
+class EnvironmentEpisodeError(RuntimeError):
+    """An environment's `reset` or `get_reward` raised (a task it cannot load, its server gone
+    mid-episode): costs its group, not the run (`rollout/group_failures.py`)."""
+
+
+class EnvironmentResetError(EnvironmentEpisodeError):
+    """`reset` raised."""
+
+
+class EnvironmentRewardError(EnvironmentEpisodeError):
+    """`get_reward` raised."""
 
 
 @dataclass
@@ -149,14 +158,20 @@ class EnvironmentRunner:
         """Score the episode with `get_reward()` (if defined) and return the env to its pool.
 
         Returns `(env class, reward)`; the class names the reward source. An exception from
-        `get_reward` propagates after the instance has gone back to the pool.
+        `get_reward` is raised as `EnvironmentRewardError` after the instance has gone back to
+        the pool.
         """
         get_reward = getattr(episode.env, "get_reward", None)
         try:
             if get_reward is None:
                 return None
             started = time.perf_counter()
-            reward = await self._run(get_reward)
+            try:
+                reward = await self._run(get_reward)
+            except Exception as error:
+                raise EnvironmentRewardError(
+                    f"{type(episode.env).__name__}.get_reward() raised {type(error).__name__}: "
+                    f"{error}") from error
             episode.reward_s = time.perf_counter() - started
             episode.metrics["env/reward_s"] = [episode.reward_s]
             return type(episode.env), (float("nan") if reward is None else float(reward))

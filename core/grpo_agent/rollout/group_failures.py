@@ -1,4 +1,5 @@
-"""Failures that cost one group, not the run: a prompt over `max_model_len`, a raising `reset`.
+"""Failures that cost one group, not the run: a prompt over `max_model_len`, a raising `reset`
+or `get_reward`.
 
 Design decision: one bad row (a prompt too long for the server, an environment whose reset
 fails for that task) should not stop hours of training, so its group is dropped, recorded as
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from grpo_agent.rollout.environments import EnvironmentResetError
+from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.sampler.errors import RequestRejectedError
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class GroupFailureError(RuntimeError):
 
 def failure_reason(error: BaseException) -> str | None:
     """The drop reason when `error` costs only its group, else None (it stops the run)."""
-    if isinstance(error, EnvironmentResetError):
+    if isinstance(error, EnvironmentEpisodeError):
         return ENV_ERROR
     if isinstance(error, RequestRejectedError) and error.status_code == 400:
         text = (error.server_message or str(error)).lower()
@@ -44,7 +45,7 @@ def _advice(reason: str, error: BaseException, prompt_index: int, row_index: int
                 f"in AsyncRolloutLoop.filter_prompt), or start the server with a larger "
                 f"--max-model-len.")
     return (f"{error} (dataset row {row_index}, prompt {prompt_index}). Its group is dropped and "
-            f"counted (rollout/env_error_group_count); fix the environment's reset for this row.")
+            f"counted (rollout/env_error_group_count); fix the environment (its reset or get_reward) for this row.")
 
 
 class GroupFailureTracker:

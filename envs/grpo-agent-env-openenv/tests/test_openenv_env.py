@@ -8,8 +8,8 @@ from grpo_agent.plugins import load_environment
 
 pytest.importorskip("openenv.core")
 
-from grpo_agent_env_openenv import OpenEnvEnv  # noqa: E402
-from grpo_agent_env_openenv.guess import GuessNumberEnvironment  # noqa: E402
+from grpo_agent_env_openenv import OpenEnvEnv
+from grpo_agent_env_openenv.guess import GuessNumberEnvironment
 
 # A typed-action OpenEnv env (the shape of `openenv init`'s echo template): its Action class is
 # found from step()'s annotation, and a reward comes with every step.
@@ -23,6 +23,7 @@ TYPED_ENV = textwrap.dedent('''
 
     class WordObservation(Observation):
         echoed: str = ""
+        length: int = 0
 
     class WordEnvironment(Environment):
         def __init__(self):
@@ -35,7 +36,8 @@ TYPED_ENV = textwrap.dedent('''
 
         def step(self, action: WordAction, timeout_s=None, **kwargs) -> WordObservation:
             self._state.step_count += 1
-            return WordObservation(echoed=action.word * action.repeat, reward=0.25,
+            echoed = action.word * action.repeat
+            return WordObservation(echoed=echoed, length=len(echoed), reward=0.25,
                                    done=self._state.step_count >= 2)
 
         @property
@@ -68,13 +70,13 @@ def test_gold_play_through_the_registry_wins_the_shipped_mcp_env():
 def test_mcp_tool_calls_answer_and_the_seed_fixes_the_secret():
     env = OpenEnvEnv()
     env.reset(seed=11)
-    secret = env.env.secret
-    assert isinstance(env.env, GuessNumberEnvironment)
+    secret = env.backend.env.secret
+    assert isinstance(env.backend.env, GuessNumberEnvironment)
     low = env.step({"type": "call_tool", "tool_name": "guess", "arguments": {"number": 0}})
     assert low == "higher" and not env.done and env.get_reward() == 0.0
     assert "unknown tool" in env.step({"type": "call_tool", "tool_name": "nope", "arguments": {}}).lower()
     env.reset(seed=11)
-    assert env.env.secret == secret and env.get_reward() == 0.0  # reset clears the episode
+    assert env.backend.env.secret == secret and env.get_reward() == 0.0  # reset clears the episode
     # a JSON string is accepted too (a model may write the object as a string)
     reply = env.step(f'{{"type": "call_tool", "tool_name": "guess", "arguments": {{"number": {secret}}}}}')
     assert reply.startswith("correct") and "episode over, reward 1.0" in reply
@@ -85,7 +87,7 @@ def test_typed_action_env_gets_its_schema_and_sums_its_rewards(typed_env):
     env = load_environment("openenv", env=typed_env)()
     prompt = env.reset(seed=0)  # reset() without a seed parameter is called without one
     assert '"echoed": "ready"' in prompt and '"word"' in prompt and "WordAction" in prompt, prompt
-    assert env.step({"word": "ab", "repeat": 2}) == '{"echoed": "abab"}'
+    assert env.step({"word": "ab", "repeat": 2}) == '{"echoed": "abab", "length": 4}'
     assert env.get_reward() == 0.25 and not env.done
     with pytest.raises(Exception, match="word"):
         env.step({"repeat": 2})  # openenv's own validation: the required field is named
