@@ -158,8 +158,8 @@ def test_a_failed_request_fails_every_asker_with_its_error():
     shared, recorder = SharedFirstTurns(3), Recorder(error)
 
     async def main():
-        return await asyncio.gather(*(rollout(shared, recorder, [[4]]) for _ in range(3)),
-                                    return_exceptions=True)
+        return await asyncio.wait_for(asyncio.gather(
+            *(rollout(shared, recorder, [[4]]) for _ in range(3)), return_exceptions=True), HANG_GUARD_S)
 
     assert asyncio.run(main()) == [error] * 3 and recorder.requests == [([4], 3)]
 
