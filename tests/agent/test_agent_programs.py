@@ -163,14 +163,14 @@ def _command(code: str) -> AgentCommand:
     return AgentCommand(f"{sys.executable} -c {code!r}")
 
 
-@pytest.mark.parametrize("code, kind, message", [
-    ("import sys; sys.exit(3)", "error", "exited with code 3"),
-    ("print('great')", "error", "printed 'great'"),
-    ("import time; time.sleep(60)", "timeout", "ran past its 1 s"),
+@pytest.mark.parametrize("code, kind, message, timeout_s", [  # 60 s: a sandboxed Python's
+    ("import sys; sys.exit(3)", "error", "exited with code 3", 60.0),  # start took > 1 s at
+    ("print('great')", "error", "printed 'great'", 60.0),  # load 27 on 2 cores
+    ("import time; time.sleep(60)", "timeout", "ran past its 1 s", 1.0),
 ])
-def test_command_agent_failures_name_the_problem(code, kind, message):
+def test_command_agent_failures_name_the_problem(code, kind, message, timeout_s):
     with pytest.raises(AgentFailure, match=message) as raised:
-        asyncio.run(run_agent(_command(code), "http://127.0.0.1:9/v1", "k", {}, 1.0))
+        asyncio.run(run_agent(_command(code), "http://127.0.0.1:9/v1", "k", {}, timeout_s))
     assert raised.value.kind == kind
 
 

@@ -143,11 +143,13 @@ class ConversationRenderer:
         self.parser = parser_for_template(self.template or tokenizer.chat_template)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.encode(self.prompt_text(messages), add_special_tokens=False)
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, chat_template=self.template, tokenize=False,
             add_generation_prompt=True, **self.template_kwargs,
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _assistant_message(text: str, parsed: ParsedTurn) -> dict:

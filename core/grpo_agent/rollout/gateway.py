@@ -31,6 +31,7 @@ from aiohttp import web
 from grpo_agent.rollout import responses_api
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
 from grpo_agent.rollout.gateway_errors import GatewayError
+from grpo_agent.rollout.gateway_render import PromptEncoder
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
 from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.types import TurnRecord
@@ -131,6 +132,7 @@ class Gateway:
         self.sessions: dict[str, AgentSession] = {}
         self.base_url = ""
         self.unix_path: str | None = None  # the same app, for command agents' relays
+        self.encoder = PromptEncoder(loop.tokenizer)  # each turn's text encoded once
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -309,7 +311,7 @@ class Gateway:
 
     def _render(self, tools: list | None, messages: list[dict]) -> tuple[ConversationRenderer, list[int]]:
         renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config))
-        return renderer, renderer.prompt_ids(messages)
+        return renderer, self.encoder.encode(renderer.prompt_text(messages))
 
     def _check_budget(self, session: AgentSession) -> None:
         limits = self.limits

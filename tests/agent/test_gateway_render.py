@@ -1,0 +1,71 @@
+"""The gateway's prompt encoder: cached turn pieces give exactly the tokenizer's ids."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from grpo_agent.rollout.agent import ConversationRenderer
+from grpo_agent.rollout.gateway import template_messages
+from grpo_agent.rollout.gateway_render import PromptEncoder, turn_marker
+
+TOOL = {"type": "function", "function": {
+    "name": "increment", "description": "Increment the internal counter.",
+    "parameters": {"type": "object", "properties": {"step": {"type": "integer"}}, "required": ["step"]}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "increment", "arguments": '{"step": 3}'}}
+AWKWARD = [
+    "Increment the counter by 3.",
+    "trailing spaces   ",
+    "ends in a combining accent e\u0301",
+    "a literal <|im_start|>user marker and <|im_end|> inside",
+    "<|im_start|>at the start",
+    "tabs\tand\n\nnewlines\n",
+    "emoji \U0001f600 and CJK \u4e2d\u6587",
+    "",
+]
+
+
+def conversations():
+    for text in AWKWARD:
+        yield [{"role": "user", "content": text}], None
+        yield [{"role": "system", "content": text}, {"role": "user", "content": "hi"}], None
+        yield [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": text, "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "c1", "content": text or "3"},
+               {"role": "assistant", "content": "Done." + text},
+               {"role": "user", "content": text}], [TOOL]
+
+
+def test_cached_pieces_encode_exactly_as_the_whole_text(tiny_tokenizer):
+    encoder = PromptEncoder(tiny_tokenizer)
+    assert encoder.marker == "<|im_start|>"  # the cached path is the one under test
+    for kwargs in ({}, {"enable_thinking": False}):
+        for messages, tools in conversations():
+            text = ConversationRenderer(tiny_tokenizer, tools, kwargs).prompt_text(template_messages(messages))
+            expected = tiny_tokenizer.encode(text, add_special_tokens=False)
+            assert encoder.encode(text) == expected, text  # pieces encoded now
+            assert encoder.encode(text) == expected, text  # pieces from the cache
+    assert encoder._pieces  # it did cache
+    for text in ("", "no marker at all", "x<|im_start|>", "<|im_start|><|im_start|>"):
+        assert encoder.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
+
+
+def _token(content, **flags):
+    values = {"special": True, "normalized": False, "lstrip": False, "rstrip": False,
+              "single_word": False, **flags}
+    return SimpleNamespace(content=content, **values)
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    ([_token("<|im_start|>"), _token("<|im_end|>")], "<|im_start|>"),
+    ([_token("<|im_start|>", lstrip=True)], None),  # would eat the text before the cut
+    ([_token("<|im_start|>", normalized=True)], None),
+    ([_token("<|im_start|>", special=False)], None),
+    ([_token("<|im_start|>"), _token("\n<|im")], None),  # could match across the cut
+    ([_token("<|im_start|>"), _token("<|im_start|>user")], None),  # longer, at the cut
+    ([_token("<|endoftext|>")], None),  # no turn marker: the whole text is encoded
+])
+def test_the_text_is_cut_only_where_the_tokenizer_flags_guarantee_it(tokens, expected):
+    tokenizer = SimpleNamespace(added_tokens_decoder=dict(enumerate(tokens)))
+    assert turn_marker(tokenizer) == expected
+    tokenizer.split_special_tokens = True
+    assert turn_marker(tokenizer) is None
