@@ -6,10 +6,12 @@ It speaks HTTP with the standard library, as a curl script would: a process per 
 imports `openai` costs about 1 s of CPU on the 2-core box (6-10x the env run's time per step,
 measured), which would bury the comparison in start-up time. `INCREMENT` is the schema the
 env's tool loop renders for `CounterEnv.increment`, key order included (the bench checks it
-against `get_json_schema`); `MAX_ROUNDS` is the demo's `max_tool_calling_iterations`.
+against `get_json_schema`); `MAX_ROUNDS` is the demo's `max_tool_calling_iterations`. A row
+without a target draws one, as the env's `reset` does.
 """
 import json
 import os
+import random
 import sys
 import urllib.request
 
@@ -20,6 +22,7 @@ INCREMENT = {"type": "function", "function": {
                    "required": ["step"]},
     "return": {"type": "integer", "description": "The updated counter value."}}}
 MAX_ROUNDS = 2
+MAX_TARGET = 9  # the counter env's
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
 
 
@@ -36,7 +39,8 @@ def call(path: str, body: dict | None = None) -> dict:
 def main() -> None:
     row = json.load(sys.stdin)
     model = call("/models")["data"][0]["id"]
-    messages = [{"role": "user", "content": f"Increment the counter by {row['target']}."}]
+    target = row["target"] if row.get("target") is not None else random.randint(1, MAX_TARGET)
+    messages = [{"role": "user", "content": f"Increment the counter by {target}."}]
     counter = 0
     for round_index in range(MAX_ROUNDS + 1):  # as the env's tool loop: tools run after 2 turns
         choice = call("/chat/completions", {"model": model, "messages": messages,
@@ -49,7 +53,7 @@ def main() -> None:
         for tool_call in calls:
             counter += int(json.loads(tool_call["function"]["arguments"]).get("step", 0))
             messages.append({"role": "tool", "tool_call_id": tool_call["id"], "content": str(counter)})
-    print(float(counter == row["target"]))
+    print(float(counter == target))
 
 
 if __name__ == "__main__":

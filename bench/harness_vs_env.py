@@ -35,16 +35,18 @@ COMMAND_AGENT = Path(__file__).with_name("counter_command_agent.py")
 PROMPT = "Increment the counter by {}."
 TRAIN_ROWS = 4096
 sys.path.insert(0, str(COMMAND_AGENT.parent))
-from counter_command_agent import INCREMENT, MAX_ROUNDS  # noqa: E402
+from counter_command_agent import INCREMENT, MAX_ROUNDS, MAX_TARGET  # noqa: E402
 
 
 async def counter_agent(client, row: dict) -> float:
     """The counter env as an SDK agent: its prompt and tool, tools run after at most
-    MAX_ROUNDS turns (the tool loop's `max_tool_calling_iterations`), reward 1 on the target."""
+    MAX_ROUNDS turns (the tool loop's `max_tool_calling_iterations`), reward 1 on the target.
+    A row without a target draws one, as the env's `reset` does."""
     import json as json_
 
     model = (await client.models.list()).data[0].id
-    messages = [{"role": "user", "content": PROMPT.format(row["target"])}]
+    target = row["target"] if row.get("target") is not None else random.randint(1, MAX_TARGET)
+    messages = [{"role": "user", "content": PROMPT.format(target)}]
     counter = 0
     for round_index in range(MAX_ROUNDS + 1):
         choice = (await client.chat.completions.create(
@@ -55,7 +57,7 @@ async def counter_agent(client, row: dict) -> float:
         for call in choice.message.tool_calls:
             counter += int(json_.loads(call.function.arguments).get("step", 0))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(counter)})
-    return float(counter == row["target"])
+    return float(counter == target)
 
 
 def demo_sets() -> list[str]:
@@ -71,7 +73,7 @@ def demo_sets() -> list[str]:
     return [word for word in words if word != "--set"]
 
 
-def train(kind: str, model: str, sets: list[str], seed: int) -> dict:
+def train(kind: str, model: str, sets: list[str], seed: int, targets: str) -> dict:
     from grpo_agent.cli.config_files import build_config
     from transformers.trainer_callback import PrinterCallback
     from grpo_agent.train.reporting import read_metrics
@@ -90,14 +92,14 @@ def train(kind: str, model: str, sets: list[str], seed: int) -> dict:
         with _server(model, None, None, config) as base_url:
             config.vllm_server_base_url = base_url
             config.disable_tqdm = True  # as `grpo-agent train`: metrics go to metrics.jsonl
-            trainer = agent_trainer(kind, model, config, seed)
+            trainer = agent_trainer(kind, model, config, seed, targets)
             trainer.remove_callback(PrinterCallback)
             trainer.train()
     seconds = time.perf_counter() - began
     rows = read_metrics(Path(output_dir) / "metrics.jsonl")
     evals = [(int(r["eval/step"]), r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
     steps = [r for r in rows if "reward" in r]
-    result = {"run": kind, "seed": seed, "seconds": round(seconds, 1),
+    result = {"run": kind, "seed": seed, "targets": targets, "seconds": round(seconds, 1),
               "eval_pass@1": [[step, round(value, 3)] for step, value in evals],
               "first_pass@1": evals[0][1] if evals else None,
               "last_pass@1": evals[-1][1] if evals else None,
@@ -110,8 +112,11 @@ def train(kind: str, model: str, sets: list[str], seed: int) -> dict:
     return result
 
 
-def agent_trainer(kind: str, model: str, config, seed: int):
-    """`HarnessAsyncGRPOTrainer` on seeded counter rows, evaluated on the env's eval split."""
+def agent_trainer(kind: str, model: str, config, seed: int, targets: str):
+    """`HarnessAsyncGRPOTrainer` on counter rows, evaluated on the env's eval split. `targets`
+    "env": rows name no target, so each rollout draws its own as the env's `reset` does (the
+    env owns its data: a group of `num_generations` mixes targets); "row": each row names a
+    seeded target (a group shares one target, a different GRPO problem)."""
     from datasets import Dataset
     from grpo_agent import HarnessAsyncGRPOTrainer
     from grpo_agent.plugins import load_registry
@@ -119,9 +124,13 @@ def agent_trainer(kind: str, model: str, config, seed: int):
     from grpo_agent.train.reporting import JsonlMetricsCallback
 
     rng = random.Random(seed)
-    targets = [rng.randint(1, 9) for _ in range(TRAIN_ROWS)]
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(t)}] for t in targets],
-                                 "target": targets})
+    if targets == "row":
+        row_targets = [rng.randint(1, MAX_TARGET) for _ in range(TRAIN_ROWS)]
+        prompts = [[{"role": "user", "content": PROMPT.format(t)}] for t in row_targets]
+    else:  # the prompt column is the trainer's; the agent writes its own from the target it draws
+        row_targets = [None] * TRAIN_ROWS
+        prompts = [[{"role": "user", "content": PROMPT.format("a number")}]] * TRAIN_ROWS
+    dataset = Dataset.from_dict({"prompt": prompts, "target": row_targets})
     agent = counter_agent if kind == "harness" else AgentCommand(f"{sys.executable} {COMMAND_AGENT}")
     return HarnessAsyncGRPOTrainer(
         model=model, agent=agent, args=config, train_dataset=dataset,
@@ -151,6 +160,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="1", help="comma-separated seeds; each run per seed")
     parser.add_argument("--runs", default="env,harness,command", help="which runs, in order")
     parser.add_argument("--model", help="the model folder (default: the counter-warmed tiny model)")
+    parser.add_argument("--targets", choices=("env", "row"), default="env",
+                        help="agents' training targets: env (each rollout draws one, as the env "
+                        "does; a group mixes targets) or row (one seeded target per row and group)")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="override a DEMO_SETS value for every run (key=value, repeatable)")
     args = parser.parse_args()
@@ -159,7 +171,12 @@ def main() -> None:
     from grpo_agent.plugins import load_registry
     from grpo_agent.testing.warmup import build_counter_warmed_model
 
+    import grpo_agent_env_counter
+
     env_schema = get_json_schema(load_registry().environment_spec("counter").environment_factory().increment)
+    if grpo_agent_env_counter.MAX_TARGET != MAX_TARGET:
+        raise SystemExit(f"The counter env's targets go to {grpo_agent_env_counter.MAX_TARGET}, the agents' "
+                         f"to {MAX_TARGET} (counter_command_agent.MAX_TARGET).")
     if json.dumps(env_schema) != json.dumps(INCREMENT):
         raise SystemExit(f"counter_command_agent.INCREMENT differs from the env's schema: {INCREMENT} vs {env_schema}")
     kinds = args.runs.split(",")
@@ -167,8 +184,10 @@ def main() -> None:
         raise SystemExit(f"Unknown runs {sorted(unknown)}: use env, harness, command.")
     model = args.model or str(build_counter_warmed_model())
     sets = [*demo_sets(), *args.sets]
-    results = [train(kind, model, sets, int(seed)) for seed in args.seeds.split(",") for kind in kinds]
+    results = [train(kind, model, sets, int(seed), args.targets)
+               for seed in args.seeds.split(",") for kind in kinds]
     print(json.dumps({"summary": "harness_vs_env", "seeds": args.seeds, "model": model, "sets": sets,
+                      "targets": args.targets,
                       **summarize(results)}))
 
 
