@@ -69,8 +69,24 @@ async def episode(envs: dict, request: dict) -> float:
         errors += [e.message for t in result.traces for e in t.errors]
         errors += [c.error.message for t in result.traces for c in t.calls if c.error]
         stops = [t.stop_condition for t in result.traces]
-        raise EpisodeFailed(f"stop {stops}: {errors}")
+        raise EpisodeFailed(failure_message(stops, errors))
     return sum(trace.reward for trace in result.traces)
+
+
+TOOLSET_HINT = (
+    " (verifiers starts a Toolset as `python -m` the module its class is defined in, and waits "
+    "for the server that `Toolset.run()` starts: define the Toolset in a module of its own that "
+    "ends in `if __name__ == \"__main__\": MyToolset.run()`, as `vf init --add-tool` writes it, "
+    "importable by the verifiers venv's python)")
+
+
+def failure_message(stops: list, errors: list[str]) -> str:
+    """verifiers' stop conditions and errors, with the fix for the one whose cause its message
+    does not say (a toolset module that never served: verifiers only reports the missing port)."""
+    message = f"stop {stops}: {errors}"
+    if any("did not report its port" in error for error in errors):
+        message += TOOLSET_HINT
+    return message
 
 
 class EpisodeFailed(Exception):

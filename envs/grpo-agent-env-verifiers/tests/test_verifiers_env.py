@@ -49,12 +49,22 @@ def endpoint():
     async def chat(request: Request):
         body = await request.json()
         requests.append(body)
-        word = re.search(r"Reverse the word (\w+)", body["messages"][-1]["content"]).group(1)
-        reply = "I would rather not say" if word == "policy" else word[::-1]
+        last, finish = body["messages"][-1], "stop"
+        tools = [tool["function"]["name"] for tool in body.get("tools") or []]
+        if last["role"] == "tool":  # the tool's answer is the reply
+            delta = {"role": "assistant", "content": message_text(last)}
+        else:
+            word = re.search(r"Reverse the word (\w+)", last["content"]).group(1)
+            if tools:  # a toolset task: call its tool first
+                call = {"index": 0, "id": "call-1", "type": "function",
+                        "function": {"name": tools[0], "arguments": json.dumps({"word": word})}}
+                delta, finish = {"role": "assistant", "tool_calls": [call]}, "tool_calls"
+            else:
+                reply = "I would rather not say" if word == "policy" else word[::-1]
+                delta = {"role": "assistant", "content": reply}
         head = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
-        chunks = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": reply},
-                                        "finish_reason": None}]},
-                  {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                  {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
                   {**head, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
                                                     "total_tokens": 12}}]
         lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
@@ -93,6 +103,37 @@ def test_an_episode_returns_the_tasksets_weighted_rewards(taskset_path, endpoint
     assert asyncio.run(episode(rows[0])) == pytest.approx(1.0 + 0.875 * 0.5)
     assert asyncio.run(episode(rows[2])) == pytest.approx((1 - 22 / 40) * 0.5)
     assert [r["messages"][-1]["content"] for r in requests][-2:] == [rows[0]["prompt"], rows[2]["prompt"]]
+
+
+def test_a_toolset_task_serves_its_tool_and_the_model_calls_it(taskset_path, endpoint):
+    """A task with a `vf.Toolset`: verifiers launches its tool server per rollout (`python -m`
+    the toolset's module, tests/tasksets/grpo_reverse_tool_server.py), offers its tool, runs
+    the model's call; the reply built from the tool's answer scores `exact`."""
+    import openai
+
+    base_url, requests = endpoint
+    row = dict(load_environment("verifiers", id="grpo_reverse_tool", size=1).load_dataset()[0])
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="rollout-key")
+    assert asyncio.run(play(client, row)) == 1.0
+    offered, answered = requests[-2:]
+    assert [tool["function"]["name"] for tool in offered["tools"]] == ["words_reverse"]
+    assert answered["messages"][-1]["role"] == "tool" and message_text(answered["messages"][-1]) == "olleh"
+
+
+def message_text(message: dict) -> str:
+    """A chat message's text (a string, or a list of text parts)."""
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
+def test_a_toolset_that_never_served_gets_the_fix_verifiers_does_not_say():
+    from grpo_agent_env_verifiers.runner import failure_message
+
+    lost = "server did not report its port at /tmp/vf-port-1 in its runtime: "
+    assert failure_message(["toolset_error"], [lost]).endswith(
+        'ends in `if __name__ == "__main__": MyToolset.run()`, as `vf init --add-tool` writes it, '
+        "importable by the verifiers venv's python)")
+    assert failure_message(["has_error"], ["boom"]) == "stop ['has_error']: ['boom']"
 
 
 def test_a_failed_episode_raises_so_the_rollout_is_dropped(taskset_path, endpoint):
