@@ -38,3 +38,21 @@ def test_a_run_without_evaluation_keeps_two_panels(tmp_path, monkeypatch):
 def test_the_progress_bar_notes_the_last_evaluation():
     assert reporting.eval_status({"eval/step": 4.0, "eval/pass@1": 0.5, "eval/reward": 0.25}) == (
         "eval@4 pass@1 0.50 reward 0.250")
+
+
+def test_coinciding_eval_series_stay_visible(tmp_path):
+    """A 0/1 reward makes eval/reward equal eval/pass@1 (the counter demo): the two lines must
+    differ in style, or the one drawn last hides the other and its legend entry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    reporting.plot_eval_panel(ax, [{"step": 1, "eval/step": 0, "eval/reward": 0.3, "eval/pass@1": 0.3},
+                                   {"step": 4, "eval/step": 3, "eval/reward": 0.8, "eval/pass@1": 0.8}])
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker(), line.get_linewidth())
+              for line in ax.get_lines()}
+    plt.close("all")
+    assert set(styles) == {"reward", "pass@1"}
+    assert styles["reward"] != styles["pass@1"]

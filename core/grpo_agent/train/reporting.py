@@ -184,13 +184,17 @@ def plot_reward_and_length(metrics_path: str | Path, out_path: str | Path) -> Pa
 
 
 def plot_eval_panel(ax, evals: list[dict]) -> None:
-    """Held-out eval/* against the step whose weights were evaluated (`eval/step`)."""
+    """Held-out eval/* against the step whose weights were evaluated (`eval/step`). The reward is
+    a wide solid line and each pass@k a thin dashed one on top: with a 0/1 reward they coincide
+    (the counter demo), and both must stay visible."""
     keys = ["eval/reward", "eval/pass@1"] + sorted(
         {k for r in evals for k in r if k.startswith("eval/pass@") and k != "eval/pass@1"})
     for key in keys:
         points = [(r.get("eval/step", r["step"]), r[key]) for r in evals if r.get(key) is not None]
+        style = ({"marker": "o", "markersize": 9, "linewidth": 4, "alpha": 0.5}
+                 if key == "eval/reward" else {"marker": "x", "linestyle": "--"})
         if points:
-            ax.plot(*zip(*points), marker="o", label=key.removeprefix("eval/"))
+            ax.plot(*zip(*points), label=key.removeprefix("eval/"), **style)
     ax.set_ylabel("held-out eval")
     ax.legend(loc="best", fontsize="small")
     ax.grid(alpha=0.3)
