@@ -101,18 +101,19 @@ class RankPhases:
         self.current = None
 
     def raise_if_rank_missing(self, error: BaseException) -> None:
-        """For an error out of a collective phase: when another rank is missing (it died),
-        write the stall report naming it and raise `StageStalled` from `error`."""
+        """For an error out of a collective phase: when another rank is dead or stopped (a
+        collective then fails at once), write the stall report naming it and raise
+        `StageStalled` from `error`. A rank merely elsewhere does not explain an error (this
+        rank may have failed on its own while the others went ahead): the error stands."""
         watch = stall.active()
         if self.world_size == 1 or self.current is None or watch is None:
             return
         phase, detail = self.current
-        report = self.missing_report()
         for _ in range(int(EXIT_WAIT_S / 0.1)):  # a rank that just died may still be exiting
+            report = self.missing_report(gone_only=True)
             if report["missing_ranks"]:
                 break
             time.sleep(0.1)
-            report = self.missing_report()
         if not report["missing_ranks"]:
             return
         deadline = stall.collective_deadline(self.config, phase)
@@ -156,10 +157,12 @@ class RankPhases:
             states.append(beat)
         return states
 
-    def missing_report(self) -> dict[str, Any]:
-        """What a collective stall report adds: the ranks, the missing ones and their stacks."""
+    def missing_report(self, gone_only: bool = False) -> dict[str, Any]:
+        """What a collective stall report adds: the ranks, the missing ones (with `gone_only`,
+        only the dead or stopped) and their stacks."""
         states = self.rank_states()
-        missing = [s["rank"] for s in states if s["missing"]]
+        missing = [s["rank"] for s in states
+                   if s["missing"] and (not gone_only or s["state"] in ("dead", "stopped"))]
         watch = stall.active()
         live = {role(s["rank"]): int(s["pid"]) for s in states
                 if s["rank"] in missing and s.get("state") == "running"}
