@@ -56,7 +56,7 @@ def claim() -> SharedFirstTurns | None:
 
 
 class _Batch:
-    __slots__ = ("prompt_ids", "params", "model", "send", "futures")
+    __slots__ = ("futures", "model", "params", "prompt_ids", "send")
 
     def __init__(self, prompt_ids, params, model, send) -> None:
         self.prompt_ids, self.params, self.model, self.send = prompt_ids, params, model, send
