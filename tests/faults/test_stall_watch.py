@@ -36,6 +36,19 @@ def test_deadlines_are_derived_from_the_config_or_set_explicitly(tmp_path):
         _config(tmp_path, stall_timeouts={"scoring": 0})
 
 
+def test_collective_phase_deadlines_and_the_process_group_timeout(tmp_path):
+    """A phase waits the collective deadline plus what rank 0 may spend in it; the process
+    group (ddp_timeout) outwaits every phase, so the stall report comes first."""
+    config = _config(tmp_path, vllm_server_timeout=100, rollout_worker_timeout=20,
+                     stall_timeouts={"collective": 4}, ddp_timeout=60)
+    assert stall.collective_deadline(config, "train step") == 4
+    assert stall.collective_deadline(config, "step plan") == 4 + 120  # + queue_pull
+    assert stall.collective_deadline(config, "weight push") == 4 + 100 + stall.OWN_TIMEOUT_MARGIN_S
+    assert config.ddp_timeout == 4 + 100 + 2 * stall.OWN_TIMEOUT_MARGIN_S  # raised: longest + 60 s
+    assert _config(tmp_path).ddp_timeout == 1800 + 2100 + stall.PROCESS_GROUP_MARGIN_S
+    assert _config(tmp_path, ddp_timeout=10_000).ddp_timeout == 10_000  # a longer one stays
+
+
 def hung_reward_in_a_thread(release: threading.Event) -> None:
     release.wait()
 

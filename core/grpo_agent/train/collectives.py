@@ -72,6 +72,7 @@ class RankPhases:
         self.rank = rank()
         self.folder = Path(config.output_dir) / "ranks"
         self.current: tuple[str, dict[str, Any]] | None = None
+        self._since = 0.0  # when this rank entered the current phase (monotonic)
         self._held = contextlib.ExitStack()
 
     def enter(self, phase: str, **detail: Any) -> None:
@@ -79,7 +80,7 @@ class RankPhases:
         if self.world_size == 1:
             return
         self._held.close()
-        self.current = (phase, detail)
+        self.current, self._since = (phase, detail), time.monotonic()
         self._write_heartbeat(phase, detail)
         self._held.enter_context(stall.stage(
             "collective", stall.collective_deadline(self.config, phase), grace_s=0.0,
@@ -118,7 +119,7 @@ class RankPhases:
             return
         deadline = stall.collective_deadline(self.config, phase)
         watch.report_stall("collective", {"phase": phase, "rank": self.rank, **detail},
-                           deadline, time.monotonic(), error=repr(error), **report)
+                           deadline, self._since, error=repr(error), **report)
         raise stall.StageStalled(
             f"STALL in the {watch.role}: collective phase {phase!r} failed because rank(s) "
             f"{report['missing_ranks']} left the run; see {watch.output_dir / watch.report_name}."
