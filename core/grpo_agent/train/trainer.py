@@ -240,8 +240,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     def _next_step_plan(self) -> StepPlan:
         """Rank 0 pulls and plans; the other ranks receive the same plan."""
-        step = self.state.global_step + 1
-        self.phases.enter("step plan", step=step)  # the other ranks wait while rank 0 pulls
+        self.phases.enter("step plan", step=(step := self.state.global_step + 1))  # rank 0 pulls
         plan = None
         if self.source is not None:
             planner = StepPlanner(
