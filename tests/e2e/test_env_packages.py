@@ -73,6 +73,26 @@ def test_openenv_environment_trains_through_the_cli(cli, private_server, tmp_pat
     assert any("tools/call_frequency" in row for row in metrics), metrics  # step was offered
 
 
+def test_openenv_server_by_url_trains_through_the_cli(cli, private_server, tmp_path):
+    """The same env served by openenv-core's own server (uvicorn, a local port) and played by
+    URL: one WebSocket session per episode, every group scored by the server's rewards."""
+    pytest.importorskip("grpo_agent_env_openenv")
+    pytest.importorskip("openenv.core")
+    from grpo_agent_env_openenv.serve import serving
+
+    out = tmp_path / "run"
+    with serving() as env_server:
+        cli.run([
+            "train", "--env", "openenv", "--env-arg", f"url={env_server.url}", "--env-arg", "size=4",
+            "--vllm-url", private_server.base_url, "--output-dir", str(out),
+            "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
+            "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+        ], tmp_path / "cli.log", timeout=420)
+    metrics = assert_trained(out, "rewards/OpenEnvEnv/mean")
+    assert any("tools/call_frequency" in row for row in metrics), metrics  # step was offered
+    assert not any(row.get("rollout/env_error_group_count") for row in metrics), metrics
+
+
 def assert_trained(out, reward: str) -> list[dict]:
     """The run logged `reward` within [0, 1] and saved its final model; its metric rows."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
