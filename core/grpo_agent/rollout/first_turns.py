@@ -159,8 +159,15 @@ class SharedFirstTurns:
             for future in batch.futures:
                 if not future.done():
                     future.set_exception(error)
-                    future.exception()  # retrieved: an asker cancelled with its group logs nothing
+                    # Mark it retrieved (an asker cancelled with its group logs nothing); in a
+                    # callback, so nothing here can keep the other askers from their answer.
+                    future.add_done_callback(_mark_retrieved)
             return
         for future, turn in zip(batch.futures, turns):
             if not future.done():
                 future.set_result(turn)
+
+
+def _mark_retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
