@@ -142,12 +142,18 @@ class RolloutEngine:
             groups_done=self._groups_done, group_tokens_total=self._group_tokens_total)
 
     async def _wait_for_room(self) -> None:
-        started = time.perf_counter()
-        while not self._allowance_has_room():
+        # rollout/backpressure_s counts every poll the token allowance was closed, also when it
+        # closed while the dispatcher was already waiting for a rollout slot.
+        blocked = 0.0
+        while True:
+            room = self._allowance_has_room()
+            if room and self.slots.can_dispatch() and not self._server_down():
+                break
+            polled = time.perf_counter()
             await asyncio.sleep(ALLOWANCE_POLL_S)
-        self.observe("rollout/backpressure_s", time.perf_counter() - started)
-        while not (self.slots.can_dispatch() and self._allowance_has_room()) or self._server_down():
-            await asyncio.sleep(ALLOWANCE_POLL_S)
+            if not room:
+                blocked += time.perf_counter() - polled
+        self.observe("rollout/backpressure_s", blocked)
 
     async def _dispatch(self) -> None:
         loop = self.loop
