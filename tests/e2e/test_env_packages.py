@@ -14,6 +14,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 REWARD = "rewards/reasoning_gym_reward/mean"  # the package's reward, logged under its name
 
+# One short epoch of the tiny model: each env's run only has to finish with scored groups.
+SHORT_RUN = [
+    "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
+    "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+]
+
 
 def test_reasoning_gym_task_trains_through_the_cli(cli, private_server, tmp_path):
     pytest.importorskip("grpo_agent_env_reasoning_gym")
@@ -21,8 +27,7 @@ def test_reasoning_gym_task_trains_through_the_cli(cli, private_server, tmp_path
     cli.run([
         "train", "--env", "reasoning-gym", "--env-arg", "task=basic_arithmetic", "--env-arg", "size=4",
         "--vllm-url", private_server.base_url, "--output-dir", str(out),
-        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
-        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+        *SHORT_RUN,
     ], tmp_path / "cli.log", timeout=420)
     assert_trained(out, REWARD)
 
@@ -35,8 +40,7 @@ def test_coding_env_trains_through_the_design_cards_command(cli, private_server,
     cli.run([
         "train", "--env", "coding",
         "--vllm-url", private_server.base_url, "--output-dir", str(out),
-        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
-        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+        *SHORT_RUN,
     ], tmp_path / "cli.log", timeout=420)
     metrics = assert_trained(out, "rewards/CodingEnv/mean")
     assert any("tools/call_frequency" in row for row in metrics), metrics  # run_code was offered
@@ -50,8 +54,7 @@ def test_textarena_game_trains_through_the_cli(cli, private_server, tmp_path):
     cli.run([
         "train", "--env", "textarena", "--env-arg", "game=TowerOfHanoi-v0", "--env-arg", "size=4",
         "--vllm-url", private_server.base_url, "--output-dir", str(out),
-        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
-        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+        *SHORT_RUN,
     ], tmp_path / "cli.log", timeout=420)
     metrics = assert_trained(out, "rewards/TextArenaEnv/mean")
     assert any("tools/call_frequency" in row for row in metrics), metrics  # move was offered
@@ -66,8 +69,7 @@ def test_openenv_environment_trains_through_the_cli(cli, private_server, tmp_pat
     cli.run([
         "train", "--env", "openenv", "--env-arg", "size=4",
         "--vllm-url", private_server.base_url, "--output-dir", str(out),
-        "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
-        "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+        *SHORT_RUN,
     ], tmp_path / "cli.log", timeout=420)
     metrics = assert_trained(out, "rewards/OpenEnvEnv/mean")
     assert any("tools/call_frequency" in row for row in metrics), metrics  # step was offered
@@ -85,8 +87,7 @@ def test_openenv_server_by_url_trains_through_the_cli(cli, private_server, tmp_p
         cli.run([
             "train", "--env", "openenv", "--env-arg", f"url={env_server.url}", "--env-arg", "size=4",
             "--vllm-url", private_server.base_url, "--output-dir", str(out),
-            "--set", "num_train_epochs=1", "--set", "num_generations=2", "--set", "max_completion_length=8",
-            "--set", "gradient_checkpointing=false", "--set", "optim=adamw_torch", "--set", "save_strategy=no",
+            *SHORT_RUN,
         ], tmp_path / "cli.log", timeout=420)
     metrics = assert_trained(out, "rewards/OpenEnvEnv/mean")
     assert any("tools/call_frequency" in row for row in metrics), metrics  # step was offered
