@@ -14,6 +14,7 @@ completions of 128-384), every part on flash (the old path) against padded parts
 parts, or the depth parts alone).
 
     PYTHONPATH=core python bench/attention_kernels.py
+    PYTHONPATH=core python bench/attention_kernels.py --merges   # level merge, old vs new
 """
 
 from __future__ import annotations
@@ -184,8 +185,57 @@ def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
     }), flush=True)
 
 
+def merges(group_size: int, budget: int, prompt_len=1024, completion_len=256, repeats=20):
+    """One tree row's level attention, eager: parts summed in whole-row float32 (the old path)
+    vs on their own rows in the compute dtype (`level_merge`), with the depth parts on flash
+    and on cuDNN; alternating, two passes; relative differences to the old path."""
+    import dataclasses
+
+    from grpo_agent.train import cudnn_attention
+    from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
+    from packing import make_samples
+
+    cudnn_attention.usable(torch.device("cuda"), torch.bfloat16)
+    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000))
+    n = row.num_tokens
+    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    for dense in ("off", "cudnn-depth"):
+        base = LevelPlan.build(row, "cuda", "flash", dense=dense)
+        plans = {m: dataclasses.replace(base, merge=m) for m in ("float32", "rows")}
+        outs, times = {}, {m: [] for m in plans}
+        for merge, plan in plans.items():
+            out = level_tree_attention(q, k, v, plan, DIM ** -0.5)
+            out.backward(grad)
+            outs[merge] = [out.float(), *(t.grad.float() for t in (q, k, v))]
+            for t in (q, k, v):
+                t.grad = None
+        for _ in range(2):
+            for merge, plan in plans.items():
+                times[merge].append(timed_ms(
+                    lambda plan=plan: level_tree_attention(q, k, v, plan, DIM ** -0.5
+                                                           ).backward(grad), repeats))
+        print(json.dumps({
+            "case": f"merge G={group_size} {n} tokens, depth parts {dense}",
+            "float32_ms": [round(t, 3) for t in times["float32"]],
+            "rows_ms": [round(t, 3) for t in times["rows"]],
+            "rows_over_float32": round(statistics.median(times["rows"])
+                                       / statistics.median(times["float32"]), 3),
+            "rel_diff_out_dq_dk_dv": [round(float((a - b).norm() / b.norm()), 6)
+                                      for a, b in zip(outs["rows"], outs["float32"])],
+        }), flush=True)
+
+
 def main() -> None:
     import sys
+
+    if "--merges" in sys.argv:  # level merge, old vs new
+        for group_size in (8, 56):
+            merges(group_size, 16384)
+        merges(8, 8192)
+        return
 
     if "--levels-only" in sys.argv:  # the tree rows alone, the first with a kernel profile
         levels(8, 16384, profile=True)

@@ -5,14 +5,15 @@ A random Qwen3-shaped model (bf16, decoder layers compiled as `torch_compile=Tru
 trainer runs the micro-batches of a step; CUDA events, median of `--repeats`. FLOPs are the
 trainer's own count (`perf.packed_training_flops`: projections and MLP at every packed token,
 the tree's visible query-key pairs, the LM head at trained positions), over the peak of
-`perf.PEAK_FLOPS`. Each variant is a tree-attention backend x LM head x gather-gradient dtype,
-so "old" (torch LM head, float32 gather sums) and "new" lines come from one process. One JSON
-line per variant, with peak memory of one row and the largest log-prob difference to the
-first variant; the summary line last.
+`perf.PEAK_FLOPS`. Each variant is a tree-attention backend x LM head x gather-gradient dtype
+x level parts (dense, merge), so "old" (torch LM head, float32 gather sums, float32 merge) and
+"new" lines come from one process. One JSON line per variant, with peak memory of one row and
+the largest log-prob difference to the first variant; the summary line last.
 
     python bench/mfu.py                                   # qwen3-1.7b, 16k-token rows, G=8
     python bench/mfu.py --model qwen3-0.6b --token-budget 8192 --group-sizes 8
     python bench/mfu.py --group-sizes 56 --backends varlen,levels   # one prompt per row
+    python bench/mfu.py --merges float32,rows --profile out/   # level merge, old vs new
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import statistics
 
 import torch
-from grpo_agent.train import level_attention, logprobs, perf, varlen_attention
+from grpo_agent.train import level_attention, level_merge, logprobs, perf, varlen_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -47,6 +48,30 @@ def steps_seconds(step, repeats: int) -> float:
     return statistics.median(times)
 
 
+def profile_step(step, folder: str, name: str) -> None:
+    """One step under torch.profiler: GPU time by kernel, the top 12 printed, all to a file."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in kernels)
+    lines = [f"{e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:110]}"
+             for e in kernels]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, f"profile-{name}.txt").write_text(
+        f"{name}: {total / 1e3:.2f} ms GPU, {sum(e.count for e in kernels)} kernels\n"
+        + "\n".join(lines) + "\n")
+    print(f"profile {name}: {total / 1e3:.2f} ms GPU, {sum(e.count for e in kernels)} kernels",
+          flush=True)
+    print("\n".join(lines[:12]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-1.7b")
@@ -66,6 +91,13 @@ def main() -> None:
                         help="comma-separated level_attention.DENSE values: off (the varlen "
                         "flash kernel for every level part, the old path), auto (padded parts "
                         "on cuDNN where its probe passes); levels only")
+    parser.add_argument("--merges", default="rows",
+                        help="comma-separated level_merge.MERGE values: float32 (the whole-row "
+                        "float32 merge and gradient sums, the old path), rows (each part's "
+                        "rows, in the compute dtype); levels only")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="profile one step of each variant's first pass: top kernels "
+                        "printed, the full table written to DIR")
     parser.add_argument("--passes", type=int, default=1,
                         help="time every variant this many times, alternating")
     parser.add_argument("--no-compile", action="store_true")
@@ -85,11 +117,13 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
-                    for d in args.dense.split(",")]
-        for backend, gather, lm_head, dense in variants * args.passes:
+                    for d in args.dense.split(",") for m in args.merges.split(",")]
+        profiled = set()
+        for backend, gather, lm_head, dense, merge in variants * args.passes:
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
+            level_merge.MERGE = merge
             varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
 
             def row_step(row, backend=backend):
@@ -100,6 +134,10 @@ def main() -> None:
             seconds = steps_seconds(
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
+            name = f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}"
+            if args.profile and name not in profiled:
+                profiled.add(name)
+                profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
             with torch.no_grad():
                 lp = forward_row(model, rows[0], temperature=1.0,
                                  backend=backend).token.logprobs.float()
@@ -111,6 +149,7 @@ def main() -> None:
                 "case": f"{args.model}/G={group_size}", "backend": chosen,
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
+                "merge": merge if chosen == "levels" else "-",
                 "compiled": not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
@@ -123,13 +162,14 @@ def main() -> None:
                                                    5),
             })
             print(json.dumps(results[-1]), flush=True)
-    logprobs.LM_HEAD, level_attention.DENSE = "auto", "auto"
+    logprobs.LM_HEAD, level_attention.DENSE, level_merge.MERGE = "auto", "auto", "rows"
     best = max(results, key=lambda r: r["mfu"])
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
-                                                    "dense", "mfu")},
+                                                    "dense", "merge", "mfu")},
                       "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
-                               r["dense"], r["mfu"], r["peak_gib"]) for r in results]}),
+                               r["dense"], r["merge"], r["mfu"], r["peak_gib"])
+                              for r in results]}),
           flush=True)
 
 

@@ -8,7 +8,7 @@ So the tree's attention is a sum of parts that need no gathered copies of the ke
   depth the segments and their descendant ranges are disjoint, so it is one varlen call on the
   selected query and key rows (each row selected at most once: a copy, never a duplicate).
 Each part returns its outputs and log-sum-exps; out = sum_p exp(lse_p - L) out_p with
-L = logsumexp_p(lse_p). For the backward, a flash kernel given the *merged* out and L
+L = logsumexp_p(lse_p), summed on each part's own rows (`level_merge`). For the backward, a flash kernel given the *merged* out and L
 recomputes exactly the full softmax's probabilities and row terms, so each part's backward
 returns its share of the exact gradient (the rule ring attention uses for blocks of keys).
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import cudnn_attention
+from grpo_agent.train import cudnn_attention, level_merge
 from grpo_agent.train.cudnn_attention import DensePart, padded
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
@@ -73,6 +73,7 @@ class LevelPlan:
     dense_kernel: str | None = None  # padded parts' kernel: "cudnn", "reference" or None
     self_dense: list[DensePart] | None = None  # the self part as padded batches
     depth_dense: list[DensePart | None] | None = None  # per depth: padded batch or varlen
+    merge: str = "rows"  # how parts are summed: level_merge.MERGES
 
     @classmethod
     def build(cls, row: PackedRow, device, kernel: str, dense: str | None = None) -> LevelPlan:
@@ -89,7 +90,8 @@ class LevelPlan:
         # a segment's subtree ends where its last descendant (or itself) ends
         subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
         (self_cu,) = to_device(device, _bounds(lens.tolist()))
-        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [], dense)
+        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [], dense,
+                   merge=level_merge.check(level_merge.MERGE))
         if dense and not depth_only:
             plan.self_dense = cudnn_attention.self_parts(
                 [range(a, b) for a, b in zip(starts, ends)], device)
@@ -165,8 +167,8 @@ def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.T
         scaling = q.shape[-1] ** -0.5
     dense = plan.dense_kernel != "cudnn" or q.shape[-1] in cudnn_attention.HEAD_DIMS
     layout, tensors = plan.parts(dense)
-    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.dense_kernel, layout,
-                                *tensors)
+    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.dense_kernel,
+                                plan.merge, layout, *tensors)
     return out[None]
 
 
@@ -178,49 +180,27 @@ class _LevelAttention(torch.autograd.Function):
     or "dense" (a padded batch on the dense kernel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernel, dense_kernel, layout, *tensors):
-        work = _work_dtype(q)
-        merged = total = None
+    def forward(ctx, q, k, v, scale, kernel, dense_kernel, merge_mode, layout, *tensors):
+        merge = level_merge.OutputMerge(q, merge_mode)
         for (kind, ints), part in zip(layout, _split(layout, tensors)):
-            rows, out, lse = _part_forward(kind, ints, part, q, k, v, scale, kernel,
-                                           dense_kernel)
-            if rows is None:  # the self part covers every row in order: the merge starts there
-                merged, total = out.to(work), lse.to(work)
-                continue
-            if merged is None:
-                merged = q.new_zeros(q.shape, dtype=work)
-                total = q.new_full(q.shape[:2], float("-inf"), dtype=work)
-            before = total.index_select(0, rows)
-            after = torch.logaddexp(before, lse.to(work))
-            mixed = (merged.index_select(0, rows) * (before - after).exp()[..., None]
-                     + out.to(work) * (lse - after).exp()[..., None])
-            merged, total = merged.index_copy(0, rows, mixed), total.index_copy(0, rows, after)
-        out = merged.to(q.dtype)
+            merge.add(*_part_forward(kind, ints, part, q, k, v, scale, kernel, dense_kernel))
+        out, total = merge.result()
         ctx.save_for_backward(q, k, v, out, total, *tensors)
         ctx.layout, ctx.scale, ctx.kernel, ctx.dense_kernel = layout, scale, kernel, dense_kernel
+        ctx.merge = merge_mode
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         dout = dout.contiguous()
-        work = _work_dtype(q)
-        dq = dk = dv = None
+        grads = level_merge.GradSum(q, k, ctx.merge)
         for (kind, ints), part in zip(ctx.layout, _split(ctx.layout, tensors)):
-            for rows, grads in _part_backward(kind, ints, part, dout, q, k, v, out, lse,
-                                              ctx.scale, ctx.kernel, ctx.dense_kernel):
-                grads = [g.to(work) for g in grads]
-                if rows is None:  # the self part: every row in order
-                    dq, dk, dv = grads if dq is None else (a + b for a, b in zip((dq, dk, dv),
-                                                                                  grads))
-                    continue
-                if dq is None:
-                    dq, dk, dv = (torch.zeros_like(g, dtype=work) for g in (q, k, v))
-                # rows are distinct within a part: an add per row, no accumulation races
-                dq = dq.index_add(0, rows[0], grads[0])
-                dk = dk.index_add(0, rows[1], grads[1])
-                dv = dv.index_add(0, rows[1], grads[2])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * (4 + len(tensors))
+            for rows, part_grads in _part_backward(kind, ints, part, dout, q, k, v, out, lse,
+                                                   ctx.scale, ctx.kernel, ctx.dense_kernel):
+                grads.add(rows, part_grads)
+        dq, dk, dv = grads.result()
+        return dq, dk, dv, *[None] * (5 + len(tensors))
 
 
 _PART_TENSORS = {"self": 1, "varlen": 4, "dense": 7}
@@ -274,11 +254,6 @@ def _part_backward(kind, ints, part, dout, q, k, v, out, lse, scale, kernel, den
                              dv.flatten(0, 1).index_select(0, pos_k))
 
 
-def _work_dtype(q: torch.Tensor) -> torch.dtype:
-    """Merging and gradient sums run in float32 (float64 stays float64)."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
 # --- kernels: (out, lse [rows, heads] float32) forward; (dq, dk, dv) backward from given out/lse
 
 
@@ -311,7 +286,7 @@ def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
 def _reference_scores(q, k, cu_q, cu_k, causal, scale):
     """Scores [heads, Q, K] in float32 (or wider) with every pair outside a sequence (or after
     the bottom-right causal diagonal) at -inf: dense, but no host synchronisation."""
-    work = _work_dtype(q)
+    work = level_merge.work_dtype(q)
     rows_q = torch.arange(q.shape[0], device=q.device)
     rows_k = torch.arange(k.shape[0], device=q.device)
     seq_q = torch.searchsorted(cu_q, rows_q.to(cu_q.dtype), right=True) - 1
