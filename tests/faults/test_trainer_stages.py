@@ -1,5 +1,5 @@
-"""Trainer stages hung on purpose: each weight-sync phase against a server that accepts the
-connection and never answers, and the queue pull against a worker that never sends. The stall
+"""Trainer stages hung on purpose: each weight-sync phase (the gloo transport's finish call
+included) against a server that accepts the connection and never answers, and the queue pull against a worker that never sends. The stall
 report names the stage (and the phase) before the call's own timeout ends it."""
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.step_source import StepSource
+from grpo_agent.weight_sync.transports import gloo
 from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
 
 
@@ -68,6 +70,29 @@ def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase
     assert report["stage"] == phase and report["server"] == frozen_server
     assert report["action"] == "stopping the run" and report["context"] == {"model_version": 4}
     assert "weight_sync/transports/control.py" in report["stacks"]["trainer"]
+
+
+class FinishHangs(ServerControl):
+    """A server whose control routes answer at once, except `/finish_weight_update` (the gloo
+    transport's finish call), which goes to the frozen server."""
+
+    def call(self, method, path, **kwargs):
+        if path == "/finish_weight_update":
+            return super().call(method, path, **kwargs)
+        return {"world_size": 1} if path == "/get_world_size" else None
+
+
+def test_a_hung_weight_sync_finish_is_named(frozen_server, watch, tmp_path, monkeypatch):
+    # The server's engine end of the transfer group is a stand-in: only the finish call hangs.
+    monkeypatch.setattr(gloo, "open_group", lambda *args: (None, "group"))
+    monkeypatch.setattr(gloo, "broadcast_from_trainer", lambda group, chunk: None)
+    sync = gloo.GlooWeightSync(FinishHangs(frozen_server, timeout=3.0), timeout=3.0)
+    with pytest.raises(httpx.ReadTimeout):
+        sync.push([("lm_head.weight", torch.zeros(4, 2))], 5)
+    report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
+    assert (report["stage"], report["version"]) == ("weight_sync/finish", 5)
+    assert report["action"] == "stopping the run"
+    assert "weight_sync/transports/gloo.py" in report["stacks"]["trainer"]
 
 
 class SilentWorker:
