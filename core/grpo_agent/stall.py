@@ -52,7 +52,8 @@ STAGES = ("vllm_generate", "tool", "env_reset", "env_finish", "scoring", "queue_
 # stage rank 0 may legitimately spend in it while the other ranks wait (None: nothing).
 COLLECTIVE_DEADLINE_S = 1800.0  # torch's own default process-group timeout
 COLLECTIVE_PHASES = {"step plan": "queue_pull", "train step": None, "step end": None,
-                     "weight push": "weight_sync", "checkpoint save": "checkpoint_save"}
+                     "weight push": "weight_sync", "server restore": "weight_sync",
+                     "checkpoint save": "checkpoint_save"}
 # The process group's own timeout is this much past the longest phase deadline, so the stall
 # report and exit come first (NCCL's watchdog would kill the process without one).
 PROCESS_GROUP_MARGIN_S = 60.0

@@ -1,8 +1,11 @@
 """The restore rule of `sampler.recovery` with stand-ins at its seams: an external server that
 comes back in time (and one that does not), and a push retried once after a restore.
-The real managed server, killed and restarted, is tests/faults/test_server_restart.py."""
+Under FSDP two ranks run in threads, their gather a threading barrier: every rank reaches the
+same decision. The real managed server, killed and restarted, is
+tests/faults/test_server_restart.py (one trainer process and two)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,10 +82,79 @@ def test_a_failed_push_is_retried_once_after_the_restore(monkeypatch):
         keeper.push(_Pusher(failures=2), None, 4)
 
 
-def test_without_a_single_trainer_process_the_error_stands(monkeypatch):
-    monkeypatch.setattr(recovery, "restore_server", lambda *a: pytest.fail("restored under FSDP"))
-    keeper = recovery.ServerRecovery("http://127.0.0.1:1", 5, enabled=False)
-    with pytest.raises(WeightSyncError):
-        keeper.push(_Pusher(failures=1), None, 3)
-    with pytest.raises(ServerUnreachableError, match="single trainer process"):
-        keeper.restore(_Pusher(failures=0), None, 3, cause="the rollout worker lost it")
+class _Ranks:
+    """Stand-in for `collectives.RankPhases` of one of two ranks: `gather` meets the other
+    rank's thread (a threading barrier in place of the gloo all-gather)."""
+
+    def __init__(self, rank: int, shared: dict):
+        self.rank, self.shared, self.phases = rank, shared, []
+
+    def gather(self, value):
+        self.shared["values"][self.rank] = value
+        self.shared["barrier"].wait(timeout=10)
+        values = list(self.shared["values"])
+        self.shared["barrier"].wait(timeout=10)  # both read before the next gather writes
+        return values
+
+    def during(self, phase, **detail):
+        self.phases.append(phase)
+        return contextlib.nullcontext()
+
+
+def _two_ranks(pushers):
+    """Both ranks' `ServerRecovery.push` in threads; each rank's result or error."""
+    shared = {"values": [None, None], "barrier": threading.Barrier(2)}
+    ranks = [_Ranks(r, shared) for r in (0, 1)]
+    results = [None, None]
+
+    def run(r):
+        try:
+            results[r] = recovery.ServerRecovery("http://127.0.0.1:1", 5, ranks=ranks[r]).push(
+                pushers[r], None, 3)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            results[r] = error
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    return results, ranks
+
+
+def test_under_fsdp_rank_0s_failed_push_is_retried_by_every_rank(monkeypatch):
+    restored = []
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: restored.append(url) or "was restarted")
+    pushers = [_Pusher(failures=1), _Pusher(failures=0)]
+    results, ranks = _two_ranks(pushers)
+    assert [p.pushed for p in pushers] == [[3], [3, 3]]  # rank 1 pushed again with rank 0
+    assert all(r[recovery.RESTARTS_METRIC] == 1 for r in results), results
+    assert len(restored) == 1  # rank 0 alone touched the server
+    assert all(rank.phases == ["server restore"] for rank in ranks)
+
+
+def test_under_fsdp_a_restore_that_fails_on_rank_0_stops_every_rank(monkeypatch):
+    def stays_away(url, timeout):
+        raise ServerUnreachableError("did not come back within vllm_server_timeout=5 s")
+
+    monkeypatch.setattr(recovery, "restore_server", stays_away)
+    results, _ = _two_ranks([_Pusher(failures=1), _Pusher(failures=0)])
+    assert isinstance(results[0], ServerUnreachableError)
+    assert isinstance(results[1], ServerUnreachableError)
+    assert "Rank 0 could not bring the vLLM server" in str(results[1])
+    assert "did not come back" in str(results[1])
+
+
+def test_under_fsdp_a_failure_of_another_rank_stops_every_rank_without_a_restart(monkeypatch):
+    monkeypatch.setattr(recovery, "restore_server", lambda *a: pytest.fail("restored for rank 1"))
+    results, _ = _two_ranks([_Pusher(failures=0), _Pusher(failures=1)])
+    assert isinstance(results[1], WeightSyncError) and "connection reset" in str(results[1])
+    assert isinstance(results[0], WeightSyncError) and "Rank(s) [1] failed" in str(results[0])
+
+
+def test_under_fsdp_a_second_failure_stops_every_rank(monkeypatch):
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    results, _ = _two_ranks([_Pusher(failures=2), _Pusher(failures=0)])
+    assert isinstance(results[0], WeightSyncError) and "connection reset" in str(results[0])
+    assert isinstance(results[1], WeightSyncError) and "Rank(s) [0] failed" in str(results[1])

@@ -8,18 +8,29 @@ so it restores (`ServerRecovery.restore`): a server this process started
 (`ManagedVLLMServer`) is restarted on its port; an external one is waited for up to
 `vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server,
 the current weights are pushed as the current version, the flag is cleared and the worker
-goes on. A push that fails is retried once the same way. Only a single trainer process
-recovers: under FSDP a retried push would need every rank, so the error stands.
+goes on. A push that fails is retried once the same way.
+
+Under FSDP every rank takes part in a push (the full weights are gathered collectively), so
+every rank takes part in a recovery too: after each push attempt the ranks agree on its
+outcome with one small gather (inside the collective phase deadlines, so a dead rank is still
+named); when rank 0 failed to send, rank 0 restores the server while the others wait in the
+`server restore` phase, tells them how that went, and all ranks push again once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
 import httpx
 
-from grpo_agent.sampler.errors import RequestRejectedError, SamplerError, ServerUnreachableError
+from grpo_agent.sampler.errors import (
+    RequestRejectedError,
+    SamplerError,
+    ServerUnreachableError,
+    WeightSyncError,
+)
 from grpo_agent.sampler.server import managed_server_at
 from grpo_agent.stall import StageStalled
 
@@ -90,42 +101,94 @@ def _wait_for_health(base_url: str, timeout_s: float) -> bool:
         time.sleep(POLL_S)
 
 
-class ServerRecovery:
-    """The trainer's side: restore the server, re-open the transfer group, push, count."""
+class _OneProcess:
+    """The ranks of a single trainer process: no collective to agree through."""
 
-    def __init__(self, base_url: str, timeout_s: float, *, enabled: bool = True) -> None:
-        """`enabled` False (FSDP ranks > 1): failures propagate unchanged."""
+    rank = 0
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def during(self, phase: str, **detail: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class ServerRecovery:
+    """The trainer's side: restore the server, re-open the transfer group, push, count.
+
+    `ranks` are the trainer's processes (`train.collectives.RankPhases` under FSDP): `rank`,
+    `gather(value)` (every rank's value, a collective) and `during(phase)` (the collective
+    phase the ranks wait in). Every rank calls `push` and `restore`; only rank 0 touches the
+    server, and one small gather after each step makes every rank take the same decision."""
+
+    def __init__(self, base_url: str, timeout_s: float, *, ranks: Any = None) -> None:
         self.base_url = base_url
         self.timeout_s = timeout_s
-        self.enabled = enabled
+        self.ranks = ranks or _OneProcess()
         self.restarts = 0
 
     def push(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
         """`pusher.push`, retried once after restoring the server and re-opening the group."""
-        try:
-            return pusher.push(model, version)
-        except (SamplerError, httpx.HTTPError, RuntimeError) as error:
-            if not self.enabled or isinstance(error, StageStalled):
-                raise
-            logger.warning("Pushing weights version %d failed (%s: %s); retrying once after "
-                           "re-opening the transfer group.", version, type(error).__name__, error)
-            return self.restore(pusher, model, version, cause="a weight push failed")
+        metrics, failures = self._push_once(pusher, model, version)
+        if not failures:
+            return metrics
+        if self.ranks.rank == 0:
+            logger.warning("Pushing weights version %d failed (%s); retrying once after "
+                           "re-opening the transfer group.", version, failures[0])
+        return self.restore(pusher, model, version, cause="a weight push failed")
 
     def restore(self, pusher: Any, model: Any, version: int, *, cause: str) -> dict[str, float]:
         """Bring the server back, push the current weights as `version`; one log line."""
-        if not self.enabled:
-            raise ServerUnreachableError(
-                f"The vLLM server at {self.base_url} stopped answering ({cause}); restarting it "
-                f"mid-run needs a single trainer process (not FSDP). Resume from the last "
-                f"checkpoint once it answers.")
-        what = restore_server(self.base_url, self.timeout_s)
+        with self.ranks.during("server restore", version=version):
+            what, problem = None, None
+            if self.ranks.rank == 0:
+                try:
+                    what = restore_server(self.base_url, self.timeout_s)
+                except Exception as error:  # noqa: BLE001 - the other ranks must hear of it
+                    problem = error
+            outcome = self.ranks.gather(_describe(problem))[0]
+            if problem is not None:
+                raise problem
+            if outcome is not None:
+                raise ServerUnreachableError(
+                    f"Rank 0 could not bring the vLLM server at {self.base_url} back ({cause}): "
+                    f"{outcome}. See rank 0's log.")
         reopen = getattr(pusher, "reopen", None)
         if reopen is not None:
             reopen()
-        metrics = dict(pusher.push(model, version))
+        metrics, _ = self._push_once(pusher, model, version, last=True)
         self.restarts += 1
         metrics[RESTARTS_METRIC] = 1.0
-        logger.warning("vLLM server at %s %s after %s; weights version %d pushed again, "
-                       "training goes on (restart %d of this run).", self.base_url, what, cause,
-                       version, self.restarts)
+        if self.ranks.rank == 0:
+            logger.warning("vLLM server at %s %s after %s; weights version %d pushed again, "
+                           "training goes on (restart %d of this run).", self.base_url, what,
+                           cause, version, self.restarts)
         return metrics
+
+    def _push_once(self, pusher: Any, model: Any, version: int, *,
+                   last: bool = False) -> tuple[dict[str, float], dict[int, str]]:
+        """One push on every rank, then the ranks agree on its outcome: the metrics and the
+        failures by rank. Rank 0's failure to send (the server may be gone) comes back for a
+        retry unless this was the `last` attempt; a failure of another rank is no server loss.
+        Otherwise every rank raises: its own error, or one naming the rank that failed."""
+        mine, metrics = None, {}
+        try:
+            metrics = dict(pusher.push(model, version))
+        except (SamplerError, httpx.HTTPError, RuntimeError) as error:
+            if isinstance(error, StageStalled):
+                raise
+            mine = error
+        outcomes = self.ranks.gather(_describe(mine))
+        failures = {r: outcome for r, outcome in enumerate(outcomes) if outcome is not None}
+        others = sorted(set(failures) - {0})
+        if others or (last and failures):
+            if mine is not None:
+                raise mine
+            failed = others or [0]
+            raise WeightSyncError(f"Rank(s) {failed} failed in the push of weights version "
+                                  f"{version}: {failures[failed[0]]}. See their logs.")
+        return metrics, failures
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"

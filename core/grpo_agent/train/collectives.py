@@ -101,6 +101,17 @@ class RankPhases:
         self._held.close()
         self.current = None
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (one small collective, under the current phase's
+        deadline): how the ranks agree on an outcome only one of them saw (`sampler.recovery`)."""
+        if self.world_size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def raise_if_rank_missing(self, error: BaseException) -> None:
         """For an error out of a collective phase: when another rank is dead or stopped (a
         collective then fails at once), write the stall report naming it and raise

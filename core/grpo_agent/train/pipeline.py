@@ -10,11 +10,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 from grpo_agent import stall
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
 from grpo_agent.train import collectives, fsdp, setup
 from grpo_agent.train.step_source import StepSource
+
+# What rank 0 sends instead of a step plan when the worker lost the server (FSDP).
+RESTORE_REQUEST = "restore the vLLM server"
 
 
 class RolloutPipelineMixin:
@@ -60,9 +65,9 @@ class RolloutPipelineMixin:
 
     @functools.cached_property
     def recovery(self) -> ServerRecovery:
-        """Brings a dead server back (rank 0 of a single-process run only)."""
+        """Brings a dead server back: rank 0 restores it, every rank pushes again."""
         return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
-                              enabled=fsdp.world_size() == 1)
+                              ranks=self.phases)
 
     def push_weights(self) -> None:
         """Push the policy as `model_version`; a failed push is retried once after restoring
@@ -74,10 +79,28 @@ class RolloutPipelineMixin:
             self.source.worker.server_restored()
 
     def _restore_server(self) -> None:
-        """The worker lost the server: bring it back with our weights, then let it go on."""
-        self.window.update(self.recovery.restore(self.pusher, self.model, self.model_version,
-                                                 cause="the rollout worker lost it"))
-        self.source.worker.server_restored()
+        """The worker lost the server: bring it back with our weights, then let it go on.
+        Rank 0 calls this from its queue pull; under FSDP it first tells the other ranks,
+        which wait for its step plan (`share_step_plan`), so they push with it."""
+        if fsdp.is_main_process() and fsdp.world_size() > 1:
+            torch.distributed.broadcast_object_list([RESTORE_REQUEST], src=0)
+        with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
+            self.window.update(self.recovery.restore(self.pusher, self.model, self.model_version,
+                                                     cause="the rollout worker lost it"))
+        if self.source is not None:
+            self.source.worker.server_restored()
+
+    def share_step_plan(self, plan: Any) -> Any:
+        """Under FSDP: rank 0's step `plan` on every rank. Before it, rank 0 may send restore
+        requests (`_restore_server`): the other ranks then take part in the restore's push
+        and wait on."""
+        box = [plan]
+        torch.distributed.broadcast_object_list(box, src=0)
+        while isinstance(box[0], str) and box[0] == RESTORE_REQUEST:
+            self._restore_server()
+            box = [None]
+            torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _stall_context(self) -> dict[str, Any]:
         """What the trainer's stall report records besides its stages and stacks."""

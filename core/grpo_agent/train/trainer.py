@@ -253,9 +253,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
                 self.source.worker.hold_admission()  # until the push: new groups would arrive stale
         if fsdp.world_size() > 1:  # the ledger too, so every rank makes the same stop decision
-            box = [(plan, self._step_samples, self.ledger)]
-            torch.distributed.broadcast_object_list(box, src=0)
-            plan, self._step_samples, self.ledger = box[0]
+            plan, self._step_samples, self.ledger = self.share_step_plan(
+                (plan, self._step_samples, self.ledger))
         self.phases.enter("train step", step=step)  # FSDP gathers and reductions
         self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_samples)
         return plan

@@ -158,15 +158,20 @@ class AdapterPusher:
         unwrapped = getattr(model, "module", model)
         with torch.no_grad():
             state = lora_adapter_weights(unwrapped)  # FSDP2 gathers: every rank takes part
-        transfer_s = 0.0
+        transfer_s, failed = 0.0, None
         if self._main:
-            folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
-            self._register(folder)
+            try:
+                folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
+                self._register(folder)
+            except Exception as error:  # noqa: BLE001 - raised after the barrier below
+                failed = error
             transfer_s = time.perf_counter() - started
             self.last_num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         barrier_started = time.perf_counter()
         if fsdp.world_size() > 1:
-            torch.distributed.barrier()
+            torch.distributed.barrier()  # also after a failed load: the others wait here
+        if failed is not None:
+            raise failed
         return {
             "perf/weight_sync_s": time.perf_counter() - started,
             "perf/weight_sync_barrier_s": time.perf_counter() - barrier_started,

@@ -3,7 +3,9 @@
 The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
 `transports`' business; this module only decides *what* is pushed and *who* takes part: every
 rank gathers (FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a
-barrier so none starts the next step on old weights.
+barrier so none starts the next step on old weights. A send that fails on rank 0 still takes
+part in every gather and the barrier before it raises, so the ranks stay in step and can agree
+on a retry (`sampler/recovery.py`).
 """
 from __future__ import annotations
 
@@ -46,16 +48,21 @@ class WeightPusher:
         unwrapped = getattr(model, "module", model)
         timings = None
         merging = merged_adapters(unwrapped) if merge_adapters else contextlib.nullcontext()
+        failed = None
         with torch.no_grad(), merging:
             weights = full_weights(unwrapped)
-            if self._sync is not None:
-                timings = self._sync.push(weights, version)
-            else:
-                for _ in weights:  # other ranks take part in the gathers only
-                    pass
+            try:
+                if self._sync is not None:
+                    timings = self._sync.push(weights, version)
+            except Exception as error:  # noqa: BLE001 - raised after the other ranks' collectives
+                failed = error
+            for _ in weights:  # the other ranks take part in the gathers only; a send cut short
+                pass           # must still take part in the gathers the others wait in
         barrier_started = time.perf_counter()
         if fsdp.world_size() > 1:
-            torch.distributed.barrier()
+            torch.distributed.barrier()  # also after a failed send: the others wait here
+        if failed is not None:
+            raise failed
         metrics = {
             "perf/weight_sync_s": time.perf_counter() - started,
             "perf/weight_sync_barrier_s": time.perf_counter() - barrier_started,
