@@ -7,7 +7,7 @@ deadline (`stage_deadline`: the config's `stall_timeouts`, else derived from the
 first time one is late it writes `stall_report.json` to the output dir (the stage, its detail,
 how long, every stage in flight, the process's context such as queue sizes and versions, and the
 Python stacks of this process and of its peer, the latter dumped by `faulthandler` on SIGUSR2),
-logs a summary, then acts: a stage with a `cancel` callback is cancelled (the rollout is dropped
+logs a summary (`stall_report.py` writes both), then acts: a stage with a `cancel` callback is cancelled (the rollout is dropped
 and counted; the code that owns the stage sees `StageStalled`); a stage without one is fatal:
 the abort callbacks run and the process exits with `STALL_EXIT_CODE` after `ABORT_GRACE_S`
 (a polled stage, such as the trainer's queue pull, raises `StageStalled` itself sooner; a
@@ -22,26 +22,23 @@ import asyncio
 import contextlib
 import faulthandler
 import itertools
-import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from grpo_agent import stall_report
+from grpo_agent.stall_report import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 
 STALL_EXIT_CODE = 3
 CHECK_INTERVAL_S = 1.0
 ABORT_GRACE_S = 30.0
-PEER_DUMP_WAIT_S = 1.0
-STACK_SIGNAL = signal.SIGUSR2
 REPORT_NAME = "stall_report.json"
 # Margin over the timeout a stage enforces itself, so its own clear error comes first.
 OWN_TIMEOUT_MARGIN_S = 60.0
@@ -309,36 +306,8 @@ class StallWatch:
     # ------------------------------------------------------------------ report
 
     def report(self, entry: _Stage, **extra: Any) -> dict[str, Any]:
-        """Write `stall_report.json` for `entry` and log a readable summary."""
-        now = time.monotonic()
-        try:
-            context = self.context()
-        except Exception as error:  # noqa: BLE001 - the report must still be written
-            context = {"error": f"context unavailable: {error!r}"}
-        if entry.report_extra is not None:
-            try:
-                extra = {**entry.report_extra(), **extra}
-            except Exception as error:  # noqa: BLE001
-                extra = {"report_extra_error": repr(error), **extra}
-        report = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "role": self.role,
-            "pid": os.getpid(), **entry.as_dict(now),
-            "action": "cancelled and counted" if entry.cancel is not None else "stopping the run",
-            "in_flight": self.in_flight(), "context": context, **extra,
-            "stage_stack": _task_stack(entry.task) if entry.task is not None else None,
-            "stacks": {self.role: own_stacks(), **self._peer_stacks()},
-        }
-        self.stalls.append(report)
-        path = self.output_dir / self.report_name
-        with contextlib.suppress(OSError):
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(report, indent=1, default=str))
-            tmp.replace(path)
-        logger.error("%s\n  in flight: %d stage(s); context: %s\n  full report with stacks: %s",
-                     self._message(entry), len(report["in_flight"]),
-                     json.dumps(context, default=str), path)
-        return report
+        """Write `stall_report.json` for `entry` and log a readable summary (`stall_report`)."""
+        return stall_report.write(self, entry, extra)
 
     def report_stall(self, name: str, detail: dict[str, Any], deadline_s: float, started: float,
                      **extra: Any) -> None:
@@ -348,64 +317,8 @@ class StallWatch:
         self.report(entry, **extra)
 
     def _message(self, entry: _Stage) -> str:
-        detail = ", ".join(f"{k}={v}" for k, v in entry.detail.items())
-        return (f"STALL in the {self.role}: stage {entry.name!r}{f' ({detail})' if detail else ''} "
-                f"passed its {entry.deadline_s:g} s deadline. Raise stall_timeouts[{entry.name!r}] "
-                f"if it is only slow; see {self.output_dir / self.report_name}.")
-
-    def _peer_stacks(self) -> dict[str, str]:
-        """The stacks of the peer process (the worker of the trainer, or the trainer's)."""
-        if self.peer_pid is None:
-            return {}
-        return self.stacks_of({"worker" if self.role == "trainer" else "trainer": self.peer_pid})
+        return stall_report.message(self, entry)
 
     def stacks_of(self, pids: dict[str, int]) -> dict[str, str]:
-        """Ask processes (role: pid) to dump their stacks (faulthandler on SIGUSR2, each into
-        its `stack_path(role)`), wait once, and read what each wrote."""
-        stacks, offsets = {}, {}
-        for role, pid in pids.items():
-            path = self.stack_path(role)
-            if not path.exists():  # no SIGUSR2 handler there: the signal would kill it
-                stacks[role] = "(that process watches no stages: no stack dump)"
-                continue
-            offsets[role] = path.stat().st_size
-            try:
-                os.kill(pid, STACK_SIGNAL)
-            except OSError as error:
-                stacks[role] = f"(could not signal pid {pid}: {error})"
-                del offsets[role]
-        if offsets:
-            time.sleep(PEER_DUMP_WAIT_S)
-        for role, offset in offsets.items():
-            try:
-                with open(self.stack_path(role)) as file:
-                    file.seek(offset)
-                    stacks[role] = file.read() or "(it wrote no stacks)"
-            except OSError as error:
-                stacks[role] = f"(no stack dump: {error})"
-        return stacks
-
-
-def own_stacks() -> str:
-    """Every thread's Python stack in this process, named."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
-    return "\n".join(parts)
-
-
-def _task_stack(task: asyncio.Task) -> str:
-    """The await chain of a stuck task, outermost first (thread stacks show only the event
-    loop, and `Task.get_stack` only the task's own frame)."""
-    lines = [repr(task)]
-    awaitable = task.get_coro()
-    for _ in range(64):  # bounded: read from another thread, the chain may change under us
-        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
-        if frame is not None:
-            lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, '
-                         f"in {frame.f_code.co_name}")
-        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
-        if awaitable is None:
-            break
-    return "\n".join(lines)
+        """Ask processes (role: pid) for their stacks (`stall_report.stacks_of`)."""
+        return stall_report.stacks_of(self.stack_path, pids)
