@@ -1,4 +1,5 @@
-"""The trainer's rollout pipeline: server check, weight pusher, rollout worker, step source.
+"""The trainer's rollout pipeline: server check, weight pusher, rollout worker, step source,
+each step's plan (rank 0 pulls and plans, the other ranks receive it), server recovery.
 
 Design decision: `AsyncGRPOTrainer` starts the pipeline at train begin (after a resumed
 checkpoint is loaded, so the worker's position and the pushed weights match the restored
@@ -13,9 +14,11 @@ from typing import Any
 import torch
 
 from grpo_agent import stall
+from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
 from grpo_agent.train import collectives, fsdp, setup
+from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.step_source import StepSource
 
 # What rank 0 sends instead of a step plan when the worker lost the server (FSDP).
@@ -24,7 +27,7 @@ RESTORE_REQUEST = "restore the vLLM server"
 
 class RolloutPipelineMixin:
     """Starts, wires and stops the pipeline of an `AsyncGRPOTrainer` (its `source`, `pusher`,
-    `stalls` and `token_budget`)."""
+    `stalls` and `token_budget`), and pulls each step's plan from it."""
 
     def start_pipeline(self) -> None:
         """Check the server, push restored weights if resuming, start the rollout worker."""
@@ -63,6 +66,32 @@ class RolloutPipelineMixin:
                           window=self.window, no_progress_timeout=self.args.no_progress_timeout,
                           restore_server=self._restore_server)
 
+    def _next_step_plan(self) -> StepPlan:
+        """Rank 0 pulls the step's samples from the worker and plans them into packed rows;
+        under FSDP the other ranks receive the same plan (and the ledger, so every rank makes
+        the same stop decision)."""
+        self.phases.enter("step plan", step=(step := self.state.global_step + 1))  # rank 0 pulls
+        plan = None
+        if self.source is not None:
+            planner = StepPlanner(
+                token_budget=self.token_budget,
+                num_processes=fsdp.world_size(),
+                grad_accum_steps=self.args.gradient_accumulation_steps,
+            )
+            self._step_samples = self.source.next_step(planner)
+            plan = planner.plan()
+            if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
+                self.source.worker.hold_admission()  # until the push: new groups would arrive stale
+        if fsdp.world_size() > 1:
+            plan, self._step_samples, self.ledger = self._share_step_plan(
+                (plan, self._step_samples, self.ledger))
+        self.phases.enter("train step", step=step)  # FSDP gathers and reductions
+        self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_samples)
+        return plan
+
+    def _step_ends_with_push(self) -> bool:
+        return (self.state.global_step + 1) % self.args.weight_sync_steps == 0
+
     @functools.cached_property
     def recovery(self) -> ServerRecovery:
         """Brings a dead server back: rank 0 restores it, every rank pushes again."""
@@ -81,7 +110,7 @@ class RolloutPipelineMixin:
     def _restore_server(self) -> None:
         """The worker lost the server: bring it back with our weights, then let it go on.
         Rank 0 calls this from its queue pull; under FSDP it first tells the other ranks,
-        which wait for its step plan (`share_step_plan`), so they push with it."""
+        which wait for its step plan (`_share_step_plan`), so they push with it."""
         if fsdp.is_main_process() and fsdp.world_size() > 1:
             torch.distributed.broadcast_object_list([RESTORE_REQUEST], src=0)
         with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
@@ -90,7 +119,7 @@ class RolloutPipelineMixin:
         if self.source is not None:
             self.source.worker.server_restored()
 
-    def share_step_plan(self, plan: Any) -> Any:
+    def _share_step_plan(self, plan: Any) -> Any:
         """Under FSDP: rank 0's step `plan` on every rank. Before it, rank 0 may send restore
         requests (`_restore_server`): the other ranks then take part in the restore's push
         and wait on."""

@@ -25,10 +25,8 @@ from transformers import Trainer, TrainerCallback
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
-from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import collectives, fsdp, perf, setup
-from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.checkpoint import (
     PromptLedger,
     RolloutState,
@@ -237,30 +235,6 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         padding = Microbatch(pack_row([]), 1)
         batches += [padding] * (self.args.gradient_accumulation_steps - len(batches))
         return batches, None
-
-    def _next_step_plan(self) -> StepPlan:
-        """Rank 0 pulls and plans; the other ranks receive the same plan."""
-        self.phases.enter("step plan", step=(step := self.state.global_step + 1))  # rank 0 pulls
-        plan = None
-        if self.source is not None:
-            planner = StepPlanner(
-                token_budget=self.token_budget,
-                num_processes=fsdp.world_size(),
-                grad_accum_steps=self.args.gradient_accumulation_steps,
-            )
-            self._step_samples = self.source.next_step(planner)
-            plan = planner.plan()
-            if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
-                self.source.worker.hold_admission()  # until the push: new groups would arrive stale
-        if fsdp.world_size() > 1:  # the ledger too, so every rank makes the same stop decision
-            plan, self._step_samples, self.ledger = self.share_step_plan(
-                (plan, self._step_samples, self.ledger))
-        self.phases.enter("train step", step=step)  # FSDP gathers and reductions
-        self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_samples)
-        return plan
-
-    def _step_ends_with_push(self) -> bool:
-        return (self.state.global_step + 1) % self.args.weight_sync_steps == 0
 
     def end_step(self, state) -> bool:
         """After the optimizer step: the last part of pull, train, push. In order: the ledger
