@@ -116,7 +116,7 @@ def train(
             typer.echo(f"lora: {lora}")
         typer.echo(config.to_json_string())
         return
-    from grpo_agent.train.run import run_training
+    from grpo_agent.train.run import AgentEnvError, run_training
     program = agent
     if agent_cmd:
         from grpo_agent.rollout.agent_programs import AgentCommand
@@ -125,6 +125,8 @@ def train(
     try:
         out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
                            env_args=spec.option_values, agent=program)
+    except AgentEnvError as err:  # refused before anything started: the user's choice of env
+        raise CliError(str(err)) from None
     except Exception as err:
         from grpo_agent.cli.failure import report_failure
 

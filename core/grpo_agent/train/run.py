@@ -28,6 +28,10 @@ MANAGED_MAX_MODEL_LEN = 1024
 PROMPT_ROOM = 512
 
 
+class AgentEnvError(ValueError):
+    """An env that an agent program cannot run (`agent_task`): a start-up refusal, not a failed run."""
+
+
 def run_training(
     env: str,
     config: AsyncGRPOConfig,
@@ -57,6 +61,8 @@ def run_training(
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
     task = resolve_env_task(env, env_args)
+    if agent is not None:  # before the server starts: an env an agent cannot run is refused now
+        task = agent_task(task)
     model_path = model or _tiny_model_path()
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -86,11 +92,65 @@ def _harness_trainer(agent: Any, task: dict[str, Any], common: dict[str, Any]) -
     """`HarnessAsyncGRPOTrainer` on the env's rows: the agent owns the tools and the episode."""
     from grpo_agent.train.harness_trainer import HarnessAsyncGRPOTrainer
 
-    if task["dataset"] is None:
-        raise ValueError("This environment has no dataset (its reset() makes the prompts), so an "
-                         "agent has no rows to run on: pick an env that ships a dataset, or "
-                         "train the agent from Python with HarnessAsyncGRPOTrainer(train_dataset=...).")
     return HarnessAsyncGRPOTrainer(agent=agent, **common)
+
+
+def agent_task(task: dict[str, Any]) -> dict[str, Any]:
+    """The env's task as an agent program (`--agent`, `--agent-cmd`) sees it: rows with a prompt.
+
+    An agent replaces the env's tool loop: it gets each row and nothing else from the env. An
+    env whose `reset()` only writes the prompt (no tools, no `get_reward`: reasoning-gym, whose
+    rows hold just the system message) has that prompt written into each row here, as the tool
+    loop would build it, so the agent sees the question. An env whose tools or `get_reward`
+    make the reward (counter, coding, textarena) cannot be run by an agent, which never calls
+    them: refused, naming what the env owns and what to run instead. An `agent_only` env's rows
+    are its own agent's and pass unchanged."""
+    name, dataset, factory = task["id"], task["dataset"], task["environment_factory"]
+    if getattr(getattr(factory, "func", factory), "agent_only", None):
+        return task  # its rows are its agent's to play (verifiers: `--agent verifiers`)
+    owned = _env_owned_scoring(factory)
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or owned or (columns is not None and "prompt" not in columns and factory is None):
+        rows = ("has no dataset (its reset() draws each task)" if dataset is None
+                else f"has rows with columns {columns}" + ("" if "prompt" in (columns or ()) else
+                                                          ", no 'prompt' column"))
+        scored = f" and its reward comes from its own {' and '.join(owned)}" if owned else ""
+        raise AgentEnvError(
+            f"The env {name!r} {rows}{scored}. An agent program (--agent/--agent-cmd) gets only "
+            "the dataset row, with its 'prompt', and calls neither the env's tools nor its "
+            f"get_reward(). Train {name!r} without --agent (its built-in tool loop), or give the "
+            "agent an env whose rows carry a 'prompt' and whose reward functions score the "
+            "completion (words, math, reasoning-gym).")
+    if factory is None:
+        return task
+    task = dict(task)
+    task["dataset"] = _with_reset_prompts(dataset, factory)
+    load_eval = task["eval_dataset"]
+    task["eval_dataset"] = lambda: _with_reset_prompts(load_eval(), factory)
+    return task
+
+
+def _env_owned_scoring(factory: Any) -> list[str]:
+    """What of the env's own makes its reward: its tools and `get_reward` (empty: none)."""
+    if factory is None:
+        return []
+    if isinstance(factory, dict):
+        return ["environments (a dict routing rows by their 'environment' column)"]
+    from grpo_agent.plugins.schemas import public_tool_names
+
+    env_cls = factory.func if hasattr(factory, "func") else factory
+    owned = [f"{tool}() tool" for tool in public_tool_names(env_cls)] if isinstance(env_cls, type) else []
+    return owned + (["get_reward()"] if hasattr(env_cls, "get_reward") else [])
+
+
+def _with_reset_prompts(dataset: Any, factory: Any) -> Any:
+    """Each row's prompt as the tool loop builds it: the row's prompt plus `reset(**row)`'s text."""
+    from grpo_agent.rollout.environments import build_prompt
+
+    if dataset is None:
+        return None
+    env = factory()
+    return dataset.map(lambda row: {"prompt": build_prompt(row, env.reset(**row))})
 
 
 def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
@@ -119,6 +179,7 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[s
     registry = load_registry()
     spec = registry.environment_spec(name, options)
     return {
+        "id": spec.id,
         "dataset": spec.load_dataset(),
         "reward_funcs": spec.reward_funcs(registry),
         "environment_factory": spec.environment_factory,

@@ -1,0 +1,59 @@
+"""`grpo-agent train --env NAME --agent ...` on env packages whose rows hold no full prompt.
+
+An agent program gets only the dataset row. reasoning-gym's rows hold just the system message
+(its reset() writes the question), so the CLI writes each row's prompt as the tool loop builds
+it; envs whose tools and get_reward() make the reward (coding, textarena, counter) are refused
+before any server starts, naming the env, the missing column and what to run instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+CLI = [sys.executable, "-m", "grpo_agent.cli.main"]
+
+
+@pytest.mark.parametrize("env, column_note", [
+    ("coding", "no 'prompt' column"),
+    ("textarena", "no 'prompt' column"),
+    ("counter", "no dataset"),
+])
+def test_an_env_whose_tools_score_it_is_refused_before_a_server_starts(env, column_note, tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([*CLI, "train", "--env", env, "--agent-cmd", "true", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    message = done.stderr
+    assert f"The env '{env}-v1'" in message and column_note in message, message
+    assert "get_reward()" in message and f"Train '{env}-v1' without --agent" in message, message
+    assert "Traceback" not in message and "the run failed" not in message, message
+    assert not (out / "config.json").exists()  # refused before the server and the trainer
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_agent_on_reasoning_gym_gets_the_question_in_its_rows_prompt(private_server, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    args = ["train", "--env", "reasoning-gym", "--env-arg", "task=basic_arithmetic",
+            "--env-arg", "size=8", "--agent", "prompt_probe_agent:probe", "--output-dir", str(out),
+            "--vllm-url", private_server.base_url, "--set", "max_steps=1",
+            "--set", "num_generations=2", "--set", "max_completion_length=8",
+            "--set", "gradient_checkpointing=false", "--set", "save_strategy=no",
+            "--set", "learning_rate=0.0", "--set", "token_budget=256"]
+    log = tmp_path / "cli.log"
+    done = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=900, check=False)
+    log.write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, log.read_text()[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    assert rewards and min(rewards) >= 1.0, (rewards, log.read_text()[-4000:])  # every row asked the question
+    assert sum(r.get("harness/errors_count", 0) for r in rows) == 0, log.read_text()[-4000:]
