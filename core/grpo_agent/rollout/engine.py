@@ -1,10 +1,12 @@
-"""`RolloutEngine`: dispatch, scoring, server polling, heartbeat and metric flushes.
+"""`RolloutEngine`: dispatch, the score queue, server polling, heartbeat and metric flushes.
 
 Design decision: one asyncio event loop runs six cooperating tasks (dispatch, score, server
 poll, heartbeat, metric flush, stop watch) plus one task per group and per rollout. The
 dispatcher starts a group only while the token allowance has room (`rollout.allowance`) and a
 rollout slot is free; groups go through a bounded score queue to a scorer, so slow rewards
-block generation (`rollout/score_block_s`) instead of piling up memory. Blocking work (chat
+block generation (`rollout/score_block_s`) instead of piling up memory; what scoring makes of
+a group (samples or the reason it has none) is `rollout.group_scoring`, the books it moves
+(tokens queued, groups in flight) are kept here. Blocking work (chat
 templates, sync rewards, reconciliation, environment calls) runs in the loop's
 `tool_executor`, never on the loop thread. A group's equal first turns go to the server as one
 request with `n` (`rollout.first_turns`). The engine calls the user's hooks on the
@@ -15,34 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from grpo_agent.metrics import Observation
-from grpo_agent.rollout import allowance, group_failures, observations
+from grpo_agent.rollout import allowance, group_failures
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
 from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.rollout.first_turns import SharedFirstTurns
+from grpo_agent.rollout.group_scoring import build_group, score_group
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
-from grpo_agent.rollout.reconcile import reconcile_turns
-from grpo_agent.rollout.scoring import (
-    RewardFailureTracker,
-    add_rollout_sources,
-    has_signal,
-    run_reward_functions,
-)
+from grpo_agent.rollout.scoring import RewardFailureTracker
 from grpo_agent.rollout.versions import pin_rollout_version
 from grpo_agent.sampler import recovery
 from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
 from grpo_agent.stall import StageStalled
-from grpo_agent.types import PromptConsumed, RolloutGroup, TrainingSample, TurnRecord
+from grpo_agent.types import PromptConsumed, RolloutGroup, TrainingSample
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +201,8 @@ class RolloutEngine:
             if shared is not None:
                 await shared.close()
         self._group_failures.succeeded()
-        group = await self._build_group(slot, group_id, version, results)
+        group = await build_group(self.loop, slot, group_id, version, results, self.observe,
+                                  self.observe_rate)
         started = time.perf_counter()
         await self.score_queue.put(group)
         self.observe("rollout/score_block_s", time.perf_counter() - started)
@@ -243,31 +238,6 @@ class RolloutEngine:
         self.observe("rollout/duration_s", time.perf_counter() - started)
         return prompt, rollout, env_reward
 
-    async def _build_group(self, slot, group_id, version, results) -> RolloutGroup:
-        prompts, rollouts, env_rewards = (list(column) for column in zip(*results))
-        aio = asyncio.get_running_loop()
-        reconciled = await aio.run_in_executor(
-            self.loop.tool_executor, _reconcile_all, [rollout.turns for rollout in rollouts])
-        for sequences, stats in reconciled:
-            self.observe("rollout/samples_per_rollout", len(sequences))
-            self.observe_rate("rollout/fork_frac", stats.num_forks, stats.num_transitions)
-            for drift in stats.drift_tokens:
-                self.observe("rollout/drift_tokens_mean", drift)
-                self.observe("rollout/drift_tokens_max", drift)
-        columns = {k: v for k, v in slot.row.items() if k != "prompt"}
-        size = len(rollouts)
-        return RolloutGroup(
-            prompts=prompts, reward_kwargs={k: [v] * size for k, v in columns.items()},
-            completions=[r.completion for r in rollouts],
-            completions_ids=[r.completion_ids for r in rollouts],
-            completions_sequences=[sequences for sequences, _ in reconciled],
-            tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts],
-            model_version=version, group_id=group_id, row_index=slot.row_index,
-            env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
-            queued_at=time.monotonic(), rollouts=rollouts, prompt_index=slot.prompt_index,
-        )
-
     # ------------------------------------------------------------------ scoring
 
     async def _score_forever(self) -> None:
@@ -279,35 +249,14 @@ class RolloutEngine:
             self.observe("rollout/score_s", time.perf_counter() - started)
 
     async def _score(self, group: RolloutGroup) -> None:
-        loop, prompt_index = self.loop, group.prompt_index
-        try:
-            with loop.stalls.stage("scoring", recover=True, group_id=group.group_id,
-                                   row_index=group.row_index, rewards=list(loop.reward_funcs)):
-                scores, failure = await run_reward_functions(loop.reward_funcs, group, loop.tool_executor)
-        except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
-            self._drop_stalled(prompt_index, group.row_index)
+        scored = await score_group(self.loop, group, self._failures)
+        self._observations += scored.observations
+        if scored.reason == "stalled":
+            self._drop_stalled(group.prompt_index, group.row_index)
             return
-        self._failures.record(list(loop.reward_funcs), failure)
-        self._observations += observations.completion_observations(
-            group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools))
-        if failure is not None:
-            self.observe("rollout/reward_error_count", 1)
-            self._finish_group(group, [], PromptConsumed(prompt_index, group.row_index, "reward_error"))
-            return
-        add_rollout_sources(scores, group)
-        group.rewards = scores.total(len(group.rollouts))
-        advantages = np.asarray(loop.compute_advantages(group), dtype=float)
-        if advantages.shape != group.rewards.shape:
-            raise ValueError(
-                f"compute_advantages returned shape {advantages.shape} for a group of "
-                f"{len(group.rewards)} rollouts; return one advantage per rollout.")
-        kept = has_signal(group.rewards)
-        samples = _samples(group, advantages) if kept else []
-        per_rollout = [sum(s.rollout_id == r.rollout_id for s in samples) for r in group.rollouts]
-        self._observations += observations.reward_observations(scores, group.rewards, per_rollout, kept)
-        self._observations += observations.sample_observations(samples)
-        notice = None if samples else PromptConsumed(prompt_index, group.row_index, "zero_std")
-        self._finish_group(group, samples, notice)
+        notice = (None if scored.reason is None
+                  else PromptConsumed(group.prompt_index, group.row_index, scored.reason))
+        self._finish_group(group, scored.samples, notice)
 
     def _finish_group(self, group: RolloutGroup, samples: list, notice: PromptConsumed | None) -> None:
         tokens = sum(sample.num_tokens for sample in samples)
@@ -425,28 +374,6 @@ class RolloutEngine:
         if self._observations:
             batch, self._observations = self._observations, []
             self.channels.metrics.put(batch)
-
-
-def _samples(group: RolloutGroup, advantages: np.ndarray) -> list[TrainingSample]:
-    """Training samples of a kept group; unscored and zero-advantage rollouts add nothing."""
-    samples = []
-    for rollout, reward, advantage, sequences in zip(
-            group.rollouts, group.rewards, advantages, group.completions_sequences):
-        if math.isnan(reward) or advantage == 0:
-            continue
-        samples += [TrainingSample(
-            sequence=sequence, advantage=float(advantage), model_version=group.model_version,
-            group_id=group.group_id, row_index=group.row_index, prompt_index=group.prompt_index,
-            rollout_id=rollout.rollout_id) for sequence in sequences]
-    now = time.time()
-    for sample in samples:
-        sample.group_num_samples = len(samples)
-        sample.queued_at = now
-    return samples
-
-
-def _reconcile_all(turn_lists: list[list[TurnRecord]]) -> list:
-    return [reconcile_turns(turns) for turns in turn_lists]
 
 
 async def _await_future(future: asyncio.Future) -> None:

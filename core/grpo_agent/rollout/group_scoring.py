@@ -1,0 +1,122 @@
+"""From one finished group's rollouts to training samples: reconcile, reward, advantages.
+
+Design decision: this is the part of the worker that turns rollouts into what trains, and it
+holds no dispatch state: the engine (`rollout.engine`) decides when a group runs and keeps
+the allowance's books (tokens queued, groups in flight); these functions take a group and
+say what came of it (`ScoredGroup`: its samples, or why it has none, and its metric
+observations), so the engine's accounting has one home and the scoring rules another.
+Blocking work (reconciliation, sync rewards) runs in the loop's `tool_executor`.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from grpo_agent.metrics import Observation
+from grpo_agent.rollout import observations
+from grpo_agent.rollout.prompts import PromptSlot
+from grpo_agent.rollout.reconcile import reconcile_turns
+from grpo_agent.rollout.scoring import (
+    RewardFailureTracker,
+    add_rollout_sources,
+    has_signal,
+    run_reward_functions,
+)
+from grpo_agent.stall import StageStalled
+from grpo_agent.types import RolloutGroup, TrainingSample, TurnRecord
+
+
+@dataclass
+class ScoredGroup:
+    """What scoring made of a group: samples to queue, or `reason` (a `PromptConsumed`
+    reason: "zero_std", "reward_error", "stalled") when it gives none."""
+
+    samples: list[TrainingSample]
+    reason: str | None
+    observations: list[Observation] = field(default_factory=list)
+
+
+async def build_group(loop, slot: PromptSlot, group_id: int, version: int, results: list,
+                      observe: Callable[[str, float], None],
+                      observe_rate: Callable[[str, float, float], None]) -> RolloutGroup:
+    """The group of `results` ((prompt, rollout, env_reward) per rollout), each rollout's
+    turns reconciled into training sequences in the executor."""
+    prompts, rollouts, env_rewards = (list(column) for column in zip(*results))
+    aio = asyncio.get_running_loop()
+    reconciled = await aio.run_in_executor(
+        loop.tool_executor, _reconcile_all, [rollout.turns for rollout in rollouts])
+    for sequences, stats in reconciled:
+        observe("rollout/samples_per_rollout", len(sequences))
+        observe_rate("rollout/fork_frac", stats.num_forks, stats.num_transitions)
+        for drift in stats.drift_tokens:
+            observe("rollout/drift_tokens_mean", drift)
+            observe("rollout/drift_tokens_max", drift)
+    columns = {k: v for k, v in slot.row.items() if k != "prompt"}
+    size = len(rollouts)
+    return RolloutGroup(
+        prompts=prompts, reward_kwargs={k: [v] * size for k, v in columns.items()},
+        completions=[r.completion for r in rollouts],
+        completions_ids=[r.completion_ids for r in rollouts],
+        completions_sequences=[sequences for sequences, _ in reconciled],
+        tool_call_counts=[r.tool_call_count for r in rollouts],
+        tool_failure_counts=[r.tool_failure_count for r in rollouts],
+        model_version=version, group_id=group_id, row_index=slot.row_index,
+        env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
+        queued_at=time.monotonic(), rollouts=rollouts, prompt_index=slot.prompt_index,
+    )
+
+
+async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker) -> ScoredGroup:
+    """Reward `group` with the loop's reward functions (under the "scoring" stage deadline),
+    turn rewards into advantages with `loop.compute_advantages`, keep the rollouts with signal."""
+    try:
+        with loop.stalls.stage("scoring", recover=True, group_id=group.group_id,
+                               row_index=group.row_index, rewards=list(loop.reward_funcs)):
+            scores, failure = await run_reward_functions(loop.reward_funcs, group, loop.tool_executor)
+    except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
+        return ScoredGroup([], "stalled")
+    failures.record(list(loop.reward_funcs), failure)
+    seen = observations.completion_observations(
+        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools))
+    if failure is not None:
+        return ScoredGroup([], "reward_error", [*seen, ("rollout/reward_error_count", 1.0)])
+    add_rollout_sources(scores, group)
+    group.rewards = scores.total(len(group.rollouts))
+    advantages = np.asarray(loop.compute_advantages(group), dtype=float)
+    if advantages.shape != group.rewards.shape:
+        raise ValueError(
+            f"compute_advantages returned shape {advantages.shape} for a group of "
+            f"{len(group.rewards)} rollouts; return one advantage per rollout.")
+    kept = has_signal(group.rewards)
+    samples = _samples(group, advantages) if kept else []
+    per_rollout = [sum(s.rollout_id == r.rollout_id for s in samples) for r in group.rollouts]
+    seen += observations.reward_observations(scores, group.rewards, per_rollout, kept)
+    seen += observations.sample_observations(samples)
+    return ScoredGroup(samples, None if samples else "zero_std", seen)
+
+
+def _samples(group: RolloutGroup, advantages: np.ndarray) -> list[TrainingSample]:
+    """Training samples of a kept group; unscored and zero-advantage rollouts add nothing."""
+    samples = []
+    for rollout, reward, advantage, sequences in zip(
+            group.rollouts, group.rewards, advantages, group.completions_sequences):
+        if math.isnan(reward) or advantage == 0:
+            continue
+        samples += [TrainingSample(
+            sequence=sequence, advantage=float(advantage), model_version=group.model_version,
+            group_id=group.group_id, row_index=group.row_index, prompt_index=group.prompt_index,
+            rollout_id=rollout.rollout_id) for sequence in sequences]
+    now = time.time()
+    for sample in samples:
+        sample.group_num_samples = len(samples)
+        sample.queued_at = now
+    return samples
+
+
+def _reconcile_all(turn_lists: list[list[TurnRecord]]) -> list:
+    return [reconcile_turns(turns) for turns in turn_lists]
