@@ -80,6 +80,31 @@ def test_each_choice_of_an_n_request_is_a_full_record_of_its_own_sample(
     assert len({id(turn.prompt_ids) for turn in turns}) == GROUP  # no shared mutable lists
 
 
+def test_greedy_n_samples_go_out_as_n_requests_vllm_accepts(rollout_server):
+    """vLLM answers n > 1 at temperature 0 with HTTP 400 ("n must be 1 when using greedy
+    sampling"), so a greedy group (training at temperature 0) would lose every first turn."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, num_logprobs=2)
+    bodies = []
+
+    async def main():
+        async with SamplerClient(rollout_server[0], timeout=300) as client:
+            send = client._request_json
+
+            async def recording(method, path, **kwargs):
+                if path.endswith("/generate"):
+                    bodies.append(kwargs["json"]["sampling_params"])
+                return await send(method, path, **kwargs)
+
+            client._request_json = recording
+            return await client.generate_many(PROMPT, params, 3)
+
+    turns = asyncio.run(main())
+    assert [body.get("n", 1) for body in bodies] == [1, 1, 1]
+    assert all(body["temperature"] == 0.0 for body in bodies)
+    assert len(turns) == 3 and all(1 <= len(turn.output_ids) <= 6 for turn in turns)
+    assert all(len(turn.output_sampler_logprobs) == len(turn.output_ids) for turn in turns)
+
+
 # ---------------------------------------------------------------- the engine's group path
 
 class TurnsLoop(AsyncRolloutLoop):
@@ -183,3 +208,57 @@ def test_with_fewer_slots_than_rollouts_the_group_still_finishes(
     group, requests = one_group(rollout_server, rollout_tokenizer, tmp_path, share=True, slots=2)
     assert len(group.rollouts) == GROUP
     assert sum(n for _, n in requests) == GROUP and len(requests) >= 2
+
+
+# ---------------------------------------------------------------- evaluation rows
+
+EVAL_ROWS = [{"prompt": [{"role": "user", "content": f"Count from 1 to {k}."}]} for k in (3, 5, 7)]
+
+
+def evaluate_rows(rollout_server, tokenizer, tmp_path, *, share, temperature, k, slots):
+    """Evaluate EVAL_ROWS k times each; return the result and the (prompt ids, n) requests."""
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings
+
+    base_url, model_path = rollout_server
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_completion_length=8, report_to="none",
+                             vllm_server_base_url=base_url, share_first_turn_request=share)
+    settings = EvalSettings(temperature=temperature, num_generations=k, max_concurrent=slots)
+    requests = []
+
+    async def main():
+        session = EvalSession(AsyncRolloutLoop, config=config, processing_class=tokenizer,
+                              reward_funcs=[lambda completion_ids, **_: [1.0] * len(completion_ids)],
+                              settings=settings, model_name=model_path)
+        async with session:
+            many = session.loop.sampler.generate_many  # every request goes through it
+
+            async def generate_many(prompt_ids, params, n, *, model=None):
+                requests.append((list(prompt_ids), n))
+                return await many(prompt_ids, params, n, model=model)
+
+            session.loop.sampler.generate_many = generate_many
+            return await session.evaluate(EVAL_ROWS, version=0)
+
+    return asyncio.run(main()), requests
+
+
+@pytest.mark.parametrize(("share", "temperature", "k", "slots", "per_row"), [
+    (True, 1.0, 4, 8, [4]),  # pass@4: one request with n=4 per row
+    (True, 1.0, 4, 4, [4]),  # the row's rollouts take all the slots together
+    (False, 1.0, 4, 8, [1, 1, 1, 1]),  # sharing off
+    (True, 1.0, 4, 3, [1, 1, 1, 1]),  # k above the slots: the rollouts cannot start together
+    (True, 0.0, 2, 8, [1, 1]),  # greedy: vLLM refuses n > 1
+])
+def test_eval_rows_share_their_first_turns_request_when_sampled(
+        rollout_server, rollout_tokenizer, hf_model, tmp_path, no_timer, share, temperature, k,
+        slots, per_row):
+    result, requests = evaluate_rows(rollout_server, rollout_tokenizer, tmp_path, share=share,
+                                     temperature=temperature, k=k, slots=slots)
+    by_prompt: dict[tuple, list[int]] = {}
+    for prompt_ids, n in requests:
+        by_prompt.setdefault(tuple(prompt_ids), []).append(n)
+    assert sorted(by_prompt.values()) == [per_row] * len(EVAL_ROWS)
+    assert [len(row.passed) for row in result.rows] == [k] * len(EVAL_ROWS)
+    assert result.metrics["eval/pass@1"] == 1.0 and len(result.served_versions) == 1
+    if temperature > 0:  # k samples of the row, not one sample k times
+        assert all(len(set(row.completions)) == k for row in result.rows)

@@ -9,7 +9,8 @@ change what trains. It samples with its own settings (greedy by default,
 evaluates (that version's LoRA adapter under adapter sync; the served weights otherwise, which
 the trainer does not replace until the evaluation ends). The versions the server stamps on
 the generated tokens are collected, so the pin is checked, not assumed. A rollout the loop
-dropped (its own reward NaN: an agent that failed) is unscored, so it fails.
+dropped (its own reward NaN: an agent that failed) is unscored, so it fails. A sampled pass@k
+row's first turns go to the server as one request with n, like a training group's.
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ import numpy as np
 from typing_extensions import Self
 
 from grpo_agent.rollout.environments import EnvironmentRunner
+from grpo_agent.rollout.first_turns import SharedFirstTurns
 from grpo_agent.rollout.observations import generated_length
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
-from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
 from grpo_agent.sampler.server_facts import probe_server
 from grpo_agent.types import Rollout, RolloutGroup
 
@@ -168,8 +170,13 @@ class EvalSession:
         started = time.perf_counter()
         self.loop.model_version_value = VersionValue(version)
         pin_rollout_version(version)  # every rollout task below inherits the pinned version
-        slots = asyncio.Semaphore(self.settings.max_concurrent)
-        results = await asyncio.gather(*(self._evaluate_row(i, row, slots) for i, row in enumerate(rows)))
+        size, cap = self.settings.num_generations, self.settings.max_concurrent
+        # A row's rollouts take their slots together when its first turns share a request, so
+        # none of them waits for a slot while its siblings' request goes out without it.
+        rows_at_once = cap // size if self._shares_first_turns() else None
+        slots = asyncio.Semaphore(rows_at_once or cap)
+        results = await asyncio.gather(*(self._evaluate_row(i, row, slots, per_row=bool(rows_at_once))
+                                         for i, row in enumerate(rows)))
         rows_out = [row for row, _, _ in results]
         rollouts = [r for _, rollouts, _ in results for r in rollouts]
         errors = sum(error for _, _, error in results)
@@ -180,9 +187,29 @@ class EvalSession:
         metrics["eval/duration_s"] = duration
         return EvalResult(version, metrics, rows_out, served, duration)
 
-    async def _evaluate_row(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore):
+    def _shares_first_turns(self) -> bool:
+        """pass@k rows (k > 1, sampled) send their equal first turns as one request with n, as
+        training's groups do (`rollout.first_turns`); greedy rows cannot (vLLM refuses n > 1
+        there) and k above the slots could not start together."""
+        settings = self.settings
+        return (getattr(self.loop.config, "share_first_turn_request", True)
+                and 1 < settings.num_generations <= settings.max_concurrent
+                and settings.temperature >= GREEDY_TEMPERATURE)
+
+    async def _evaluate_row(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore,
+                            per_row: bool = False):
+        """`per_row`: `slots` counts rows, and the row's rollouts share their first request."""
         size = self.settings.num_generations
-        outcomes = await asyncio.gather(*(self._rollout(row, index, slots) for _ in range(size)))
+        if per_row:
+            shared = SharedFirstTurns(size)
+            try:
+                async with slots:
+                    outcomes = await asyncio.gather(*(self._shared_rollout(row, index, shared)
+                                                      for _ in range(size)))
+            finally:
+                await shared.close()
+        else:
+            outcomes = await asyncio.gather(*(self._rollout(row, index, slots) for _ in range(size)))
         prompts, rollouts, env_rewards = (list(column) for column in zip(*outcomes))
         group = RolloutGroup(
             prompts=prompts, reward_kwargs={k: [v] * size for k, v in row.items() if k != "prompt"},
@@ -210,6 +237,10 @@ class EvalSession:
         """One rollout of `row` as the loop runs an episode in training (env reset, tool loop,
         env reward; for the agent harness, the agent through the gateway)."""
         async with slots:
+            return await self.loop.run_episode(row, index, index)
+
+    async def _shared_rollout(self, row: dict[str, Any], index: int, shared: SharedFirstTurns):
+        with shared.ticket():  # its first turn goes out in one request with its siblings'
             return await self.loop.run_episode(row, index, index)
 
 

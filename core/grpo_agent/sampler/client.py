@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Below vLLM's default 5 s keep-alive, so we never reuse a connection the server just closed.
 KEEPALIVE_EXPIRY_S = 3.0
 CONTROL_TIMEOUT_S = 120.0
+GREEDY_TEMPERATURE = 1e-5  # below it vLLM samples greedily (its _SAMPLING_EPS)
 
 
 def adapter_name(lora_name: str | None, version: int) -> str | None:
@@ -126,9 +127,14 @@ class SamplerClient:
     ) -> list[TurnRecord]:
         """Sample `n` completions of one prompt in one request (vLLM's `n`: the server shares
         the prompt, and one HTTP exchange replaces `n`). Record i is choice i, with its own ids,
-        logprobs, top-k, finish reason and weight versions, as `n` calls of `generate` give."""
+        logprobs, top-k, finish reason and weight versions, as `n` calls of `generate` give.
+        Greedy sampling (temperature 0) goes out as `n` requests: vLLM refuses `n > 1` for it
+        (HTTP 400 "n must be 1 when using greedy sampling")."""
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one completion")
+        if n > 1 and params.temperature < GREEDY_TEMPERATURE:
+            return [turns[0] for turns in await asyncio.gather(*(
+                self.generate_many(prompt_ids, params, 1, model=model) for _ in range(n)))]
         model = model or (await self.model_info()).id
         if self._endpoint != "completions":
             try:
