@@ -1,4 +1,6 @@
-"""Session fixtures shared by every test package: the tiny model and one real vLLM server.
+"""Fixtures shared by every test package: the tiny model, one real vLLM server, and
+`warm_server` (a server on the tool-warmed model, one per module), and `record_trained`
+(what a trainer trained, step by step).
 
 The server is started at most once per session, only when a test asks for it, and stopped by
 its own PID at the end. Set GRPO_AGENT_TEST_VLLM_URL (and GRPO_AGENT_TEST_MODEL_PATH) to run
@@ -85,3 +87,34 @@ def trained_server(vllm_server):
         pytest.skip("the trainer pushes weights: never into a server this session did not start")
     yield vllm_server
     push_original_weights(vllm_server)
+
+
+@pytest.fixture(scope="module")
+def warm_server(tmp_path_factory):
+    """A server on the tool-warmed tiny model for one test module (its tests may push weights
+    into it; `grpo_agent.testing.warm_server.tool_warmed_server`)."""
+    from grpo_agent.testing.warm_server import tool_warmed_server
+
+    with tool_warmed_server(tmp_path_factory.mktemp("vllm-warm")) as server:
+        yield server
+
+
+@pytest.fixture
+def record_trained():
+    """`record_trained(trainer)` returns a list that fills with the `TrainSample`s of every step
+    the trainer then takes, read at each step's end (`_step_samples`)."""
+    from transformers import TrainerCallback
+
+    class RecordTrained(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer, self.samples = trainer, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.samples.extend(self.trainer._step_samples)
+
+    def attach(trainer) -> list:
+        callback = RecordTrained(trainer)
+        trainer.add_callback(callback)
+        return callback.samples
+
+    return attach

@@ -19,19 +19,6 @@ from spec_agent_examples import CodingEnv, GameEnv, IncrementEnv, reward_func
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def warm_server(tmp_path_factory):
-    from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.testing.warmup import build_tool_warmed_model
-
-    server = ManagedVLLMServer(
-        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
-        log_path=tmp_path_factory.mktemp("vllm-agent") / "server.log",
-    )
-    with server:
-        yield server
-
-
 class ServerLoop:
     """What `run_tool_loop` needs from `AsyncRolloutLoop`, with the real sampler client."""
 

@@ -27,15 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = [{"role": "user", "content": "Increment the counter by 3."}]
 
 
-@pytest.fixture(scope="module")
-def warm_server(tmp_path_factory):
-    """The tool-warmed model's server (the trainer test pushes weights into it; `tool_warmed_server`)."""
-    from grpo_agent.testing.warm_server import tool_warmed_server
-
-    with tool_warmed_server(tmp_path_factory.mktemp("vllm-gateway")) as server:
-        yield server
-
-
 def harness_config(server, tmp_path, **overrides):
     from grpo_agent import AsyncGRPOConfig
 
@@ -215,14 +206,14 @@ def test_harness_trainer_trains_the_counter_agent_through_the_gateway(warm_serve
 
 
 @pytest.mark.e2e
-def test_harness_trainer_evaluates_the_agent_greedily_on_a_held_out_split(warm_server, tmp_path):
+def test_harness_trainer_evaluates_the_agent_greedily_on_a_held_out_split(warm_server, tmp_path,
+                                                                           record_trained):
     """eval/* at eval_on_start and every eval_steps from the counter agent on the counter env's
     eval split (targets 1-9) through the evaluation's own gateway: pinned to one version,
     greedy (two evaluations of a version agree), and no eval row reaches training."""
     from datasets import Dataset
     from grpo_agent import HarnessAsyncGRPOTrainer
     from grpo_agent.plugins import load_registry
-    from transformers import TrainerCallback
 
     eval_split = load_registry().environment_spec("counter").load_eval_dataset()
     train_targets = [1, 2, 3]  # eval targets 4-9 in a trained sample would be a leak
@@ -234,13 +225,7 @@ def test_harness_trainer_evaluates_the_agent_greedily_on_a_held_out_split(warm_s
         args=harness_config(warm_server, tmp_path, eval_strategy="steps", eval_steps=1,
                             eval_on_start=True, save_strategy="no"),
         train_dataset=dataset, eval_dataset=eval_split, agent_timeout_s=120)
-    trained = []
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            trained.extend(trainer._step_samples)
-
-    trainer.add_callback(Record())
+    trained = record_trained(trainer)
     trainer.train()
     evals = [row for row in trainer.state.log_history if "eval/pass@1" in row]
     assert [row["eval/step"] for row in evals] == [0.0, 1.0, 2.0]

@@ -31,11 +31,10 @@ def server(trained_server):
     return trained_server
 
 
-def _run(server, tmp_path, name, **eval_args):
+def _run(server, tmp_path, record_trained, name, **eval_args):
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
     from grpo_agent.train.reporting import JsonlMetricsCallback
-    from transformers import TrainerCallback
 
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / name), vllm_server_base_url=server.base_url,
@@ -47,19 +46,14 @@ def _run(server, tmp_path, name, **eval_args):
         eval_dataset=(Dataset.from_dict(_prompts([f"{MARK} one", f"{MARK} two"]))
                       if eval_args else None),
         callbacks=[JsonlMetricsCallback()])
-    trained = []
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            trained.extend(trainer._step_samples)
-
-    trainer.add_callback(Record())
+    trained = record_trained(trainer)
     trainer.train()
     return trainer, trained
 
 
-def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alone(server, tmp_path):
-    trainer, trained = _run(server, tmp_path, "eval", eval_strategy="steps", eval_steps=1,
+def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alone(server, tmp_path,
+                                                                                  record_trained):
+    trainer, trained = _run(server, tmp_path, record_trained, "eval", eval_strategy="steps", eval_steps=1,
                             eval_on_start=True, per_device_eval_batch_size=4)
     steps = trainer.state.global_step
     evals = [row for row in trainer.state.log_history if "eval/reward" in row]
@@ -101,7 +95,7 @@ def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alon
 
     # Training is untouched: every train prompt trains, none twice, no eval row reaches it,
     # and the ledger matches a run without evaluation.
-    plain, plain_trained = _run(server, tmp_path, "plain")
+    plain, plain_trained = _run(server, tmp_path, record_trained, "plain")
     tokenizer = trainer.processing_class
     assert not any(MARK in tokenizer.decode(s.sequence.token_ids) for s in trained)
     # The epoch's prompts map to the same rows in the same stream positions (the worker may

@@ -20,17 +20,3 @@ sys.path.insert(0, str(Path(__file__).parent))
 def spec_server(trained_server):
     """The session's server on the tiny model (restored after each module: conftest.py)."""
     return trained_server
-
-
-@pytest.fixture(scope="module")
-def warm_server(tmp_path_factory):
-    """A server on the tool-warmed tiny model, for one module's agent examples."""
-    from grpo_agent.sampler.server import ManagedVLLMServer
-    from grpo_agent.testing.warmup import build_tool_warmed_model
-
-    server = ManagedVLLMServer(
-        build_tool_warmed_model(), dtype="float32", max_model_len=1024, enforce_eager=True,
-        log_path=tmp_path_factory.mktemp("vllm-spec-agent") / "server.log",
-    )
-    with server:
-        yield server
