@@ -207,11 +207,11 @@ def merges(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
         plans = {m: dataclasses.replace(base, merge=m) for m in ("float32", "rows")}
         outs, times = {}, {m: [] for m in plans}
         for merge, plan in plans.items():
+            for t in (q, k, v):  # the timing loops below accumulate into them
+                t.grad = None
             out = level_tree_attention(q, k, v, plan, DIM ** -0.5)
             out.backward(grad)
-            outs[merge] = [out.float(), *(t.grad.float() for t in (q, k, v))]
-            for t in (q, k, v):
-                t.grad = None
+            outs[merge] = [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
         for _ in range(2):
             for merge, plan in plans.items():
                 times[merge].append(timed_ms(

@@ -104,6 +104,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py measures a GPU: run it on one.")
+    # every variant (and the no-grad log-prob forward) is its own graph of the compiled layer
+    torch._dynamo.config.recompile_limit = 64
     model = build_model(args.model, "cuda")
     enable_tree_attention(model)
     if not args.no_compile:

@@ -112,13 +112,14 @@ def test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype):
     _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
+@pytest.mark.parametrize("merge", ["rows", "float32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_level_attention_on_flash_matches_the_reference(dtype):
+def test_level_attention_on_flash_matches_the_reference(dtype, merge):
     """The level split on PyTorch's flash kernels (merge by log-sum-exp; each part's backward
     from the merged output) against the same split in float32 plain math, which the CPU tests
-    hold to the dense tree mask."""
+    hold to the dense tree mask; parts summed on their rows (`level_merge`) or the whole row."""
     row = _big_shared_row()
-    plan = LevelPlan.build(row, "cuda", "flash", dense="off")
+    plan = dataclasses.replace(LevelPlan.build(row, "cuda", "flash", dense="off"), merge=merge)
     assert len(plan.query_index) == 2  # prompts -> completions, and a second fork
 
     def attend(q, k, v, fast):
@@ -216,19 +217,22 @@ def _groups_row(groups=3, group_size=5, prompt=300, vocab=96):
     return pack_row(samples)
 
 
+@pytest.mark.parametrize("merge", ["rows", "float32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("groups_only", [False, True])
-def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, groups_only):
-    """Padded level parts on cuDNN's SDPA kernel (the self part by length groups; the prompt
-    part dense where prompts have one length) against the float32 reference of the same plan,
-    which the CPU tests hold to the dense tree mask."""
+@pytest.mark.parametrize("dense,groups_only", [("cudnn", False), ("cudnn", True),
+                                               ("cudnn-depth", True)])
+def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, dense, groups_only,
+                                                                  merge):
+    """Padded level parts on cuDNN's SDPA kernel (the self part by length groups or on flash;
+    the prompt part dense where prompts have one length) against the float32 reference of the
+    same plan, which the CPU tests hold to the dense tree mask; both `level_merge` sums."""
     from grpo_agent.train import cudnn_attention
 
     assert cudnn_attention.usable(torch.device("cuda"), torch.bfloat16), \
         cudnn_attention.PROBE_NOTES
     row = _groups_row() if groups_only else _big_shared_row()
-    plan = LevelPlan.build(row, "cuda", "flash", dense="cudnn")
-    assert len(plan.self_dense) >= 2
+    plan = dataclasses.replace(LevelPlan.build(row, "cuda", "flash", dense=dense), merge=merge)
+    assert (plan.self_dense is not None and len(plan.self_dense) >= 2) == (dense == "cudnn")
     assert (plan.depth_dense[0] is not None) == groups_only
 
     def attend(q, k, v, fast):
