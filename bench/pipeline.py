@@ -18,13 +18,16 @@ generated tokens not trained per trained token (the server's own generation coun
 line is the summary as JSON; the first `--warmup` steps are left out of it.
 
     python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
-        [--share-first-turn off]
+        [--share-first-turn off] [--server-nice N]
 
 `--share-first-turn off` sends one request per rollout for a group's first turns (the config's
 `share_first_turn_request=False`, the path before issue 21's change) instead of one with n.
+`--server-nice N` lowers the server's CPU priority (every thread of its process tree) before
+training, so alternating runs against one server can compare priorities.
 
-`--profile DIR` records py-spy flame graphs of the trainer and the rollout worker into DIR
-(py-spy on PATH), else a torch.profiler trace of the trainer.
+`--profile DIR` records py-spy's collapsed stacks (`--format raw`: one line per stack with its
+sample count, greppable and the input of any flame-graph tool) of the trainer and the rollout
+worker into DIR (py-spy on PATH), else a torch.profiler trace of the trainer.
 """
 from __future__ import annotations
 
@@ -42,10 +45,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+from proc_cpu import CpuShares, renice, server_processes
 
 NUM_PROMPTS = 256
 TOKEN_BUDGET = 2120
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def task_dataset():
@@ -71,75 +74,25 @@ def digit_fraction(completions, **kwargs):
     return scores
 
 
-# ---------------------------------------------------------------- /proc CPU counters
+class GeneratedTokens:
+    """The server's `vllm:generation_tokens_total`, read between steps on the trainer's thread.
 
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """utime + stime of a process (or one of its threads), in seconds; 0 if it is gone."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    One pooled client for the whole run: `httpx.get` builds a client, and with it an SSL context
+    (the CA bundle parsed), on every call: py-spy put 8.4 % of the trainer's samples there, inside
+    the step's metrics time, at load 10-16 (an SSL context costs 80-90 ms there)."""
 
+    def __init__(self, base_url: str) -> None:
+        self._http = httpx.Client(base_url=base_url, timeout=30)
 
-def descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                children = [int(c) for c in task.read_text().split()]
-            except FileNotFoundError:
-                continue
-            found += children
-            frontier += children
-    return found
+    def __call__(self) -> float:
+        from grpo_agent.sampler.prometheus import parse_samples
 
+        lines = [line for line in self._http.get("/metrics").text.splitlines()
+                 if line.startswith("vllm:generation_tokens_total")]
+        return sum(parse_samples("\n".join(lines)).get("vllm:generation_tokens_total", [0.0]))
 
-class CpuShares:
-    """CPU seconds per named process between two readings, as a share of one core."""
-
-    def __init__(self, pids: dict[str, tuple[int, int | None] | list[int]]) -> None:
-        self.pids = pids
-        self._last = self._read()
-        self._last_t = time.perf_counter()
-
-    def _read(self) -> dict[str, float]:
-        values = {}
-        for name, ids in self.pids.items():
-            if isinstance(ids, tuple):
-                values[name] = cpu_seconds(*ids)
-            else:
-                values[name] = sum(cpu_seconds(p) for p in ids)
-        return values
-
-    def shares(self) -> dict[str, float]:
-        now, values = time.perf_counter(), self._read()
-        wall = max(now - self._last_t, 1e-9)
-        shares = {name: round((values[name] - self._last[name]) / wall, 3) for name in values}
-        self._last, self._last_t = values, now
-        return shares
-
-
-def server_processes(server_pid: int) -> dict[str, list[int]]:
-    """The API server and its engine-core process(es): vLLM names the engine `VLLM::EngineCore`."""
-    engine = []
-    for pid in descendants(server_pid):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except FileNotFoundError:
-            continue
-        if "Engine" in name or "VLLM" in name:
-            engine.append(pid)
-    return {"api_server": [server_pid], "engine_core": engine}
-
-
-def generated_tokens(base_url: str) -> float:
-    from grpo_agent.sampler.prometheus import parse_samples
-
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return sum(parse_samples(text).get("vllm:generation_tokens_total", [0.0]))
+    def close(self) -> None:
+        self._http.close()
 
 
 # ---------------------------------------------------------------- step timers
@@ -224,10 +177,14 @@ def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: 
         def __init__(self) -> None:
             self.shares = None
             self.last_t = time.perf_counter()
-            self.last_generated = generated_tokens(base_url)
+            self.generated_tokens = GeneratedTokens(base_url)
+            self.last_generated = self.generated_tokens()
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last_t = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.generated_tokens.close()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if "perf/step_s" not in (logs or {}):
@@ -237,7 +194,7 @@ def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: 
                     "trainer": (os.getpid(), None), "trainer_main_thread": (os.getpid(), os.getpid()),
                     "rollout_worker": [trainer.source.worker.pid],
                     **server_processes(server.pid)})
-            now, generated = time.perf_counter(), generated_tokens(base_url)
+            now, generated = time.perf_counter(), self.generated_tokens()
             wall = now - self.last_t
             timed = timers.take()
             records.append(step_record(state.global_step, logs, timed, wall,
@@ -308,7 +265,7 @@ def profiling(directory: str | None, pids_later):
             for name, pid in pids_later().items():
                 recorders.append(subprocess.Popen(
                     [spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking",
-                     "--output", str(out / f"{name}.svg")], stdout=subprocess.DEVNULL,
+                     "--format", "raw", "--output", str(out / f"{name}.txt")], stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL))
         try:
             yield attach
@@ -335,6 +292,9 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, help="the API server process of --base-url")
     parser.add_argument("--share-first-turn", choices=("on", "off"), default="on",
                         help="a group's first turns as one request with n (on) or one per rollout")
+    parser.add_argument("--server-nice", type=int, metavar="N",
+                        help="set the nice value of every thread of the server's processes before "
+                        "training (0 undoes an earlier run's; default: leave them as they are)")
     opts = parser.parse_args()
     if opts.steps <= opts.warmup:
         raise SystemExit(f"--steps {opts.steps} must exceed --warmup {opts.warmup}.")
@@ -353,6 +313,8 @@ def main() -> None:
               ManagedVLLMServer(model_path, dtype="bfloat16", max_model_len=1024, kv_cache_gib=2,
                                 startup_timeout=1800))
     with tempfile.TemporaryDirectory() as tmp, server as server:
+        if opts.server_nice is not None:
+            renice(server.pid, opts.server_nice)
         args = AsyncGRPOConfig(
             output_dir=tmp, vllm_server_base_url=server.base_url, max_steps=opts.steps,
             num_generations=8, max_completion_length=64, token_budget=TOKEN_BUDGET,
@@ -384,7 +346,7 @@ def main() -> None:
     for record, alone in zip(records, isolated):
         record["isolated_fwd_bwd_s"] = round(alone, 3)
     print(json.dumps({**summary(measured, isolated[opts.warmup:], run_s, load_before, load_after),
-                      "share_first_turn": opts.share_first_turn}))
+                      "share_first_turn": opts.share_first_turn, "server_nice": opts.server_nice}))
 
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
