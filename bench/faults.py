@@ -62,6 +62,8 @@ CASES = [
          lost="0 (dropped, recorded)", twice="0", slow=True),
     Case("weight-sync phase hangs", "clear error: report names the phase at its deadline",
          F + "test_trainer_stages.py::test_a_hung_weight_sync_phase_is_named"),
+    Case("weight-sync finish hangs (gloo)", "clear error: report names weight_sync/finish at its deadline",
+         F + "test_trainer_stages.py::test_a_hung_weight_sync_finish_is_named"),
     # --- the rollout worker and the trainer
     Case("worker SIGKILL", "clear error: next pull names the signal",
          R + "test_worker_vllm.py::test_a_worker_killed_by_a_signal_is_reported_by_the_next_pull", slow=True),
@@ -131,6 +133,8 @@ CASES = [
          F + "test_checkpoint_faults.py::test_a_damaged_checkpoint_is_refused_naming_the_file_and_an_earlier_one"),
     Case("full disk while saving (64 KiB tmpfs)", "clear error: no checkpoint resume would take",
          F + "test_checkpoint_faults.py::test_a_full_disk_while_saving_leaves_no_checkpoint_resume_would_take"),
+    Case("SIGTERM while every group is dropped (CLI)", "clear error: 'interrupted (SIGTERM)', worker stopped at once, exit 143",
+         F + "test_cli_sigterm.py::test_sigterm_stops_a_stuck_run_with_a_message", slow=True),
     Case("unrecoverable run failure (CLI)", "clear error: 3 lines, traceback in error.log, exit 1 (3 for a stall)",
          F + "test_cli_failure.py::"),
     # --- hostile programs in the coding sandbox

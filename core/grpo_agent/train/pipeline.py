@@ -143,14 +143,16 @@ class RolloutPipelineMixin:
         if self.source is not None:
             self.source.worker.stop(grace_s=0.0)
 
-    def _stop_pipeline(self) -> None:
+    def _stop_pipeline(self, *, at_once: bool = False) -> None:
+        """Stop the worker (`at_once`: without waiting for it to flush, the run was
+        interrupted and nothing it still sends would be trained), then the pusher."""
         self.phases.leave()
         stall.remove_abort(self._kill_worker)
         if getattr(self, "stalls", None) is not None:
             self.stalls.stop()
             self.stalls = None
         if self.source is not None:
-            self.source.worker.stop()
+            self.source.worker.stop(**({"grace_s": 0.0} if at_once else {}))
             self.source = None
         if self.pusher is not None:
             self.pusher.close()

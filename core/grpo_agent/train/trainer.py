@@ -12,8 +12,10 @@ the pushed weights match the restored model) and always stops when `train()` ret
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -174,14 +176,21 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         threads = setup.set_trainer_threads(self.args)
         if threads is not None:
             logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
+        interrupted = False
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except Exception as error:
             self.phases.raise_if_rank_missing(error)  # a rank that died is named in the report
             raise
+        except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (`grpo-agent train`)
+            interrupted = True
+            logger.warning("The run was interrupted (%s) at step %d: stopping the rollout worker "
+                           "at once. Resume from the last checkpoint with "
+                           "resume_from_checkpoint=last.", _interruption(stop), self.state.global_step)
+            raise
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
-            self._stop_pipeline()
+            self._stop_pipeline(at_once=interrupted)
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
         if checkpoint is None:
@@ -343,6 +352,16 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         """The window's metrics; perf/* that no step measured (e.g. MFU on CPU) are left out."""
         summary = self.window.summarize()
         return {k: v for k, v in summary.items() if not (k.startswith("perf/") and math.isnan(v))}
+
+
+def _interruption(stop: BaseException) -> str:
+    """What interrupted the run: SystemExit(128 + signal number) is how the CLI turns SIGTERM
+    into an exit that runs the cleanup."""
+    code = getattr(stop, "code", None)
+    if isinstance(code, int) and code > 128:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(code - 128).name
+    return type(stop).__name__
 
 
 def _dataset_size(dataset: Any) -> int | None:
