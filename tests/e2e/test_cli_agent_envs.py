@@ -57,3 +57,21 @@ def test_an_agent_on_reasoning_gym_gets_the_question_in_its_rows_prompt(private_
     rewards = [r["reward"] for r in rows if "reward" in r]
     assert rewards and min(rewards) >= 1.0, (rewards, log.read_text()[-4000:])  # every row asked the question
     assert sum(r.get("harness/errors_count", 0) for r in rows) == 0, log.read_text()[-4000:]
+
+
+def test_an_agent_only_env_keeps_its_rows_for_its_own_agent():
+    """verifiers' env is `agent_only`: its reset() refuses to run, its rows go to its agent as
+    they are (no reset-built prompt, no refusal)."""
+    from datasets import Dataset
+    from grpo_agent.train.run import agent_task
+
+    class AgentOnlyEnv:
+        agent_only = "its-agent"
+
+        def reset(self, **row):
+            raise RuntimeError("played by its agent only")
+
+    rows = Dataset.from_dict({"prompt": ["Reverse 'abc'."], "vf_idx": [0]})
+    task = {"id": "agent-only-v1", "dataset": rows, "environment_factory": AgentOnlyEnv,
+            "eval_dataset": lambda: None}
+    assert agent_task(task) is task

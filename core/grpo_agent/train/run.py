@@ -106,11 +106,16 @@ def agent_task(task: dict[str, Any]) -> dict[str, Any]:
     them: refused, naming what the env owns and what to run instead. An `agent_only` env's rows
     are its own agent's and pass unchanged."""
     name, dataset, factory = task["id"], task["dataset"], task["environment_factory"]
-    if getattr(getattr(factory, "func", factory), "agent_only", None):
-        return task  # its rows are its agent's to play (verifiers: `--agent verifiers`)
-    owned = _env_owned_scoring(factory)
+    if isinstance(factory, dict):
+        owned = ["environments (a dict routing rows by their 'environment' column)"]
+        env = None
+    else:
+        env = factory() if factory is not None else None
+        if getattr(env, "agent_only", None):
+            return task  # its rows are its agent's to play (verifiers: `--agent verifiers`)
+        owned = _env_owned_scoring(env) if env is not None else []
     columns = getattr(dataset, "column_names", None)
-    if dataset is None or owned or (columns is not None and "prompt" not in columns and factory is None):
+    if dataset is None or owned or (columns is not None and "prompt" not in columns and env is None):
         rows = ("has no dataset (its reset() draws each task)" if dataset is None
                 else f"has rows with columns {columns}" + ("" if "prompt" in (columns or ()) else
                                                           ", no 'prompt' column"))
@@ -121,35 +126,29 @@ def agent_task(task: dict[str, Any]) -> dict[str, Any]:
             f"get_reward(). Train {name!r} without --agent (its built-in tool loop), or give the "
             "agent an env whose rows carry a 'prompt' and whose reward functions score the "
             "completion (words, math, reasoning-gym).")
-    if factory is None:
+    if env is None:
         return task
     task = dict(task)
-    task["dataset"] = _with_reset_prompts(dataset, factory)
+    task["dataset"] = _with_reset_prompts(dataset, env)
     load_eval = task["eval_dataset"]
-    task["eval_dataset"] = lambda: _with_reset_prompts(load_eval(), factory)
+    task["eval_dataset"] = lambda: _with_reset_prompts(load_eval(), env)
     return task
 
 
-def _env_owned_scoring(factory: Any) -> list[str]:
+def _env_owned_scoring(env: Any) -> list[str]:
     """What of the env's own makes its reward: its tools and `get_reward` (empty: none)."""
-    if factory is None:
-        return []
-    if isinstance(factory, dict):
-        return ["environments (a dict routing rows by their 'environment' column)"]
     from grpo_agent.plugins.schemas import public_tool_names
 
-    env_cls = factory.func if hasattr(factory, "func") else factory
-    owned = [f"{tool}() tool" for tool in public_tool_names(env_cls)] if isinstance(env_cls, type) else []
-    return owned + (["get_reward()"] if hasattr(env_cls, "get_reward") else [])
+    owned = [f"{tool}() tool" for tool in public_tool_names(type(env))]
+    return owned + (["get_reward()"] if callable(getattr(env, "get_reward", None)) else [])
 
 
-def _with_reset_prompts(dataset: Any, factory: Any) -> Any:
+def _with_reset_prompts(dataset: Any, env: Any) -> Any:
     """Each row's prompt as the tool loop builds it: the row's prompt plus `reset(**row)`'s text."""
     from grpo_agent.rollout.environments import build_prompt
 
     if dataset is None:
         return None
-    env = factory()
     return dataset.map(lambda row: {"prompt": build_prompt(row, env.reset(**row))})
 
 
