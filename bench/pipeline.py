@@ -36,10 +36,12 @@ import contextlib
 import functools
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -75,24 +77,38 @@ def digit_fraction(completions, **kwargs):
 
 
 class GeneratedTokens:
-    """The server's `vllm:generation_tokens_total`, read between steps on the trainer's thread.
+    """The server's `vllm:generation_tokens_total` at marked moments, read on a thread of its own.
 
-    One pooled client for the whole run: `httpx.get` builds a client, and with it an SSL context
-    (the CA bundle parsed), on every call: py-spy put 8.4 % of the trainer's samples there, inside
-    the step's metrics time, at load 10-16 (an SSL context costs 80-90 ms there)."""
+    Reading it on the trainer's thread put the bench in the pipeline it measures: a `/metrics`
+    round trip costs 16-37 ms per step at load 5-16 (and `httpx.get`, which builds an SSL context
+    per call, 80-90 ms: 8.4 % of the trainer's py-spy samples). `mark(key)` returns at once; the
+    reader takes marks in order, so each value is read a round trip after its step ended, which
+    moves tokens between neighbouring steps but not out of the run's total."""
 
     def __init__(self, base_url: str) -> None:
+        self.values: dict = {}
         self._http = httpx.Client(base_url=base_url, timeout=30)
+        self._marks: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read_marks, name="generated-tokens", daemon=True)
+        self._reader.start()
 
-    def __call__(self) -> float:
-        from grpo_agent.sampler.prometheus import parse_samples
-
-        lines = [line for line in self._http.get("/metrics").text.splitlines()
-                 if line.startswith("vllm:generation_tokens_total")]
-        return sum(parse_samples("\n".join(lines)).get("vllm:generation_tokens_total", [0.0]))
+    def mark(self, key) -> None:
+        self._marks.put(key)
 
     def close(self) -> None:
+        """Wait for every mark's value, then close the client."""
+        self._marks.put(None)
+        self._reader.join()
         self._http.close()
+
+    def _read_marks(self) -> None:
+        from grpo_agent.sampler.prometheus import parse_samples
+
+        while (key := self._marks.get()) is not None:
+            lines = [line for line in self._http.get("/metrics").text.splitlines()
+                     if line.startswith("vllm:generation_tokens_total")]
+            self.values[key] = sum(
+                parse_samples("\n".join(lines)).get("vllm:generation_tokens_total", [0.0]))
 
 
 # ---------------------------------------------------------------- step timers
@@ -172,19 +188,24 @@ def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: 
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
-        """One record per logged step (logging_steps=1), read right after the trainer logs."""
+        """One record per logged step (logging_steps=1), taken right after the trainer logs.
+
+        A record is printed once the server's generated-token count after its step is read
+        (`GeneratedTokens`): usually at the next step, the last ones when training ends."""
 
         def __init__(self) -> None:
             self.shares = None
             self.last_t = time.perf_counter()
             self.generated_tokens = GeneratedTokens(base_url)
-            self.last_generated = self.generated_tokens()
+            self.generated_tokens.mark("start")
+            self.last_mark, self.printed = "start", 0
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last_t = time.perf_counter()
 
         def on_train_end(self, args, state, control, **kwargs):
             self.generated_tokens.close()
+            self.print_ready()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if "perf/step_s" not in (logs or {}):
@@ -194,27 +215,38 @@ def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: 
                     "trainer": (os.getpid(), None), "trainer_main_thread": (os.getpid(), os.getpid()),
                     "rollout_worker": [trainer.source.worker.pid],
                     **server_processes(server.pid)})
-            now, generated = time.perf_counter(), self.generated_tokens()
-            wall = now - self.last_t
-            timed = timers.take()
-            records.append(step_record(state.global_step, logs, timed, wall,
-                                       generated - self.last_generated, self.shares.shares()))
-            self.last_t, self.last_generated = now, generated
-            print(json.dumps(records[-1]), flush=True)
+            now = time.perf_counter()
+            self.generated_tokens.mark(state.global_step)
+            records.append(step_record(state.global_step, logs, timers.take(), now - self.last_t,
+                                       self.shares.shares()))
+            records[-1]["after_mark"] = self.last_mark
+            self.last_t, self.last_mark = now, state.global_step
+            self.print_ready()
+
+        def print_ready(self) -> None:
+            values = self.generated_tokens.values
+            while self.printed < len(records):
+                record = records[self.printed]
+                if record["step"] not in values:
+                    return
+                generated = values[record["step"]] - values[record.pop("after_mark")]
+                record["generated_tokens"] = generated
+                record["generated_tokens_per_s"] = round(generated / record["wall_s"], 1)
+                print(json.dumps(record), flush=True)
+                self.printed += 1
 
     return Recorder()
 
 
-def step_record(step: int, logs: dict, timed: dict, wall: float, generated: float,
-                shares: dict) -> dict:
+def step_record(step: int, logs: dict, timed: dict, wall: float, shares: dict) -> dict:
+    """A step's record; its generated tokens are filled in once read (`Recorder.print_ready`)."""
     trained = logs.get("batch/trained_tokens_per_step", 0.0)
     waiting = timed.get("waiting", 0.0)
     adding = timed.get("packing_add", 0.0)
     return {
         "step": step, "wall_s": round(wall, 3),
-        "trained_tokens": trained, "generated_tokens": generated,
-        "trained_tokens_per_s": round(trained / wall, 1),
-        "generated_tokens_per_s": round(generated / wall, 1),
+        "trained_tokens": trained, "generated_tokens": None,
+        "trained_tokens_per_s": round(trained / wall, 1), "generated_tokens_per_s": None,
         "fwd_bwd_s": round(logs.get("perf/fwd_bwd_s", 0.0), 3),
         "optimizer_s": round(logs.get("perf/optimizer_s", 0.0), 3),
         "sync_s": round(logs.get("perf/weight_sync_s", 0.0), 3),
