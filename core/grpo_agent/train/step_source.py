@@ -28,6 +28,13 @@ LAST_FLUSH_TIMEOUT_S = 10.0
 logger = logging.getLogger(__name__)
 
 
+def is_last_step(max_steps: int, global_step: int, epochs_done: bool) -> bool:
+    """Whether the step that just ended is the run's last: `max_steps` reached (HF counts the
+    step before `on_step_end`), or the prompt epochs are done. The last step flushes the
+    worker's metrics first, so a run that ends by max_steps logs its last rewards too."""
+    return epochs_done or 0 < max_steps <= global_step
+
+
 class StepSource:
     """Fills optimizer steps from the rollout worker's sample queue (rank 0 only).
 

@@ -44,7 +44,7 @@ from grpo_agent.train.row_clock import RowClock
 from grpo_agent.train.sharded_checkpoint import ShardedCheckpointMixin
 from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
-from grpo_agent.train.step_source import StepSource
+from grpo_agent.train.step_source import StepSource, is_last_step
 from grpo_agent.types import TrainingSample
 from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 
@@ -265,7 +265,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                 self.source.worker.set_model_version(self.model_version)
         done = self.prompt_epochs_done()
         if self.source is not None:
-            self.source.finish_step(samples, last=done)
+            self.source.finish_step(
+                samples, last=is_last_step(self.args.max_steps, state.global_step, done))
         size = _dataset_size(self.train_dataset)
         if size is not None:
             state.epoch = self.ledger.frontier / size
