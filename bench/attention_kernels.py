@@ -127,15 +127,10 @@ def levels(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
     from grpo_agent.train import cudnn_attention
     from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
     from grpo_agent.train.tree_attention import dense_tree_mask
-    from packing import make_samples
 
     cudnn_attention.usable(torch.device("cuda"), torch.bfloat16)  # the probe, once
-    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000))
+    row, q, k, v, grad = _row_and_inputs(group_size, prompt_len, completion_len, budget)
     n = row.num_tokens
-    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True) for _ in range(2))
-    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     mask = dense_tree_mask(row.segment_ids.cuda(), row.segment_ancestors.cuda())
     pairs = float(mask.sum())
     plans = {dense: LevelPlan.build(row, "cuda", "flash", dense=dense)
@@ -193,15 +188,10 @@ def merges(group_size: int, budget: int, prompt_len=1024, completion_len=256, re
 
     from grpo_agent.train import cudnn_attention
     from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
-    from packing import make_samples
 
     cudnn_attention.usable(torch.device("cuda"), torch.bfloat16)
-    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000))
+    row, q, k, v, grad = _row_and_inputs(group_size, prompt_len, completion_len, budget)
     n = row.num_tokens
-    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True) for _ in range(2))
-    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     for dense in ("off", "cudnn-depth"):
         base = LevelPlan.build(row, "cuda", "flash", dense=dense)
         plans = {m: dataclasses.replace(base, merge=m) for m in ("float32", "rows")}
@@ -252,6 +242,19 @@ def main() -> None:
     for group_size, budget in ((8, 16384), (56, 16384), (8, 8192), (1, 16384)):
         levels(group_size, budget)
 
+
+
+def _row_and_inputs(group_size, prompt_len, completion_len, budget):
+    """A packed bench row and random bf16 q, k, v (GQA 2:1) and output gradient for it."""
+    from packing import make_samples
+
+    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000))
+    n = row.num_tokens
+    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    return row, q, k, v, grad
 
 if __name__ == "__main__":
     main()
