@@ -2,8 +2,10 @@
 
 argv: model path, server port, output dir, fault. Rank 0 starts the vLLM server itself (a
 `ManagedVLLMServer`, so the run's recovery may restart it) before the ranks meet.
-- "kill-server": the reward SIGKILLs the server when the third group is scored
-  (`fault_helpers.kills_the_server_at_group_3`); the run must restart it and reach max_steps.
+- "kill-server": the rollout loop SIGKILLs the server as it scores the first group sampled
+  after the first push (`fault_helpers.KillsTheServerAfterTheFirstPush`, which also records in
+  <output dir>/groups.jsonl the weight versions the server reports for each group's tokens);
+  the run must restart it, push a trained version again and reach max_steps.
 - "stop-rank1": rank 1 SIGSTOPs itself as step 2 begins, after writing the time to
   <output dir>/stopped-at; rank 0 must name it in its collective stall report and exit 3.
 Rank 0 writes <output dir>/steps.json: per step, the model versions of its samples and the
@@ -18,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
 from datasets import Dataset
-from fault_helpers import kills_the_server_at_group_3, token_sum_reward
+from fault_helpers import KillsTheServerAfterTheFirstPush, token_sum_reward
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
 from grpo_agent.sampler.server import ManagedVLLMServer
 from transformers import TrainerCallback
@@ -60,16 +62,21 @@ if __name__ == "__main__":
                                    log_path=out / "server.log").start()
         (out / "server-pids").open("a").write(f"{server.pid}\n")
         os.environ["GRPO_FAULT_SERVER_PID"] = str(server.pid)
-        os.environ["GRPO_FAULT_MARKER"] = str(out / "scored_groups")
-    reward = kills_the_server_at_group_3 if fault == "kill-server" else token_sum_reward
+        os.environ["GRPO_FAULT_GROUPS"] = str(out / "groups.jsonl")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(200)])
     args = AsyncGRPOConfig(
         output_dir=str(out), vllm_server_base_url=url, num_generations=2, max_completion_length=8,
         token_budget=128, max_steps=MAX_STEPS, num_train_epochs=1000, save_strategy="no",
         report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True,
         gradient_checkpointing=False, optim="adamw_torch", vllm_server_timeout=120,
-        rollout_worker_timeout=300, stall_timeouts={"collective": COLLECTIVE_DEADLINE_S})
-    trainer = AsyncGRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, args=args)
+        rollout_worker_timeout=300, stall_timeouts={"collective": COLLECTIVE_DEADLINE_S},
+        # On-policy for "kill-server": a step after the restore trains only samples of the
+        # current version, none of the old server's backlog (with the default 4 the queue held
+        # enough version-0 samples for every step up to max_steps).
+        max_staleness=0 if fault == "kill-server" else 4)
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=token_sum_reward, train_dataset=dataset, args=args)
+    if fault == "kill-server":
+        trainer.loop_cls = KillsTheServerAfterTheFirstPush
     trainer.add_callback(Recorder(trainer, out, fault))
     try:
         trainer.train()

@@ -1,6 +1,7 @@
 """A whole 2-process FSDP2 `AsyncGRPOTrainer` (gloo, CPU) against a real vLLM server, hit by a
-fault mid-run (issue 22): the server SIGKILLed (rank 0 restarts it, both ranks push again and
-the run reaches max_steps), and rank 1 SIGSTOPped (rank 0's stall report names the collective
+fault mid-run (issue 22): the server SIGKILLed after the first push (rank 0 restarts it, both
+ranks push the trained weights again, the new server samples with them and the run reaches
+max_steps), and rank 1 SIGSTOPped (rank 0's stall report names the collective
 phase and rank 1, exit 3). Rank 0 starts and restarts its own server: slow, run by
 bench/faults.py. The decision logic alone is tests/faults/test_recovery_rules.py."""
 from __future__ import annotations
@@ -76,14 +77,34 @@ def test_a_server_killed_under_fsdp_is_restarted_and_both_ranks_push_again(tiny_
     history = json.loads((out / "log_history.json").read_text())
     assert sum(e.get("server/restart_count", 0.0) for e in history) == 1
     assert sum(e.get("rollout/server_lost_group_count", 0.0) for e in history) >= 1
+    # The server was killed after the first push, so the restore had trained weights to push.
     pushed = int(re.search(r"weights version (\d+) pushed again", output).group(1))
+    assert pushed >= 1, output[-6000:]
     steps = json.loads((out / "steps.json").read_text())
     restored = next(s for s in steps if s["restarts"] == 1)
     after = [v for s in steps if s["step"] > restored["step"] for v in s["versions"]]
-    # Rollouts dispatched after the restore sample the new server, which holds the pushed
-    # version: some are trained after it, tagged with that version or a later one.
+    # On-policy (max_staleness=0), so no backlog of the old server's samples fills the steps
+    # after the restore: they train samples of the pushed version or later (and at most the
+    # samples a step's last pull could not fit, carried over from the step before).
     assert after and max(after) >= pushed, (pushed, steps)
     assert all(max(s["versions"], default=0) < s["model_version"] for s in steps), steps
+    _check_served_versions(out / "groups.jsonl", pushed)
+
+
+def _check_served_versions(groups_log: Path, pushed: int) -> None:
+    """What the servers say they sampled with (vLLM's weight version per token): a group of
+    model version v >= 1 was dispatched after version v was pushed, so every token of it comes
+    from version v or a later push, never from a server's own weights ("default") or an older
+    version; and groups scored after the kill were sampled with the version the restore pushed."""
+    lines = [json.loads(line) for line in groups_log.read_text().splitlines()]
+    kill = next(i for i, line in enumerate(lines) if "killed_after_group" in line)
+    groups = [line for line in lines if "group" in line]
+    assert all(g["served"] for g in groups), "the server reported no weight version"
+    for g in groups:
+        if g["model_version"] >= 1:
+            assert all(v.isdigit() and int(v) >= g["model_version"] for v in g["served"]), g
+    after_kill = [g for g in lines[kill + 1:] if "group" in g]
+    assert any(str(pushed) in g["served"] for g in after_kill), (pushed, after_kill)
 
 def test_a_stopped_rank_stops_the_whole_trainer_with_a_report_naming_it(tiny_model_path, tmp_path):
     out = tmp_path / "run"
