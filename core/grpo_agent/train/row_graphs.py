@@ -1,0 +1,219 @@
+"""CUDA graphs over bucketed row shapes: one graph launch per packed row, not ~2,100 kernels.
+
+Design decision: at 8k-token rows the compiled packed step is bound by the host queueing its
+kernels (about 40 us of host time each on an H200, docs/performance.md), and inductor's own
+CUDA graphs ("reduce-overhead") fail on per-layer compiled blocks. So the whole row step --
+decoder, LM head, loss and backward, gradients accumulated in place into the parameters'
+`.grad` -- is captured by hand, once per *bucket*: a row is padded up to the bucket's sizes
+(tokens, segments, gathered keys, trained tokens, the kernel's max sequence lengths), its
+tree metadata is copied into that bucket's static buffers, and the graph is replayed.
+
+Padding is exact for the real tokens: the padding tokens form one extra segment at the end of
+the row that sees only padding keys (the varlen plan's last segment), extra segments are empty
+(`cu_seqlens` repeated), and padded trained entries carry `valid` 0, so the loss and every
+gradient they could carry are zero. Only the varlen tree path is captured (the one `auto`
+takes below LEVELS_MIN_TOKENS); the row always gathers its keys (an unshared row too), so one
+plan shape serves every row. Off CUDA nothing is captured and the padded step runs as is: the
+CPU tests hold it to the unpadded path. All buckets share one memory pool: a step's
+temporaries are freed at the end of each capture, and buckets never replay at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo_agent.train import varlen_attention
+from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
+from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
+
+# Bucket granularity: each size is rounded up to a multiple of its step. Coarser steps mean
+# fewer graphs (captures, static buffers) but more padded work per row.
+STEPS = {"tokens": 512, "segments": 16, "keys": 512, "trained": 512, "seqlen": 256}
+
+# loss_fn(token log-probs, the bucket's padded per-trained-token tensors) -> scalar loss.
+# The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages",
+# "sampler_logprobs". It must give padded entries (valid 0) no weight.
+LossFn = Callable[[TokenLogprobs, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The static shapes of one graph."""
+
+    tokens: int  # row tokens, real + padding (at least one padding token)
+    segments: int  # varlen segments, real + padding segment + empty ones
+    keys: int  # gathered keys (sum of path lengths), padding segment included
+    trained: int  # trained-token entries
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(cls, row: PackedRow) -> Bucket:
+        tokens = _up(row.num_tokens + 1, STEPS["tokens"])
+        pad = tokens - row.num_tokens
+        own = torch.bincount(row.segment_ids).tolist()
+        path_keys = sum(len(p) for p in row.segment_paths)
+        keys = _up(path_keys + pad, STEPS["keys"])
+        return cls(
+            tokens=tokens,
+            segments=_up(len(own) + 1, STEPS["segments"]),
+            keys=keys,
+            trained=_up(max(row.num_trained, 1), STEPS["trained"]),
+            max_q=_up(max(max(own), pad), STEPS["seqlen"]),
+            max_k=_up(max(max(len(p) for p in row.segment_paths), keys - path_keys),
+                      STEPS["seqlen"]),
+        )
+
+
+def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """The row's tensors padded to `bucket` (CPU). Padding tokens [N, tokens) are one segment
+    whose keys are `keys - sum(paths)` padding rows, its own tokens last: each padding query
+    sees itself and earlier padding rows only, and no real query sees a padding key."""
+    n, pad = row.num_tokens, bucket.tokens - row.num_tokens
+    own = torch.bincount(row.segment_ids)
+    path_lens = torch.tensor([len(p) for p in row.segment_paths])
+    pad_keys = bucket.keys - int(path_lens.sum())
+    empty = bucket.segments - own.numel() - 1
+    q_lens = torch.cat([own, torch.tensor([pad]), torch.zeros(empty, dtype=torch.long)])
+    k_lens = torch.cat([path_lens, torch.tensor([pad_keys]), torch.zeros(empty, dtype=torch.long)])
+    pad_rows = torch.arange(n, bucket.tokens)
+    kv_index = torch.cat([
+        torch.tensor([i for p in row.segment_paths for i in p], dtype=torch.long),
+        torch.full((pad_keys - pad,), n, dtype=torch.long),  # extra keys: the first pad row
+        pad_rows,
+    ])
+    t, extra = row.num_trained, bucket.trained - row.num_trained
+
+    def trained(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full((extra,), fill, dtype=x.dtype)])
+
+    return {
+        "input_ids": torch.cat([row.input_ids, torch.zeros(pad, dtype=row.input_ids.dtype)]),
+        "position_ids": torch.cat([row.position_ids, torch.arange(pad)]),
+        "cu_q": F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32),
+        "cu_k": F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32),
+        "kv_index": kv_index,
+        "pred_index": trained(row.pred_index, n),  # padded entries read the first pad row
+        "targets": trained(row.targets, 0),
+        "valid": trained(torch.ones(t), 0.0),
+        "advantages": trained(row.advantages.float(), 0.0),
+        "sampler_logprobs": trained(row.sampler_logprobs.float(), 0.0),
+    }
+
+
+class RowGraphs:
+    """Forward+backward of packed rows through one captured graph per bucket.
+
+    `step(row)` accumulates d loss_fn / d params into each parameter's `.grad` (as
+    `loss.backward()` would) and returns the real trained tokens' log-probs: a view of the
+    bucket's static output, overwritten by the next replay of that bucket (clone to keep).
+    The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
+    fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error."""
+
+    def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
+                 capture: bool | None = None):
+        _check_model(model)
+        self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.kernel = (varlen_attention.varlen_kernel() if self.device.type == "cuda"
+                       else varlen_attention.sdpa_varlen)
+        self.grads: list[torch.Tensor] | None = None
+        self.buffers: dict[Bucket, dict[str, torch.Tensor]] = {}
+        self.outputs: dict[Bucket, torch.Tensor] = {}
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def step(self, row: PackedRow) -> torch.Tensor:
+        bucket = Bucket.of(row)
+        inputs = padded_inputs(row, bucket)
+        self.attach_grads()
+        if bucket not in self.buffers:
+            self.buffers[bucket] = {k: v.to(self.device) for k, v in inputs.items()}
+            if not self.capture:
+                return self._run(bucket)[: row.num_trained]
+            return self._first_run_and_capture(bucket)[: row.num_trained]
+        static = self.buffers[bucket]
+        for name, value in inputs.items():
+            src = value.pin_memory() if self.device.type == "cuda" else value
+            static[name].copy_(src, non_blocking=True)
+        if not self.capture:
+            return self._run(bucket)[: row.num_trained]
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][: row.num_trained]
+
+    def _run(self, bucket: Bucket) -> torch.Tensor:
+        """The padded step on the bucket's static buffers: what a graph captures."""
+        s = self.buffers[bucket]
+        plan = varlen_attention.VarlenPlan(
+            kernel=self.kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
+            max_k=bucket.max_k, kv_index=s["kv_index"],
+        )
+        tree = TreeMask(segment_ids=None, ancestors=None, position_ids=s["position_ids"],
+                        backend="varlen", varlen=plan)
+        hidden = self.model.get_decoder()(
+            input_ids=s["input_ids"][None], position_ids=s["position_ids"][None],
+            use_cache=False, tree_mask=tree,
+        ).last_hidden_state[0]
+        token = token_logprobs(hidden[s["pred_index"]], self.model.get_output_embeddings().weight,
+                               s["targets"], temperature=self.temperature)
+        self.loss_fn(token, s).backward()
+        return token.logprobs.detach()
+
+    def _first_run_and_capture(self, bucket: Bucket) -> torch.Tensor:
+        """A bucket's first row runs eagerly (which also warms up compilation, kernel choice
+        and workspaces), then the step is captured; capturing runs nothing, so the row's
+        gradients are added once and no copy of them is needed. The eager run stays on the
+        current stream: its freed memory is cached for that stream, which every later eager
+        step and first run reuses (a side stream's cache would sit idle)."""
+        logprobs = self._run(bucket)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[bucket] = self._run(bucket)
+        self.graphs[bucket] = graph
+        return logprobs
+
+    def attach_grads(self) -> None:
+        """Give every parameter the fixed gradient tensor the graphs accumulate into."""
+        if self.grads is None:
+            self.grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                          for p in self.params]
+        cleared = []
+        for p, g in zip(self.params, self.grads):
+            if p.grad is None:
+                cleared.append(g)
+                p.grad = g
+            elif p.grad is not g:
+                raise RuntimeError(
+                    "a parameter's .grad was replaced after its row graphs were captured; the "
+                    "graphs add into the original tensors. Clear gradients with "
+                    "zero_grad(set_to_none=True) or in place, never by assigning new tensors."
+                )
+        if cleared:
+            torch._foreach_zero_(cleared)
+
+
+def _check_model(model) -> None:
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            "row graphs need a model in tree-attention mode: call "
+            "grpo_agent.train.tree_attention.enable_tree_attention(model) first."
+        )
+    text = model.config.get_text_config()
+    if getattr(model, "_grpo_linear_layers", 0) or getattr(text, "use_sliding_window", False):
+        raise ValueError(
+            "row graphs capture the varlen tree path only: models with Gated DeltaNet or "
+            "sliding-window layers take other paths. Turn graphs off for this model."
+        )
