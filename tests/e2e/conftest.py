@@ -83,6 +83,6 @@ def _torchrun(script: Path, *args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun():
     return _torchrun

@@ -1,25 +1,23 @@
-"""Run under torchrun (2 processes, gloo, CPU): what adapter sync gathers from an FSDP2-sharded
+"""An FSDP2 check run by fsdp_checks.py (2 processes, gloo, CPU): what adapter sync gathers from an FSDP2-sharded
 PEFT model equals the unsharded adapter, and every rank agrees the adapter is non-zero.
 
-Rank 0 writes the comparison to argv[1] as JSON.
+Rank 0 writes the comparison to `out_path` as JSON.
 """
 import copy
 import json
-import sys
 
 import torch
 import torch.distributed as dist
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.train.fsdp import apply_fsdp2
-from grpo_agent.weight_sync.adapter import AdapterPusher
 from grpo_agent.train.weights import lora_adapter_weights
+from grpo_agent.weight_sync.adapter import AdapterPusher
 from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def check(out_path: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
@@ -45,8 +43,3 @@ def main(out_path: str) -> None:
                 "needs_push_when_zero": zero_before,
                 "needs_push_when_trained": nonzero_after,
             }, fh)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -1,13 +1,12 @@
-"""Run under torchrun (2 processes, gloo, CPU): the loss metrics of a step under FSDP2 are
+"""An FSDP2 check run by fsdp_checks.py (2 processes, gloo, CPU): the loss metrics of a step under FSDP2 are
 reduced over both processes' rows, as one process forwarding every row would compute them.
 
 Rank r trains a row of r + 1 samples (16 trained tokens each), so the processes' rows differ
 in size and values. The reference forwards both rows on one unsharded copy and takes each
-metric over all 48 trained tokens. Rank 0 writes the comparison to argv[1] as JSON.
+metric over all 48 trained tokens. Rank 0 writes the comparison to `out_path` as JSON.
 """
 import copy
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -42,8 +41,7 @@ def reference_metrics(model, rows, cfg) -> dict[str, float]:
     }
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def check(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
@@ -70,8 +68,3 @@ def main(out_path: str) -> None:
                   "loss": reading.loss, "reference_loss": ref_loss}
         with open(out_path, "w") as fh:
             json.dump(result, fh)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

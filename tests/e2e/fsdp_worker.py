@@ -1,11 +1,11 @@
-"""Run under torchrun (2 processes, gloo, CPU): FSDP2 row loss == one process's, and the push.
+"""An FSDP2 check run by fsdp_checks.py (2 processes, gloo, CPU): the row loss equals one
+process's, and the push.
 
 Each rank trains its own packed row of the same micro-batch; the reference is one unsharded
-copy of the model that forwards both rows. Rank 0 writes the comparison to argv[1] as JSON.
+copy of the model that forwards both rows. Rank 0 writes the comparison to `out_path` as JSON.
 """
 import copy
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,7 @@ def make_sample(seed: int, group: int) -> TrainingSample:
                           model_version=0, group_id=group, row_index=group, prompt_index=group)
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def check(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
@@ -69,8 +68,3 @@ def main(out_path: str) -> None:
         }
         with open(out_path, "w") as fh:
             json.dump(result, fh)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
