@@ -24,12 +24,16 @@ CLI = [sys.executable, "-m", "grpo_agent.cli.main"]
     ("textarena", "no 'prompt' column"),
     ("counter", "no dataset"),
 ])
-def test_an_env_whose_tools_score_it_is_refused_before_a_server_starts(env, column_note, tmp_path):
+def test_an_env_whose_tools_score_it_is_refused_before_a_server_starts(env, column_note, tmp_path, capsys):
+    """In this process (the refusal needs no server; a subprocess would cost a CLI start-up,
+    ~30-90 s on a loaded CI box): the exit code and the message the user reads on stderr."""
+    from grpo_agent.cli.main import main
+
     out = tmp_path / "run"
-    done = subprocess.run([*CLI, "train", "--env", env, "--agent-cmd", "true", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 1, done.stderr[-3000:]
-    message = done.stderr
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", env, "--agent-cmd", "true", "--output-dir", str(out)])
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
     assert f"The env '{env}-v1'" in message and column_note in message, message
     assert "get_reward()" in message and f"Train '{env}-v1' without --agent" in message, message
     assert "Traceback" not in message and "the run failed" not in message, message
