@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 VF_VENV := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed-verifiers-0.4.0
 
-.PHONY: setup test demo demo-words bench clean-venv verifiers-venv
+.PHONY: setup test demo demo-words bench clean-venv verifiers-venv bench-trl-venv
 
 setup: $(STAMP) $(VF_STAMP)
 
@@ -70,8 +70,16 @@ demo-words: setup
 	  --set learning_rate=0.0003 --set num_generations=8 --set max_completion_length=16 \
 	  --set gradient_checkpointing=false --set optim=adamw_torch --set save_strategy=no --set seed=1
 
-bench: setup
+bench: setup bench-trl-venv
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# TRL 1.16.0 (issue 21's baseline, bench/pipeline_trl.py) beside .venv, not in it: --no-deps,
+# since every package it imports is already in .venv at versions it accepts; the bench puts
+# .bench-trl first on its own sys.path.
+bench-trl-venv:
+	@test -x $(PY) || { echo "No $(VENV): run make setup first."; exit 1; }
+	@test -f .bench-trl/trl-1.16.0.dist-info/METADATA || \
+	  $(PIP) install -qq --no-deps --target .bench-trl trl==1.16.0
 
 clean-venv:
 	rm -rf $(VENV) $(VF_VENV)

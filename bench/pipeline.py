@@ -33,21 +33,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
-import queue
 import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import httpx
-from proc_cpu import CpuShares, renice, server_processes
+from proc_cpu import renice
+from step_record import StepTimers, make_recorder
 
 NUM_PROMPTS = 256
 TOKEN_BUDGET = 2120
@@ -76,76 +72,6 @@ def digit_fraction(completions, **kwargs):
     return scores
 
 
-class GeneratedTokens:
-    """The server's `vllm:generation_tokens_total` at marked moments, read on a thread of its own.
-
-    Reading it on the trainer's thread put the bench in the pipeline it measures: a `/metrics`
-    round trip costs 16-37 ms per step at load 5-16 (and `httpx.get`, which builds an SSL context
-    per call, 80-90 ms: 8.4 % of the trainer's py-spy samples). `mark(key)` returns at once; the
-    reader takes marks in order, so each value is read a round trip after its step ended, which
-    moves tokens between neighbouring steps but not out of the run's total."""
-
-    def __init__(self, base_url: str) -> None:
-        self.values: dict = {}
-        self._http = httpx.Client(base_url=base_url, timeout=30)
-        self._marks: queue.SimpleQueue = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read_marks, name="generated-tokens", daemon=True)
-        self._reader.start()
-
-    def mark(self, key) -> None:
-        self._marks.put(key)
-
-    def close(self) -> None:
-        """Wait for every mark's value, then close the client."""
-        self._marks.put(None)
-        self._reader.join()
-        self._http.close()
-
-    def _read_marks(self) -> None:
-        from grpo_agent.sampler.prometheus import parse_samples
-
-        while (key := self._marks.get()) is not None:
-            lines = [line for line in self._http.get("/metrics").text.splitlines()
-                     if line.startswith("vllm:generation_tokens_total")]
-            self.values[key] = sum(
-                parse_samples("\n".join(lines)).get("vllm:generation_tokens_total", [0.0]))
-
-
-# ---------------------------------------------------------------- step timers
-
-class StepTimers:
-    """Seconds spent in named trainer-side methods since the last `take()` (bench-side wraps,
-    so the trainer needs no hooks beyond the perf/* metrics it logs)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self._undo: list = []
-
-    def wrap(self, owner, method: str, label: str) -> None:
-        original = getattr(owner, method)
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - started
-
-        setattr(owner, method, timed)
-        self._undo.append((owner, method, original))
-
-    def take(self) -> dict[str, float]:
-        seconds, self.seconds = dict(self.seconds), defaultdict(float)
-        return seconds
-
-    def restore(self) -> None:
-        for owner, method, original in reversed(self._undo):
-            setattr(owner, method, original)
-
-
-# (module, class, method, label): the first of each label's candidates that exists is timed,
-# so the bench follows the trainer's code as it moves between modules.
 TIMED = [
     ("grpo_agent.train.step_source", "StepSource", "next_step", "next_step"),  # all three below
     ("grpo_agent.rollout.worker", "RolloutWorker", "pull", "waiting"),  # queue wait + unpickling
@@ -180,83 +106,6 @@ def instrument(timers: StepTimers, rows: list) -> None:
 
     trainer.AsyncGRPOTrainer.get_batch_samples = keep_rows
     timers._undo.append((trainer.AsyncGRPOTrainer, "get_batch_samples", original))
-
-
-# ---------------------------------------------------------------- the run
-
-def make_recorder(trainer, server, timers: StepTimers, records: list, base_url: str):
-    from transformers import TrainerCallback
-
-    class Recorder(TrainerCallback):
-        """One record per logged step (logging_steps=1), taken right after the trainer logs.
-
-        A record is printed once the server's generated-token count after its step is read
-        (`GeneratedTokens`): usually at the next step, the last ones when training ends."""
-
-        def __init__(self) -> None:
-            self.shares = None
-            self.last_t = time.perf_counter()
-            self.generated_tokens = GeneratedTokens(base_url)
-            self.generated_tokens.mark("start")
-            self.last_mark, self.printed = "start", 0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.last_t = time.perf_counter()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.generated_tokens.close()
-            self.print_ready()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if "perf/step_s" not in (logs or {}):
-                return
-            if self.shares is None:  # the worker exists once the pipeline started
-                self.shares = CpuShares({
-                    "trainer": (os.getpid(), None), "trainer_main_thread": (os.getpid(), os.getpid()),
-                    "rollout_worker": [trainer.source.worker.pid],
-                    **server_processes(server.pid)})
-            now = time.perf_counter()
-            self.generated_tokens.mark(state.global_step)
-            records.append(step_record(state.global_step, logs, timers.take(), now - self.last_t,
-                                       self.shares.shares()))
-            records[-1]["after_mark"] = self.last_mark
-            self.last_t, self.last_mark = now, state.global_step
-            self.print_ready()
-
-        def print_ready(self) -> None:
-            values = self.generated_tokens.values
-            while self.printed < len(records):
-                record = records[self.printed]
-                if record["step"] not in values:
-                    return
-                generated = values[record["step"]] - values[record.pop("after_mark")]
-                record["generated_tokens"] = generated
-                record["generated_tokens_per_s"] = round(generated / record["wall_s"], 1)
-                print(json.dumps(record), flush=True)
-                self.printed += 1
-
-    return Recorder()
-
-
-def step_record(step: int, logs: dict, timed: dict, wall: float, shares: dict) -> dict:
-    """A step's record; its generated tokens are filled in once read (`Recorder.print_ready`)."""
-    trained = logs.get("batch/trained_tokens_per_step", 0.0)
-    waiting = timed.get("waiting", 0.0)
-    adding = timed.get("packing_add", 0.0)
-    return {
-        "step": step, "wall_s": round(wall, 3),
-        "trained_tokens": trained, "generated_tokens": None,
-        "trained_tokens_per_s": round(trained / wall, 1), "generated_tokens_per_s": None,
-        "fwd_bwd_s": round(logs.get("perf/fwd_bwd_s", 0.0), 3),
-        "optimizer_s": round(logs.get("perf/optimizer_s", 0.0), 3),
-        "sync_s": round(logs.get("perf/weight_sync_s", 0.0), 3),
-        "waiting_s": round(waiting, 3),
-        "pull_s": round(timed.get("next_step", 0.0) - waiting - adding, 3),
-        "packing_s": round(adding + timed.get("packing_plan", 0.0), 3),
-        "metrics_s": round(timed.get("metrics", 0.0), 3),
-        "reward": logs.get("reward"),
-        "cpu": shares,
-    }
 
 
 def isolated_fwd_bwd(trainer, batches: list) -> list[float]:
@@ -314,37 +163,48 @@ def profiling(directory: str | None, pids_later):
     prof.export_chrome_trace(str(out / "trainer_trace.json"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The options this bench and `bench/pipeline_trl.py` share (one task, one server recipe)."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the summary")
-    parser.add_argument("--profile", metavar="DIR", help="write py-spy / torch.profiler output here")
     parser.add_argument("--base-url", help="a server with the issue's flags that you started "
                         "(weights get pushed into it); needs --server-pid for its CPU share")
     parser.add_argument("--server-pid", type=int, help="the API server process of --base-url")
+
+
+def task_server(opts, model_path: str):
+    """The server at --base-url, or a managed one with the issue's flags (bf16, 2 GiB KV cache,
+    `--max-model-len 1024`, gloo weight transfer, dev mode, keep-alive 600 s)."""
+    from grpo_agent.sampler.server import ManagedVLLMServer
+
+    if opts.steps <= opts.warmup:
+        raise SystemExit(f"--steps {opts.steps} must exceed --warmup {opts.warmup}.")
+    if opts.base_url and not opts.server_pid:
+        raise SystemExit("--base-url needs --server-pid (the API server's pid, for its CPU share).")
+    if opts.base_url:
+        return contextlib.nullcontext(argparse.Namespace(base_url=opts.base_url, pid=opts.server_pid))
+    return ManagedVLLMServer(model_path, dtype="bfloat16", max_model_len=1024, kv_cache_gib=2,
+                             startup_timeout=1800)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(parser)
+    parser.add_argument("--profile", metavar="DIR", help="write py-spy / torch.profiler output here")
     parser.add_argument("--share-first-turn", choices=("on", "off"), default="on",
                         help="a group's first turns as one request with n (on) or one per rollout")
     parser.add_argument("--server-nice", type=int, metavar="N",
                         help="set the nice value of every thread of the server's processes before "
                         "training (0 undoes an earlier run's; default: leave them as they are)")
     opts = parser.parse_args()
-    if opts.steps <= opts.warmup:
-        raise SystemExit(f"--steps {opts.steps} must exceed --warmup {opts.warmup}.")
     import torch
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
-    from grpo_agent.sampler.server import ManagedVLLMServer
     from grpo_agent.testing import build_tiny_model
 
     model_path = str(build_tiny_model())
     timers, batches, records = StepTimers(), [], []
     load_before = os.getloadavg()
-    if opts.base_url and not opts.server_pid:
-        raise SystemExit("--base-url needs --server-pid (the API server's pid, for its CPU share).")
-    server = (contextlib.nullcontext(argparse.Namespace(base_url=opts.base_url, pid=opts.server_pid))
-              if opts.base_url else
-              ManagedVLLMServer(model_path, dtype="bfloat16", max_model_len=1024, kv_cache_gib=2,
-                                startup_timeout=1800))
-    with tempfile.TemporaryDirectory() as tmp, server as server:
+    with tempfile.TemporaryDirectory() as tmp, task_server(opts, model_path) as server:
         if opts.server_nice is not None:
             renice(server.pid, opts.server_nice)
         args = AsyncGRPOConfig(
@@ -357,7 +217,8 @@ def main() -> None:
         trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
                                    train_dataset=task_dataset(), args=args)
         instrument(timers, batches)
-        trainer.add_callback(make_recorder(trainer, server, timers, records, server.base_url))
+        trainer.add_callback(make_recorder(lambda: trainer.source.worker.pid, server, timers, records,
+                                           server.base_url))
         pids = lambda: {"trainer": os.getpid(), "rollout_worker": trainer.source.worker.pid}
         with profiling(opts.profile, pids) as attach:
             from transformers import TrainerCallback
@@ -383,7 +244,8 @@ def main() -> None:
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
     def median(key):
-        return round(statistics.median(r[key] for r in measured), 3)
+        values = [r[key] for r in measured if r[key] is not None]
+        return round(statistics.median(values), 3) if values else None
 
     wall = sum(r["wall_s"] for r in measured)
     trained = sum(r["trained_tokens"] for r in measured)
