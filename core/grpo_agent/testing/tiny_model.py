@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -53,17 +54,25 @@ def build_tiny_model(
     if out_dir is None:
         suffix = f".{HYBRID_VERSION}" if arch == "qwen3_5" else ""
         out_dir = default_cache_dir() / f"tiny-{arch}-v{KIT_VERSION}{suffix}"
-    target = Path(out_dir).expanduser().resolve()
+    return build_once(Path(out_dir).expanduser().resolve(), str(KIT_VERSION),
+                      lambda staging: _write_model(staging, arch), force=force)
+
+
+def build_once(target: Path, version: str, write: Callable[[Path], None], force: bool = False) -> Path:
+    """`target`, written by `write(staging folder)` unless a complete build is there (or
+    `force`). A file lock keeps concurrent builders out, and the folder is renamed into place
+    with a marker file, so no reader ever sees a half-written one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / _COMPLETE_MARKER).exists() and not force:
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        staging.chmod(0o755)
         try:
-            _write_model(staging, arch)
-            (staging / _COMPLETE_MARKER).write_text(f"{KIT_VERSION}\n")
+            write(staging)
+            (staging / _COMPLETE_MARKER).unlink(missing_ok=True)  # a copied base's marker
+            staging.chmod(0o755)
+            (staging / _COMPLETE_MARKER).write_text(f"{version}\n")
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)

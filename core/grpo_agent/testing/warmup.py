@@ -13,18 +13,20 @@ trains, see `build_counter_warmed_model`).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from grpo_agent.testing.tiny_model import KIT_VERSION, build_tiny_model, default_cache_dir
+from grpo_agent.testing.tiny_model import (
+    KIT_VERSION,
+    build_once,
+    build_tiny_model,
+    default_cache_dir,
+)
 
 WARMUP_VERSION = 5
-_COMPLETE_MARKER = ".complete"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
@@ -226,26 +228,12 @@ def build_tool_warmed_model(
 
 
 def _cached_build(name: str, base: Path, version: str, train) -> Path:
-    """`base` copied and trained into the cache folder `name`, once per machine (a file lock
-    keeps concurrent builders out; a marker file says the folder is complete)."""
-    target = default_cache_dir() / name
-    with open(target.parent / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / _COMPLETE_MARKER).exists():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-        try:
-            shutil.copytree(base, staging, dirs_exist_ok=True)
-            (staging / _COMPLETE_MARKER).unlink(missing_ok=True)
-            staging.chmod(0o755)
-            train(staging)
-            (staging / _COMPLETE_MARKER).write_text(f"{version}\n")
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """`base` copied and trained into the cache folder `name`, once per machine (`build_once`)."""
+    def write(staging: Path) -> None:
+        shutil.copytree(base, staging, dirs_exist_ok=True)
+        train(staging)
+
+    return build_once(default_cache_dir() / name, version, write)
 
 
 COUNTER_WARMUP_VERSION = 1
