@@ -27,7 +27,13 @@ import statistics
 import time
 
 import torch
-from grpo_agent.train import fused_projections, level_attention, logprobs, varlen_attention
+from grpo_agent.train import (
+    fused_projections,
+    level_attention,
+    logprobs,
+    row_graphs,
+    varlen_attention,
+)
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 from grpo_agent.train.packing import pack_row
@@ -35,6 +41,7 @@ from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
+from packing_graphs import graph_case
 
 SHAPES = {
     # name: (config kwargs, dtype, prompt_len, completion_len, token_budget)
@@ -214,7 +221,7 @@ def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
 
 
 def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
-             compiled=False, backend="auto", rows=4, baseline=False):
+             compiled=False, backend="auto", rows=4, baseline=False, graphs=("off",)):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
@@ -274,6 +281,15 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         )
     padded = max(s.num_tokens for s in samples) * len(samples)
     packed_model.zero_grad(set_to_none=True), plain_model.zero_grad(set_to_none=True)
+    graphed = {}
+    if "on" in graphs:
+        eager = {"packed_s": packed_s, "unpacked_s": unpacked_s, "pipelined_ratio": pipelined_ratio,
+                 "pipelined_packed_s": pipelined_packed_s,
+                 "pipelined_unpacked_s": pipelined_unpacked_s,
+                 "packed_peak_gib": memory.get("packed_peak_gib")}
+        graphed = graph_case(packed_model, packed_step, packed_rows, eager,
+                             lambda step: time_fwd_bwd(step, device, repeats), peak_memory_gib)
+        torch.cuda.empty_cache()
     return {
         "case": f"{shape}/G={group_size}",
         "compiled": compiled,
@@ -310,6 +326,7 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         **({"gdn_kernel": _gdn_kernel(packed_model, device)}
            if getattr(packed_model, "_grpo_linear_layers", 0) else {}),
         "lm_head": logprobs.LM_HEAD,
+        **graphed,
         **old,
         **memory,
     }
@@ -415,7 +432,19 @@ def main() -> None:
         help="also time the packed path with the previous kernels (torch LM head, float32 "
         "gather sums) in the same process: old_packed_s, new_over_old",
     )
+    parser.add_argument(
+        "--graphs", type=lambda text: text.split(","), default=["off"],
+        help="off,on: also time the packed step through CUDA graphs over bucketed row shapes "
+        "(row_graphs; CUDA) in the same process, with its exactness against the eager step",
+    )
+    parser.add_argument(
+        "--graph-token-step", type=int, default=row_graphs.STEPS["tokens"],
+        help="with --graphs on: rows are padded to a multiple of this many tokens",
+    )
     args = parser.parse_args()
+    row_graphs.STEPS["tokens"] = args.graph_token_step
+    if set(args.graphs) - {"off", "on"}:
+        parser.error(f"--graphs takes off and/or on, got {','.join(args.graphs)}")
     logprobs.LM_HEAD = args.lm_head
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
@@ -432,7 +461,8 @@ def main() -> None:
     for group_size in args.group_sizes:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
-                     args.compile, args.backend, args.rows, args.baseline)
+                     args.compile, args.backend, args.rows, args.baseline,
+                     args.graphs if device == "cuda" else ("off",))
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":
