@@ -15,6 +15,8 @@ last line is the summary.
     python bench/packing.py                 # CPU: the tiny model
     python bench/packing.py --model qwen3-0.6b   # GPU: a random Qwen3-0.6B-shaped model (bf16)
     python bench/packing.py --model qwen3.5-2b   # GPU: random Qwen3.5-2B text shape (hybrid)
+    python bench/packing.py --compile --graphs off,on   # GPU: also the packed step as CUDA
+                                                        # graphs over bucketed rows (graph_*)
 """
 
 from __future__ import annotations
