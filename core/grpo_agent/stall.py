@@ -44,12 +44,16 @@ REPORT_NAME = "stall_report.json"
 OWN_TIMEOUT_MARGIN_S = 60.0
 STAGES = ("vllm_generate", "tool", "env_reset", "env_finish", "scoring", "queue_pull",
           "weight_sync", "weight_sync/pause", "weight_sync/transfer", "weight_sync/finish",
-          "weight_sync/resume", "weight_sync/cache_reset", "checkpoint_save", "collective")
+          "weight_sync/resume", "weight_sync/cache_reset", "checkpoint_save", "server_restore",
+          "collective")
+# What a managed vLLM server's (re)start may take (`ManagedVLLMServer.startup_timeout`): a
+# restore bounded by it must not be cut short by its stage deadline.
+SERVER_STARTUP_TIMEOUT_S = 600.0
 # The trainer's collectives under FSDP: a phase's deadline is the collective deadline plus the
 # stage rank 0 may legitimately spend in it while the other ranks wait (None: nothing).
 COLLECTIVE_DEADLINE_S = 1800.0  # torch's own default process-group timeout
 COLLECTIVE_PHASES = {"step plan": "queue_pull", "train step": None, "step end": None,
-                     "weight push": "weight_sync", "server restore": "weight_sync",
+                     "weight push": "weight_sync", "server restore": "server_restore",
                      "checkpoint save": "checkpoint_save"}
 # The process group's own timeout is this much past the longest phase deadline, so the stall
 # report and exit come first (NCCL's watchdog would kill the process without one).
@@ -112,6 +116,9 @@ def stage_deadline(config: Any, stage: str) -> float:
         "queue_pull": server + worker,  # one generation may take up to vllm_server_timeout
         "weight_sync": server + OWN_TIMEOUT_MARGIN_S,
         "checkpoint_save": server,
+        # A managed server's restart (its startup_timeout) or an external one's return
+        # (vllm_server_timeout), whose own errors come first.
+        "server_restore": max(server, SERVER_STARTUP_TIMEOUT_S) + OWN_TIMEOUT_MARGIN_S,
         "collective": COLLECTIVE_DEADLINE_S,
     }
     if family not in derived:

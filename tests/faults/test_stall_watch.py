@@ -44,7 +44,11 @@ def test_collective_phase_deadlines_and_the_process_group_timeout(tmp_path):
     assert stall.collective_deadline(config, "train step") == 4
     assert stall.collective_deadline(config, "step plan") == 4 + 120  # + queue_pull
     assert stall.collective_deadline(config, "weight push") == 4 + 100 + stall.OWN_TIMEOUT_MARGIN_S
-    assert config.ddp_timeout == 4 + 100 + 2 * stall.OWN_TIMEOUT_MARGIN_S  # raised: longest + 60 s
+    # Rank 0 restarting a managed server may take its startup_timeout (600 s), past
+    # vllm_server_timeout: the phase outwaits it (a restart at load 14 took over 190 s).
+    restart = stall.SERVER_STARTUP_TIMEOUT_S + stall.OWN_TIMEOUT_MARGIN_S
+    assert stall.collective_deadline(config, "server restore") == 4 + restart
+    assert config.ddp_timeout == 4 + restart + stall.OWN_TIMEOUT_MARGIN_S  # raised: longest + 60 s
     assert _config(tmp_path).ddp_timeout == 1800 + 2100 + stall.PROCESS_GROUP_MARGIN_S
     assert _config(tmp_path, ddp_timeout=10_000).ddp_timeout == 10_000  # a longer one stays
 

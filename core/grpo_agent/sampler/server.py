@@ -27,6 +27,7 @@ import httpx
 
 from grpo_agent.sampler.errors import ServerStartupError
 from grpo_agent.sampler.vllm_entry import OWNER_PID_ENV
+from grpo_agent.stall import SERVER_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class ManagedVLLMServer:
         enforce_eager: bool = False,
         extra_args: Sequence[str] = (),
         log_path: str | os.PathLike | None = None,
-        startup_timeout: float = 600.0,
+        startup_timeout: float = SERVER_STARTUP_TIMEOUT_S,
         env: dict[str, str] | None = None,
     ):
         self.model = str(model)
