@@ -84,8 +84,8 @@ def test_a_server_killed_under_fsdp_is_restarted_and_both_ranks_push_again(tiny_
     restored = next(s for s in steps if s["restarts"] == 1)
     after = [v for s in steps if s["step"] > restored["step"] for v in s["versions"]]
     # On-policy (max_staleness=0), so no backlog of the old server's samples fills the steps
-    # after the restore: they train samples of the pushed version or later (and at most the
-    # samples a step's last pull could not fit, carried over from the step before).
+    # after the restore: they train samples of the pushed version or later (a step's carry is
+    # rechecked against the staleness bound when the next step opens).
     assert after and max(after) >= pushed, (pushed, steps)
     assert all(max(s["versions"], default=0) < s["model_version"] for s in steps), steps
     _check_served_versions(out / "groups.jsonl", pushed)

@@ -50,6 +50,20 @@ def test_stale_samples_drop_at_pull_and_their_prompt_is_noticed_once_per_group()
     assert ("sample/staleness_max", 0.0) in observations
 
 
+def test_a_carry_the_push_made_stale_drops_without_counting_its_tokens_twice():
+    on_policy = TokenAllowance(max_staleness=0, step_tokens=64)
+    carry = [_sample(4, version=0, group_id=3), _sample(4, version=0, group_id=3)]
+    on_policy.after_pull(carry, version=0, now=0.0)  # fresh at its pull
+    kept, observations = on_policy.recheck_carry(carry, version=1)  # a push later
+    assert kept == [PromptConsumed(0, 0, "stale")]
+    assert on_policy.consumed == 8
+    assert observations == [("sample/dropped_stale_count", 2.0)]  # observed once, at the pull
+
+    one_behind = TokenAllowance(max_staleness=1, step_tokens=64)
+    kept, observations = one_behind.recheck_carry(carry, version=1)
+    assert kept == carry and observations == [("sample/dropped_stale_count", 0.0)]
+
+
 def test_the_worker_publishes_the_allowance_sized_by_the_token_budget_it_is_given():
     config = SimpleNamespace(max_staleness=1, token_budget=None, gradient_accumulation_steps=2,
                              rollout_worker_timeout=60.0, seed=0, max_completion_length=8,

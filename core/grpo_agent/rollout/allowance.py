@@ -1,7 +1,8 @@
 """Staleness in one place: the token allowance, the drop-at-pull rule, the staleness-0 cases.
 
 Design decision: the spec bounds staleness twice. At pull time a sample more than
-`max_staleness` model versions old is dropped (its prompt counts as consumed, once per group).
+`max_staleness` model versions old is dropped (its prompt counts as consumed, once per group),
+and again when a step's carry (pulled, but past the step's rows) opens the next step.
 Before that, the dispatcher starts a group only while the tokens queued and in flight stay
 below a cumulative allowance: the tokens the trainer has pulled plus `max(max_staleness, 1)`
 steps' worth, so generation runs at most that far ahead of training. Under max_staleness=0
@@ -61,6 +62,15 @@ class TokenAllowance:
         """Drop samples more than max_staleness versions behind `version`; the first dropped
         sample of a group becomes a "stale" notice (the prompt is consumed, untrained).
         Returns the kept items and the staleness observations."""
+        self.consumed += sum(item.num_tokens for item in items if isinstance(item, TrainingSample))
+        return self._keep_fresh(items, version, now)
+
+    def recheck_carry(self, samples: list, version: int) -> tuple[list, list[Observation]]:
+        """The same rule for a step's carry (pulled fresh, then a step and its push went by).
+        Its samples were counted and observed at their pull; only new drops are counted."""
+        return self._keep_fresh(samples, version, None)
+
+    def _keep_fresh(self, items: list, version: int, now: float | None) -> tuple[list, list[Observation]]:
         kept: list = []
         observations: list[Observation] = []
         dropped = 0
@@ -68,7 +78,6 @@ class TokenAllowance:
             if not isinstance(item, TrainingSample):
                 kept.append(item)
                 continue
-            self.consumed += item.num_tokens
             staleness = version - item.model_version
             if staleness > self.max_staleness:
                 dropped += 1
@@ -76,9 +85,10 @@ class TokenAllowance:
                     self._stale_groups.add(item.group_id)
                     kept.append(PromptConsumed(item.prompt_index, item.row_index, "stale"))
                 continue
-            observations += [
-                ("sample/staleness_mean", float(staleness)), ("sample/staleness_max", float(staleness)),
-                ("sample/time_in_queue_s", now - item.queued_at)]
+            if now is not None:
+                observations += [
+                    ("sample/staleness_mean", float(staleness)), ("sample/staleness_max", float(staleness)),
+                    ("sample/time_in_queue_s", now - item.queued_at)]
             kept.append(item)
         observations.append(("sample/dropped_stale_count", float(dropped)))
         return kept, observations

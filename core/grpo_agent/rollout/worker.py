@@ -245,6 +245,13 @@ class RolloutWorker:
         self._trainer_observations.append(("rollout/queue_size", float(self.queue_size)))
         return self._drop_stale(items)
 
+    def recheck_carry(self, samples: list[TrainingSample]) -> list[TrainingSample | PromptConsumed]:
+        """A step's carry against the version now trained: the last step's push may have made
+        some of it more than max_staleness versions old (under max_staleness=0, all of it)."""
+        kept, observations = self.allowance.recheck_carry(samples, self.model_version)
+        self._trainer_observations += observations
+        return kept
+
     def drain_metrics(self) -> list[Observation]:
         """Everything observed since the last call, for `grpo_agent.metrics.MetricWindow.extend`."""
         observations, self._trainer_observations = self._trainer_observations, []

@@ -2,8 +2,8 @@
 
 A step is filled by tokens, not by a sample count (the spec: kept groups fill the step, so
 the more groups are dropped, the more generation a step needs). We block until the step planner
-says the step's rows are full; the sample that did not fit is carried to the next step, never
-dropped. Only the run's last step may be partial. Prompt notices update the ledger
+says the step's rows are full; the sample that did not fit is carried to the next step, and
+dropped there only if the step's push made it too stale (the staleness rule, rechecked). Only the run's last step may be partial. Prompt notices update the ledger
 here, and samples of prompts trained before a resume are discarded here.
 """
 from __future__ import annotations
@@ -64,7 +64,9 @@ class StepSource:
         (every group dropped), so a run on a task its model never scores still ends.
         """
         taken: list[TrainingSample] = []
-        pending, self._carry = self._carry, []
+        # The carry passed the staleness rule at its pull, a push ago: it passes it again.
+        pending = self._accept(self.worker.recheck_carry(self._carry)) if self._carry else []
+        self._carry = []
         waited = 0.0
         last_progress = time.perf_counter()
         self._last_starved_warning = 0.0
