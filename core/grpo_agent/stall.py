@@ -168,6 +168,17 @@ class _Stage:
     def age(self, now: float) -> float:
         return now - self.started
 
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """A stage with a deadline of its own runs inside this one (a server restore inside
+        the queue pull): this one's clock stops meanwhile and restarts after it."""
+        deadline, self.deadline_s = self.deadline_s, float("inf")
+        try:
+            yield
+        finally:
+            self.deadline_s = deadline
+            self.touch()
+
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"stage": self.name, **self.detail, "elapsed_s": round(self.age(now), 3),
                 "deadline_s": self.deadline_s, "stalled": self.reported}

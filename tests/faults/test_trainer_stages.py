@@ -116,3 +116,27 @@ def test_a_queue_pull_that_never_gets_an_item_stops_with_the_report(watch, tmp_p
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "queue_pull" and report["elapsed_s"] >= 1
     assert "next_step" in report["stacks"]["trainer"]
+
+
+class ServerDown(SilentWorker):
+    """A worker that lost its server: the step source restores it before pulling again."""
+
+    server_down = True
+
+
+def test_a_server_restore_in_the_queue_pull_runs_on_its_own_deadline(watch, tmp_path):
+    # queue_pull's deadline is 1 s here, the restore takes 3.5 s: within server_restore's.
+    worker, seen = ServerDown(), []
+
+    def restore():
+        import time
+        time.sleep(3.5)
+        seen.extend(s["stage"] for s in watch.in_flight())
+        worker.server_down = False
+
+    source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): bool(seen),
+                        window=SimpleNamespace(add=lambda *a: None), restore_server=restore,
+                        no_progress_timeout=watch.config.no_progress_timeout)
+    assert source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1)) == []
+    assert seen == ["queue_pull", "server_restore"]
+    assert not (tmp_path / stall.REPORT_NAME).exists()  # the pull's clock stopped meanwhile

@@ -8,6 +8,7 @@ here, and samples of prompts trained before a resume are discarded here.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -76,9 +77,7 @@ class StepSource:
                     if self.epochs_done(taken):
                         break  # the run's last, partial step (or an empty one)
                     if self.restore_server is not None and getattr(self.worker, "server_down", False):
-                        self.restore_server()  # bounded: a restart or vllm_server_timeout
-                        if pull_stage is not None:
-                            pull_stage.touch()
+                        self._restore(pull_stage)
                     started = time.perf_counter()
                     items = self.worker.pull(timeout=PULL_POLL_S)
                     waited += time.perf_counter() - started
@@ -99,6 +98,13 @@ class StepSource:
         # Staleness, time in queue and queue size are recorded once, by the worker's pull.
         self.window.add("perf/rollout_wait_s", waited)
         return taken
+
+    def _restore(self, pull_stage: Any) -> None:
+        """Bring the server back on the restore's deadline (a managed restart may take its
+        startup timeout), not the queue pull's, which waits meanwhile."""
+        waiting = pull_stage.set_aside() if pull_stage is not None else contextlib.nullcontext()
+        with waiting, stall.stage("server_restore"):
+            self.restore_server()  # bounded: a restart or vllm_server_timeout
 
     def _warn_if_starved(self, idle: float, num_taken: int) -> None:
         """Say why training stalls when groups keep being dropped (nothing else would)."""
