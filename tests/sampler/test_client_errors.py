@@ -28,6 +28,7 @@ class ScriptedServer:
     def __init__(self, replies):
         self.replies = list(replies)
         self.posts = 0
+        self.bodies = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,7 +36,7 @@ class ScriptedServer:
                 self._reply(200, MODELS)
 
             def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 outer.posts += 1
                 self._reply(*outer.replies.pop(0))
 
@@ -91,6 +92,10 @@ def test_generate_parses_ids_logprobs_top_k_and_weight_versions():
     assert turn.output_sampler_logprobs == [{9: -0.2, 7: -0.5}, {8: -0.1, 5: -2.5}]
     assert turn.weight_versions == ["3", "3"] and turn.finish_reason == "length"
     assert retries == 0
+    # Ids only: the server's API process would otherwise decode every sampled token and each of
+    # its top-k (255 -> 110-152 ms of its CPU per 1,000 tokens measured with top-9 on CPU).
+    assert server.bodies[0]["sampling_params"]["detokenize"] is False
+    assert server.bodies[0]["sampling_params"]["logprobs"] == 3
 
 
 def test_5xx_is_retried_and_counted_then_succeeds():

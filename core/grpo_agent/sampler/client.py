@@ -153,8 +153,10 @@ class SamplerClient:
     async def _generate_tokens(
         self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
     ) -> list[TurnRecord]:
+        # Ids only: with detokenize on, vLLM's API process decodes every sampled token and each
+        # of its top-k, about half of that process's CPU (see docs/performance.md).
         body = {"model": model, "token_ids": list(prompt_ids),
-                "sampling_params": _sampling_body(params, n)}
+                "sampling_params": {**_sampling_body(params, n), "detokenize": False}}
         data = await self._request_json("POST", "/inference/v1/generate", json=body)
         return [_turn_from_generate(prompt_ids, choice, params)
                 for choice in _choices(data, n, self.base_url)]
