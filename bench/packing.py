@@ -43,7 +43,7 @@ from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import BACKENDS, choose_backend, enable_tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
-from packing_graphs import graph_case
+from packing_graphs import graph_case, kernel_profile
 
 SHAPES = {
     # name: (config kwargs, dtype, prompt_len, completion_len, token_budget)
@@ -223,7 +223,8 @@ def time_fwd_bwd(step, device, repeats: int) -> tuple[float, float]:
 
 
 def run_case(packed_model, plain_model, shape, group_size, device, repeats, budget=None,
-             compiled=False, backend="auto", rows=4, baseline=False, graphs=("off",)):
+             compiled=False, backend="auto", rows=4, baseline=False, graphs=("off",),
+             graph_steps=((512, 512),), profile=False):
     _, _, prompt_len, completion_len, default_budget = SHAPES[shape]
     budget = budget or default_budget
     vocab = plain_model.config.vocab_size
@@ -290,7 +291,11 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
                  "pipelined_unpacked_s": pipelined_unpacked_s,
                  "packed_peak_gib": memory.get("packed_peak_gib")}
         graphed = graph_case(packed_model, packed_step, packed_rows, eager,
-                             lambda step: time_fwd_bwd(step, device, repeats), peak_memory_gib)
+                             lambda step: time_fwd_bwd(step, device, repeats), peak_memory_gib,
+                             graph_steps, profile)
+        if profile:
+            graphed |= {"profile_eager_packed": kernel_profile(packed_step),
+                        "profile_unpacked": kernel_profile(unpacked_step)}
         torch.cuda.empty_cache()
     return {
         "case": f"{shape}/G={group_size}",
@@ -440,11 +445,18 @@ def main() -> None:
         "(row_graphs; CUDA) in the same process, with its exactness against the eager step",
     )
     parser.add_argument(
-        "--graph-token-step", type=int, default=row_graphs.STEPS["tokens"],
-        help="with --graphs on: rows are padded to a multiple of this many tokens",
+        "--graph-steps", default=f"{row_graphs.STEPS['tokens']}:{row_graphs.STEPS['trained']}",
+        type=lambda text: [(*map(int, v.split(":")[:2]), *v.split(":")[2:]) for v in text.split(",")],
+        help="with --graphs on: bucket sizes to time one after another, as tokens:trained "
+        "steps (a row is padded to a multiple of each), e.g. 512:512,64:64; a third field "
+        "'arrival' captures buckets in the rows' order instead of largest first",
+    )
+    parser.add_argument(
+        "--profile-kernels", action="store_true",
+        help="with --graphs on: GPU kernel tables (by kind) of one eager packed row, one "
+        "replayed row per bucket size and the unpacked batch",
     )
     args = parser.parse_args()
-    row_graphs.STEPS["tokens"] = args.graph_token_step
     if set(args.graphs) - {"off", "on"}:
         parser.error(f"--graphs takes off and/or on, got {','.join(args.graphs)}")
     logprobs.LM_HEAD = args.lm_head
@@ -464,7 +476,8 @@ def main() -> None:
         results.append(
             run_case(packed, plain, shape, group_size, device, args.repeats, args.token_budget,
                      args.compile, args.backend, args.rows, args.baseline,
-                     args.graphs if device == "cuda" else ("off",))
+                     args.graphs if device == "cuda" else ("off",), args.graph_steps,
+                     args.profile_kernels)
         )
         print(json.dumps(results[-1]), flush=True)
     if device == "cuda":

@@ -3,8 +3,10 @@
 Timed in the same process and on the same rows as the eager packed step, so every ratio is
 side by side: one row with the GPU drained around it, the rows back to back, the log-prob and
 gradient differences to the eager step (with the eager step's own rerun difference: flash's
-dq and the gather's backward add atomically), and memory: the first step's peak (eager run +
-capture), a replay's, and the graphs' private pool.
+dq and the gather's backward add atomically), and memory: the graphs' private pool after
+`prepare` captured every row's bucket, against the eager step's peak over the same rows.
+Several bucket sizes (`tokens:trained` steps) run one after another in the process, each
+with its own graphs. `kernel_profile` is the GPU kernel table of one row, by kind.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ def _valid_logprob_sum(token, tensors):
     return (token.logprobs * tensors["valid"]).sum()
 
 
-def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn) -> dict:
+def _pool_gib(pool) -> float:
+    """GiB reserved by one private (graph) pool."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) == tuple(pool)) / 2**30
+
+
+def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
+               steps: list[tuple], profile: bool = False) -> dict:
     """The packed step through CUDA graphs over bucketed rows (`row_graphs`), same rows and
-    process as the eager packed lines (`eager`: their times, ratio and peak): time, exactness
-    against the eager step, memory. `time_fn(step)` -> (median s, median queued s);
-    `peak_fn(step)` -> peak GiB above what was allocated before."""
+    process as the eager packed lines (`eager`: their times, ratio and peak), once per
+    (token step, trained step[, "arrival"]) in `steps`: time, exactness against the eager
+    step, memory. "arrival" captures each row's bucket as the row comes (the order before
+    `prepare`), not largest first.
+    `time_fn(step)` -> (median s, median queued s); `peak_fn(step)` -> peak GiB above what was
+    allocated before. `profile`: each variant's kernel table of one replayed row."""
     row = packed_rows[0]
 
     def eager_grads():
@@ -38,44 +50,114 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn) -
     eager_lp, eager_ref = eager_grads()
     eager_noise = rel_diff(eager_grads()[1], eager_ref)  # flash's dq and the gather add atomically
     model.zero_grad(set_to_none=True)
-    graphs = RowGraphs(model, _valid_logprob_sum)
-    graphs.attach_grads()  # as the eager peak, measured above the gradients
-    torch.cuda.synchronize()
+    eager_peak = max(peak_fn(lambda r=r: packed_step(r)) for r in packed_rows)
+    torch.cuda.synchronize()  # the gradients exist; what the eager rows keep cached above them:
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    graphs.step(row)  # the bucket's first row: an eager run, then the capture
+    reserved = torch.cuda.memory_reserved()
+    for r in packed_rows:
+        packed_step(r)
     torch.cuda.synchronize()
-    capture_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    eager_reserved = (torch.cuda.max_memory_reserved() - reserved) / 2**30
     model.zero_grad(set_to_none=True)
-    graph_lp = graphs.step(row).float().clone()  # a replay
-    grad_diff = rel_diff([p.grad.float() for p in model.parameters() if p.grad is not None],
-                         eager_ref)
-    del eager_ref
-    single_s, queued_s = time_fn(lambda: graphs.step(row))
-    pipelined_s = time_fn(lambda: [graphs.step(r) for r in packed_rows])[0] / len(packed_rows)
-    replay_peak = peak_fn(lambda: graphs.step(row))
-    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**30
     ratio = row.unpacked_tokens / row.num_tokens
-    out = {
-        "graph_buckets": len(graphs.graphs),
-        "graph_padded_tokens": [Bucket.of(r).tokens for r in packed_rows],
-        "graph_packed_s": round(single_s, 5),
-        "graph_packed_queued_s": round(queued_s, 5),
-        "graph_over_eager": round(single_s / eager["packed_s"], 3),
-        "graph_speedup_over_ratio": round(eager["unpacked_s"] / single_s / ratio, 3),
-        "graph_pipelined_packed_s": round(pipelined_s, 5),
-        "graph_pipelined_over_eager": round(pipelined_s / eager["pipelined_packed_s"], 3),
-        "graph_pipelined_speedup_over_ratio": round(
-            eager["pipelined_unpacked_s"] / pipelined_s / eager["pipelined_ratio"], 3),
-        "graph_max_logprob_diff": float((graph_lp - eager_lp).abs().max()),
-        "graph_grad_rel_diff": grad_diff,
-        "eager_rerun_grad_rel_diff": eager_noise,
-        "graph_token_step": row_graphs.STEPS["tokens"],
-        "graph_capture_peak_gib": round(capture_peak, 3),
-        "graph_replay_peak_gib": replay_peak,
-        "graph_pool_gib": round(pool, 3),
-        "eager_packed_peak_gib": eager["packed_peak_gib"],
-    }
-    model.zero_grad(set_to_none=True)
-    return out  # the graphs and their pool go with this frame
+    out = {"eager_rerun_grad_rel_diff": eager_noise,
+           "eager_packed_peak_gib": eager["packed_peak_gib"],
+           "eager_packed_peak_all_rows_gib": round(eager_peak, 3),
+           "eager_packed_reserved_all_rows_gib": round(eager_reserved, 3)}
+
+    def measure(tokens_step: int, trained_step: int, order: str = "largest") -> dict:
+        """One bucket size's graphs, made, timed and checked; freed on return."""
+        row_graphs.STEPS.update(tokens=tokens_step, trained=trained_step)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        graphs = RowGraphs(model, _valid_logprob_sum)
+        graphs.attach_grads()  # as the eager peak, measured above the gradients
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for rows in [packed_rows] if order == "largest" else [[r] for r in packed_rows]:
+            graphs.prepare(rows)  # warm-ups, then captures largest first
+        torch.cuda.synchronize()
+        prepare_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        pool = _pool_gib(graphs.pool)
+        graph_lp = graphs.step(row).float().clone()
+        grad_diff = rel_diff([p.grad.float() for p in model.parameters() if p.grad is not None],
+                             eager_ref)
+        single_s, queued_s = time_fn(lambda: graphs.step(row))
+        pipelined_s = time_fn(lambda: [graphs.step(r) for r in packed_rows])[0] / len(packed_rows)
+        tag = f"graph_{tokens_step}_{trained_step}_" + ("arrival_" if order != "largest" else "")
+        res = {
+            tag + "buckets": len(graphs.graphs),
+            tag + "padded_tokens": [Bucket.of(r).tokens for r in packed_rows],
+            tag + "padded_trained": [Bucket.of(r).trained for r in packed_rows],
+            tag + "packed_s": round(single_s, 5),
+            tag + "queued_s": round(queued_s, 5),
+            tag + "over_eager": round(single_s / eager["packed_s"], 3),
+            tag + "speedup_over_ratio": round(eager["unpacked_s"] / single_s / ratio, 3),
+            tag + "pipelined_packed_s": round(pipelined_s, 5),
+            tag + "pipelined_over_eager": round(pipelined_s / eager["pipelined_packed_s"], 3),
+            tag + "pipelined_speedup_over_ratio": round(
+                eager["pipelined_unpacked_s"] / pipelined_s / eager["pipelined_ratio"], 3),
+            tag + "max_logprob_diff": float((graph_lp - eager_lp).abs().max()),
+            tag + "grad_rel_diff": grad_diff,
+            tag + "prepare_peak_gib": round(prepare_peak, 3),
+            tag + "replay_peak_gib": peak_fn(lambda: graphs.step(row)),
+            tag + "pool_gib": round(pool, 3),
+            tag + "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3),
+        }
+        if profile:
+            res[tag + "profile"] = kernel_profile(lambda: graphs.step(row))
+        model.zero_grad(set_to_none=True)
+        return res
+
+    for step in steps:
+        out |= measure(*step)
+    torch.cuda.empty_cache()
+    return out
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    for kind, keys in (("attention", ("flash", "fmha")),
+                       ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
+                       ("lm_head", ("stats_kernel", "grad_kernel")),
+                       ("index", ("index", "gather", "scatter")),
+                       ("copy", ("memcpy", "memset", "copy")),
+                       ("inductor", ("triton",))):
+        if any(k in n for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_profile(step) -> dict:
+    """GPU time (ms) and kernel count of one call of `step`, by kind, and its 12 longest
+    kernels with the ops that launched them (none inside a graph replay): which kernels one
+    path runs that another does not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    launched: dict[str, set] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us() / 1e3
+        for kernel in getattr(e, "kernels", ()):
+            launched.setdefault(kernel.name, set()).add(e.name)
+    kinds: dict[str, list] = {}
+    for name, (count, ms) in kernels.items():
+        k = kinds.setdefault(_kind(name), [0, 0.0])
+        k[0] += count
+        k[1] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"total_ms": round(sum(ms for _, ms in kernels.values()), 3),
+            "kernels": sum(c for c, _ in kernels.values()),
+            "kinds": {k: [c, round(ms, 3)] for k, (c, ms) in sorted(kinds.items())},
+            "top": [[name[:90], c, round(ms, 3), sorted(launched.get(name, ()))[:4]]
+                    for name, (c, ms) in top]}

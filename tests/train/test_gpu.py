@@ -242,39 +242,53 @@ def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, dense, 
     _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
-def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples):
-    """CUDA graphs over bucketed rows (`row_graphs`): each replay reads its own row (two rows of
-    one bucket, a gradient reset between steps), log-probs and accumulated gradients match the
-    eager varlen step in bf16, and a replay never makes the host wait for the GPU."""
+def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatch):
+    """CUDA graphs over bucketed rows (`row_graphs`): three buckets sharing one pool, captured
+    largest first, replayed in another order; each replay reads its own row, log-probs and the
+    accumulated gradients match the eager varlen step in bf16 (the warm-ups added nothing),
+    a gradient reset re-attaches, and a replay never makes the host wait for the GPU."""
+    from grpo_agent.train import row_graphs
     from grpo_agent.train.row_graphs import RowGraphs
 
     def loss(token, tensors):
         return (token.logprobs * tensors["advantages"] * tensors["valid"]).sum()
 
+    monkeypatch.setitem(row_graphs.STEPS, "tokens", 16)
     model = tiny_qwen3.cuda().to(torch.bfloat16)
     enable_tree_attention(model)
-    rows = [pack_row(shared_samples), pack_row(shared_samples[2:])]
-    refs = []
-    for row in rows:
-        lp = forward_row(model, row, temperature=1.0, backend="varlen").token.logprobs
-        (lp * row.advantages.cuda()).sum().backward()
-        refs.append(lp.detach().float())
-    del lp  # a live autograd graph pins its AccumulateGrad nodes to the default stream
-    ref_grads = [p.grad.float() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    rows = [pack_row(shared_samples), pack_row(shared_samples[3:]), pack_row(shared_samples[:2])]
+    order = [rows[2], rows[0], rows[1], rows[2]]
+
+    def eager(steps):
+        model.zero_grad(set_to_none=True)
+        lps = []
+        for row in steps:
+            lp = forward_row(model, row, temperature=1.0, backend="varlen").token.logprobs
+            (lp * row.advantages.cuda()).sum().backward()
+            lps.append(lp.detach().float())
+        del lp  # a live autograd graph pins its AccumulateGrad nodes to the default stream
+        grads = [p.grad.float() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return lps, grads
+
+    def check(got, refs, ref_grads):
+        for g, ref in zip(got, refs):
+            assert g.shape == ref.shape and (g - ref).abs().max().item() < 2e-2
+        for (name, p), ref in zip(model.named_parameters(), ref_grads):
+            rel = ((p.grad.float() - ref).norm() / ref.norm()).item()
+            assert rel < 2e-2, (name, rel)
+
+    refs, ref_grads = eager(order)
+    alone = eager([rows[1]])
     graphs = RowGraphs(model, loss)
-    first = graphs.step(rows[1]).float().clone()  # runs eagerly, then captures the bucket
-    torch.testing.assert_close(first, refs[1], atol=2e-2, rtol=0)
-    model.zero_grad(set_to_none=True)
+    graphs.prepare(rows)  # warm-ups, then captures, largest first
+    assert len(graphs.graphs) == 3
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = [graphs.step(row).float().clone() for row in rows]
+        got = [graphs.step(row).float().clone() for row in order]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(graphs.graphs) == 1
-    for g, ref in zip(got, refs):
-        assert g.shape == ref.shape and (g - ref).abs().max().item() < 2e-2
-    for (name, p), ref in zip(model.named_parameters(), ref_grads):
-        rel = ((p.grad.float() - ref).norm() / ref.norm()).item()
-        assert rel < 2e-2, (name, rel)
+    check(got, refs, ref_grads)
+    model.zero_grad(set_to_none=True)
+    check([graphs.step(rows[1]).float().clone()], *alone)

@@ -100,3 +100,22 @@ def test_replaced_gradients_are_refused(model, shared_samples):
     first.grad = torch.zeros_like(first)
     with pytest.raises(RuntimeError, match="zero_grad"):
         graphs.step(row)
+
+
+def test_warm_ups_of_new_buckets_add_nothing_to_accumulated_gradients(
+        model, shared_samples, monkeypatch):
+    """`prepare` runs each new bucket's warm-up step with `valid` 0 in the middle of an
+    accumulation: the gradients so far are unchanged, and the rows then step as unpadded."""
+    monkeypatch.setitem(row_graphs.STEPS, "tokens", 16)
+    rows = [pack_row(shared_samples), pack_row(shared_samples[3:]), pack_row(shared_samples[:2])]
+    assert len({Bucket.of(r) for r in rows}) == 3
+    ref_lps, grads = _reference(model, rows)
+    (_, first_grads) = _reference(model, rows[:1])
+    graphs = RowGraphs(model, _loss, capture=False)
+    torch.testing.assert_close(graphs.step(rows[0]), ref_lps[0], atol=1e-12, rtol=0)
+    graphs.prepare(rows)
+    assert len(graphs.buffers) == 3
+    _assert_grads(model, first_grads)
+    for row, ref in zip(rows[1:], ref_lps[1:]):
+        torch.testing.assert_close(graphs.step(row), ref, atol=1e-12, rtol=0)
+    _assert_grads(model, grads)

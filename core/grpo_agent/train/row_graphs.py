@@ -14,12 +14,14 @@ the row that sees only padding keys (the varlen plan's last segment), extra segm
 gradient they could carry are zero. Only the varlen tree path is captured (the one `auto`
 takes below LEVELS_MIN_TOKENS); the row always gathers its keys (an unshared row too), so one
 plan shape serves every row. Off CUDA nothing is captured and the padded step runs as is: the
-CPU tests hold it to the unpadded path. All buckets share one memory pool: a step's
-temporaries are freed at the end of each capture, and buckets never replay at the same time.
+CPU tests hold it to the unpadded path. All buckets share one memory pool, captured largest
+first (`RowGraphs.prepare`): a step's temporaries are freed at the end of each capture, the
+smaller buckets reuse the largest one's blocks, and buckets never replay at the same time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +34,11 @@ from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
 
 # Bucket granularity: each size is rounded up to a multiple of its step. Coarser steps mean
-# fewer graphs (captures, static buffers) but more padded work per row.
-STEPS = {"tokens": 512, "segments": 16, "keys": 512, "trained": 512, "seqlen": 256}
+# fewer graphs (captures, static buffers) but more padded work per row; since the buckets
+# share the largest one's memory (`RowGraphs.prepare`), fine token steps cost no memory. On
+# an H200 (0.6B shape, 8k rows) 64-token steps for tokens and trained entries were 2.6-3.2%
+# faster back to back than 512-token steps (docs/performance.md).
+STEPS = {"tokens": 64, "segments": 16, "keys": 512, "trained": 64, "seqlen": 256}
 
 # loss_fn(token log-probs, the bucket's padded per-trained-token tensors) -> scalar loss.
 # The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages",
@@ -115,7 +120,8 @@ class RowGraphs:
 
     `step(row)` accumulates d loss_fn / d params into each parameter's `.grad` (as
     `loss.backward()` would) and returns the real trained tokens' log-probs: a view of the
-    bucket's static output, overwritten by the next replay of that bucket (clone to keep).
+    bucket's static output, overwritten by the next replay of any bucket (they share one
+    pool; clone to keep). `prepare(rows)` makes the graphs of a step's rows up front.
     The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
     fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error."""
 
@@ -136,21 +142,47 @@ class RowGraphs:
 
     def step(self, row: PackedRow) -> torch.Tensor:
         bucket = Bucket.of(row)
-        inputs = padded_inputs(row, bucket)
-        self.attach_grads()
         if bucket not in self.buffers:
-            self.buffers[bucket] = {k: v.to(self.device) for k, v in inputs.items()}
-            if not self.capture:
-                return self._run(bucket)[: row.num_trained]
-            return self._first_run_and_capture(bucket)[: row.num_trained]
+            self.prepare([row])
+        self.attach_grads()
         static = self.buffers[bucket]
-        for name, value in inputs.items():
+        for name, value in padded_inputs(row, bucket).items():
             src = value.pin_memory() if self.device.type == "cuda" else value
             static[name].copy_(src, non_blocking=True)
         if not self.capture:
             return self._run(bucket)[: row.num_trained]
         self.graphs[bucket].replay()
         return self.outputs[bucket][: row.num_trained]
+
+    def prepare(self, rows: list[PackedRow]) -> None:
+        """Make the graphs of these rows' buckets (an optimizer step's micro-batches), largest
+        first. Each new bucket first runs one eager warm-up step (compilation, kernel choice,
+        workspaces) with every trained entry's `valid` 0: its loss has no weight, so it adds
+        exactly zero to the gradients. All warm-ups run before any capture and their cached
+        blocks are handed back, so the captures can take that memory; the largest bucket is
+        captured first, so the smaller ones fit into the blocks it freed. (Captured in the
+        order rows arrive, buckets of growing sizes each needed new blocks: on an H200 the
+        pool held 15.9-16.1 GiB for 3-4 buckets, largest first 12.1: docs/performance.md.)"""
+        new = sorted({Bucket.of(r): r for r in rows if Bucket.of(r) not in self.buffers}.items(),
+                     key=lambda item: dataclasses.astuple(item[0]), reverse=True)
+        if not new:
+            return
+        self.attach_grads()
+        for bucket, row in new:
+            inputs = padded_inputs(row, bucket)
+            inputs["valid"] = torch.zeros_like(inputs["valid"])
+            self.buffers[bucket] = {k: v.to(self.device) for k, v in inputs.items()}
+            self._run(bucket)
+        if not self.capture:
+            return
+        torch.cuda.empty_cache()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for bucket, _ in new:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[bucket] = self._run(bucket)
+            self.graphs[bucket] = graph
 
     def _run(self, bucket: Bucket) -> torch.Tensor:
         """The padded step on the bucket's static buffers: what a graph captures."""
@@ -169,21 +201,6 @@ class RowGraphs:
                                s["targets"], temperature=self.temperature)
         self.loss_fn(token, s).backward()
         return token.logprobs.detach()
-
-    def _first_run_and_capture(self, bucket: Bucket) -> torch.Tensor:
-        """A bucket's first row runs eagerly (which also warms up compilation, kernel choice
-        and workspaces), then the step is captured; capturing runs nothing, so the row's
-        gradients are added once and no copy of them is needed. The eager run stays on the
-        current stream: its freed memory is cached for that stream, which every later eager
-        step and first run reuses (a side stream's cache would sit idle)."""
-        logprobs = self._run(bucket)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[bucket] = self._run(bucket)
-        self.graphs[bucket] = graph
-        return logprobs
 
     def attach_grads(self) -> None:
         """Give every parameter the fixed gradient tensor the graphs accumulate into."""
