@@ -24,7 +24,7 @@ import time
 
 import httpx
 from grpo_agent.sampler import SamplerClient, SamplingParams
-from grpo_agent.sampler.client import _sampling_body
+from grpo_agent.sampler.client import generate_body
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -51,11 +51,8 @@ async def bench(base_url: str, concurrency: int, rounds: int, requests: int, tok
             httpx.AsyncClient(base_url=base_url, timeout=600.0,
                               limits=httpx.Limits(max_connections=512)) as plain:
         model = (await client.model_info()).id
-        body = _sampling_body(params)
-
         async def send_plain(prompt):
-            response = await plain.post("/inference/v1/generate", json={
-                "model": model, "token_ids": prompt, "sampling_params": body})
+            response = await plain.post("/inference/v1/generate", json=generate_body(model, prompt, params))
             response.raise_for_status()
             response.json()
 

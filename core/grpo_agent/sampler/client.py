@@ -153,10 +153,7 @@ class SamplerClient:
     async def _generate_tokens(
         self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
     ) -> list[TurnRecord]:
-        # Ids only: with detokenize on, vLLM's API process decodes every sampled token and each
-        # of its top-k, about half of that process's CPU (see docs/performance.md).
-        body = {"model": model, "token_ids": list(prompt_ids),
-                "sampling_params": {**_sampling_body(params, n), "detokenize": False}}
+        body = generate_body(model, prompt_ids, params, n)
         data = await self._request_json("POST", "/inference/v1/generate", json=body)
         return [_turn_from_generate(prompt_ids, choice, params)
                 for choice in _choices(data, n, self.base_url)]
@@ -247,6 +244,13 @@ def _choices(data: dict, n: int, base_url: str) -> list[dict]:
         raise SamplerError(f"{base_url} answered {len(choices)} choices to a request for n={n}; "
                            "a vLLM server returns one per requested sample (check the server version).")
     return choices
+
+
+def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> dict[str, Any]:
+    """The `/inference/v1/generate` request. Ids only: with detokenize on, vLLM's API process
+    decodes every sampled token and each of its top-k, about half of that process's CPU."""
+    return {"model": model, "token_ids": list(prompt_ids),
+            "sampling_params": {**_sampling_body(params, n), "detokenize": False}}
 
 
 def _sampling_body(params: SamplingParams, n: int = 1) -> dict[str, Any]:
