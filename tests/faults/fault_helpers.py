@@ -27,18 +27,6 @@ def constant_reward(completion_ids, **kwargs):
     return [0.0] * len(completion_ids)
 
 
-def kills_the_server_at_group_3(completion_ids, **kwargs):
-    """token_sum_reward that SIGKILLs the vLLM server (pid in GRPO_FAULT_SERVER_PID) once, when
-    the third group is scored: other groups are generating then. The marker file makes it once
-    per test, across calls in the worker process."""
-    marker = Path(os.environ["GRPO_FAULT_MARKER"])
-    calls = int(marker.read_text() or 0) + 1 if marker.exists() else 1
-    marker.write_text(str(calls))
-    if calls == 3:
-        os.kill(int(os.environ["GRPO_FAULT_SERVER_PID"]), signal.SIGKILL)
-    return token_sum_reward(completion_ids)
-
-
 class KillsTheServerAfterTheFirstPush(AsyncRolloutLoop):
     """The default loop, recording for each scored group its model version and the weight
     versions the server says it sampled the group's tokens with (one JSON line per group in
@@ -57,8 +45,50 @@ class KillsTheServerAfterTheFirstPush(AsyncRolloutLoop):
             if group.model_version >= 1 and not self.killed:
                 self.killed = True
                 os.kill(int(os.environ["GRPO_FAULT_SERVER_PID"]), signal.SIGKILL)
-                log.write(json.dumps({"killed_after_group": group.group_id}) + "\n")
+                log.write(json.dumps({"killed_after_group": group.group_id, "at": time.time()}) + "\n")
         return super().compute_advantages(group)
+
+
+def check_served_versions(groups_log: Path, pushed: int) -> float:
+    """What the servers say they sampled with (vLLM's weight version per token), from
+    `KillsTheServerAfterTheFirstPush`'s log: a group of model version v >= 1 was dispatched
+    after version v was pushed, so every token of it comes from version v or a later push,
+    never from a server's own weights ("default") or an older version; and groups scored after
+    the kill were sampled with the version the restore pushed. Returns when the kill was sent."""
+    lines = [json.loads(line) for line in groups_log.read_text().splitlines()]
+    kill = next(i for i, line in enumerate(lines) if "killed_after_group" in line)
+    groups = [line for line in lines if "group" in line]
+    assert all(g["served"] for g in groups), "the server reported no weight version"
+    for g in groups:
+        if g["model_version"] >= 1:
+            assert all(v.isdigit() and int(v) >= g["model_version"] for v in g["served"]), g
+    after_kill = [g for g in lines[kill + 1:] if "group" in g]
+    assert any(str(pushed) in g["served"] for g in after_kill), (pushed, after_kill)
+    return lines[kill]["at"]
+
+
+def timing_restores(when: list[float]):
+    """`ServerRecovery.restore` that appends to `when` the time (time.time()) each restore
+    returns: the recovery's end, for `record_fault_to_outcome`."""
+    from grpo_agent.sampler.recovery import ServerRecovery
+
+    restore = ServerRecovery.restore
+
+    def timed(self, *args, **kwargs):
+        metrics = restore(self, *args, **kwargs)
+        when.append(time.time())
+        return metrics
+
+    return timed
+
+
+def record_fault_to_outcome(record_property, seconds: float, deadline_s: float | None) -> None:
+    """Note, for bench/faults.py's table, how long the case took from the injected fault to its
+    outcome (the recovery, the report or the exit) and the deadline that bounds it (None: no
+    stage deadline does). Recorded, never asserted: a timing assert would flake on a loaded CI
+    box."""
+    record_property("fault_to_outcome_s", round(seconds, 2))
+    record_property("deadline_s", deadline_s)
 
 
 class FailsOnRow1Env:
