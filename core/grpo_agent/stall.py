@@ -237,16 +237,18 @@ class StallWatch:
 
     @contextlib.contextmanager
     def stage(self, name: str, deadline_s: float | None = None, *, recover: bool = False,
-              grace_s: float = ABORT_GRACE_S,
+              grace_s: float | None = None,
               report_extra: Callable[[], dict[str, Any]] | None = None,
               **detail: Any) -> Iterator[_Stage]:
         """Bracket one stage. With `recover` (asyncio code only) the stage is recoverable: at its
         deadline its task is cancelled and the block raises `StageStalled`, for the owner to
         drop and count; without it a late stage is fatal (see the module docstring): the
-        process exits `grace_s` after the report unless the owner raised meanwhile.
+        process exits `grace_s` (default `ABORT_GRACE_S`, read now, so a change to the module's
+        value applies) after the report unless the owner raised meanwhile.
         `report_extra` adds fields to its report, computed when it is written."""
         deadline = stage_deadline(self.config, name) if deadline_s is None else float(deadline_s)
         key = next(self._ids)
+        grace_s = ABORT_GRACE_S if grace_s is None else grace_s
         entry = _Stage(name, detail, deadline, grace_s=grace_s, report_extra=report_extra)
         if recover:
             task, loop = asyncio.current_task(), asyncio.get_running_loop()
