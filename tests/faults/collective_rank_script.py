@@ -3,11 +3,13 @@
 argv: output dir, what rank 1 does before the step's collectives ("stop": SIGSTOP itself, a
 hung rank; "die": exit, a dead one). Rank 0 holds its phase the way `AsyncGRPOTrainer` does
 (the config's process group, `collectives.rank_watch`, `RankPhases`) and runs an FSDP2
-forward/backward: its all-gather waits for rank 1, until the collective deadline.
+forward/backward: its all-gather waits for rank 1, until the collective deadline. Rank 1
+writes <output dir>/fault-at (time.time()) just before it goes missing.
 """
 import os
 import signal
 import sys
+import time
 
 import torch
 from grpo_agent import AsyncGRPOConfig
@@ -38,6 +40,8 @@ if __name__ == "__main__":
         model(torch.ones(2, 8)).sum().backward()  # both ranks arrive: a healthy step
         phases.enter("train step", step=2)
         if collectives.rank() == 1:
+            with open(os.path.join(out, "fault-at"), "w") as note:
+                note.write(str(time.time()))
             if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

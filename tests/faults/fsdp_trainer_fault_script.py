@@ -9,7 +9,8 @@ argv: model path, server port, output dir, fault. Rank 0 starts the vLLM server 
 - "stop-rank1": rank 1 SIGSTOPs itself as step 2 begins, after writing the time to
   <output dir>/stopped-at; rank 0 must name it in its collective stall report and exit 3.
 Rank 0 writes <output dir>/steps.json: per step, the model versions of its samples and the
-server restarts so far; each rank writes done-rank<RANK> with its final global step.
+server restarts so far, and restored-at: when each server restore returned (time.time(), one a
+line); each rank writes done-rank<RANK> with its final global step.
 """
 import json
 import os
@@ -20,13 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
 from datasets import Dataset
-from fault_helpers import KillsTheServerAfterTheFirstPush, token_sum_reward
+from fault_helpers import KillsTheServerAfterTheFirstPush, timing_restores, token_sum_reward
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+from grpo_agent.sampler.recovery import ServerRecovery
 from grpo_agent.sampler.server import ManagedVLLMServer
 from transformers import TrainerCallback
 
 MAX_STEPS = 4
 COLLECTIVE_DEADLINE_S = 10
+# The run's timeouts, which the test derives the phase deadlines from (grpo_agent.stall).
+TIMEOUTS = {"vllm_server_timeout": 120, "rollout_worker_timeout": 300,
+            "stall_timeouts": {"collective": COLLECTIVE_DEADLINE_S}}
 
 
 class Recorder(TrainerCallback):
@@ -68,8 +73,7 @@ if __name__ == "__main__":
         output_dir=str(out), vllm_server_base_url=url, num_generations=2, max_completion_length=8,
         token_budget=128, max_steps=MAX_STEPS, num_train_epochs=1000, save_strategy="no",
         report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True,
-        gradient_checkpointing=False, optim="adamw_torch", vllm_server_timeout=120,
-        rollout_worker_timeout=300, stall_timeouts={"collective": COLLECTIVE_DEADLINE_S},
+        gradient_checkpointing=False, optim="adamw_torch", **TIMEOUTS,
         # On-policy for "kill-server": a step after the restore trains only samples of the
         # current version, none of the old server's backlog (with the default 4 the queue held
         # enough version-0 samples for every step up to max_steps).
@@ -78,9 +82,12 @@ if __name__ == "__main__":
     if fault == "kill-server":
         trainer.loop_cls = KillsTheServerAfterTheFirstPush
     trainer.add_callback(Recorder(trainer, out, fault))
+    restored = []
+    ServerRecovery.restore = timing_restores(restored)
     try:
         trainer.train()
     finally:
+        (out / f"restored-at-rank{rank}").write_text("".join(f"{t}\n" for t in restored))
         if server is not None:
             (out / "server-pids").open("a").write(f"{server.pid}\n")
             server.stop()

@@ -5,19 +5,24 @@ go once the report is there; past the grace period the process would exit with c
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, stall
 from grpo_agent.testing import build_tiny_model
 from transformers import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 
 def no_reward(completion_ids, **kwargs):
     return [0.0] * len(completion_ids)
 
 
-def test_a_hung_checkpoint_write_is_named(tmp_path, monkeypatch):
+def test_a_hung_checkpoint_write_is_named(tmp_path, monkeypatch, record_property):
     monkeypatch.setattr(stall, "ABORT_GRACE_S", 600.0)
     report_path = tmp_path / stall.REPORT_NAME
     entered = threading.Event()
@@ -35,11 +40,14 @@ def test_a_hung_checkpoint_write_is_named(tmp_path, monkeypatch):
                                train_dataset=[{"prompt": "hi"}], args=args)
     trainer.state.global_step = 6
     watch = stall.StallWatch(args, "trainer").start()
+    started = time.time()
     try:
         trainer._save_checkpoint(trainer.model, None)
     finally:
         watch.stop()
     assert entered.is_set()
+    # The outcome is the report (the run would then stop): when the monitor wrote it.
+    record_fault_to_outcome(record_property, report_path.stat().st_mtime - started, 1.0)
     report = json.loads(report_path.read_text())
     assert (report["stage"], report["step"]) == ("checkpoint_save", 6)
     assert report["action"] == "stopping the run"

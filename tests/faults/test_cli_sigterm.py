@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(os.environ.get("GRPO_AGENT_LONG_FAULTS") != "1",
                                  reason="waits for the 60 s starvation warning: run by bench/faults.py")]
@@ -23,7 +26,7 @@ STUCK_GUARD_S = 600  # start-up and the first warning on a loaded box
 EXIT_GUARD_S = 60  # a hang guard, 8x the 7.5 s measured at load 16 (no speed target)
 
 
-def test_sigterm_stops_a_stuck_run_with_a_message(vllm_server, tmp_path):
+def test_sigterm_stops_a_stuck_run_with_a_message(vllm_server, tmp_path, record_property):
     log = tmp_path / "cli.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -40,8 +43,10 @@ def test_sigterm_stops_a_stuck_run_with_a_message(vllm_server, tmp_path):
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() - waited < STUCK_GUARD_S, "the run never got stuck"
             time.sleep(1)
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # to the CLI alone, as `kill PID` does
         code = proc.wait(timeout=EXIT_GUARD_S)
+        record_fault_to_outcome(record_property, time.monotonic() - signalled, None)
         text = log.read_text(errors="replace")
         assert code == 128 + signal.SIGTERM, text[-3000:]
         assert "The run was interrupted (SIGTERM) at step 0" in text, text[-3000:]

@@ -10,12 +10,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from grpo_agent.stall import STALL_EXIT_CODE
 
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
+
+DEADLINE_S = 3.0  # collective_rank_script.py's collective deadline (the train step phase)
+
 SCRIPT = Path(__file__).with_name("collective_rank_script.py")
-HANG_GUARD_S = 240  # the deadline is 3 s: far past it means the run hung
+HANG_GUARD_S = 240  # far past the deadline: the run hung
 
 
 def free_port() -> int:
@@ -24,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(out: Path, fault: str) -> tuple[int, str]:
-    """Both ranks as a torchrun would start them; rank 0's exit code and output."""
+def run_two_ranks(out: Path, fault: str, record_property) -> tuple[int, str]:
+    """Both ranks as a torchrun would start them; rank 0's exit code and output. Records the
+    time from rank 1 going missing to rank 0's exit."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), fault],
@@ -34,6 +41,10 @@ def run_two_ranks(out: Path, fault: str) -> tuple[int, str]:
              for r in (0, 1)]
     try:
         output, _ = procs[0].communicate(timeout=HANG_GUARD_S)
+        exited_at = time.time()
+        if (out / "fault-at").exists():
+            record_fault_to_outcome(record_property, exited_at - float((out / "fault-at").read_text()),
+                                    DEADLINE_S)
         return procs[0].returncode, output
     finally:
         for proc in procs:
@@ -42,8 +53,8 @@ def run_two_ranks(out: Path, fault: str) -> tuple[int, str]:
             proc.communicate()
 
 
-def test_a_stopped_rank_is_named_and_the_waiting_rank_exits(tmp_path):
-    code, output = run_two_ranks(tmp_path, "stop")
+def test_a_stopped_rank_is_named_and_the_waiting_rank_exits(tmp_path, record_property):
+    code, output = run_two_ranks(tmp_path, "stop", record_property)
     assert code == STALL_EXIT_CODE, output[-3000:]
     report = json.loads((tmp_path / "stall_report.json").read_text())
     assert (report["stage"], report["phase"], report["step"]) == ("collective", "train step", 2)
@@ -55,8 +66,8 @@ def test_a_stopped_rank_is_named_and_the_waiting_rank_exits(tmp_path):
     assert "STALL in the trainer: stage 'collective'" in output
 
 
-def test_a_dead_rank_is_named_at_once(tmp_path):
-    code, output = run_two_ranks(tmp_path, "die")
+def test_a_dead_rank_is_named_at_once(tmp_path, record_property):
+    code, output = run_two_ranks(tmp_path, "die", record_property)
     assert code != 0
     assert "StageStalled" in output and "rank(s) [1] left the run" in output, output[-3000:]
     report = json.loads((tmp_path / "stall_report.json").read_text())

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +18,9 @@ from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.loop import AsyncRolloutLoop
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 RELEASE = threading.Event()
 
@@ -35,7 +41,7 @@ class HangingEnv:
 
 
 @pytest.mark.parametrize("stage", ["env_reset", "env_finish"])
-def test_a_hung_environment_is_named_and_its_rollout_ends(tmp_path, monkeypatch, stage):
+def test_a_hung_environment_is_named_and_its_rollout_ends(tmp_path, monkeypatch, stage, record_property):
     monkeypatch.setattr(HangingEnv, "hang_in", "reset" if stage == "env_reset" else "get_reward")
     config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                              stall_timeouts={stage: 1})
@@ -48,9 +54,11 @@ def test_a_hung_environment_is_named_and_its_rollout_ends(tmp_path, monkeypatch,
     loop = SimpleNamespace(env_runner=EnvironmentRunner(HangingEnv, executor), stalls=watch,
                            tools=[], generate_one=generate_one,
                            _without_images=lambda prompt, row_index: prompt)
+    started = time.monotonic()  # the episode's reset, or its reward right after, hangs
     try:
         with pytest.raises(stall.StageStalled, match=f"stage '{stage}' \\(row_index=7\\)"):
             asyncio.run(AsyncRolloutLoop.run_episode(loop, {"prompt": None}, 7, 0))
+        record_fault_to_outcome(record_property, time.monotonic() - started, 1.0)
     finally:
         RELEASE.set()
         executor.shutdown(wait=False)

@@ -15,14 +15,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from grpo_agent import stall
 from grpo_agent.sampler.server import find_free_port
 from grpo_agent.stall import STALL_EXIT_CODE
 
 SCRIPT = Path(__file__).with_name("fsdp_trainer_fault_script.py")
 sys.path.insert(0, str(SCRIPT.parent))
-from fsdp_trainer_fault_script import COLLECTIVE_DEADLINE_S, MAX_STEPS
+from fault_helpers import check_served_versions, record_fault_to_outcome
+from fsdp_trainer_fault_script import COLLECTIVE_DEADLINE_S, MAX_STEPS, TIMEOUTS
+
+RUN_CONFIG = SimpleNamespace(**TIMEOUTS)  # the phase deadlines of the script's run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(os.environ.get("GRPO_AGENT_LONG_FAULTS") != "1",
@@ -67,7 +72,8 @@ def _kill_servers(out: Path) -> None:
             os.killpg(int(pid), signal.SIGKILL)
 
 
-def test_a_server_killed_under_fsdp_is_restarted_and_both_ranks_push_again(tiny_model_path, tmp_path):
+def test_a_server_killed_under_fsdp_is_restarted_and_both_ranks_push_again(tiny_model_path, tmp_path,
+                                                                            record_property):
     out = tmp_path / "run"
     codes, output, _ = run_two_ranks(tiny_model_path, out, "kill-server")
     assert codes == [0, 0], output[-6000:]
@@ -88,25 +94,16 @@ def test_a_server_killed_under_fsdp_is_restarted_and_both_ranks_push_again(tiny_
     # rechecked against the staleness bound when the next step opens).
     assert after and max(after) >= pushed, (pushed, steps)
     assert all(max(s["versions"], default=0) < s["model_version"] for s in steps), steps
-    _check_served_versions(out / "groups.jsonl", pushed)
+    killed_at = check_served_versions(out / "groups.jsonl", pushed)
+    restored_at = float((out / "restored-at-rank0").read_text().split()[0])
+    record_fault_to_outcome(record_property, restored_at - killed_at,
+                            stall.collective_deadline(RUN_CONFIG, "server restore"))
 
 
-def _check_served_versions(groups_log: Path, pushed: int) -> None:
-    """What the servers say they sampled with (vLLM's weight version per token): a group of
-    model version v >= 1 was dispatched after version v was pushed, so every token of it comes
-    from version v or a later push, never from a server's own weights ("default") or an older
-    version; and groups scored after the kill were sampled with the version the restore pushed."""
-    lines = [json.loads(line) for line in groups_log.read_text().splitlines()]
-    kill = next(i for i, line in enumerate(lines) if "killed_after_group" in line)
-    groups = [line for line in lines if "group" in line]
-    assert all(g["served"] for g in groups), "the server reported no weight version"
-    for g in groups:
-        if g["model_version"] >= 1:
-            assert all(v.isdigit() and int(v) >= g["model_version"] for v in g["served"]), g
-    after_kill = [g for g in lines[kill + 1:] if "group" in g]
-    assert any(str(pushed) in g["served"] for g in after_kill), (pushed, after_kill)
 
-def test_a_stopped_rank_stops_the_whole_trainer_with_a_report_naming_it(tiny_model_path, tmp_path):
+
+def test_a_stopped_rank_stops_the_whole_trainer_with_a_report_naming_it(tiny_model_path, tmp_path,
+                                                                        record_property):
     out = tmp_path / "run"
     codes, output, exited_at = run_two_ranks(tiny_model_path, out, "stop-rank1")
     assert codes[0] == STALL_EXIT_CODE, output[-6000:]
@@ -117,4 +114,6 @@ def test_a_stopped_rank_stops_the_whole_trainer_with_a_report_naming_it(tiny_mod
     assert rank1["state"] == "stopped"
     assert "STALL in the trainer: stage 'collective' (phase=train step" in output
     stopped_at = float((out / "stopped-at").read_text())
+    record_fault_to_outcome(record_property, exited_at - stopped_at,
+                            stall.collective_deadline(RUN_CONFIG, "train step"))
     assert exited_at - stopped_at < 2 * COLLECTIVE_DEADLINE_S, (exited_at - stopped_at, output[-3000:])

@@ -12,11 +12,15 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import no_progress
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 
 def _config(tmp_path, **kwargs):
@@ -57,7 +61,7 @@ def hung_reward_in_a_thread(release: threading.Event) -> None:
     release.wait()
 
 
-def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path):
+def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path, record_property):
     watch = stall.StallWatch(_config(tmp_path), "worker", context=lambda: {"queue": 5}).start()
     release = threading.Event()
     executor = ThreadPoolExecutor(1)  # not asyncio's default one: asyncio.run would wait for it
@@ -71,6 +75,7 @@ def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path):
     try:
         with pytest.raises(stall.StageStalled, match="stage 'scoring' \\(group_id=7\\)"):
             asyncio.run(owner())
+        record_fault_to_outcome(record_property, time.monotonic() - started, 0.5)
     finally:
         release.set()
         executor.shutdown(wait=False)
@@ -95,7 +100,7 @@ def test_a_stage_that_ends_in_time_reports_nothing(tmp_path):
     assert not (tmp_path / stall.REPORT_NAME).exists() and not watch.stalls
 
 
-def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path):
+def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path, record_property):
     script = textwrap.dedent(f"""
         import time
         from grpo_agent import stall
@@ -107,6 +112,7 @@ def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path)
         stall.on_abort(lambda: open({str(tmp_path / "aborted")!r}, "w").close())
         def transfer_that_never_returns():
             time.sleep(600)
+        open({str(tmp_path / "hung-at")!r}, "w").write(str(time.time()))
         with stall.stage("weight_sync/transfer", version=3):
             transfer_that_never_returns()
     """)
@@ -114,6 +120,9 @@ def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path)
     started = time.monotonic()
     result = subprocess.run([sys.executable, str(tmp_path / "hang.py")], check=False, capture_output=True,
                             text=True, timeout=120)
+    # The outcome is the exit: the deadline (1 s), then the grace for a blocked stage (1 s).
+    record_fault_to_outcome(record_property, time.time() - float((tmp_path / "hung-at").read_text()),
+                            1.0 + 1.0)
     assert result.returncode == stall.STALL_EXIT_CODE, result.stderr[-2000:]
     assert time.monotonic() - started < 60
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +17,9 @@ from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.types import TurnRecord
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 RELEASE = threading.Event()
 
@@ -43,7 +49,7 @@ class OneTurnLoop:
         return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
 
 
-def test_a_hung_tool_is_named_and_its_rollout_ends(tmp_path):
+def test_a_hung_tool_is_named_and_its_rollout_ends(tmp_path, record_property):
     from grpo_agent.testing import build_tiny_model
     from transformers import AutoTokenizer
 
@@ -51,9 +57,11 @@ def test_a_hung_tool_is_named_and_its_rollout_ends(tmp_path):
                              stall_timeouts={"tool": 1})
     watch = stall.StallWatch(config, "worker").start()
     loop = OneTurnLoop(AutoTokenizer.from_pretrained(build_tiny_model()), watch)
+    started = time.monotonic()  # the rollout's first turn calls the tool that hangs
     try:
         with pytest.raises(stall.StageStalled, match="stage 'tool' \\(tool=lookup\\)"):
             asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "find x"}], [lookup], 0))
+        record_fault_to_outcome(record_property, time.monotonic() - started, 1.0)
     finally:
         RELEASE.set()
         loop.tool_executor.shutdown(wait=False)

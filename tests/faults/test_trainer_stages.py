@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -18,6 +21,9 @@ from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.weight_sync.transports import gloo
 from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 
 @pytest.fixture
@@ -62,10 +68,12 @@ def watch(tmp_path, monkeypatch):
     ("weight_sync/resume", lambda control: finish_push(control, 5)),
     ("weight_sync/cache_reset", lambda control: finish_push(control, 5, version_set=True)),
 ])
-def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase, call):
+def test_a_hung_weight_sync_phase_is_named(frozen_server, watch, tmp_path, phase, call, record_property):
     control = ServerControl(frozen_server, timeout=3.0)
+    started = time.time()
     with pytest.raises(httpx.ReadTimeout):
         call(control)
+    _record_report_time(record_property, tmp_path, started, stall.stage_deadline(watch.config, phase))
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == phase and report["server"] == frozen_server
     assert report["action"] == "stopping the run" and report["context"] == {"model_version": 4}
@@ -82,13 +90,23 @@ class FinishHangs(ServerControl):
         return {"world_size": 1} if path == "/get_world_size" else None
 
 
-def test_a_hung_weight_sync_finish_is_named(frozen_server, watch, tmp_path, monkeypatch):
+def _record_report_time(record_property, out, started: float, deadline_s: float) -> None:
+    """The outcome of a hung trainer phase is its report (the call's own timeout comes later):
+    when the monitor wrote it."""
+    record_fault_to_outcome(record_property, (out / stall.REPORT_NAME).stat().st_mtime - started,
+                            deadline_s)
+
+
+def test_a_hung_weight_sync_finish_is_named(frozen_server, watch, tmp_path, monkeypatch, record_property):
     # The server's engine end of the transfer group is a stand-in: only the finish call hangs.
     monkeypatch.setattr(gloo, "open_group", lambda *args: (None, "group"))
     monkeypatch.setattr(gloo, "broadcast_from_trainer", lambda group, chunk: None)
     sync = gloo.GlooWeightSync(FinishHangs(frozen_server, timeout=3.0), timeout=3.0)
+    started = time.time()
     with pytest.raises(httpx.ReadTimeout):
         sync.push([("lm_head.weight", torch.zeros(4, 2))], 5)
+    _record_report_time(record_property, tmp_path, started,
+                        stall.stage_deadline(watch.config, "weight_sync/finish"))
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert (report["stage"], report["version"]) == ("weight_sync/finish", 5)
     assert report["action"] == "stopping the run"
@@ -102,17 +120,19 @@ class SilentWorker:
     queue_size = 0
 
     def pull(self, timeout):
-        import time
         time.sleep(timeout)
         return []
 
 
-def test_a_queue_pull_that_never_gets_an_item_stops_with_the_report(watch, tmp_path):
+def test_a_queue_pull_that_never_gets_an_item_stops_with_the_report(watch, tmp_path, record_property):
     source = StepSource(SilentWorker(), ledger=PromptLedger(), epochs_done=lambda taken=(): False,
                         window=SimpleNamespace(add=lambda *a: None),
                         no_progress_timeout=watch.config.no_progress_timeout)
+    started = time.monotonic()
     with pytest.raises(stall.StageStalled, match="stage 'queue_pull'"):
         source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1))
+    record_fault_to_outcome(record_property, time.monotonic() - started,
+                            stall.stage_deadline(watch.config, "queue_pull"))
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "queue_pull" and report["elapsed_s"] >= 1
     assert "next_step" in report["stacks"]["trainer"]
@@ -129,7 +149,6 @@ def test_a_server_restore_in_the_queue_pull_runs_on_its_own_deadline(watch, tmp_
     worker, seen = ServerDown(), []
 
     def restore():
-        import time
         time.sleep(3.5)
         seen.extend(s["stage"] for s in watch.in_flight())
         worker.server_down = False
