@@ -8,7 +8,8 @@ max_staleness versions old are dropped at pull, their group's prompt noticed onc
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.allowance import HELD, TokenAllowance, has_room, holds_before_push
+from grpo_agent.rollout.allowance import (
+    HELD, WINDOW_GROW, WINDOW_SHRINK, TokenAllowance, has_room, holds_before_push)
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.types import PromptConsumed, TrainingSample, TrainingSequence
 
@@ -24,6 +25,40 @@ def test_the_window_slides_with_pulls_when_staleness_is_allowed():
     allowance.after_step(50)
     allowance.after_pull([_sample(30)], version=0, now=0.0)
     assert allowance.value() == 30 + 2 * 50
+
+
+def test_the_window_in_use_shrinks_when_samples_meet_the_bound_and_grows_back_below_it():
+    allowance = TokenAllowance(max_staleness=4, step_tokens=100)
+    allowance.after_pull([_sample(10, version=0)], version=4, now=0.0)  # at the bound: kept
+    allowance.after_step(100)
+    assert allowance.window_frac == WINDOW_SHRINK
+    assert allowance.value() == 10 + round(WINDOW_SHRINK * 4 * 100)
+    for group in range(20):  # a drop counts too; never below one step's worth
+        kept, observations = allowance.after_pull([_sample(10, 0, group)], version=5, now=0.0)
+        assert isinstance(kept[0], PromptConsumed)
+        assert ("rollout/staleness_window_frac", allowance.window_frac) in observations
+        allowance.after_step(100)
+    assert allowance.window_frac == 1 / 4 and allowance.window_tokens == 100
+    for steps in range(1, 100):  # fresh samples: back up to the spec's window, not past it
+        allowance.after_pull([_sample(10, version=5)], version=6, now=0.0)
+        allowance.after_step(100)
+        if allowance.window_frac == 1.0:
+            break
+    assert steps == round((1 - 1 / 4) / WINDOW_GROW)
+    allowance.after_step(100)
+    assert allowance.window_tokens == 4 * 100
+
+
+def test_a_carry_at_the_bound_shrinks_the_window_too_and_one_step_windows_never_change():
+    allowance = TokenAllowance(max_staleness=2, step_tokens=100)
+    allowance.recheck_carry([_sample(10, version=0)], version=2)
+    allowance.after_step(100)
+    assert allowance.window_frac == WINDOW_SHRINK
+    for max_staleness in (0, 1):  # the spec's window is one step: nothing below it to adapt to
+        allowance = TokenAllowance(max_staleness=max_staleness, step_tokens=100)
+        allowance.after_pull([_sample(10, version=0)], version=3, now=0.0)
+        allowance.after_step(100)
+        assert allowance.window_frac == 1.0 and allowance.window_tokens == 100
 
 
 def test_max_staleness_zero_gives_each_version_one_step_and_holds_until_the_push():
