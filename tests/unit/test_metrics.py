@@ -93,6 +93,7 @@ EXPECTED_REDUCTIONS = {
     "rollout/vllm_queued_requests": "mean", "rollout/vllm_preemption_count": "sum",
     "rollout/reward_error_count": "sum", "rollout/stalled_group_count": "sum",
     "rollout/server_lost_group_count": "sum", "server/restart_count": "sum",
+    "rollout/staleness_window_frac": "mean",
     "rollout/prompt_too_long_group_count": "sum", "rollout/env_error_group_count": "sum",
     "tools/call_frequency": "mean", "tools/failure_frequency": "mean", "tools/latency_s": "mean",
     "tools/{tool}/latency_s": "mean", "tools/{tool}/call_count": "sum",
