@@ -80,7 +80,6 @@ def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path, rec
         release.set()
         executor.shutdown(wait=False)
         watch.stop()
-    assert time.monotonic() - started < 5
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "scoring" and report["group_id"] == 7
     assert report["elapsed_s"] >= 0.5 and report["action"] == "cancelled and counted"
@@ -117,14 +116,12 @@ def test_a_fatal_stage_writes_the_report_and_exits_with_the_stall_code(tmp_path,
             transfer_that_never_returns()
     """)
     (tmp_path / "hang.py").write_text(script)
-    started = time.monotonic()
     result = subprocess.run([sys.executable, str(tmp_path / "hang.py")], check=False, capture_output=True,
                             text=True, timeout=120)
     # The outcome is the exit: the deadline (1 s), then the grace for a blocked stage (1 s).
     record_fault_to_outcome(record_property, time.time() - float((tmp_path / "hung-at").read_text()),
                             1.0 + 1.0)
     assert result.returncode == stall.STALL_EXIT_CODE, result.stderr[-2000:]
-    assert time.monotonic() - started < 60
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "weight_sync/transfer" and report["version"] == 3
     assert report["action"] == "stopping the run"
