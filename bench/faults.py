@@ -17,7 +17,7 @@ them from the prompt ledger; the rollout cases check that a dropped group's prom
 recorded as consumed with its reason (dropped and counted, not lost); "n/a" means the case
 involves no prompts. Cases the suite does not cover yet are listed as NOT COVERED.
 
-    .venv/bin/python bench/faults.py                 # every case (53 min at load 1-21, 2026-12-02)
+    .venv/bin/python bench/faults.py                 # every case (26 min at load 5-29, 2026-12-02)
     .venv/bin/python bench/faults.py --fast          # no vLLM server, no e2e (~3 min)
     .venv/bin/python bench/faults.py -k sandbox --markdown table.md
     .venv/bin/python bench/faults.py -k "worker SIGSTOP" -k "no progress"   # several cases
