@@ -4,12 +4,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.sandbox import SandboxError, SandboxLimits, run_python, run_python_or_raise
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "faults"))
+from fault_helpers import record_fault_to_outcome
 
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=2, memory_mb=256, max_processes=32)
 
@@ -22,9 +26,11 @@ def test_a_normal_program_runs_in_its_own_throwaway_folder():
     assert not Path(cwd).exists()  # deleted afterwards
 
 
-def test_infinite_loop_is_killed_at_the_time_limit():
+def test_infinite_loop_is_killed_at_the_time_limit(record_property):
     started = time.perf_counter()
     result = run_python("while True:\n    pass", limits=FAST)
+    # From the call (the loop starts with the program) to its result: killed, cleaned up.
+    record_fault_to_outcome(record_property, time.perf_counter() - started, FAST.timeout_s)
     assert not result.ok and (result.timed_out or result.returncode != 0)
     assert time.perf_counter() - started < FAST.timeout_s + 2
     assert "timed out" in result.describe_failure() or "signal" in result.describe_failure()

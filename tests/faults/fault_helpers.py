@@ -15,15 +15,41 @@ def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 3 == 0) for ids in completion_ids]
 
 
+def _note_fault_start(variable: str) -> None:
+    """Write when the fault begins (time.time()) to the file named by the environment variable
+    `variable`, once (the first call), if the test set it: a fault that begins inside the
+    spawned worker times itself for `record_fault_to_outcome`."""
+    path = os.environ.get(variable)
+    if path:
+        try:
+            with open(path, "x") as out:
+                out.write(repr(time.time()))
+        except FileExistsError:
+            pass
+
+
+def fault_started_at(path: Path, limit_s: float = 5.0) -> float:
+    """The time a fault wrote with `_note_fault_start` (waits up to `limit_s` for the file)."""
+    deadline = time.monotonic() + limit_s
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"the fault never wrote its start time to {path}"
+        time.sleep(0.05)
+    return float(path.read_text())
+
+
 def hangs_on_row_3(completion_ids, row_id, **kwargs):
-    """A remote judge that never answers for row 3; every other row gets a varied score."""
+    """A remote judge that never answers for row 3; every other row gets a varied score. When
+    it starts hanging it writes the time to GRPO_FAULT_STARTED (if set)."""
     if row_id[0] == 3:
+        _note_fault_start("GRPO_FAULT_STARTED")
         time.sleep(3600)
     return [float(i % 2) for i in range(len(completion_ids))]
 
 
 def constant_reward(completion_ids, **kwargs):
-    """Every rollout scores the same: zero reward std, so every group is dropped."""
+    """Every rollout scores the same: zero reward std, so every group is dropped. Its first
+    call (the first group about to be dropped) writes the time to GRPO_FAULT_STARTED (if set)."""
+    _note_fault_start("GRPO_FAULT_STARTED")
     return [0.0] * len(completion_ids)
 
 

@@ -16,12 +16,15 @@ from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, stall
 from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
-from fault_helpers import constant_reward
+from fault_helpers import constant_reward, fault_started_at, record_fault_to_outcome
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 
-def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp_path, caplog):
+def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp_path, caplog, monkeypatch,
+                                                                 record_property):
+    started_file = tmp_path / "fault_started"  # the reward's first call: the first group dropped
+    monkeypatch.setenv("GRPO_FAULT_STARTED", str(started_file))  # the spawned worker inherits it
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(64)])
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), vllm_server_base_url=vllm_server.base_url, num_generations=2,
@@ -32,7 +35,10 @@ def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp
     started = time.monotonic()
     with caplog.at_level(logging.WARNING), pytest.raises(stall.StageStalled) as raised:
         trainer.train()
+    stopped_at = time.time()
     elapsed = time.monotonic() - started
+    record_fault_to_outcome(record_property, stopped_at - fault_started_at(started_file, 0),
+                            args.no_progress_timeout)
     print(f"no-progress stop after {elapsed:.1f} s (no_progress_timeout=8)")
     message = str(raised.value)
     assert "never produces reward variance" in message and "no_progress_timeout=8 s" in message

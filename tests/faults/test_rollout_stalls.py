@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fau
 import fault_helpers
 
 pytestmark = pytest.mark.vllm
+SCORING_S = GENERATE_S = 3  # the stage deadlines the two cases set (stall_timeouts)
 
 
 def _worker(server, tmp_path, reward, **config):
@@ -54,14 +55,26 @@ def _samples(items):
     return [i for i in items if isinstance(i, TrainingSample)]
 
 
-def test_a_hanging_reward_is_reported_dropped_and_counted(vllm_server, tmp_path):
+def test_a_hanging_reward_is_reported_dropped_and_counted(vllm_server, tmp_path, monkeypatch, record_property):
+    started_file = tmp_path / "fault_started"  # the reward writes when it starts hanging
+    monkeypatch.setenv("GRPO_FAULT_STARTED", str(started_file))  # the spawned worker inherits it
     worker = _worker(vllm_server, tmp_path, fault_helpers.hangs_on_row_3,
-                     stall_timeouts={"scoring": 3})
+                     stall_timeouts={"scoring": SCORING_S})
+    dropped_at: list[float] = []  # when this side first sees the stalled group dropped
+
+    def done(got):
+        if _stalled(got) and not dropped_at:
+            dropped_at.append(time.time())
+        return bool(dropped_at) and len(_samples(got)) >= 4
+
     worker.start()
     try:
-        items = _pull_until(worker, lambda got: _stalled(got) and len(_samples(got)) >= 4, 150)
+        items = _pull_until(worker, done, 150)
     finally:
         worker.stop(grace_s=2.0)  # the hung reward's thread would keep a polite exit waiting
+    if dropped_at:
+        fault_helpers.record_fault_to_outcome(
+            record_property, dropped_at[0] - fault_helpers.fault_started_at(started_file), SCORING_S)
     metrics = worker.drain_metrics()  # stop() collected the worker's last batch
     assert [i.row_index for i in _stalled(items)] == [3]
     assert len(_samples(items)) >= 4, "the worker stopped producing after the stall"
@@ -73,17 +86,20 @@ def test_a_hanging_reward_is_reported_dropped_and_counted(vllm_server, tmp_path)
     assert report["context"]["server"] == vllm_server.base_url
 
 
-def test_a_frozen_server_stalls_generation_then_the_worker_recovers(vllm_server, tmp_path):
+def test_a_frozen_server_stalls_generation_then_the_worker_recovers(vllm_server, tmp_path, record_property):
     if not getattr(vllm_server, "pid", None):
         pytest.skip("needs the managed test server's pid to freeze it")
     worker = _worker(vllm_server, tmp_path, fault_helpers.token_sum_reward,
-                     stall_timeouts={"vllm_generate": 3})
+                     stall_timeouts={"vllm_generate": GENERATE_S})
     worker.start()
     try:
         _pull_until(worker, lambda got: len(_samples(got)) >= 2, 120)  # warm: it works
+        frozen_at = time.monotonic()
         os.kill(vllm_server.pid, signal.SIGSTOP)
         try:
             frozen = _pull_until(worker, _stalled, 60)
+            # The outcome: a stalled group reported and dropped (then SIGCONT, and it goes on).
+            fault_helpers.record_fault_to_outcome(record_property, time.monotonic() - frozen_at, GENERATE_S)
         finally:
             os.kill(vllm_server.pid, signal.SIGCONT)
         after = _pull_until(worker, lambda got: len(_samples(got)) >= 2, 120)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from grpo_agent.sandbox import SandboxLimits, run_python
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import record_fault_to_outcome
 
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=2, memory_mb=256, max_processes=32, max_file_bytes=1024 * 1024)
 SECRET = "grpo-fault-secret-7c1e"
@@ -33,8 +37,11 @@ def private_file(tmp_path):
     folder.rmdir()
 
 
-def test_sleeping_past_the_limit_is_killed():
+def test_sleeping_past_the_limit_is_killed(record_property):
+    started = time.perf_counter()
     result = run_python("import time\ntime.sleep(600)", limits=FAST)
+    # From the call (the sleep starts with the program) to its result: killed, cleaned up.
+    record_fault_to_outcome(record_property, time.perf_counter() - started, FAST.timeout_s)
     assert result.timed_out and not result.ok
     assert "timed out" in result.describe_failure()
 

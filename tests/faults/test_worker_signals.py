@@ -30,7 +30,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_frozen_worker_is_named_by_the_next_pull_and_stopped(vllm_server, tmp_path):
+def test_a_frozen_worker_is_named_by_the_next_pull_and_stopped(vllm_server, tmp_path, record_property):
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path), num_generations=2, max_completion_length=8, max_concurrent_rollouts=2,
         vllm_server_base_url=vllm_server.base_url, report_to="none", use_cpu=True, rollout_worker_timeout=4)
@@ -45,11 +45,16 @@ def test_a_frozen_worker_is_named_by_the_next_pull_and_stopped(vllm_server, tmp_
         while not worker.pull(timeout=1.0):  # running: it produced something
             worker.report_step_tokens(10_000)
             assert time.monotonic() < deadline, "the worker produced nothing in 120 s"
+        frozen_at = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         with pytest.raises(RolloutWorkerError, match=r"no heartbeat for \d+ s \(rollout_worker_timeout=4"):
-            while True:
-                worker.pull(timeout=1.0)
-                worker.report_step_tokens(10_000)
+            try:
+                while True:
+                    worker.pull(timeout=1.0)
+                    worker.report_step_tokens(10_000)
+            finally:  # the outcome: the pull that names the frozen worker
+                fault_helpers.record_fault_to_outcome(record_property, time.monotonic() - frozen_at,
+                                                      config.rollout_worker_timeout)
     finally:
         worker.stop()
     assert _gone(pid)

@@ -7,7 +7,9 @@ restart through the trainer is tests/faults/test_server_restart.py.
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import rollout_test_helpers as helpers
@@ -17,6 +19,9 @@ from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.types import PromptConsumed, TrainingSample
 from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "faults"))
+from fault_helpers import record_fault_to_outcome
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,7 +34,8 @@ def _pull_until(worker, done, seconds: float) -> list:
     return items
 
 
-def test_a_server_killed_mid_run_costs_its_groups_in_flight_and_the_worker_waits(tiny_model_path, tmp_path):
+def test_a_server_killed_mid_run_costs_its_groups_in_flight_and_the_worker_waits(tiny_model_path, tmp_path,
+                                                                                 record_property):
     from grpo_agent.sampler.server import ManagedVLLMServer
 
     server = ManagedVLLMServer(tiny_model_path, max_model_len=512, weight_transfer_backend=None,
@@ -48,8 +54,11 @@ def test_a_server_killed_mid_run_costs_its_groups_in_flight_and_the_worker_waits
                 return any(isinstance(i, TrainingSample) for i in items)
 
             assert has_sample(_pull_until(worker, has_sample, 120)), "nothing before the kill"
+            killed = time.monotonic()  # before stop(): SIGTERM, SIGKILL after a grace period
             server.stop()
             lost = _pull_until(worker, lambda items: worker.server_down, 120)  # raises if it died
+            # The outcome: the worker has dropped its groups in flight and says it waits.
+            record_fault_to_outcome(record_property, time.monotonic() - killed, config.vllm_server_timeout)
             assert worker.server_down, "the worker never said it lost the server"
             lost += _pull_until(worker, lambda items: False, 15)  # nothing new is dispatched
             notices = [i for i in lost if isinstance(i, PromptConsumed) and i.reason == "server_lost"]

@@ -144,6 +144,9 @@ class RolloutWorker:
             process.join(0.05)
         if process.is_alive():
             process.terminate()
+            # A frozen worker (SIGSTOP) keeps SIGTERM pending until it runs again: without this,
+            # stopping it waited the whole join below and then killed it (5 s more per hang).
+            _continue(process.pid)
             process.join(5.0)
         if process.is_alive():
             process.kill()
@@ -329,3 +332,13 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
+
+
+def _continue(pid: int | None) -> None:
+    """SIGCONT `pid` (a no-op for a running process), so a stopped one acts on a pending signal."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass
