@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports the reward by module name
 import fault_helpers
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # not yet seen passing: both runs lost the server start
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _gone(pid: int) -> bool:
@@ -58,3 +58,6 @@ def test_a_frozen_worker_is_named_by_the_next_pull_and_stopped(vllm_server, tmp_
     finally:
         worker.stop()
     assert _gone(pid)
+    # Ended by the pull's SIGTERM, which a stopped process acts on only once continued; a
+    # SIGKILL here means stop() waited its whole join first.
+    assert worker._process.exitcode == -signal.SIGTERM
