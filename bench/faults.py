@@ -54,7 +54,7 @@ CASES = [
          "recovered: restarted, the trained version pushed again and sampled, groups in flight dropped and counted",
          F + "test_server_restart.py::test_a_server_killed_after_the_first_push_is_restarted_with_the_trained_weights",
          lost="0 (dropped, recorded)", twice="0", slow=True, deadline="server_restore"),
-    Case("server SIGKILL, worker alone", "recovered: groups in flight dropped as server_lost, waits, goes on",
+    Case("server stopped mid-run (SIGTERM, then SIGKILL), worker alone", "recovered: groups in flight dropped as server_lost, waits, goes on",
          R + "test_server_fault.py::test_a_server_killed_mid_run_costs_its_groups_in_flight_and_the_worker_waits",
          lost="0 (dropped, recorded)", twice="0", slow=True, deadline="vllm_server_timeout"),
     Case("server SIGKILL as a push starts", "recovered: restarted, group re-opened, push retried once",
