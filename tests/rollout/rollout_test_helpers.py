@@ -91,6 +91,33 @@ class DiesMidMessageLoop:
         os._exit(0)
 
 
+class SlowToPickle(float):
+    """A value whose pickling takes a while (in the queue's feeder thread, as a large batch
+    would on a loaded machine)."""
+
+    def __reduce__(self):
+        import time
+
+        time.sleep(0.5)
+        return float, (float(self),)
+
+
+class ObservesAsItStopsLoop:
+    """A worker that beats until the trainer stops it, then sends one batch of observations as
+    its last act (as the engine's final flush does) and returns at once."""
+
+    def __init__(self, *, channels, **kwargs):
+        self.channels = channels
+
+    def run(self):
+        import time
+
+        while not self.channels.stop.is_set():
+            self.channels.heartbeat.value = time.time()
+            time.sleep(0.05)
+        self.channels.metrics.put([("test/last", SlowToPickle(7.0))])
+
+
 class ObservesOnceLoop:
     """A worker whose engine observes one value at start, then only beats and flushes, with a
     flush interval of an hour: the value reaches the trainer only if a flush request sends it."""

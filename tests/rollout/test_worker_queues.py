@@ -43,3 +43,17 @@ def test_the_last_metrics_arrive_when_the_trainer_asks_for_them():
         assert ("test/observed_once", 1.0) in worker.drain_metrics()
     finally:
         assert _finishes_within(30, worker.stop)
+
+
+def test_the_observations_sent_as_the_worker_stops_reach_the_trainer():
+    """The engine's last flush happens as the worker returns; the child must write it to the
+    pipe before it exits: with the metrics queue's feeder thread not joined, a batch it had not
+    written yet was lost (a run's last observations, dropped now and then on a loaded machine)."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.ObservesAsItStopsLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    assert _finishes_within(60, worker.stop)
+    assert ("test/last", 7.0) in worker.drain_metrics()
+    assert worker._process.exitcode == 0  # it exited by itself, not by stop()'s SIGTERM

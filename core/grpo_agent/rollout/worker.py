@@ -68,9 +68,10 @@ def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels,
         channels.failed.set()
         channels.samples.cancel_join_thread()
         raise SystemExit(1)
-    # Unread samples and metrics must not keep this process alive after a stop.
+    # Unread samples must not keep this process alive after a stop: stop() discards them. The
+    # metrics queue's feeder is joined at exit, so the engine's last flush reaches the trainer
+    # (stop() reads the queue while it waits, and terminates the process after its grace).
     channels.samples.cancel_join_thread()
-    channels.metrics.cancel_join_thread()
 
 
 class RolloutWorker:
