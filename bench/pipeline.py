@@ -22,8 +22,12 @@ line is the summary as JSON; the first `--warmup` steps are left out of it.
 
 `--share-first-turn off` sends one request per rollout for a group's first turns (the config's
 `share_first_turn_request=False`, the path before issue 21's change) instead of one with n.
-`--server-nice N` lowers the server's CPU priority (every thread of its process tree) before
-training, so alternating runs against one server can compare priorities.
+The server runs at the CPU priority `grpo-agent train` gives the CPU server it starts
+(`cpu_cores.SERVER_NICE`: its session's autogroup and every thread; see that module) for the
+run, and at nice 0 again afterwards, so a TRL run against the same server
+(`bench/pipeline_trl.py`) gets vLLM's default; `--server-nice N` picks another value (0: the
+default, as before issue 21's change). Putting a shared server back to 0 needs root (or a
+`RLIMIT_NICE` that allows it); the bench says so when it cannot.
 
 `--profile DIR` records py-spy's collapsed stacks (`--format raw`: one line per stack with its
 sample count, greppable and the input of any flame-graph tool) of the trainer and the rollout
@@ -42,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proc_cpu import renice
+from grpo_agent.sampler.cpu_cores import SERVER_NICE, lower_priority
 from step_record import StepTimers, make_recorder
 
 NUM_PROMPTS = 256
@@ -193,9 +197,9 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="write py-spy / torch.profiler output here")
     parser.add_argument("--share-first-turn", choices=("on", "off"), default="on",
                         help="a group's first turns as one request with n (on) or one per rollout")
-    parser.add_argument("--server-nice", type=int, metavar="N",
-                        help="set the nice value of every thread of the server's processes before "
-                        "training (0 undoes an earlier run's; default: leave them as they are)")
+    parser.add_argument("--server-nice", type=int, metavar="N", default=SERVER_NICE,
+                        help="the server's CPU priority during the run (default: what "
+                        f"grpo-agent train gives its CPU server, {SERVER_NICE}; 0: vLLM's default)")
     opts = parser.parse_args()
     import torch
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -205,8 +209,7 @@ def main() -> None:
     timers, batches, records = StepTimers(), [], []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp, task_server(opts, model_path) as server:
-        if opts.server_nice is not None:
-            renice(server.pid, opts.server_nice)
+        lower_priority(server.pid, opts.server_nice)
         args = AsyncGRPOConfig(
             output_dir=tmp, vllm_server_base_url=server.base_url, max_steps=opts.steps,
             num_generations=8, max_completion_length=64, token_budget=TOKEN_BUDGET,
@@ -234,6 +237,11 @@ def main() -> None:
         timers.restore()
         torch.set_num_threads(1)
         isolated = isolated_fwd_bwd(trainer, batches)
+        if opts.base_url:  # the next run against this server (TRL's) gets vLLM's default
+            lower_priority(server.pid, 0)
+            if os.getpriority(os.PRIO_PROCESS, server.pid) != 0:
+                print(f"could not set the server (pid {server.pid}) back to nice 0: run as root, "
+                      "or restart the server before another side's run", flush=True)
     load_after = os.getloadavg()
     measured = records[opts.warmup:]
     for record, alone in zip(records, isolated):

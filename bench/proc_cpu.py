@@ -1,9 +1,8 @@
-"""CPU counters and priorities of local processes, read and set through /proc (Linux).
+"""CPU counters of local processes, read through /proc (Linux).
 
 Shared by the benches that report each process's CPU share (`bench/pipeline.py`): utime +
-stime of a process or one thread, a process tree, vLLM's engine-core processes, and
-`renice`, which sets the nice value of every thread of a process tree (Linux keeps the nice
-value per thread, and a thread inherits its creator's, so all of them are set).
+stime of a process or one thread, a process tree, vLLM's engine-core processes. (Priorities:
+`grpo_agent.sampler.cpu_cores.lower_priority`.)
 """
 from __future__ import annotations
 
@@ -74,20 +73,3 @@ def server_processes(server_pid: int) -> dict[str, list[int]]:
         if "Engine" in name or "VLLM" in name:
             engine.append(pid)
     return {"api_server": [server_pid], "engine_core": engine}
-
-
-def renice(pid: int, nice: int) -> int:
-    """Set the nice value of every thread of `pid` and its descendants; the threads set."""
-    count = 0
-    for process in [pid, *descendants(pid)]:
-        try:
-            threads = [int(t.name) for t in Path(f"/proc/{process}/task").iterdir()]
-        except FileNotFoundError:
-            continue
-        for thread in threads:
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread, nice)
-                count += 1
-            except ProcessLookupError:
-                continue
-    return count

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from grpo_agent.sampler.cpu_cores import lower_priority
 from grpo_agent.sampler.errors import ServerStartupError
 from grpo_agent.sampler.vllm_entry import OWNER_PID_ENV
 from grpo_agent.stall import SERVER_STARTUP_TIMEOUT_S
@@ -66,7 +67,10 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class ManagedVLLMServer:
-    """A `vllm serve` child process: `with ManagedVLLMServer(path) as server: server.base_url`."""
+    """A `vllm serve` child process: `with ManagedVLLMServer(path) as server: server.base_url`.
+
+    `nice`: run the server's whole session at this CPU priority, restarts included (the CLI
+    passes `cpu_cores.SERVER_NICE` for a CPU server beside the trainer); None leaves it."""
 
     owned = True  # started by this process, so tests may push weights to it
 
@@ -89,6 +93,7 @@ class ManagedVLLMServer:
         log_path: str | os.PathLike | None = None,
         startup_timeout: float = SERVER_STARTUP_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        nice: int | None = None,
     ):
         self.model = str(model)
         self.model_path = Path(model)
@@ -107,6 +112,7 @@ class ManagedVLLMServer:
         self.log_path = Path(log_path) if log_path else _new_log_path()
         self.startup_timeout = startup_timeout
         self.extra_env = dict(env or {})
+        self.nice = nice
         self.pid: int | None = None
         self.startup_s: float | None = None
         self._process: subprocess.Popen | None = None
@@ -176,6 +182,8 @@ class ManagedVLLMServer:
                 env=self.environment(), start_new_session=True,
             )
         self.pid = self._process.pid
+        if self.nice is not None:  # before it starts its engine and threads: they inherit it
+            lower_priority(self.pid, self.nice)
         self._finalizer = weakref.finalize(self, _stop_process_group, self._process)
         logger.info("vLLM server pid %s starting on %s (log: %s)", self.pid, self.base_url,
                     self.log_path)

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.cpu_cores import OMP_BIND_ENV, CoreSplit, split_cores, trainer_on
+from grpo_agent.sampler.cpu_cores import (
+    OMP_BIND_ENV,
+    SERVER_NICE,
+    CoreSplit,
+    split_cores,
+    trainer_on,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +234,13 @@ def _server(
     with ManagedVLLMServer(
         model_path, dtype="float32",
         max_model_len=managed_max_model_len(model_path, config.max_completion_length),
-        env=split.server_env() if split else None, **lora_flags
+        env=split.server_env() if split else None, nice=SERVER_NICE if split else None,
+        **lora_flags
     ) as server:
         logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
         if split:
-            logger.info("CPU cores: vLLM computes on %s, the trainer runs on %s.",
-                        split.server, split.trainer)
+            logger.info("CPU cores: vLLM computes on %s at nice %d, the trainer runs on %s.",
+                        split.server, SERVER_NICE, split.trainer)
         with trainer_on(split.trainer) if split else contextlib.nullcontext():
             yield server.base_url
 
