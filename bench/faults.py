@@ -78,6 +78,8 @@ CASES = [
          R + "test_worker_vllm.py::test_a_worker_killed_by_a_signal_is_reported_by_the_next_pull", slow=True),
     Case("worker SIGSTOP (frozen)", "clear error: next pull says no heartbeat within rollout_worker_timeout",
          F + "test_worker_signals.py::test_a_frozen_worker_is_named_by_the_next_pull_and_stopped", slow=True, deadline="rollout_worker_timeout"),
+    Case("server restore outlasts its deadline", "clear error: report names server_restore (not the queue pull it runs in) at its deadline",
+         F + "test_trainer_stages.py::test_a_server_restore_past_its_deadline_is_named", deadline="server_restore"),
     Case("trainer queue pull never gets an item", "clear error: StageStalled and stall_report.json",
          F + "test_trainer_stages.py::test_a_queue_pull_that_never_gets_an_item_stops_with_the_report", deadline="queue_pull"),
     Case("trainer SIGKILL mid-step, then resume", "recovered: resume from the last complete checkpoint",

@@ -159,3 +159,33 @@ def test_a_server_restore_in_the_queue_pull_runs_on_its_own_deadline(watch, tmp_
     assert source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1)) == []
     assert seen == ["queue_pull", "server_restore"]
     assert not (tmp_path / stall.REPORT_NAME).exists()  # the pull's clock stopped meanwhile
+
+
+def test_a_server_restore_past_its_deadline_is_named(tmp_path, monkeypatch, record_property):
+    """A restore (restart, or waiting for an external server) that outlasts `server_restore`'s
+    deadline: the report names that stage, not the queue pull it runs inside."""
+    monkeypatch.setattr(stall, "ABORT_GRACE_S", 600.0)  # the restore returns before an abort
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             stall_timeouts={"server_restore": 1, "queue_pull": 600})
+    watch = stall.StallWatch(config, "trainer", context=lambda: {"model_version": 4}).start()
+    worker, report_path = ServerDown(), tmp_path / stall.REPORT_NAME
+    waited = []
+
+    def restore():  # a server that takes 3 s to come back
+        began = time.monotonic()
+        while not report_path.exists() and time.monotonic() - began < 3.0:
+            time.sleep(0.05)
+        waited.append(time.monotonic() - began)
+        worker.server_down = False
+
+    source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): bool(waited),
+                        window=SimpleNamespace(add=lambda *a: None), restore_server=restore,
+                        no_progress_timeout=config.no_progress_timeout)
+    try:
+        source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1))
+    finally:
+        watch.stop()
+    record_fault_to_outcome(record_property, waited[0], stall.stage_deadline(config, "server_restore"))
+    report = json.loads(report_path.read_text())
+    assert report["stage"] == "server_restore" and report["elapsed_s"] >= 1
+    assert "restore" in report["stacks"]["trainer"]
