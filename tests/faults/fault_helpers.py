@@ -15,11 +15,14 @@ def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 3 == 0) for ids in completion_ids]
 
 
-def _note_fault_start(variable: str) -> None:
-    """Write when the fault begins (time.time()) to the file named by the environment variable
-    `variable`, once (the first call), if the test set it: a fault that begins inside the
-    spawned worker times itself for `record_fault_to_outcome`."""
-    path = os.environ.get(variable)
+FAULT_STARTED_ENV = "GRPO_FAULT_STARTED"  # a file path, set by the test, read by the worker
+
+
+def _note_fault_start() -> None:
+    """Write when the fault begins (time.time()) to the file named by `FAULT_STARTED_ENV`, once
+    (the first call), if the test set it: a fault that begins inside the spawned worker times
+    itself for `record_fault_to_outcome`."""
+    path = os.environ.get(FAULT_STARTED_ENV)
     if path:
         try:
             with open(path, "x") as out:
@@ -41,7 +44,7 @@ def hangs_on_row_3(completion_ids, row_id, **kwargs):
     """A remote judge that never answers for row 3; every other row gets a varied score. When
     it starts hanging it writes the time to GRPO_FAULT_STARTED (if set)."""
     if row_id[0] == 3:
-        _note_fault_start("GRPO_FAULT_STARTED")
+        _note_fault_start()
         time.sleep(3600)
     return [float(i % 2) for i in range(len(completion_ids))]
 
@@ -49,7 +52,7 @@ def hangs_on_row_3(completion_ids, row_id, **kwargs):
 def constant_reward(completion_ids, **kwargs):
     """Every rollout scores the same: zero reward std, so every group is dropped. Its first
     call (the first group about to be dropped) writes the time to GRPO_FAULT_STARTED (if set)."""
-    _note_fault_start("GRPO_FAULT_STARTED")
+    _note_fault_start()
     return [0.0] * len(completion_ids)
 
 

@@ -16,7 +16,12 @@ from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer, stall
 from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned worker imports fault_helpers too
-from fault_helpers import constant_reward, fault_started_at, record_fault_to_outcome
+from fault_helpers import (
+    FAULT_STARTED_ENV,
+    constant_reward,
+    fault_started_at,
+    record_fault_to_outcome,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
@@ -24,7 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp_path, caplog, monkeypatch,
                                                                  record_property):
     started_file = tmp_path / "fault_started"  # the reward's first call: the first group dropped
-    monkeypatch.setenv("GRPO_FAULT_STARTED", str(started_file))  # the spawned worker inherits it
+    monkeypatch.setenv(FAULT_STARTED_ENV, str(started_file))  # the spawned worker inherits it
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(64)])
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), vllm_server_base_url=vllm_server.base_url, num_generations=2,

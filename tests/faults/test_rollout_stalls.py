@@ -57,7 +57,7 @@ def _samples(items):
 
 def test_a_hanging_reward_is_reported_dropped_and_counted(vllm_server, tmp_path, monkeypatch, record_property):
     started_file = tmp_path / "fault_started"  # the reward writes when it starts hanging
-    monkeypatch.setenv("GRPO_FAULT_STARTED", str(started_file))  # the spawned worker inherits it
+    monkeypatch.setenv(fault_helpers.FAULT_STARTED_ENV, str(started_file))  # the spawned worker inherits it
     worker = _worker(vllm_server, tmp_path, fault_helpers.hangs_on_row_3,
                      stall_timeouts={"scoring": SCORING_S})
     dropped_at: list[float] = []  # when this side first sees the stalled group dropped

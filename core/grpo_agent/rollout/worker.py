@@ -11,6 +11,7 @@ within `rollout_worker_timeout` with the reason. `stop` is idempotent and leaves
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -147,7 +148,8 @@ class RolloutWorker:
             process.terminate()
             # A frozen worker (SIGSTOP) keeps SIGTERM pending until it runs again: without this,
             # stopping it waited the whole join below and then killed it (5 s more per hang).
-            _continue(process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
             process.join(5.0)
         if process.is_alive():
             process.kill()
@@ -333,13 +335,3 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
-
-
-def _continue(pid: int | None) -> None:
-    """SIGCONT `pid` (a no-op for a running process), so a stopped one acts on a pending signal."""
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except (ProcessLookupError, PermissionError):
-        pass
