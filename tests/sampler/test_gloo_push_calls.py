@@ -1,6 +1,7 @@
 """The control calls of one gloo push (a fake server at the HTTP seam; the real server's side
-is tests/sampler/test_weight_sync.py): the version rides on /finish_weight_update, so a push
-costs four round trips, not five."""
+is tests/sampler/test_weight_sync.py): the version rides on /finish_weight_update and the prefix
+cache is reset once, preempting running requests, so a push costs four round trips, not five,
+while requests run as when none do."""
 import torch
 from grpo_agent.weight_sync.transports import gloo
 from grpo_agent.weight_sync.transports.control import ServerControl
@@ -16,7 +17,10 @@ class RecordingControl(ServerControl):
 
     def call(self, method, path, *, json_body=None, params=None, timeout=None):
         self.calls.append((path, json_body))
-        return {"success": True} if path == "/reset_prefix_cache" else None
+        if path == "/reset_prefix_cache":
+            # vLLM while requests run: a plain reset fails, one that preempts them succeeds.
+            return {"success": (params or {}).get("reset_running_requests") == "true"}
+        return None
 
 
 def test_a_push_sets_the_version_with_the_finish_call(monkeypatch):
