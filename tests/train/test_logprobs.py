@@ -113,8 +113,22 @@ def test_failed_compilation_falls_back_to_eager(monkeypatch, caplog):
     torch.testing.assert_close(got[1], torch.exp(z - z.amax(1, keepdim=True)).sum(1))
 
 
-@pytest.mark.parametrize("tokens", [1, 4079, 11000, 10**6])
-def test_default_tile_width_is_aligned(tokens):
-    width = logprobs.default_tile_width(tokens)
+@pytest.mark.parametrize("device_type,budget", [("cuda", logprobs.DEFAULT_TILE_ELEMENTS),
+                                                ("cpu", logprobs.CPU_TILE_ELEMENTS)])
+@pytest.mark.parametrize("tokens", [1, 1750, 4079, 11000, 10**6])
+def test_default_tile_width_is_aligned(tokens, device_type, budget):
+    width = logprobs.default_tile_width(tokens, device_type)
     assert width % logprobs.TILE_ALIGN == 0 and width >= logprobs.TILE_ALIGN
-    assert width * tokens <= max(logprobs.DEFAULT_TILE_ELEMENTS, logprobs.TILE_ALIGN * tokens)
+    assert width * tokens <= max(budget, logprobs.TILE_ALIGN * tokens)
+
+
+def test_cpu_tensors_get_the_cache_sized_tile(monkeypatch):
+    """On CPU the default tile holds at most CPU_TILE_ELEMENTS logits (not the GPU's 2**26)."""
+    seen = []
+    original = logprobs._TiledLogSumExp.apply
+    monkeypatch.setattr(logprobs._TiledLogSumExp, "apply",
+                        lambda *args: seen.append(args[3]) or original(*args))
+    hidden, weight = torch.randn(1750, 8), torch.randn(4096, 8)
+    logprobs.tiled_log_sum_exp(hidden, weight)
+    assert seen == [logprobs.default_tile_width(1750, "cpu")]
+    assert seen[0] * 1750 <= logprobs.CPU_TILE_ELEMENTS
