@@ -139,6 +139,11 @@ class RowGraphs:
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # warm-ups and captures run on this one side stream (PyTorch's recipe): per-stream
+        # state made during a warm-up (library workspaces, autograd's gradient-accumulation
+        # streams) is then the capture's own, and nothing in the capture touches the legacy
+        # default stream, which CUDA refuses while a stream captures
+        self.stream: torch.cuda.Stream | None = None
 
     def step(self, row: PackedRow) -> torch.Tensor:
         bucket = Bucket.of(row)
@@ -172,17 +177,25 @@ class RowGraphs:
             inputs = padded_inputs(row, bucket)
             inputs["valid"] = torch.zeros_like(inputs["valid"])
             self.buffers[bucket] = {k: v.to(self.device) for k, v in inputs.items()}
-            self._run(bucket)
         if not self.capture:
+            for bucket, _ in new:
+                self._run(bucket)
             return
-        torch.cuda.empty_cache()
-        if self.pool is None:
+        if self.stream is None:
             self.pool = torch.cuda.graph_pool_handle()
-        for bucket, _ in new:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bucket] = self._run(bucket)
-            self.graphs[bucket] = graph
+            self.stream = torch.cuda.Stream(self.device)
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            for bucket, _ in new:
+                self._run(bucket)
+            torch.cuda.empty_cache()
+            for bucket, _ in new:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    self.outputs[bucket] = self._run(bucket)
+                self.graphs[bucket] = graph
+        caller.wait_stream(self.stream)
 
     def _run(self, bucket: Bucket) -> torch.Tensor:
         """The padded step on the bucket's static buffers: what a graph captures."""
