@@ -448,8 +448,9 @@ def main() -> None:
         "--graph-steps", default=f"{row_graphs.STEPS['tokens']}:{row_graphs.STEPS['trained']}",
         type=lambda text: [(*map(int, v.split(":")[:2]), *v.split(":")[2:]) for v in text.split(",")],
         help="with --graphs on: bucket sizes to time one after another, as tokens:trained "
-        "steps (a row is padded to a multiple of each), e.g. 512:512,64:64; a third field "
-        "'arrival' captures buckets in the rows' order instead of largest first",
+        "steps (a row is padded to a multiple of each), e.g. 512:512,64:64; further fields: "
+        "'levels' captures the level tree path (default varlen), 'arrival' captures buckets "
+        "in the rows' order instead of largest first (e.g. 64:64:levels:arrival)",
     )
     parser.add_argument(
         "--profile-kernels", action="store_true",

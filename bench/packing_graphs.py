@@ -5,8 +5,8 @@ side by side: one row with the GPU drained around it, the rows back to back, the
 gradient differences to the eager step (with the eager step's own rerun difference: flash's
 dq and the gather's backward add atomically), and memory: the graphs' private pool after
 `prepare` captured every row's bucket, against the eager step's peak over the same rows.
-Several bucket sizes (`tokens:trained` steps) run one after another in the process, each
-with its own graphs. `kernel_profile` is the GPU kernel table of one row, by kind.
+Several bucket sizes (`tokens:trained` steps) and captured tree paths (varlen, levels) run one
+after another in the process, each with its own graphs. `kernel_profile` is the GPU kernel table of one row, by kind.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
                steps: list[tuple], profile: bool = False) -> dict:
     """The packed step through CUDA graphs over bucketed rows (`row_graphs`), same rows and
     process as the eager packed lines (`eager`: their times, ratio and peak), once per
-    (token step, trained step[, "arrival"]) in `steps`: time, exactness against the eager
-    step, memory. "arrival" captures each row's bucket as the row comes (the order before
-    `prepare`), not largest first.
+    (token step, trained step, *flags) in `steps`: time, exactness against the eager
+    step, memory. Flags: "levels" captures the level tree path (else varlen); "arrival"
+    captures each row's bucket as the row comes (the order before `prepare`), not largest
+    first.
     `time_fn(step)` -> (median s, median queued s); `peak_fn(step)` -> peak GiB above what was
     allocated before. `profile`: each variant's kernel table of one replayed row."""
     row = packed_rows[0]
@@ -66,12 +67,14 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
            "eager_packed_peak_all_rows_gib": round(eager_peak, 3),
            "eager_packed_reserved_all_rows_gib": round(eager_reserved, 3)}
 
-    def measure(tokens_step: int, trained_step: int, order: str = "largest") -> dict:
+    def measure(tokens_step: int, trained_step: int, *flags: str) -> dict:
         """One bucket size's graphs, made, timed and checked; freed on return."""
         row_graphs.STEPS.update(tokens=tokens_step, trained=trained_step)
+        order = "arrival" if "arrival" in flags else "largest"
+        backend = "levels" if "levels" in flags else "varlen"
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-        graphs = RowGraphs(model, _valid_logprob_sum)
+        graphs = RowGraphs(model, _valid_logprob_sum, backend=backend)
         graphs.attach_grads()  # as the eager peak, measured above the gradients
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -86,11 +89,12 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
                              eager_ref)
         single_s, queued_s = time_fn(lambda: graphs.step(row))
         pipelined_s = time_fn(lambda: [graphs.step(r) for r in packed_rows])[0] / len(packed_rows)
-        tag = f"graph_{tokens_step}_{trained_step}_" + ("arrival_" if order != "largest" else "")
+        tag = (f"graph_{tokens_step}_{trained_step}_" + ("levels_" if backend == "levels" else "")
+               + ("arrival_" if order != "largest" else ""))
         res = {
             tag + "buckets": len(graphs.graphs),
-            tag + "padded_tokens": [Bucket.of(r).tokens for r in packed_rows],
-            tag + "padded_trained": [Bucket.of(r).trained for r in packed_rows],
+            tag + "padded_tokens": [Bucket.of(r, backend).tokens for r in packed_rows],
+            tag + "padded_trained": [Bucket.of(r, backend).trained for r in packed_rows],
             tag + "packed_s": round(single_s, 5),
             tag + "queued_s": round(queued_s, 5),
             tag + "over_eager": round(single_s / eager["packed_s"], 3),

@@ -242,11 +242,13 @@ def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, dense, 
     _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
-def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatch):
-    """CUDA graphs over bucketed rows (`row_graphs`): three buckets sharing one pool, captured
-    largest first, replayed in another order; each replay reads its own row, log-probs and the
-    accumulated gradients match the eager varlen step in bf16 (the warm-ups added nothing),
-    a gradient reset re-attaches, and a replay never makes the host wait for the GPU."""
+@pytest.mark.parametrize("backend", ["varlen", "levels"])
+def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatch, backend):
+    """CUDA graphs over bucketed rows (`row_graphs`), on both captured tree paths: three
+    buckets sharing one pool, captured largest first, replayed in another order; each replay
+    reads its own row, log-probs and the accumulated gradients match the eager step of the
+    same path in bf16 (the warm-ups added nothing), a gradient reset re-attaches, and a replay
+    never makes the host wait for the GPU."""
     from grpo_agent.train import row_graphs
     from grpo_agent.train.row_graphs import RowGraphs
 
@@ -263,7 +265,7 @@ def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatc
         model.zero_grad(set_to_none=True)
         lps = []
         for row in steps:
-            lp = forward_row(model, row, temperature=1.0, backend="varlen").token.logprobs
+            lp = forward_row(model, row, temperature=1.0, backend=backend).token.logprobs
             (lp * row.advantages.cuda()).sum().backward()
             lps.append(lp.detach().float())
         del lp  # a live autograd graph pins its AccumulateGrad nodes to the default stream
@@ -280,7 +282,7 @@ def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatc
 
     refs, ref_grads = eager(order)
     alone = eager([rows[1]])
-    graphs = RowGraphs(model, loss)
+    graphs = RowGraphs(model, loss, backend=backend)
     graphs.prepare(rows)  # warm-ups, then captures, largest first
     assert len(graphs.graphs) == 3
     torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """Row graphs (`row_graphs`): the padded, bucketed step that a CUDA graph captures equals the
-unpadded tree step on CPU (float64: log-probs and every parameter gradient), across rows of
-one bucket and across gradient resets; a replaced `.grad` is refused."""
+unpadded tree step on CPU (float64: log-probs and every parameter gradient), on both captured
+tree paths (varlen; levels through its reference kernel), across rows of one bucket and across
+gradient resets; a replaced `.grad` is refused."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from grpo_agent.train.packing import pack_row
 from grpo_agent.train.row_graphs import Bucket, RowGraphs, padded_inputs
 from grpo_agent.train.tree_attention import enable_tree_attention
 
+from .test_level_attention import _deep_tree_samples
+
 
 @pytest.fixture(autouse=True)
 def small_buckets(monkeypatch):
     """Buckets sized for the tiny rows: padding still on every axis, little work on CPU."""
     monkeypatch.setattr(row_graphs, "STEPS",
-                        {"tokens": 128, "segments": 16, "keys": 256, "trained": 64, "seqlen": 256})
+                        {"tokens": 128, "segments": 16, "keys": 256, "trained": 64, "seqlen": 256,
+                         "rows": 64})
 
 
 def _loss(token, tensors):
@@ -33,12 +37,15 @@ def model(tiny_qwen3):
     return packed
 
 
-def _reference(model, rows):
-    """Log-probs per row and the gradients accumulated over the rows, unpadded."""
+def _reference(model, rows, backend="varlen"):
+    """Log-probs per row and the gradients accumulated over the rows, unpadded, on the tree
+    path `backend` captures (varlen through the eager gather; the model's RMSNorm rounds to
+    float32, so two paths equal to 1e-16 differ by float32 roundings after it)."""
     model.zero_grad(set_to_none=True)
     lps = []
     for row in rows:
-        lp = forward_row(model, row, temperature=1.0, backend="gather").token.logprobs
+        lp = forward_row(model, row, temperature=1.0,
+                         backend="gather" if backend == "varlen" else backend).token.logprobs
         (lp * row.advantages.double()).sum().backward()
         lps.append(lp.detach())
     grads = [p.grad.clone() for p in model.parameters()]
@@ -51,21 +58,32 @@ def _assert_grads(model, grads):
         torch.testing.assert_close(p.grad, ref, atol=1e-12, rtol=1e-9, msg=name)
 
 
-def test_padded_step_equals_the_unpadded_row(model, shared_samples):
-    row = pack_row(shared_samples)
-    (ref_lp,), grads = _reference(model, [row])
-    graphs = RowGraphs(model, _loss, capture=False)
+BACKENDS = pytest.mark.parametrize("backend", row_graphs.BACKENDS)
+
+
+@pytest.mark.parametrize(("backend", "deep"), [("varlen", False), ("levels", False),
+                                              ("levels", True)])
+def test_padded_step_equals_the_unpadded_row(model, shared_samples, backend, deep):
+    """deep: three levels, so two depth parts, each with its padding pair."""
+    row = pack_row(_deep_tree_samples() if deep else shared_samples)
+    (ref_lp,), grads = _reference(model, [row], backend)
+    graphs = RowGraphs(model, _loss, capture=False, backend=backend)
     got = graphs.step(row)
     assert got.shape == ref_lp.shape
     torch.testing.assert_close(got, ref_lp, atol=1e-12, rtol=0)
     _assert_grads(model, grads)
 
 
-def test_rows_of_one_bucket_reuse_its_buffers_and_accumulate(model, shared_samples):
+@BACKENDS
+def test_rows_of_one_bucket_reuse_its_buffers_and_accumulate(model, shared_samples, backend):
     rows = [pack_row(shared_samples), pack_row(shared_samples[1:]), pack_row(shared_samples[:4])]
-    assert len({Bucket.of(r) for r in rows}) == 1 and rows[0].num_tokens != rows[1].num_tokens
-    ref_lps, grads = _reference(model, rows)
-    graphs = RowGraphs(model, _loss, capture=False)
+    if backend == "levels":  # rows of one bucket need the same number of depths
+        rows = [pack_row(shared_samples[:6]), pack_row(shared_samples[1:6]),
+                pack_row(shared_samples[:4])]
+    assert len({Bucket.of(r, backend) for r in rows}) == 1
+    assert rows[0].num_tokens != rows[1].num_tokens
+    ref_lps, grads = _reference(model, rows, backend)
+    graphs = RowGraphs(model, _loss, capture=False, backend=backend)
     graphs.step(rows[2])  # then reset, as an optimizer step's zero_grad does
     model.zero_grad(set_to_none=True)
     for row, ref in zip(rows, ref_lps):
@@ -102,16 +120,17 @@ def test_replaced_gradients_are_refused(model, shared_samples):
         graphs.step(row)
 
 
+@BACKENDS
 def test_warm_ups_of_new_buckets_add_nothing_to_accumulated_gradients(
-        model, shared_samples, monkeypatch):
+        model, shared_samples, monkeypatch, backend):
     """`prepare` runs each new bucket's warm-up step with `valid` 0 in the middle of an
     accumulation: the gradients so far are unchanged, and the rows then step as unpadded."""
     monkeypatch.setitem(row_graphs.STEPS, "tokens", 16)
     rows = [pack_row(shared_samples), pack_row(shared_samples[3:]), pack_row(shared_samples[:2])]
-    assert len({Bucket.of(r) for r in rows}) == 3
-    ref_lps, grads = _reference(model, rows)
-    (_, first_grads) = _reference(model, rows[:1])
-    graphs = RowGraphs(model, _loss, capture=False)
+    assert len({Bucket.of(r, backend) for r in rows}) == 3
+    ref_lps, grads = _reference(model, rows, backend)
+    (_, first_grads) = _reference(model, rows[:1], backend)
+    graphs = RowGraphs(model, _loss, capture=False, backend=backend)
     torch.testing.assert_close(graphs.step(rows[0]), ref_lps[0], atol=1e-12, rtol=0)
     graphs.prepare(rows)
     assert len(graphs.buffers) == 3
@@ -119,3 +138,30 @@ def test_warm_ups_of_new_buckets_add_nothing_to_accumulated_gradients(
     for row, ref in zip(rows[1:], ref_lps[1:]):
         torch.testing.assert_close(graphs.step(row), ref, atol=1e-12, rtol=0)
     _assert_grads(model, grads)
+
+
+def test_level_padding_pairs_hold_padding_rows_only(monkeypatch):
+    """levels: the self part's padding segment covers the padding tokens; each depth part
+    keeps its real pairs as the plan has them and ends with one padding pair of padding
+    query and key rows (both non-empty), then empty pairs."""
+    from grpo_agent.train.level_attention import LevelPlan
+
+    monkeypatch.setitem(row_graphs.STEPS, "segments", 64)
+    row = pack_row(_deep_tree_samples())
+    bucket = Bucket.of(row, "levels")
+    plan = LevelPlan.build(row, "cpu", "reference", dense="off")
+    assert len(bucket.depths) == len(plan.query_index) >= 2
+    t = padded_inputs(row, bucket)
+    segments = len(row.segment_paths)
+    assert t["cu_q"][segments] == row.num_tokens and (t["cu_q"][segments + 1:] == bucket.tokens).all()
+    for d, shape in enumerate(bucket.depths):
+        real_q, real_k = plan.query_index[d].numel(), plan.key_index[d].numel()
+        q, k, cu_q, cu_k = (t[f"depth{d}_{n}"] for n in ("q", "k", "cu_q", "cu_k"))
+        assert (q[:real_q] == plan.query_index[d]).all() and (k[:real_k] == plan.key_index[d]).all()
+        assert q.numel() == shape.queries > real_q and k.numel() == shape.keys > real_k
+        assert (q[real_q:] >= row.num_tokens).all() and (k[real_k:] >= row.num_tokens).all()
+        pairs = plan.cu_q[d].numel() - 1
+        assert (cu_q[: pairs + 1] == plan.cu_q[d]).all() and (cu_k[: pairs + 1] == plan.cu_k[d]).all()
+        assert cu_q[pairs + 1] == shape.queries and cu_k[pairs + 1] == shape.keys
+        assert (cu_q[pairs + 1:] == shape.queries).all() and (cu_k[pairs + 1:] == shape.keys).all()
+        assert cu_q.numel() == shape.pairs + 1

@@ -82,26 +82,15 @@ class LevelPlan:
         dense = DENSE if dense is None else dense
         depth_only = dense in ("auto", "cudnn-depth")
         dense = _dense_kernel(kernel, torch.device(device), dense)
-        _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
-        ends = lens.cumsum(0).tolist()
-        starts = [e - n for e, n in zip(ends, lens.tolist())]
-        ancestors = row.segment_ancestors
-        depth = (ancestors.sum(1) - 1).tolist()
-        # a segment's subtree ends where its last descendant (or itself) ends
-        subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
-        (self_cu,) = to_device(device, _bounds(lens.tolist()))
-        plan = cls(kernel, self_cu, int(lens.max()), [], [], [], [], [], [], dense,
+        segments, depths = tree_parts(row)
+        lens = [len(r) for r in segments]
+        (self_cu,) = to_device(device, _bounds(lens))
+        plan = cls(kernel, self_cu, max(lens), [], [], [], [], [], [], dense,
                    merge=level_merge.check(level_merge.MERGE))
         if dense and not depth_only:
-            plan.self_dense = cudnn_attention.self_parts(
-                [range(a, b) for a, b in zip(starts, ends)], device)
+            plan.self_dense = cudnn_attention.self_parts(segments, device)
         plan.depth_dense = [] if dense else None
-        for d in range(max(depth)):  # the deepest segments have no descendants
-            pairs = [
-                (range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
-                for s in range(len(ends))
-                if depth[s] == d and subtree_end[s] > ends[s]
-            ]
+        for pairs in depths:
             q_lens, k_lens = [len(q) for q, _ in pairs], [len(k) for _, k in pairs]
             query_index, key_index, cu_q, cu_k = to_device(
                 device,
@@ -139,6 +128,24 @@ class LevelPlan:
                 layout.append(("varlen", (max_q, max_k)))
                 tensors += [qi, ki, cu_q, cu_k]
         return tuple(layout), tensors
+
+
+def tree_parts(row: PackedRow) -> tuple[list[range], list[list[tuple[range, range]]]]:
+    """The row's segments (row ranges, in order), and per depth d the (descendant rows,
+    segment rows) pair of every depth-d segment that has descendants."""
+    _, lens = torch.unique_consecutive(row.segment_ids, return_counts=True)
+    ends = lens.cumsum(0).tolist()
+    starts = [e - n for e, n in zip(ends, lens.tolist())]
+    ancestors = row.segment_ancestors
+    depth = (ancestors.sum(1) - 1).tolist()
+    # a segment's subtree ends where its last descendant (or itself) ends
+    subtree_end = torch.where(ancestors, torch.tensor(ends)[:, None], 0).amax(0).tolist()
+    depths = [
+        [(range(ends[s], subtree_end[s]), range(starts[s], ends[s]))
+         for s in range(len(ends)) if depth[s] == d and subtree_end[s] > ends[s]]
+        for d in range(max(depth))  # the deepest segments have no descendants
+    ]
+    return [range(a, b) for a, b in zip(starts, ends)], depths
 
 
 def _add_dense(part: DensePart, layout: list, tensors: list) -> None:

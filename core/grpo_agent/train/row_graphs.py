@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import varlen_attention
+from grpo_agent.train import level_attention, level_merge, varlen_attention
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
@@ -37,8 +37,10 @@ from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
 # fewer graphs (captures, static buffers) but more padded work per row; since the buckets
 # share the largest one's memory (`RowGraphs.prepare`), fine token steps cost no memory. On
 # an H200 (0.6B shape, 8k rows) 64-token steps for tokens and trained entries were 2.6-3.2%
-# faster back to back than 512-token steps (docs/performance.md).
-STEPS = {"tokens": 64, "segments": 16, "keys": 512, "trained": 64, "seqlen": 256}
+# faster back to back than 512-token steps (docs/performance.md). "rows": a level part's
+# selected query and key rows.
+STEPS = {"tokens": 64, "segments": 16, "keys": 512, "trained": 64, "seqlen": 256, "rows": 64}
+BACKENDS = ("varlen", "levels")
 
 # loss_fn(token log-probs, the bucket's padded per-trained-token tensors) -> scalar loss.
 # The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages",
@@ -51,68 +53,122 @@ def _up(n: int, step: int) -> int:
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """The static shapes of one graph."""
+class DepthBucket:
+    """The static shapes of one depth part of a levels row."""
 
-    tokens: int  # row tokens, real + padding (at least one padding token)
-    segments: int  # varlen segments, real + padding segment + empty ones
-    keys: int  # gathered keys (sum of path lengths), padding segment included
-    trained: int  # trained-token entries
+    queries: int  # selected query rows, the padding pair's included (at least one)
+    keys: int  # selected key rows, likewise
+    pairs: int  # (descendants, segment) pairs: real + padding pair + empty ones
     max_q: int
     max_k: int
 
     @classmethod
-    def of(cls, row: PackedRow) -> Bucket:
+    def of(cls, pairs: list[tuple[range, range]], pad_tokens: int) -> DepthBucket:
+        q_lens, k_lens = [len(q) for q, _ in pairs], [len(k) for _, k in pairs]
+        queries = _up(sum(q_lens) + 1, STEPS["rows"])
+        keys = _up(sum(k_lens) + 1, STEPS["rows"])
+        return cls(
+            queries=queries,
+            keys=keys,
+            pairs=_up(len(pairs) + 1, STEPS["segments"]),
+            max_q=_up(max(*q_lens, queries - sum(q_lens), pad_tokens), STEPS["seqlen"]),
+            max_k=_up(max(*k_lens, keys - sum(k_lens)), STEPS["seqlen"]),
+        )
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The static shapes of one graph."""
+
+    backend: str  # tree attention path: one of BACKENDS
+    tokens: int  # row tokens, real + padding (at least one padding token)
+    segments: int  # segments, real + padding segment + empty ones
+    trained: int  # trained-token entries
+    max_q: int  # longest segment
+    keys: int = 0  # varlen: gathered keys (sum of path lengths), padding segment included
+    max_k: int = 0  # varlen: longest path
+    depths: tuple[DepthBucket, ...] = ()  # levels: one per depth part
+
+    @classmethod
+    def of(cls, row: PackedRow, backend: str = "varlen") -> Bucket:
+        if backend not in BACKENDS:
+            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
         tokens = _up(row.num_tokens + 1, STEPS["tokens"])
         pad = tokens - row.num_tokens
         own = torch.bincount(row.segment_ids).tolist()
-        path_keys = sum(len(p) for p in row.segment_paths)
-        keys = _up(path_keys + pad, STEPS["keys"])
-        return cls(
+        shapes = dict(
+            backend=backend,
             tokens=tokens,
             segments=_up(len(own) + 1, STEPS["segments"]),
-            keys=keys,
             trained=_up(max(row.num_trained, 1), STEPS["trained"]),
             max_q=_up(max(max(own), pad), STEPS["seqlen"]),
-            max_k=_up(max(max(len(p) for p in row.segment_paths), keys - path_keys),
-                      STEPS["seqlen"]),
         )
+        if backend == "levels":
+            _, depths = level_attention.tree_parts(row)
+            return cls(**shapes, depths=tuple(DepthBucket.of(p, pad) for p in depths))
+        path_keys = sum(len(p) for p in row.segment_paths)
+        keys = _up(path_keys + pad, STEPS["keys"])
+        return cls(**shapes, keys=keys, max_k=_up(
+            max(max(len(p) for p in row.segment_paths), keys - path_keys), STEPS["seqlen"]))
+
+
+def _cu(lengths: list[int], total: int) -> torch.Tensor:
+    """int32 bounds of `lengths`, then empty ranges up to `total` ranges."""
+    lens = torch.tensor(lengths + [0] * (total - len(lengths)))
+    return F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _cycled(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` indices into `rows`, repeating them as needed (padding rows read more than once)."""
+    return rows[torch.arange(n) % rows.numel()]
 
 
 def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
     """The row's tensors padded to `bucket` (CPU). Padding tokens [N, tokens) are one segment
-    whose keys are `keys - sum(paths)` padding rows, its own tokens last: each padding query
-    sees itself and earlier padding rows only, and no real query sees a padding key."""
+    at the end; every attention range they are in holds padding rows only, so each padding
+    query sees padding keys only and no real query sees a padding key. varlen: the padding
+    segment's keys are `keys - sum(paths)` padding rows, its own tokens last. levels: the self
+    part's padding segment is causal on itself; each depth part ends with a padding pair
+    whose queries and keys are padding rows (read more than once where the part's padded
+    sizes exceed the padding tokens: such copies compute the same values)."""
     n, pad = row.num_tokens, bucket.tokens - row.num_tokens
-    own = torch.bincount(row.segment_ids)
-    path_lens = torch.tensor([len(p) for p in row.segment_paths])
-    pad_keys = bucket.keys - int(path_lens.sum())
-    empty = bucket.segments - own.numel() - 1
-    q_lens = torch.cat([own, torch.tensor([pad]), torch.zeros(empty, dtype=torch.long)])
-    k_lens = torch.cat([path_lens, torch.tensor([pad_keys]), torch.zeros(empty, dtype=torch.long)])
+    own = torch.bincount(row.segment_ids).tolist()
     pad_rows = torch.arange(n, bucket.tokens)
-    kv_index = torch.cat([
-        torch.tensor([i for p in row.segment_paths for i in p], dtype=torch.long),
-        torch.full((pad_keys - pad,), n, dtype=torch.long),  # extra keys: the first pad row
-        pad_rows,
-    ])
     t, extra = row.num_trained, bucket.trained - row.num_trained
 
     def trained(x: torch.Tensor, fill) -> torch.Tensor:
         return torch.cat([x, torch.full((extra,), fill, dtype=x.dtype)])
 
-    return {
+    inputs = {
         "input_ids": torch.cat([row.input_ids, torch.zeros(pad, dtype=row.input_ids.dtype)]),
         "position_ids": torch.cat([row.position_ids, torch.arange(pad)]),
-        "cu_q": F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32),
-        "cu_k": F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32),
-        "kv_index": kv_index,
+        "cu_q": _cu(own + [pad], bucket.segments),
         "pred_index": trained(row.pred_index, n),  # padded entries read the first pad row
         "targets": trained(row.targets, 0),
         "valid": trained(torch.ones(t), 0.0),
         "advantages": trained(row.advantages.float(), 0.0),
         "sampler_logprobs": trained(row.sampler_logprobs.float(), 0.0),
     }
+    if bucket.backend == "levels":
+        _, depths = level_attention.tree_parts(row)
+        for d, (pairs, shape) in enumerate(zip(depths, bucket.depths, strict=True)):
+            q_rows = [i for q, _ in pairs for i in q]
+            k_rows = [i for _, k in pairs for i in k]
+            extra_q, extra_k = shape.queries - len(q_rows), shape.keys - len(k_rows)
+            inputs[f"depth{d}_q"] = torch.cat([torch.tensor(q_rows), _cycled(pad_rows, extra_q)])
+            inputs[f"depth{d}_k"] = torch.cat([torch.tensor(k_rows), _cycled(pad_rows, extra_k)])
+            inputs[f"depth{d}_cu_q"] = _cu([len(q) for q, _ in pairs] + [extra_q], shape.pairs)
+            inputs[f"depth{d}_cu_k"] = _cu([len(k) for _, k in pairs] + [extra_k], shape.pairs)
+        return inputs
+    path_lens = [len(p) for p in row.segment_paths]
+    pad_keys = bucket.keys - sum(path_lens)
+    inputs["cu_k"] = _cu(path_lens + [pad_keys], bucket.segments)
+    inputs["kv_index"] = torch.cat([
+        torch.tensor([i for p in row.segment_paths for i in p], dtype=torch.long),
+        torch.full((pad_keys - pad,), n, dtype=torch.long),  # extra keys: the first pad row
+        pad_rows,
+    ])
+    return inputs
 
 
 class RowGraphs:
@@ -126,14 +182,20 @@ class RowGraphs:
     fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error."""
 
     def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
-                 capture: bool | None = None):
+                 capture: bool | None = None, backend: str = "varlen"):
         _check_model(model)
+        if backend not in BACKENDS:
+            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
         self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
+        self.backend = backend
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.kernel = (varlen_attention.varlen_kernel() if self.device.type == "cuda"
-                       else varlen_attention.sdpa_varlen)
+        cuda = self.device.type == "cuda"
+        if backend == "levels":
+            self.kernel = "flash" if cuda else "reference"
+        else:
+            self.kernel = varlen_attention.varlen_kernel() if cuda else varlen_attention.sdpa_varlen
         self.grads: list[torch.Tensor] | None = None
         self.buffers: dict[Bucket, dict[str, torch.Tensor]] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
@@ -146,7 +208,7 @@ class RowGraphs:
         self.stream: torch.cuda.Stream | None = None
 
     def step(self, row: PackedRow) -> torch.Tensor:
-        bucket = Bucket.of(row)
+        bucket = Bucket.of(row, self.backend)
         if bucket not in self.buffers:
             self.prepare([row])
         self.attach_grads()
@@ -168,7 +230,8 @@ class RowGraphs:
         captured first, so the smaller ones fit into the blocks it freed. (Captured in the
         order rows arrive, buckets of growing sizes each needed new blocks: on an H200 the
         pool held 15.9-16.1 GiB for 3-4 buckets, largest first 12.1: docs/performance.md.)"""
-        new = sorted({Bucket.of(r): r for r in rows if Bucket.of(r) not in self.buffers}.items(),
+        buckets = {Bucket.of(r, self.backend): r for r in rows}
+        new = sorted(((b, r) for b, r in buckets.items() if b not in self.buffers),
                      key=lambda item: dataclasses.astuple(item[0]), reverse=True)
         if not new:
             return
@@ -200,12 +263,24 @@ class RowGraphs:
     def _run(self, bucket: Bucket) -> torch.Tensor:
         """The padded step on the bucket's static buffers: what a graph captures."""
         s = self.buffers[bucket]
-        plan = varlen_attention.VarlenPlan(
-            kernel=self.kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
-            max_k=bucket.max_k, kv_index=s["kv_index"],
-        )
         tree = TreeMask(segment_ids=None, ancestors=None, position_ids=s["position_ids"],
-                        backend="varlen", varlen=plan)
+                        backend=bucket.backend)
+        if bucket.backend == "levels":  # depth parts on the varlen kernel (no padded batches)
+            depths = range(len(bucket.depths))
+            tree.levels = level_attention.LevelPlan(
+                self.kernel, s["cu_q"], bucket.max_q,
+                query_index=[s[f"depth{d}_q"] for d in depths],
+                key_index=[s[f"depth{d}_k"] for d in depths],
+                cu_q=[s[f"depth{d}_cu_q"] for d in depths],
+                cu_k=[s[f"depth{d}_cu_k"] for d in depths],
+                max_q=[b.max_q for b in bucket.depths], max_k=[b.max_k for b in bucket.depths],
+                merge=level_merge.check(level_merge.MERGE),
+            )
+        else:
+            tree.varlen = varlen_attention.VarlenPlan(
+                kernel=self.kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
+                max_k=bucket.max_k, kv_index=s["kv_index"],
+            )
         hidden = self.model.get_decoder()(
             input_ids=s["input_ids"][None], position_ids=s["position_ids"][None],
             use_cache=False, tree_mask=tree,
