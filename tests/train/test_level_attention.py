@@ -124,3 +124,30 @@ def test_levels_on_cuda_needs_half_precision_flash():
     assert _level_kernel(torch.device("cpu"), torch.float32) == "reference"
     with pytest.raises(ValueError, match="bf16/fp16"):
         _level_kernel(torch.device("cuda"), torch.float32)
+
+
+def test_compiled_layers_run_level_attention_eagerly(tiny_qwen3, shared_samples, monkeypatch):
+    """In compiled decoder layers the level split runs outside the graph (dynamo never traces
+    it: traced, its flash path's gradients were wrong on an H200), the rows reach it through
+    `forward_row`, and the gradients are the eager model's."""
+    from grpo_agent.train.regional_compile import compile_decoder_layers, is_compiled
+
+    traced = []
+    parts = LevelPlan.parts
+
+    def recording_parts(self, dense=True):
+        traced.append(torch.compiler.is_compiling())
+        return parts(self, dense)
+
+    monkeypatch.setattr(LevelPlan, "parts", recording_parts)
+    enable_tree_attention(tiny_qwen3)
+    compiled = copy.deepcopy(tiny_qwen3)
+    compile_decoder_layers(compiled)
+    assert is_compiled(compiled) and not is_compiled(tiny_qwen3)
+    row = pack_row(shared_samples)
+    for model in (tiny_qwen3, compiled):
+        lp = forward_row(model, row, temperature=1.0, backend="levels").token.logprobs
+        (lp * row.advantages).sum().backward()
+    assert traced == [False] * 2 * tiny_qwen3.config.num_hidden_layers
+    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)

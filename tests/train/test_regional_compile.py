@@ -175,10 +175,12 @@ def _compiled_frames_over_rows(model, samples, backend):
     return frames
 
 
-def test_level_tree_attention_traced_in_the_layer_reuses_its_graph(
+def test_level_tree_attention_runs_between_the_layer_graphs_and_reuses_them(
     tiny_qwen3, shared_samples, fresh_dynamo
 ):
-    """The level split (autograd.Function, loop over depths) traces into the compiled layer,
-    backward included: one graph per layer and none new for rows of other lengths."""
+    """The level split runs eagerly between a compiled layer's graphs (traced, its flash
+    path's gradients were wrong on an H200: `tree_attention._eager_level_attention`): more
+    than one graph per layer, the rows still equal the dense mask, and rows of other lengths
+    add no graphs."""
     frames = _compiled_frames_over_rows(tiny_qwen3, shared_samples, "levels")
-    assert frames[0] == 1 and frames[-1] == frames[0], frames
+    assert frames[0] > 1 and frames[-1] == frames[0], frames

@@ -19,19 +19,19 @@ backward saves the row's keys, not every path's. The work is exactly the tree's 
 tree depth (two in a prompt -> completions row).
 
 Measured on an H200 (docs/performance.md): less GPU time and 12-15% less peak memory than
-"varlen", but more kernels per layer. Compiled, it is 7-10% faster at 14-16k-token rows and
-slower at 6-7k, where the packed step is bound by the host queueing kernels; so "auto" picks
-it for rows of at least `tree_attention.LEVELS_MIN_TOKENS`.
+"varlen", but more kernels per layer. Compiled it was timed 7-10% faster at 14-16k-token rows
+and slower at 6-7k; but those compiled timings ran the traced path whose gradients were wrong
+(below), so they are not evidence. "auto" picks it for eager layers' rows of at least
+`tree_attention.LEVELS_MIN_TOKENS`.
 
 A part can also run as one padded dense batch on cuDNN's SDPA kernel (`cudnn_attention`,
 `DENSE`): by default the depth parts, where every key range has one length (a group's prompt),
-which on an H200 made the compiled 1.7B step 1.7-3.4% faster at 15-16k-token rows; the self
+which on an H200 timed the (traced, see below) 1.7B step 1.7-3.4% faster at 15-16k rows; the self
 part stays on flash (padding it too was slower: its gathers cost more than cuDNN saves).
 
-Everything is tensor ops with no host synchronisation, so torch.compile traces it into the
-compiled decoder layer, backward included. (A first version wrapped it in custom ops; their
-Python dispatch made the compiled step 0.126 s instead of 0.095 s.) A row whose tree has a new
-number of depths traces once more; new lengths do not (the layers compile with dynamic shapes).
+Everything is tensor ops with no host synchronisation, but it runs outside compiled graphs
+(`tree_attention._eager_level_attention`): traced by dynamo, the flash path's gradients were
+wrong on an H200 (docs/performance.md), so "auto" does not pick it for compiled layers.
 Kernels: PyTorch's own flash build (CUDA, half precision) or `reference`, the same contract
 in dense masked tensor math (any device and dtype; the tests' oracle).
 """

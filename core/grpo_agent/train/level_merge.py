@@ -15,13 +15,6 @@ For a tree two levels deep (a prompt and its completions: the trainer's usual ro
 is in at most one depth part, so both give the same numbers bit for bit (one float32 sum,
 rounded once). A row in k depth parts is rounded k times under "rows" instead of once: still
 within the compute dtype's tolerance, which the GPU tests hold against the float32 reference.
-
-Under torch.compile "rows" writes out of place (`index_copy`, which inductor may re-inplace):
-traced by dynamo (any backend, "eager" included), the in-place writes into the flash kernels'
-outputs lost the attention's gradients on an H200: the q/k/v projections of a compiled
-Qwen3-shaped model got gradients with relative error 1.0 against the eager level path, while
-"float32" (out of place) matched it within bf16 noise (docs/performance.md; the GPU test
-`test_compiled_level_path_matches_eager`). Eager keeps the in-place writes.
 """
 
 from __future__ import annotations
@@ -70,9 +63,6 @@ class OutputMerge:
         if full:
             self.out = self.out.index_copy(0, rows, mixed)
             self.lse = self.lse.index_copy(0, rows, after)
-        elif torch.compiler.is_compiling():  # out of place: see the module docstring
-            self.out = self.out.index_copy(0, rows, mixed.to(self.dtype))
-            self.lse = self.lse.index_copy(0, rows, after)
         else:  # in place, on tensors this merge owns (kernel outputs or its own zeros)
             self.out.index_copy_(0, rows, mixed.to(self.dtype))
             self.lse.index_copy_(0, rows, after)
@@ -103,13 +93,9 @@ class GradSum:
         for i, (total, g, at) in enumerate(zip(self.grads, grads, (rows[0], rows[1], rows[1]))):
             if full:
                 self.grads[i] = total.index_add(0, at, g.to(self.work))
-                continue
-            # rows are distinct within a part: gather, add in float32, write back
-            summed = (total.index_select(0, at).to(self.work) + g.to(self.work)).to(total.dtype)
-            if torch.compiler.is_compiling():  # out of place: see the module docstring
-                self.grads[i] = total.index_copy(0, at, summed)
-            else:
-                total.index_copy_(0, at, summed)
+            else:  # rows are distinct within a part: gather, add in float32, write back
+                summed = total.index_select(0, at).to(self.work) + g.to(self.work)
+                total.index_copy_(0, at, summed.to(total.dtype))
 
     def result(self) -> tuple[torch.Tensor, ...]:
         return tuple(g.to(x.dtype) for g, x in zip(self.grads, self.like))

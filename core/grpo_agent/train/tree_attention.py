@@ -41,8 +41,9 @@ from grpo_agent.train.transfer import to_device
 
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
-# Rows of at least this many tokens take "levels" under "auto": on an H200 (Qwen3-0.6B shape,
-# compiled) it was 7-10% faster than "varlen" at 14-16k-token rows and slower at 6-7k.
+# Rows of at least this many tokens take "levels" under "auto" in eager layers: on an H200
+# (Qwen3-0.6B shape) it was 7-10% faster than "varlen" at 14-16k-token rows and slower at 6-7k,
+# timed compiled on the traced level path whose gradients were wrong (`_eager_level_attention`).
 LEVELS_MIN_TOKENS = 12288
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
@@ -68,11 +69,13 @@ class TreeMask:
         device: torch.device | str,
         backend: str = "auto",
         dtype: torch.dtype | None = None,
+        compiled: bool = False,
     ) -> TreeMask:
-        """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only."""
+        """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only;
+        `compiled` (the model's layers are) keeps "auto" off "levels"."""
         device = torch.device(device)
         if backend == "auto":
-            backend = choose_backend(device, dtype, row.num_tokens)
+            backend = choose_backend(device, dtype, row.num_tokens, compiled)
         if backend not in BACKENDS:
             raise ValueError(
                 f"tree attention backend {backend!r}: choose 'auto' or one of {BACKENDS}."
@@ -112,15 +115,18 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
     )
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0) -> str:
+def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0,
+                   compiled: bool = False) -> str:
     """gather on CPU. On CUDA in half precision with flash kernels: levels for rows of at least
-    LEVELS_MIN_TOKENS, varlen below (as fast as flex or faster for every packing ratio on an
-    H200, eager and compiled); else flex."""
+    LEVELS_MIN_TOKENS in eager layers, varlen below and in compiled layers (where levels would
+    run outside the compiled graph: `_eager_level_attention`); varlen was as fast as flex or
+    faster for every packing ratio on an H200, eager and compiled; else flex."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
-    if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
+    if (tokens >= LEVELS_MIN_TOKENS and not compiled
+            and torch.backends.cuda.is_flash_attention_available()):
         return "levels"
     return "varlen" if varlen_attention.varlen_kernel() is not None else "flex"
 
@@ -232,10 +238,7 @@ def tree_attention_forward(
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
     if plain and tree_mask.backend == "levels":
-        # Tensor ops and flash calls: traced into a compiled decoder layer, backward included.
-        return level_attention.level_tree_attention(
-            query, key, value, tree_mask.levels, scaling
-        ), None
+        return _eager_level_attention(query, key, value, tree_mask.levels, scaling), None
     if plain and tree_mask.backend == "varlen":
         # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
         return varlen_attention.tree_varlen_attention(
@@ -262,6 +265,12 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+# Level attention runs outside compiled graphs (a graph break in a compiled layer). Traced by
+# dynamo (inductor, aot_eager and eager backends alike) its flash path gave wrong gradients on
+# an H200: the q/k/v projections of a compiled 2-layer Qwen3-shaped model had relative error
+# 1.0 against the eager level path, whose gradients match a float32 reference as closely as
+# the other bf16 paths (docs/performance.md, bench/tree_backend_grads.py).
+_eager_level_attention = torch.compiler.disable(level_attention.level_tree_attention)
 # The gather and dense paths stay eager: the gather loops over the row's segments, which would
 # recompile a compiled decoder layer for every new row.
 _eager_gather_attention = torch.compiler.disable(varlen_attention.tree_varlen_attention)
