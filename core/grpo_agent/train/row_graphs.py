@@ -11,9 +11,12 @@ tree metadata is copied into that bucket's static buffers, and the graph is repl
 Padding is exact for the real tokens: the padding tokens form one extra segment at the end of
 the row that sees only padding keys (the varlen plan's last segment), extra segments are empty
 (`cu_seqlens` repeated), and padded trained entries carry `valid` 0, so the loss and every
-gradient they could carry are zero. Only the varlen tree path is captured (the one `auto`
-takes below LEVELS_MIN_TOKENS); the row always gathers its keys (an unshared row too), so one
-plan shape serves every row. Off CUDA nothing is captured and the padded step runs as is: the
+gradient they could carry are zero. Two tree paths can be captured: varlen (the default; the
+row always gathers its keys, an unshared row too, so one plan shape serves every row) and
+levels (`backend="levels"`: the self part's padding segment, and per depth part one padding
+pair of padding query and key rows; a bucket also fixes the number of depths). Level graphs
+were timed on an H200 only on the traced level path whose gradients were wrong
+(docs/performance.md); level attention now runs eagerly inside the captured step. Off CUDA nothing is captured and the padded step runs as is: the
 CPU tests hold it to the unpadded path. All buckets share one memory pool, captured largest
 first (`RowGraphs.prepare`): a step's temporaries are freed at the end of each capture, the
 smaller buckets reuse the largest one's blocks, and buckets never replay at the same time.
@@ -319,6 +322,6 @@ def _check_model(model) -> None:
     text = model.config.get_text_config()
     if getattr(model, "_grpo_linear_layers", 0) or getattr(text, "use_sliding_window", False):
         raise ValueError(
-            "row graphs capture the varlen tree path only: models with Gated DeltaNet or "
-            "sliding-window layers take other paths. Turn graphs off for this model."
+            "row graphs capture the varlen and level tree paths only: models with Gated "
+            "DeltaNet or sliding-window layers take other paths. Turn graphs off for this model."
         )
