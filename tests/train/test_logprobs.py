@@ -132,3 +132,18 @@ def test_cpu_tensors_get_the_cache_sized_tile(monkeypatch):
     logprobs.tiled_log_sum_exp(hidden, weight)
     assert seen == [logprobs.default_tile_width(1750, "cpu")]
     assert seen[0] * 1750 <= logprobs.CPU_TILE_ELEMENTS
+
+
+def test_a_failed_compile_logs_text_and_runs_eagerly(monkeypatch, caplog):
+    """The warning's record holds the error's text, not the exception: its traceback's frames
+    (inside a training step's forward) would keep that step's tensors alive with the record."""
+    from grpo_agent.train import logprobs
+
+    def broken_compile(fn, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    call = logprobs._CompiledOrEager(lambda x: x * 2, devices=("cpu",))
+    assert torch.equal(call(torch.ones(2)), torch.full((2,), 2.0))
+    assert call.failed and "no compiler here" in caplog.text
+    assert not [a for r in caplog.records for a in r.args if isinstance(a, BaseException)]

@@ -138,7 +138,8 @@ def fla_chunk_rule():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as error:  # noqa: BLE001 - any import failure means "use torch"
-        logger.info("flash-linear-attention not importable (%s): torch delta rule.", error)
+        logger.info("flash-linear-attention not importable (%s): torch delta rule.",
+                    str(error))  # text: see varlen_attention.load_hub_kernel
         return None
     problem = _fla_backward_problem()
     if problem:

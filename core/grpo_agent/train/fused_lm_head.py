@@ -114,7 +114,8 @@ def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (RuntimeError, TypeError, NotImplementedError) as exc:
-            log.info("addmm with a float32 output is not available here (%s)", exc)
+            log.info("addmm with a float32 output is not available here (%s)",
+                     str(exc))  # text: see varlen_attention.load_hub_kernel
             FLOAT32_ADDMM = False
     acc.add_(a @ b)
 
@@ -168,6 +169,7 @@ def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- absent or broken: the torch path is correct
-        log.info("no Triton (%s): the LM head runs the torch tiles", exc)
+        log.info("no Triton (%s): the LM head runs the torch tiles",
+                 str(exc))  # text: see varlen_attention.load_hub_kernel
         return False
     return True

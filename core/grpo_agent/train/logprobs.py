@@ -117,7 +117,8 @@ class _CompiledOrEager:
             return self.compiled(raw, *args)
         except Exception as exc:  # noqa: BLE001 -- no Triton, old GPU, compiler bug: eager is right
             log.warning(
-                "torch.compile of %s failed (%s); running it eagerly", self.fn.__name__, exc
+                "torch.compile of %s failed (%s); running it eagerly", self.fn.__name__,
+                str(exc),  # text: see varlen_attention.load_hub_kernel
             )
             self.failed = True
             return self.fn(raw, *args)

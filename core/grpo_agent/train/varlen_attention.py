@@ -90,10 +90,14 @@ def load_hub_kernel(repo_id: str | None) -> Callable | None:
         probe_kernel(kernel, probe_device())
         return kernel
     except Exception as exc:  # noqa: BLE001 -- not installed, offline, no build: fall back
+        # The exception's text, never the exception: a handler that keeps records (pytest's
+        # log capture) would keep its traceback, whose frames -- this is resolved inside the
+        # first forward -- keep that step's activations and autograd graph alive (on a GPU,
+        # AccumulateGrad nodes pinned to the default stream broke a later CUDA graph capture).
         log.warning(
             "Attention kernel %s could not be loaded (%s: %s); using the torch/flash_attn "
             "kernels instead. `pip install kernels` and allow a Hub download (or fill the "
-            "cache once) to use it.", repo_id, type(exc).__name__, exc,
+            "cache once) to use it.", repo_id, type(exc).__name__, str(exc),
         )
         return None
 
@@ -126,7 +130,7 @@ def load_varlen_kernel(spec: str) -> Callable | None:
         try:
             return importlib.import_module("flash_attn").flash_attn_varlen_func
         except Exception as exc:  # noqa: BLE001 -- absent, or built for another torch/CUDA
-            log.debug("no flash_attn package (%s)", exc)
+            log.debug("no flash_attn package (%s)", str(exc))  # text: see load_hub_kernel
             return None
     try:
         return _from_kernels_library(spec).flash_attn_varlen_func
@@ -136,7 +140,7 @@ def load_varlen_kernel(spec: str) -> Callable | None:
             "point it at a local kernel directory or a Hub repo as org/name@REVISION.",
             KERNEL_ENV,
             spec,
-            exc,
+            str(exc),  # text: see load_hub_kernel
         )
         return None
 
