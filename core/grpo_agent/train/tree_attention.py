@@ -271,6 +271,7 @@ def tree_attention_forward(
 # 1.0 against the eager level path, whose gradients match a float32 reference as closely as
 # the other bf16 paths (docs/performance.md, bench/tree_backend_grads.py).
 _eager_level_attention = torch.compiler.disable(level_attention.level_tree_attention)
+
 # The gather and dense paths stay eager: the gather loops over the row's segments, which would
 # recompile a compiled decoder layer for every new row.
 _eager_gather_attention = torch.compiler.disable(varlen_attention.tree_varlen_attention)
