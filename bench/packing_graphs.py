@@ -6,7 +6,8 @@ gradient differences to the eager step (with the eager step's own rerun differen
 dq and the gather's backward add atomically), and memory: the graphs' private pool after
 `prepare` captured every row's bucket, against the eager step's peak over the same rows.
 Several bucket sizes (`tokens:trained` steps) and captured tree paths (varlen, levels) run one
-after another in the process, each with its own graphs. `kernel_profile` is the GPU kernel table of one row, by kind.
+after another in the process, each with its own graphs. `kernel_profile` is the GPU kernel
+table of one row, by kind.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ an H200 (docs/performance.md).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 
 import torch

@@ -34,8 +34,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def is_compiled(model: nn.Module) -> bool:
     """True once `compile_decoder_layers` compiled the model's layers."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None) or []
+    try:
+        layers = decoder_layers(model)
+    except ValueError:  # no decoder layer list: nothing this module compiles
+        return False
     return any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
 
 
