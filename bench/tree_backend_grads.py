@@ -6,11 +6,10 @@ shape with fewer layers, G groups sharing 1024-token prompts), loss = sum of adv
 log-prob. The reference is the float32 model on the "sdpa" path (the row's dense [N, N] mask);
 each bf16 path's error is ||g - ref|| / ||ref|| per parameter (largest and overall), next to
 the bf16 dense-mask path's own error (the precision floor). `--compile` compiles the bf16
-models' decoder layers as the trainer does (level attention then runs outside the compiled
-graph); `--trace-levels` lets dynamo trace it instead, the path whose gradients were wrong on
-an H200 (docs/performance.md).
+models' decoder layers as the trainer does (level attention is one custom op there; traced
+as an autograd.Function its gradients were wrong on an H200: docs/performance.md).
 
-    PYTHONPATH=core python3 bench/tree_backend_grads.py --layers 4 [--compile [--trace-levels]]
+    PYTHONPATH=core python3 bench/tree_backend_grads.py --layers 4 [--compile]
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import argparse
 import json
 
 import torch
-from grpo_agent.train import level_attention, tree_attention
+from grpo_agent.train import level_attention
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -46,11 +45,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--trace-levels", action="store_true",
-                        help="with --compile: dynamo traces level attention (the broken path)")
     args = parser.parse_args()
-    if args.trace_levels:
-        tree_attention._eager_level_attention = level_attention.level_tree_attention
     kwargs, _, prompt_len, completion_len, budget = SHAPES["qwen3-0.6b"]
     cfg = Qwen3Config(**{**kwargs, "num_hidden_layers": args.layers},
                       max_position_embeddings=32768, attn_implementation="sdpa")
@@ -63,8 +58,7 @@ def main() -> None:
     ref_lp, ref = grads_of(ref_model, row, "sdpa")
     del ref_model
     torch.cuda.empty_cache()
-    out = {"layers": args.layers, "tokens": row.num_tokens, "compiled": args.compile,
-           "traced_levels": args.trace_levels}
+    out = {"layers": args.layers, "tokens": row.num_tokens, "compiled": args.compile}
     for label, backend, dense in PATHS:
         torch.manual_seed(0)  # the reference's weights, rounded to bf16
         model = Qwen3ForCausalLM(cfg).cuda().to(torch.bfloat16).train()

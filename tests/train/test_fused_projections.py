@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from grpo_agent.train import fused_projections, level_attention, tree_attention
+from grpo_agent.train import fused_projections
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -69,13 +69,8 @@ def test_linears_on_one_input_become_one(fresh_dynamo):
         torch.testing.assert_close(_grads(model)[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_dynamo,
-                                             monkeypatch):
-    # levels is the one tree path CPU layers trace whole (no graph break) once it is let into
-    # the graph: the trainer keeps it out (wrong gradients traced on CUDA flash kernels), but
-    # its CPU reference kernel traces exactly, as the gradient checks below show
-    monkeypatch.setattr(tree_attention, "_eager_level_attention",
-                        level_attention.level_tree_attention)
+def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_dynamo):
+    # levels is the one tree path CPU layers run whole (no graph break): one custom op
     enable_tree_attention(tiny_qwen3)
     compiled, backend = copy.deepcopy(tiny_qwen3), FusingBackend()
     compile_decoder_layers(compiled, backend=backend)

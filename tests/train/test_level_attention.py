@@ -126,28 +126,59 @@ def test_levels_on_cuda_needs_half_precision_flash():
         _level_kernel(torch.device("cuda"), torch.float32)
 
 
-def test_compiled_layers_run_level_attention_eagerly(tiny_qwen3, shared_samples, monkeypatch):
-    """In compiled decoder layers the level split runs outside the graph (dynamo never traces
-    it: traced, its flash path's gradients were wrong on an H200), the rows reach it through
-    `forward_row`, and the gradients are the eager model's."""
+def test_compiled_layers_call_the_level_split_as_one_op(tiny_qwen3, shared_samples,
+                                                       monkeypatch):
+    """In compiled decoder layers the level split is one custom op (and one backward op):
+    dynamo's graph holds the op and never traces the parts (traced as an autograd.Function,
+    the flash path's gradients were wrong on an H200), and the gradients are the eager
+    model's."""
+    from grpo_agent.train import level_attention
     from grpo_agent.train.regional_compile import compile_decoder_layers, is_compiled
 
-    traced = []
-    parts = LevelPlan.parts
+    traced, ops = [], []
+    for name in ("_part_forward", "_part_backward"):
+        real = getattr(level_attention, name)
 
-    def recording_parts(self, dense=True):
-        traced.append(torch.compiler.is_compiling())
-        return parts(self, dense)
+        def recording(*args, real=real, name=name):
+            traced.append((name, torch.compiler.is_compiling()))
+            return real(*args)
 
-    monkeypatch.setattr(LevelPlan, "parts", recording_parts)
+        monkeypatch.setattr(level_attention, name, recording)
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
     enable_tree_attention(tiny_qwen3)
     compiled = copy.deepcopy(tiny_qwen3)
-    compile_decoder_layers(compiled)
+    compile_decoder_layers(compiled, backend=backend)
     assert is_compiled(compiled) and not is_compiled(tiny_qwen3)
     row = pack_row(shared_samples)
     for model in (tiny_qwen3, compiled):
         lp = forward_row(model, row, temperature=1.0, backend="levels").token.logprobs
         (lp * row.advantages).sum().backward()
-    assert traced == [False] * 2 * tiny_qwen3.config.num_hidden_layers
+    layers = tiny_qwen3.config.num_hidden_layers
+    calls = 2 * 2 * layers  # two parts per layer, two models
+    assert sorted(traced) == [("_part_backward", False)] * calls + [("_part_forward", False)] * calls
+    assert "grpo_agent.level_attention.default" in ops
     for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("merge", ["rows", "float32"])
+def test_level_attention_op_registration(shared_samples, merge):
+    """torch.library's own checks of the op: schema, autograd registration, the fake
+    function against the real outputs, and AOT autograd (dynamic shapes) against eager."""
+    from grpo_agent.train import level_attention
+
+    plan = LevelPlan.build(pack_row(shared_samples), "cpu", "reference", dense="off")
+    plan.merge = merge
+    layout, tensors = plan.parts()
+    n = plan.self_cu[-1].item()
+    q = torch.randn(n, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    args = (q, k, v, list(tensors), level_attention._encode(layout), 0.3, "reference", "",
+            merge)
+    checks = torch.library.opcheck(level_attention._level_attention, args)
+    assert set(checks.values()) == {"SUCCESS"}, checks
+

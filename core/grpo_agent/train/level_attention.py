@@ -110,7 +110,7 @@ class LevelPlan:
         return plan
 
     def parts(self, dense: bool = True) -> tuple[tuple, list[torch.Tensor]]:
-        """The parts as `_LevelAttention` takes them: one (kind, ints) each, tensors flat.
+        """The parts as the level attention op takes them: one (kind, ints) each, tensors flat.
         `dense=False`: every part on the varlen kernel (a head size cuDNN was not seen with)."""
         layout, tensors = [], []
         if self.self_dense and dense:
@@ -174,40 +174,91 @@ def level_tree_attention(query, key, value, plan: LevelPlan, scaling) -> torch.T
         scaling = q.shape[-1] ** -0.5
     dense = plan.dense_kernel != "cudnn" or q.shape[-1] in cudnn_attention.HEAD_DIMS
     layout, tensors = plan.parts(dense)
-    out = _LevelAttention.apply(q, k, v, float(scaling), plan.kernel, plan.dense_kernel,
-                                plan.merge, layout, *tensors)
+    out, _ = _level_attention(q, k, v, list(tensors), _encode(layout), float(scaling),
+                              plan.kernel, plan.dense_kernel or "", plan.merge)
     return out[None]
 
 
-class _LevelAttention(torch.autograd.Function):
-    """Forward: every part, merged. Backward: every part's share, from the merged out/lse.
+# The split runs as a custom operator with its own backward operator, so a compiled layer
+# calls it whole: dynamo and inductor see one opaque op (its shapes come from the fake
+# functions) and never trace the parts. Traced as an autograd.Function instead, the flash
+# path's gradients were wrong on an H200: dynamo listed the forward's intermediates among the
+# function's outputs, the returned output was one of them twice over (the "rows" merge
+# returns the self part's kernel output), and the gradient went to the unused copy (dq, dk,
+# dv all zero; docs/performance.md).
 
-    `layout` is one (kind, ints) per part, its tensors follow in order (`LevelPlan.parts`):
-    "self" (the row's segments on the varlen kernel), "varlen" (a depth on the varlen kernel)
-    or "dense" (a padded batch on the dense kernel)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale, kernel, dense_kernel, merge_mode, layout, *tensors):
-        merge = level_merge.OutputMerge(q, merge_mode)
-        for (kind, ints), part in zip(layout, _split(layout, tensors)):
-            merge.add(*_part_forward(kind, ints, part, q, k, v, scale, kernel, dense_kernel))
-        out, total = merge.result()
-        ctx.save_for_backward(q, k, v, out, total, *tensors)
-        ctx.layout, ctx.scale, ctx.kernel, ctx.dense_kernel = layout, scale, kernel, dense_kernel
-        ctx.merge = merge_mode
-        return out
+@torch.library.custom_op("grpo_agent::level_attention", mutates_args=())
+def _level_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     tensors: list[torch.Tensor], layout: list[int], scale: float, kernel: str,
+                     dense_kernel: str, merge: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every part, merged: (out [N, heads, dim], lse [N, heads] float32 or wider)."""
+    parts, merged = _decode(layout), level_merge.OutputMerge(q, merge)
+    for (kind, ints), part in zip(parts, _split(parts, tensors)):
+        merged.add(*_part_forward(kind, ints, part, q, k, v, scale, kernel, dense_kernel))
+    out, lse = merged.result()
+    return out.contiguous(), lse.contiguous()
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
-        dout = dout.contiguous()
-        grads = level_merge.GradSum(q, k, ctx.merge)
-        for (kind, ints), part in zip(ctx.layout, _split(ctx.layout, tensors)):
-            for rows, part_grads in _part_backward(kind, ints, part, dout, q, k, v, out, lse,
-                                                   ctx.scale, ctx.kernel, ctx.dense_kernel):
-                grads.add(rows, part_grads)
-        dq, dk, dv = grads.result()
-        return dq, dk, dv, *[None] * (5 + len(tensors))
+
+@_level_attention.register_fake
+def _(q, k, v, tensors, layout, scale, kernel, dense_kernel, merge):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=level_merge.work_dtype(q))
+
+
+@torch.library.custom_op("grpo_agent::level_attention_backward", mutates_args=())
+def _level_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              tensors: list[torch.Tensor], layout: list[int], scale: float,
+                              kernel: str, dense_kernel: str,
+                              merge: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every part's share of (dq, dk, dv), from the merged out and lse."""
+    parts, grads, dout = _decode(layout), level_merge.GradSum(q, k, merge), dout.contiguous()
+    for (kind, ints), part in zip(parts, _split(parts, tensors)):
+        for rows, part_grads in _part_backward(kind, ints, part, dout, q, k, v, out, lse, scale,
+                                               kernel, dense_kernel):
+            grads.add(rows, part_grads)
+    return tuple(g.contiguous() for g in grads.result())
+
+
+@_level_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, tensors, layout, scale, kernel, dense_kernel, merge):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output) -> None:
+    q, k, v, tensors, *args = inputs
+    ctx.save_for_backward(q, k, v, *output, *tensors)
+    ctx.args = args
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv = _level_attention_backward(dout, q, k, v, out, lse, tensors, *ctx.args)
+    return dq, dk, dv, [None] * len(tensors), *[None] * len(ctx.args)
+
+
+_level_attention.register_autograd(_backward, setup_context=_save)
+
+# A part's kind, and how many ints and tensors follow it (`LevelPlan.parts`): "self" (the
+# row's segments on the varlen kernel), "varlen" (a depth on the varlen kernel), "dense" (a
+# padded batch on the dense kernel).
+_KINDS = ("self", "varlen", "dense")
+_PART_INTS = {"self": 1, "varlen": 2, "dense": 1}
+
+
+def _encode(layout) -> list[int]:
+    """The layout as the op's int list: each part's kind index, then its ints."""
+    return [x for kind, ints in layout for x in (_KINDS.index(kind), *map(int, ints))]
+
+
+def _decode(codes: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+    parts, at = [], 0
+    while at < len(codes):
+        kind = _KINDS[codes[at]]
+        ints = tuple(codes[at + 1 : at + 1 + _PART_INTS[kind]])
+        parts.append((kind, (bool(ints[0]),) if kind == "dense" else ints))  # dense: causal
+        at += 1 + _PART_INTS[kind]
+    return parts
 
 
 _PART_TENSORS = {"self": 1, "varlen": 4, "dense": 7}

@@ -238,7 +238,10 @@ def tree_attention_forward(
     # Sliding windows and attention dropout need the dense mask.
     plain = not sliding_window and not (dropout and module.training)
     if plain and tree_mask.backend == "levels":
-        return _eager_level_attention(query, key, value, tree_mask.levels, scaling), None
+        # One custom op (its backward another): called whole from a compiled decoder layer.
+        return level_attention.level_tree_attention(
+            query, key, value, tree_mask.levels, scaling
+        ), None
     if plain and tree_mask.backend == "varlen":
         # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
         return varlen_attention.tree_varlen_attention(
@@ -264,13 +267,6 @@ def tree_attention_forward(
     )
     return out.transpose(1, 2).contiguous(), None
 
-
-# Level attention runs outside compiled graphs (a graph break in a compiled layer). Traced by
-# dynamo (inductor, aot_eager and eager backends alike) its flash path gave wrong gradients on
-# an H200: the q/k/v projections of a compiled 2-layer Qwen3-shaped model had relative error
-# 1.0 against the eager level path, whose gradients match a float32 reference as closely as
-# the other bf16 paths (docs/performance.md, bench/tree_backend_grads.py).
-_eager_level_attention = torch.compiler.disable(level_attention.level_tree_attention)
 
 # The gather and dense paths stay eager: the gather loops over the row's segments, which would
 # recompile a compiled decoder layer for every new row.
