@@ -15,8 +15,8 @@ gradient they could carry are zero. Two tree paths can be captured: varlen (the 
 row always gathers its keys, an unshared row too, so one plan shape serves every row) and
 levels (`backend="levels"`: the self part's padding segment, and per depth part one padding
 pair of padding query and key rows; a bucket also fixes the number of depths). Level graphs
-were timed on an H200 only on the traced level path whose gradients were wrong
-(docs/performance.md); level attention now runs eagerly inside the captured step. Off CUDA
+were first timed on an H200 on the traced level path whose gradients were wrong
+(docs/performance.md); the level split is now one custom op inside the captured step. Off CUDA
 nothing is captured and the padded step runs as is: the CPU tests hold it to the unpadded
 path. All buckets share one memory pool, captured largest
 first (`RowGraphs.prepare`): a step's temporaries are freed at the end of each capture, the

@@ -42,8 +42,9 @@ from grpo_agent.train.transfer import to_device
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
 # Rows of at least this many tokens take "levels" under "auto" in eager layers: on an H200
-# (Qwen3-0.6B shape) it was 7-10% faster than "varlen" at 14-16k-token rows and slower at 6-7k,
-# timed compiled on the traced level path whose gradients were wrong (`_eager_level_attention`).
+# (Qwen3-1.7B shape, 16k-token rows, eager) it was 2.8% faster than "varlen" with 4.4 GiB less
+# peak memory. Compiled layers stay on "varlen" (levels 1.5-2% slower there: its merge runs
+# unfused inside its op; docs/performance.md).
 LEVELS_MIN_TOKENS = 12288
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
@@ -118,9 +119,9 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
 def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0,
                    compiled: bool = False) -> str:
     """gather on CPU. On CUDA in half precision with flash kernels: levels for rows of at least
-    LEVELS_MIN_TOKENS in eager layers, varlen below and in compiled layers (where levels would
-    run outside the compiled graph: `_eager_level_attention`); varlen was as fast as flex or
-    faster for every packing ratio on an H200, eager and compiled; else flex."""
+    LEVELS_MIN_TOKENS in eager layers, varlen below and in compiled layers (measured faster
+    there: LEVELS_MIN_TOKENS); varlen was as fast as flex or faster for every packing ratio on
+    an H200, eager and compiled; else flex."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
