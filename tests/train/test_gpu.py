@@ -177,7 +177,7 @@ def test_rows_queue_without_waiting_for_the_gpu(tiny_qwen3, shared_samples, back
 @pytest.mark.parametrize("temperature,masked", [(1.0, False), (0.7, True)])
 def test_compiled_lm_head_matches_eager(monkeypatch, temperature, masked):
     """The compiled per-tile functions compute what the eager ones do (bf16, several tiles)."""
-    from grpo_agent.train import logprobs
+    from grpo_agent.train import compiled_or_eager, logprobs
 
     tokens, hidden_size, vocab = 300, 256, 5000
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -189,7 +189,7 @@ def test_compiled_lm_head_matches_eager(monkeypatch, temperature, masked):
         candidates[:, 0], candidates[:, -5:] = targets, -1
 
     def run(compiled: bool):
-        monkeypatch.setattr(logprobs, "COMPILE_ON_CUDA", compiled)
+        monkeypatch.setattr(compiled_or_eager, "COMPILE_ON_CUDA", compiled)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = logprobs.token_logprobs(
             h, w, targets, temperature=temperature, candidates=candidates, tile=1024

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from grpo_agent.train import logprobs
+from grpo_agent.train.compiled_or_eager import CompiledOrEager
 from grpo_agent.train.logprobs import naive_token_logprobs, token_logprobs
 
 T, H, V = 13, 24, 203  # V not a multiple of the tile
@@ -90,8 +91,8 @@ def test_compiled_tile_function_is_used_where_asked(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    on_cpu = logprobs._CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
-    on_cuda_only = logprobs._CompiledOrEager(logprobs._tile_stats)
+    on_cpu = CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
+    on_cuda_only = CompiledOrEager(logprobs._tile_stats)
     on_cpu(*_tile_inputs()), on_cuda_only(*_tile_inputs())
     assert calls == [{"dynamic": True}]
 
@@ -104,7 +105,7 @@ def test_failed_compilation_falls_back_to_eager(monkeypatch, caplog):
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    wrapped = logprobs._CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
+    wrapped = CompiledOrEager(logprobs._tile_stats, devices=("cpu",))
     raw, temperature, allowed = _tile_inputs()
     got = wrapped(raw, temperature, allowed)
     assert wrapped.failed and "no triton" in caplog.text
@@ -137,13 +138,11 @@ def test_cpu_tensors_get_the_cache_sized_tile(monkeypatch):
 def test_a_failed_compile_logs_text_and_runs_eagerly(monkeypatch, caplog):
     """The warning's record holds the error's text, not the exception: its traceback's frames
     (inside a training step's forward) would keep that step's tensors alive with the record."""
-    from grpo_agent.train import logprobs
-
     def broken_compile(fn, **kwargs):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    call = logprobs._CompiledOrEager(lambda x: x * 2, devices=("cpu",))
+    call = CompiledOrEager(lambda x: x * 2, devices=("cpu",))
     assert torch.equal(call(torch.ones(2)), torch.full((2,), 2.0))
     assert call.failed and "no compiler here" in caplog.text
     assert not [a for r in caplog.records for a in r.args if isinstance(a, BaseException)]

@@ -10,7 +10,7 @@ out of the forward pass for free (it is a metric: no gradient).
 
 Each tile's element-wise work (scale, mask, max, exp-sums in the forward; the softmax
 gradient in the backward) is one function of the tile's logits. On CUDA it is compiled
-(`torch.compile`), so the logits are read once in the matmul's own dtype instead of making
+(`compiled_or_eager`), so the logits are read once in the matmul's own dtype instead of making
 several float32 passes; the tiles' partial results (max, sum of exp, sum of exp * z) are
 combined afterwards. Where compilation is unavailable, or on CPU (where compiling would only
 slow tests down), the same functions run eagerly.
@@ -23,15 +23,12 @@ docs/performance.md); the tiles stay the CPU path, the sampling-mask path and th
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from grpo_agent.train import fused_lm_head
-
-log = logging.getLogger(__name__)
+from grpo_agent.train.compiled_or_eager import CompiledOrEager
 
 DEFAULT_TILE_ELEMENTS = 2**26  # tile width x tokens (GPU)
 # On CPU the per-tile element-wise passes run from memory unless a tile's logits fit the core's
@@ -39,7 +36,6 @@ DEFAULT_TILE_ELEMENTS = 2**26  # tile width x tokens (GPU)
 # from 73 to 53 ms forward+backward against a 2**26 budget (all 14 MiB of logits in one tile).
 CPU_TILE_ELEMENTS = 2**19
 TILE_ALIGN = 256  # tile widths are multiples of this: the logits' row stride stays aligned
-COMPILE_ON_CUDA = True  # set False to run the per-tile functions eagerly on CUDA too
 # "auto": the fused Triton kernels (`fused_lm_head`) where they can run (CUDA, half precision,
 # Triton, no sampling mask), else the torch tiles below; "torch" forces the tiles.
 LM_HEAD = "auto"
@@ -99,33 +95,8 @@ def _tile_grad(raw, temperature: float, allowed, lse, scale):
     return z.sub(lse[:, None]).exp_().mul_(scale[:, None]).to(raw.dtype)
 
 
-class _CompiledOrEager:
-    """Call `fn` compiled on `devices`; fall back to eager (once, with a warning) if compiling
-    fails. Anywhere else, or with COMPILE_ON_CUDA off, `fn` runs eagerly."""
-
-    def __init__(self, fn: Callable, devices: tuple[str, ...] = ("cuda",)):
-        self.fn, self.devices = fn, devices
-        self.compiled: Callable | None = None
-        self.failed = False
-
-    def __call__(self, raw: torch.Tensor, *args):
-        if raw.device.type not in self.devices or self.failed or not COMPILE_ON_CUDA:
-            return self.fn(raw, *args)
-        try:
-            if self.compiled is None:
-                self.compiled = torch.compile(self.fn, dynamic=True)
-            return self.compiled(raw, *args)
-        except Exception as exc:  # noqa: BLE001 -- no Triton, old GPU, compiler bug: eager is right
-            log.warning(
-                "torch.compile of %s failed (%s); running it eagerly", self.fn.__name__,
-                str(exc),  # text: see varlen_attention.load_hub_kernel
-            )
-            self.failed = True
-            return self.fn(raw, *args)
-
-
-tile_stats = _CompiledOrEager(_tile_stats)
-tile_grad = _CompiledOrEager(_tile_grad)
+tile_stats = CompiledOrEager(_tile_stats)
+tile_grad = CompiledOrEager(_tile_grad)
 
 
 def _combine_tiles(maxes, sums, sums_z):
