@@ -14,6 +14,7 @@ the largest log-prob difference to the first variant; the summary line last.
     python bench/mfu.py --model qwen3-0.6b --token-budget 8192 --group-sizes 8
     python bench/mfu.py --group-sizes 56 --backends varlen,levels   # one prompt per row
     python bench/mfu.py --merges float32,rows --profile out/   # level merge, old vs new
+    python bench/mfu.py --backends levels --fuse off,on        # level merge unfused vs fused
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import json
 import statistics
 
 import torch
-from grpo_agent.train import level_attention, level_merge, logprobs, perf, varlen_attention
+from grpo_agent.train import (
+    compiled_or_eager,
+    level_attention,
+    level_merge,
+    logprobs,
+    perf,
+    varlen_attention,
+)
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -95,6 +103,10 @@ def main() -> None:
                         help="comma-separated level_merge.MERGE values: float32 (the whole-row "
                         "float32 merge and gradient sums, the old path), rows (each part's "
                         "rows, in the compute dtype); levels only")
+    parser.add_argument("--fuse", default="on",
+                        help="comma-separated on/off: compiled_or_eager.COMPILE_ON_CUDA, the "
+                        "small compiled functions (the level merge's rows; the LM head's tiles "
+                        "under --lm-heads torch); off is the unfused previous path")
     parser.add_argument("--profile", metavar="DIR",
                         help="profile one step of each variant's first pass: top kernels "
                         "printed, the full table written to DIR")
@@ -119,13 +131,14 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
-                    for d in args.dense.split(",") for m in args.merges.split(",")]
+                    for d in args.dense.split(",") for m in args.merges.split(",")
+                    for f in args.fuse.split(",")]
         profiled = set()
-        for backend, gather, lm_head, dense, merge in variants * args.passes:
+        for backend, gather, lm_head, dense, merge, fuse in variants * args.passes:
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
-            level_merge.MERGE = merge
+            level_merge.MERGE, compiled_or_eager.COMPILE_ON_CUDA = merge, fuse == "on"
             varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
 
             def row_step(row, backend=backend):
@@ -136,7 +149,7 @@ def main() -> None:
             seconds = steps_seconds(
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
-            name = f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}"
+            name = f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -151,7 +164,7 @@ def main() -> None:
                 "case": f"{args.model}/G={group_size}", "backend": chosen,
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
-                "merge": merge if chosen == "levels" else "-",
+                "merge": merge if chosen == "levels" else "-", "fuse": fuse,
                 "compiled": not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
@@ -165,12 +178,13 @@ def main() -> None:
             })
             print(json.dumps(results[-1]), flush=True)
     logprobs.LM_HEAD, level_attention.DENSE, level_merge.MERGE = "auto", "auto", "rows"
+    compiled_or_eager.COMPILE_ON_CUDA = True
     best = max(results, key=lambda r: r["mfu"])
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
-                                                    "dense", "merge", "mfu")},
+                                                    "dense", "merge", "fuse", "mfu")},
                       "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
-                               r["dense"], r["merge"], r["mfu"], r["peak_gib"])
+                               r["dense"], r["merge"], r["fuse"], r["mfu"], r["peak_gib"])
                               for r in results]}),
           flush=True)
 
