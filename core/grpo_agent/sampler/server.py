@@ -28,6 +28,7 @@ import httpx
 from grpo_agent.sampler.cpu_cores import lower_priority
 from grpo_agent.sampler.errors import ServerStartupError
 from grpo_agent.sampler.vllm_entry import OWNER_PID_ENV
+from grpo_agent.sampler.vllm_wait import CPU_WAIT_SLEEP_S, WAIT_SLEEP_ENV, sleep_seconds
 from grpo_agent.stall import SERVER_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,10 @@ class ManagedVLLMServer:
         })
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        if WAIT_SLEEP_ENV not in env and not _cuda_available():  # a user's value wins
+            env[WAIT_SLEEP_ENV] = str(CPU_WAIT_SLEEP_S)  # vllm_wait: no spinning on CPU
         env.update(self.extra_env)
+        sleep_seconds(env)  # a bad value fails here, not in the server's log
         return env
 
     def start(self) -> ManagedVLLMServer:
@@ -246,6 +250,12 @@ class ManagedVLLMServer:
             f"Raise startup_timeout if the machine is busy. Last lines of {self.log_path}:\n"
             f"{read_log_tail(self.log_path)}"
         )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _new_log_path() -> Path:
