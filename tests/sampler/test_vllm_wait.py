@@ -4,7 +4,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from grpo_agent.sampler import server as server_module
 from grpo_agent.sampler import vllm_wait
 from grpo_agent.sampler.server import ManagedVLLMServer
