@@ -1,40 +1,16 @@
 """CPU counters of local processes, read through /proc (Linux).
 
-Shared by the benches that report each process's CPU share (`bench/pipeline.py`): utime +
-stime of a process or one thread, a process tree, vLLM's engine-core processes. (Priorities:
+Shared by the benches that report each process's CPU share (`bench/pipeline.py`): shares of
+named processes and vLLM's engine-core processes (utime + stime and process trees come from
+`grpo_agent.testing.processes`, which tests use too). (Priorities:
 `grpo_agent.sampler.cpu_cores.lower_priority`.)
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """utime + stime of a process (or one of its threads), in seconds; 0 if it is gone."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                children = [int(c) for c in task.read_text().split()]
-            except FileNotFoundError:
-                continue
-            found += children
-            frontier += children
-    return found
+from grpo_agent.testing.processes import cpu_seconds, descendants
 
 
 class CpuShares:

@@ -1,8 +1,9 @@
-"""Process checks for tests of what outlives what."""
+"""Process checks for tests (and benches): what outlives what, what a process tree costs."""
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 
 def is_running(pid: int) -> bool:
@@ -29,3 +30,30 @@ def kill_quietly(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (or one of its threads), in seconds; 0 if it is gone."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                children = [int(c) for c in task.read_text().split()]
+            except FileNotFoundError:
+                continue
+            found += children
+            frontier += children
+    return found
