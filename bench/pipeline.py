@@ -167,6 +167,13 @@ def profiling(directory: str | None, pids_later):
     prof.export_chrome_trace(str(out / "trainer_trace.json"))
 
 
+def pusher_in_the_step(args, model, facts):
+    """The trainer's merged-weights pusher with every push inside its step (the old path)."""
+    from grpo_agent.weight_sync.full import WeightPusher
+
+    return WeightPusher(args, backend=facts.weight_transfer_backend, background=False)
+
+
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """The options this bench and `bench/pipeline_trl.py` share (one task, one server recipe)."""
     parser.add_argument("--steps", type=int, default=30)
@@ -197,6 +204,9 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="write py-spy / torch.profiler output here")
     parser.add_argument("--share-first-turn", choices=("on", "off"), default="on",
                         help="a group's first turns as one request with n (on) or one per rollout")
+    parser.add_argument("--background-push", choices=("on", "off"), default="on",
+                        help="let the weight push overlap the next step (on, the trainer's "
+                        "default) or run it inside the step (off, the previous path)")
     parser.add_argument("--server-nice", type=int, metavar="N", default=SERVER_NICE,
                         help="the server's CPU priority during the run (default: what "
                         f"grpo-agent train gives its CPU server, {SERVER_NICE}; 0: vLLM's default)")
@@ -219,6 +229,8 @@ def main() -> None:
             share_first_turn_request=opts.share_first_turn == "on")
         trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
                                    train_dataset=task_dataset(), args=args)
+        if opts.background_push == "off":
+            trainer.pusher_factory = pusher_in_the_step
         instrument(timers, batches)
         trainer.add_callback(make_recorder(lambda: trainer.source.worker.pid, server, timers, records,
                                            server.base_url))
@@ -247,7 +259,8 @@ def main() -> None:
     for record, alone in zip(records, isolated):
         record["isolated_fwd_bwd_s"] = round(alone, 3)
     print(json.dumps({**summary(measured, isolated[opts.warmup:], run_s, load_before, load_after),
-                      "share_first_turn": opts.share_first_turn, "server_nice": opts.server_nice}))
+                      "share_first_turn": opts.share_first_turn, "server_nice": opts.server_nice,
+                      "background_push": opts.background_push}))
 
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
@@ -272,6 +285,7 @@ def summary(measured: list[dict], isolated: list[float], run_s: float, load_befo
         "isolated_fwd_bwd_s": round(statistics.median(isolated), 3),
         "fwd_bwd_inflation": round(statistics.median(inflation), 2),
         "optimizer_s": median("optimizer_s"), "sync_s": median("sync_s"),
+        "transfer_s": median("transfer_s"),
         "waiting_s": median("waiting_s"), "pull_s": median("pull_s"),
         "packing_s": median("packing_s"), "metrics_s": median("metrics_s"),
         "cpu_share": cpu,

@@ -155,7 +155,8 @@ def step_record(step: int, logs: dict, timed: dict, wall: float, shares: dict) -
         "trained_tokens_per_s": round(trained / wall, 1), "generated_tokens_per_s": None,
         "fwd_bwd_s": round(logs.get("perf/fwd_bwd_s", 0.0), 3),
         "optimizer_s": round(logs.get("perf/optimizer_s", 0.0), 3),
-        "sync_s": round(logs.get("perf/weight_sync_s", 0.0), 3),
+        "sync_s": round(logs.get("perf/weight_sync_s", 0.0), 3),  # the step's own wait
+        "transfer_s": round(logs.get("perf/weight_sync_transfer_s", 0.0), 3),  # maybe overlapped
         "waiting_s": round(waiting, 3),
         "pull_s": round(timed["next_step"] - waiting - adding, 3) if "next_step" in timed else None,
         "packing_s": round(adding + timed.get("packing_plan", 0.0), 3),

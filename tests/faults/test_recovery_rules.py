@@ -69,6 +69,9 @@ class _Pusher:
         self.pushed.append(version)
         return {"perf/weight_sync_s": 0.1}
 
+    def wait(self):
+        return {}
+
 
 def test_a_failed_push_is_retried_once_after_the_restore(monkeypatch):
     restored = []

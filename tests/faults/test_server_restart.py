@@ -143,7 +143,10 @@ def test_a_server_killed_as_a_push_starts_is_restarted_and_the_push_retried(
     trainer.train()
     assert trainer.state.global_step == MAX_STEPS
     assert own_server.pid != first_pid and own_server.is_running()
-    assert pushes.count(2) == 2, pushes  # version 2 failed once, then went through
+    # Version 2's send failed in the background: the next push (3) or the worker's restore
+    # (2) found it; the restore pushed the weights of that moment again, as the same version.
+    again = [v for i, v in enumerate(pushes) if v in pushes[:i]]
+    assert again and again[0] >= 2, pushes
     assert _summed(trainer, "server/restart_count") >= 1
     _check_ledger(trainer)
     record_fault_to_outcome(record_property, restored[0] - killed_at[0],

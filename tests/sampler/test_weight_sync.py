@@ -150,3 +150,38 @@ def test_a_weight_update_left_open_by_a_killed_trainer_does_not_block_the_next_p
     assert max_gap(after.output_log_probs,
                    token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
     assert after.weight_versions == ["3"] * len(after.output_ids)
+
+
+def test_a_background_push_serves_the_weights_of_the_moment_it_was_called(
+        pushable_server, models, tmp_path):
+    """The trainer's pusher returns before the send and trains on (`weight_sync.full`): the
+    server must end up with the snapshot taken at the call, not the weights changed after it,
+    and the rollout worker hears of the version only once the server serves it."""
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.weight_sync.full import WeightPusher
+
+    original, perturbed = models
+    base_url = pushable_server.base_url
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=base_url,
+                           use_cpu=True, report_to="none")
+    pusher = WeightPusher(args, backend="gloo")
+    served = []
+    pusher.on_served = served.append
+    try:
+        assert pusher.background
+        metrics = pusher.push(perturbed, 23)
+        assert "perf/weight_sync_transfer_s" not in metrics  # the send runs in the background
+        with torch.no_grad():  # the next optimizer step, while the push may still be sending
+            for parameter in perturbed.parameters():
+                parameter.add_(0.5)
+        landed = pusher.wait()
+        assert landed["perf/weight_sync_transfer_s"] > 0 and served == [23]
+        after = sample(base_url, PROMPT)
+        with torch.no_grad():
+            for parameter in perturbed.parameters():
+                parameter.sub_(0.5)
+        assert max_gap(after.output_log_probs,
+                       token_logprobs(perturbed, PROMPT, after.output_ids)) < 1e-3
+        assert after.weight_versions == ["23"] * len(after.output_ids)
+    finally:
+        pusher.close()

@@ -61,6 +61,9 @@ class RecordingPush:
         self.timeline.add("push", version)
         return {}
 
+    def wait(self):
+        return {}
+
     def close(self): ...
 
 

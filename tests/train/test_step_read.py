@@ -59,6 +59,9 @@ class NoPush:
     def push(self, model, version):
         return {}
 
+    def wait(self):
+        return {}
+
     def close(self): ...
 
 

@@ -8,7 +8,9 @@ so it restores (`ServerRecovery.restore`): a server this process started
 (`ManagedVLLMServer`) is restarted on its port; an external one is waited for up to
 `vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server,
 the current weights are pushed as the current version, the flag is cleared and the worker
-goes on. A push that fails is retried once the same way.
+goes on. A push that fails is retried once the same way; a push sent in the background
+(`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
+that moment.
 
 Under FSDP every rank takes part in a push (the full weights are gathered collectively), so
 every rank takes part in a recovery too: after each push attempt the ranks agree on its
@@ -129,7 +131,15 @@ class ServerRecovery:
 
     def push(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
         """`pusher.push`, retried once after restoring the server and re-opening the group."""
-        metrics, failures = self._push_once(pusher, model, version)
+        return self._retried(lambda: pusher.push(model, version), pusher, model, version)
+
+    def settle(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
+        """Until the server serves `version`: a background push (`weight_sync.full`) awaited,
+        and retried as `push` retries if it failed."""
+        return self._retried(pusher.wait, pusher, model, version)
+
+    def _retried(self, attempt: Any, pusher: Any, model: Any, version: int) -> dict[str, float]:
+        metrics, failures = self._attempt(attempt, version)
         if not failures:
             return metrics
         if self.ranks.rank == 0:
@@ -156,7 +166,9 @@ class ServerRecovery:
         reopen = getattr(pusher, "reopen", None)
         if reopen is not None:
             reopen()
-        metrics, _ = self._push_once(pusher, model, version, last=True)
+        # A retry counts once it landed (a background push returns before).
+        metrics, _ = self._attempt(lambda: {**pusher.push(model, version), **pusher.wait()},
+                                   version, last=True)
         self.restarts += 1
         metrics[RESTARTS_METRIC] = 1.0
         if self.ranks.rank == 0:
@@ -165,15 +177,15 @@ class ServerRecovery:
                            cause, version, self.restarts)
         return metrics
 
-    def _push_once(self, pusher: Any, model: Any, version: int, *,
-                   last: bool = False) -> tuple[dict[str, float], dict[int, str]]:
-        """One push on every rank, then the ranks agree on its outcome: the metrics and the
-        failures by rank. Rank 0's failure to send (the server may be gone) comes back for a
+    def _attempt(self, attempt: Any, version: int, *,
+                 last: bool = False) -> tuple[dict[str, float], dict[int, str]]:
+        """One push (`attempt`) on every rank, then the ranks agree on its outcome: the metrics
+        and the failures by rank. Rank 0's failure to send (the server may be gone) comes back for a
         retry unless this was the `last` attempt; a failure of another rank is no server loss.
         Otherwise every rank raises: its own error, or one naming the rank that failed."""
         mine, metrics = None, {}
         try:
-            metrics = dict(pusher.push(model, version))
+            metrics = dict(attempt())
         except (SamplerError, httpx.HTTPError, RuntimeError) as error:
             if isinstance(error, StageStalled):
                 raise

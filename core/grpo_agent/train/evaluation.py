@@ -45,6 +45,9 @@ class TrainerView(Protocol):
 
     def log(self, logs: dict[str, float], *args: Any) -> None: ...
 
+    def settle_push(self) -> None:
+        """Until the server serves `model_version` (a push may still be sending)."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -239,6 +242,8 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
     process only; metrics are logged when it ends, as `eval/*` with `eval/step`)."""
     from grpo_agent.train import fsdp
 
+    if trainer.evaluator is not None:
+        trainer.settle_push()  # every rank: the version evaluated is the one served
     if trainer.evaluator is not None and fsdp.is_main_process():
         trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
         if trainer.control.should_training_stop:
@@ -262,6 +267,8 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     if evaluator is None:
         evaluator = TrainingEvaluator(trainer, eval_dataset, None)
     evaluator.wait()
+    if getattr(trainer, "pusher", None) is not None:  # during train(): the pipeline runs
+        trainer.settle_push()
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
     result = run_evaluation(evaluator.session, rows, trainer.model_version)
     evaluator.results.append(result)

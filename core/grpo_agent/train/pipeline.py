@@ -43,8 +43,10 @@ class RolloutPipelineMixin:
                 self.model, facts.holds_pushed_weights):
             self.model_version += 1
             self.push_weights()
+            self.settle_push()  # the worker's first groups are labelled with this version
         if fsdp.is_main_process():
             self.source = self._step_source(self._start_worker(facts.model_id))
+            self.pusher.on_served = self.source.worker.set_model_version
             self.stalls.peer_pid = self.source.worker.pid
             stall.on_abort(self._kill_worker)
 
@@ -100,10 +102,18 @@ class RolloutPipelineMixin:
 
     def push_weights(self) -> None:
         """Push the policy as `model_version`; a failed push is retried once after restoring
-        the server (`sampler.recovery`)."""
+        the server (`sampler.recovery`). The push may still be sending when this returns
+        (`weight_sync.full`); the worker samples the version once it landed."""
+        self._pushing(self.recovery.push)
+
+    def settle_push(self) -> None:
+        """Until the server serves `model_version` (before an evaluation, at the last step)."""
+        self._pushing(self.recovery.settle)
+
+    def _pushing(self, action: Any) -> None:
         restarts = self.recovery.restarts
         with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
-            self.window.update(self.recovery.push(self.pusher, self.model, self.model_version))
+            self.window.update(action(self.pusher, self.model, self.model_version))
         if self.recovery.restarts != restarts and self.source is not None:
             self.source.worker.server_restored()
 

@@ -249,8 +249,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         """After the optimizer step: the last part of pull, train, push. In order: the ledger
         records the step's samples as trained (and its line is written); every
         `weight_sync_steps` steps the weights are pushed and the model version bumped (new
-        groups sample it); the worker learns the step's tokens (its staleness allowance, which
-        also ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
+        groups sample it once the server has it; the push may overlap the next step, not the
+        run's end); the worker learns the step's tokens (its staleness allowance, which also
+        ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
         prompts. Returns True when the run's prompt epochs are done."""
         self.phases.enter("step end", step=state.global_step)  # push, logging, saves
         samples = self._step_samples
@@ -261,12 +262,12 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         if state.global_step % self.args.weight_sync_steps == 0:
             self.model_version += 1
             self.push_weights()  # retried once after a server restore (train/pipeline.py)
-            if self.source is not None:
-                self.source.worker.set_model_version(self.model_version)
         done = self.prompt_epochs_done()
+        last = is_last_step(self.args.max_steps, state.global_step, done)
+        if last:
+            self.settle_push()  # the run ends with its last weights served
         if self.source is not None:
-            self.source.finish_step(
-                samples, last=is_last_step(self.args.max_steps, state.global_step, done))
+            self.source.finish_step(samples, last=last)
         size = _dataset_size(self.train_dataset)
         if size is not None:
             state.epoch = self.ledger.frontier / size

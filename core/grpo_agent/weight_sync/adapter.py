@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,7 @@ class AdapterPusher:
         self.cache_dir = Path(args.output_dir).resolve() / CACHE_DIR_NAME
         self.keep_versions = args.max_staleness + 1
         self.last_num_bytes = 0
+        self.on_served: Callable[[int], None] = lambda version: None
         self._registered: deque[tuple[str, Path]] = deque()
         self._unloaded_folders: list[Path] = []  # deleted at the next sync
         self._main = fsdp.is_main_process()
@@ -172,12 +174,16 @@ class AdapterPusher:
             torch.distributed.barrier()  # also after a failed load: the others wait here
         if failed is not None:
             raise failed
+        self.on_served(version)
         return {
             "perf/weight_sync_s": time.perf_counter() - started,
             "perf/weight_sync_barrier_s": time.perf_counter() - barrier_started,
             "perf/weight_sync_pause_s": 0.0,  # adapters load while generation keeps running
             "perf/weight_sync_transfer_s": transfer_s,
         }
+
+    def wait(self) -> dict[str, float]:
+        return {}  # every push has landed when it returns
 
     def reopen(self) -> None:
         """After a server restart (`sampler/recovery.py`): the new server holds none of our
@@ -276,7 +282,7 @@ class AdapterPusher:
         """An earlier merged-sync run changed the served base weights: put ours back, once."""
         logger.info("The server holds weights an earlier run pushed; restoring the base model "
                     "before serving LoRA adapters on it.")
-        pusher = WeightPusher(self.args, backend=self._backend)
+        pusher = WeightPusher(self.args, backend=self._backend, background=False)
         try:
             pusher.push(model, 0, merge_adapters=False)
         finally:

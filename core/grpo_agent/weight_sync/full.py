@@ -1,5 +1,15 @@
 """Push every weight of the policy (LoRA merged in) as model version N, on any server.
 
+Design decision: a push may overlap the next training step. Where the transport can
+snapshot the weights (`prepare`: gloo, the CPU servers' transport), one trainer process
+copies them into the wire chunks at the step's end and sends from a background thread while
+the next step pulls and trains; the next push (or `wait`) collects its outcome first, so at
+most one is in flight and a failed one surfaces at the next push, which the trainer's
+recovery then retries. `on_served(version)` fires once the server serves a version: only then
+may the rollout worker label new groups with it. Under FSDP, for models above
+`BACKGROUND_MAX_BYTES` (the snapshot doubles their memory) and with the other transports (NCCL
+streams from the model, disk writes files), the push runs in the step.
+
 The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
 `transports`' business; this module only decides *what* is pushed and *who* takes part: every
 rank gathers (FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a
@@ -10,7 +20,10 @@ on a retry (`sampler/recovery.py`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -20,6 +33,12 @@ from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import full_weights, merged_adapters
 from grpo_agent.weight_sync.transports import build_weight_sync
+from grpo_agent.weight_sync.transports.control import SyncTimings
+
+logger = logging.getLogger(__name__)
+
+# Above this many bytes of weights a push runs in the step: a background one holds a copy.
+BACKGROUND_MAX_BYTES = 1 << 30
 
 
 class WeightPusher:
@@ -27,14 +46,22 @@ class WeightPusher:
 
     lora_name = None  # the rollout worker samples the served base model
 
-    def __init__(self, args: AsyncGRPOConfig, backend: str | None = None) -> None:
-        """`backend` is the server's weight-transfer backend (`ServerFacts`); None asks it."""
+    def __init__(self, args: AsyncGRPOConfig, backend: str | None = None, *,
+                 background: bool = True) -> None:
+        """`backend` is the server's weight-transfer backend (`ServerFacts`); None asks it.
+        `background`: let pushes overlap the next step where the transport allows it."""
         self.args = args
         self.last_num_bytes = 0
+        self.on_served: Callable[[int], None] = _nothing
         self._sync: Any = None
         if fsdp.is_main_process():
             self._sync = build_weight_sync(args.vllm_server_base_url, backend=backend,
                                            timeout=args.vllm_server_timeout)
+        self.background = (background and fsdp.world_size() == 1
+                           and hasattr(self._sync, "prepare"))
+        self._sending: Future | None = None
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push") \
+            if self.background else None
 
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
         """A fresh server already serves the model's weights; one an earlier run pushed into
@@ -43,12 +70,19 @@ class WeightPusher:
 
     def push(self, model: nn.Module, version: int, *, merge_adapters: bool = True) -> dict[str, float]:
         """Send all weights as `version` (LoRA merged in unless `merge_adapters` is False);
-        returns the perf/weight_sync_* timings."""
+        returns the perf/weight_sync_* timings: this call's, and those of a background push
+        that ended since (whose failure this call raises instead)."""
         started = time.perf_counter()
+        metrics = self.wait()
         unwrapped = getattr(model, "module", model)
-        timings = None
         merging = merged_adapters(unwrapped) if merge_adapters else contextlib.nullcontext()
-        failed = None
+        if self.background and _num_bytes(unwrapped) <= BACKGROUND_MAX_BYTES:
+            with torch.no_grad(), merging:
+                packed = self._sync.prepare(full_weights(unwrapped), version)
+            self._sending = self._sender.submit(self._send, packed)
+            return {**metrics, "perf/weight_sync_s": time.perf_counter() - started,
+                    "perf/weight_sync_barrier_s": 0.0}
+        timings, failed = None, None
         with torch.no_grad(), merging:
             weights = full_weights(unwrapped)
             try:
@@ -63,23 +97,61 @@ class WeightPusher:
             torch.distributed.barrier()  # also after a failed send: the others wait here
         if failed is not None:
             raise failed
-        metrics = {
+        metrics.update({
             "perf/weight_sync_s": time.perf_counter() - started,
             "perf/weight_sync_barrier_s": time.perf_counter() - barrier_started,
-        }
+        })
         if timings is not None:
-            metrics["perf/weight_sync_pause_s"] = timings.pause_s
-            metrics["perf/weight_sync_transfer_s"] = timings.transfer_s
-            self.last_num_bytes = timings.num_bytes
+            metrics.update(self._sent(timings))
+        self.on_served(version)
         return metrics
 
+    def wait(self) -> dict[str, float]:
+        """Until a background push has ended: its timings, or its error raised."""
+        if self._sending is None:
+            return {}
+        sending, self._sending = self._sending, None
+        return self._sent(sending.result())
+
+    def _send(self, packed: Any) -> SyncTimings:
+        timings = self._sync.send(packed)
+        self.on_served(packed.version)
+        return timings
+
+    def _sent(self, timings: SyncTimings) -> dict[str, float]:
+        self.last_num_bytes = timings.num_bytes
+        return {"perf/weight_sync_pause_s": timings.pause_s,
+                "perf/weight_sync_transfer_s": timings.transfer_s}
+
     def reopen(self) -> None:
-        """The server was restarted: the next push opens a new transfer group with it."""
+        """The server was restarted: the next push opens a new transfer group with it (a
+        background push into the old one is awaited and forgotten: the restore pushes again)."""
+        with contextlib.suppress(Exception):
+            self.wait()
         reopen = getattr(self._sync, "reopen", None)
         if reopen is not None:
             reopen()
 
     def close(self) -> None:
+        """Ends a background push (the trainer settles it first where it must land); its
+        failure is logged, not raised: the run is stopping, maybe for a reason of its own."""
+        if self._sending is not None and not self._sending.cancel():
+            try:
+                self._sending.result(timeout=self.args.vllm_server_timeout)
+            except Exception as error:  # noqa: BLE001
+                logger.warning("The last weight push did not land (%s): the server may serve "
+                               "an older version than the trained model.", error)
+        self._sending = None
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
         close = getattr(self._sync, "close", None)
         if close is not None:
             close()
+
+
+def _nothing(version: int) -> None:
+    pass
+
+
+def _num_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

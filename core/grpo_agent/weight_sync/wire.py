@@ -53,6 +53,15 @@ def plan_chunks(specs: list[TensorSpec], chunk_bytes: int) -> list[list[TensorSp
     return chunks
 
 
+@dataclass
+class PackedWeights:
+    """One push's weights copied into wire chunks: a snapshot the trainer may train past."""
+
+    version: int
+    specs: list[TensorSpec]
+    chunks: list[torch.Tensor]
+
+
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
     """Join the private gloo group; rank 0 hosts the TCPStore. Returns (store, group)."""
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -27,6 +27,8 @@ from grpo_agent.weight_sync.transports.control import (
 )
 from grpo_agent.weight_sync.wire import (
     DEFAULT_CHUNK_BYTES,
+    PackedWeights,
+    TensorSpec,
     broadcast_from_trainer,
     open_group,
     pack,
@@ -115,12 +117,29 @@ class GlooWeightSync:
         self._store, self._group = opened["store"], opened["group"]
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
+        """Pack and send chunk by chunk (one chunk's copy in memory at a time)."""
+        tensors = dict(weights)
+        specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
+        chunks = (pack(chunk, tensors) for chunk in plan_chunks(specs, self.chunk_bytes))
+        return self._send(specs, chunks, version)
+
+    def prepare(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PackedWeights:
+        """Copy every weight into its wire chunks now, so `send` may run while the trainer
+        changes the model (a background push holds one copy of the weights)."""
+        tensors = dict(weights)
+        specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
+        return PackedWeights(version, specs,
+                             [pack(chunk, tensors) for chunk in plan_chunks(specs, self.chunk_bytes)])
+
+    def send(self, packed: PackedWeights) -> SyncTimings:
+        return self._send(packed.specs, packed.chunks, packed.version)
+
+    def _send(self, specs: list[TensorSpec], chunks: Iterable[torch.Tensor],
+              version: int) -> SyncTimings:
         began = time.perf_counter()
         if self._group is None:
             with stall.stage("weight_sync/transfer", phase="open transfer group"):
                 self._connect()
-        tensors = dict(weights)
-        specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
         update_info = {"names": [s.name for s in specs],
                        "dtype_names": [s.dtype_name for s in specs],
                        "shapes": [list(s.shape) for s in specs]}
@@ -129,10 +148,10 @@ class GlooWeightSync:
         with stall.stage("weight_sync/transfer", version=version, tensors=len(specs)):
             rpc = self._executor.submit(self.control.call, "POST", "/update_weights",
                                         json_body={"update_info": update_info})
-            for chunk in plan_chunks(specs, self.chunk_bytes):
+            for chunk in chunks:
                 if rpc.done():
                     rpc.result()  # the server refused the update: surface its message, don't hang
-                broadcast_from_trainer(self._group, pack(chunk, tensors))
+                broadcast_from_trainer(self._group, chunk)
             rpc.result(timeout=self.timeout)
         with stall.stage("weight_sync/finish", version=version):
             # The version rides on the finish call (vLLM sets it right after the finish).

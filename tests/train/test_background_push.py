@@ -1,0 +1,126 @@
+"""When a weight push overlaps the next step (`weight_sync.full`), and what the trainer sees
+of it: the version is announced only once sent, a failed send surfaces at the next push or
+settle and is retried after a restore, and the cases that must push inside the step do."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.sampler import WeightSyncError, recovery
+from grpo_agent.weight_sync.full import WeightPusher
+from grpo_agent.weight_sync.pusher import build_weight_pusher
+from grpo_agent.weight_sync.transports.control import SyncTimings
+
+
+class HeldSync:
+    """A transport whose sends wait for `release` (so the test decides when a push lands)
+    and fail while `failing` is set; it records the bytes of each version it sent."""
+
+    def __init__(self):
+        self.release, self.sent, self.failing = threading.Event(), {}, False
+
+    def prepare(self, weights, version):
+        return SimpleNamespace(version=version, tensors={n: t.clone() for n, t in weights})
+
+    def send(self, packed):
+        assert self.release.wait(30)
+        if self.failing:
+            raise WeightSyncError("gloo transfer: connection reset by peer")
+        self.sent[packed.version] = packed.tensors
+        return SyncTimings(pause_s=0.0, transfer_s=0.01, total_s=0.01, num_bytes=4)
+
+    def push(self, weights, version):
+        return self.send(self.prepare(weights, version))
+
+    def reopen(self): ...
+
+    def close(self): ...
+
+
+@pytest.fixture
+def pusher(tmp_path, monkeypatch):
+    sync = HeldSync()
+    monkeypatch.setattr("grpo_agent.weight_sync.full.build_weight_sync", lambda *a, **k: sync)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    made = WeightPusher(args, backend="gloo")
+    yield made, sync
+    sync.release.set()
+    made.close()
+
+
+def test_the_version_is_announced_once_the_send_landed_with_the_snapshot(pusher):
+    made, sync = pusher
+    served = []
+    made.on_served = served.append
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    made.push(model, 5)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step trains on while the push is held
+    assert served == []  # the worker must not label groups with version 5 yet
+    sync.release.set()
+    assert made.wait()["perf/weight_sync_transfer_s"] == 0.01
+    assert served == [5]
+    assert torch.equal(sync.sent[5]["weight"], before)
+
+
+def test_a_failed_background_send_is_retried_with_the_weights_of_the_next_push(pusher, monkeypatch):
+    made, sync = pusher
+    restored = []
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: restored.append(url) or "was restarted")
+    keeper = recovery.ServerRecovery("http://127.0.0.1:1", 5)
+    model = torch.nn.Linear(2, 2)
+    sync.failing = True
+    sync.release.set()
+    keeper.push(made, model, 1)  # returns at once; its send fails in the background
+    sync.release.clear()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    sync.failing = False
+    threading.Timer(0.2, sync.release.set).start()
+    metrics = keeper.push(made, model, 2)  # raises the failure inside, restores, pushes 2
+    assert restored and keeper.restarts == 1 and metrics[recovery.RESTARTS_METRIC] == 1
+    assert list(sync.sent) == [2] and torch.equal(sync.sent[2]["weight"], model.weight)
+
+
+def test_settle_raises_nothing_when_the_push_landed_and_retries_when_it_failed(pusher, monkeypatch):
+    made, sync = pusher
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    keeper = recovery.ServerRecovery("http://127.0.0.1:1", 5)
+    model = torch.nn.Linear(2, 2)
+    sync.release.set()
+    keeper.push(made, model, 3)
+    assert keeper.settle(made, model, 3)["perf/weight_sync_transfer_s"] == 0.01
+    sync.failing = True
+    keeper.push(made, model, 4)
+    with pytest.raises(WeightSyncError, match="connection reset"):  # the retry fails too
+        keeper.settle(made, model, 4)
+    assert keeper.restarts == 0 and list(sync.sent) == [3]
+
+
+@pytest.mark.parametrize(("backend", "max_staleness", "background"), [
+    ("gloo", 4, True),
+    ("gloo", 0, False),  # under the max_staleness=0 hold nothing samples until the push lands
+    ("disk", 4, False),  # no snapshot: the files are written from the model
+])
+def test_which_pushes_overlap_the_next_step(tmp_path, backend, max_staleness, background):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                           max_staleness=max_staleness)
+    facts = SimpleNamespace(lora=None, holds_pushed_weights=False, weight_transfer_backend=backend)
+    made = build_weight_pusher(args, torch.nn.Linear(2, 2), facts)
+    try:
+        assert made.background is background
+    finally:
+        made.close()
+
+
+def test_a_model_above_the_snapshot_limit_pushes_inside_the_step(pusher, monkeypatch):
+    made, sync = pusher
+    monkeypatch.setattr("grpo_agent.weight_sync.full.BACKGROUND_MAX_BYTES", 8)
+    served = []
+    made.on_served = served.append
+    sync.release.set()
+    metrics = made.push(torch.nn.Linear(2, 2), 6)  # 24 bytes of weights
+    assert served == [6] and metrics["perf/weight_sync_transfer_s"] == 0.01
