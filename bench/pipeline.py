@@ -18,7 +18,10 @@ generated tokens not trained per trained token (the server's own generation coun
 line is the summary as JSON; the first `--warmup` steps are left out of it.
 
     python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
-        [--share-first-turn off] [--server-nice N]
+        [--share-first-turn off] [--server-nice N] [--background-push off]
+
+`--background-push off` pushes the weights inside the step (the path before the push moved off
+the step's critical path); `sync_s` is the step's own part of the push, `transfer_s` the send.
 
 `--share-first-turn off` sends one request per rollout for a group's first turns (the config's
 `share_first_turn_request=False`, the path before issue 21's change) instead of one with n.
