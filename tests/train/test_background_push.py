@@ -20,16 +20,20 @@ class HeldSync:
 
     def __init__(self):
         self.release, self.sent, self.failing = threading.Event(), {}, False
+        self.ended = threading.Event()  # set when a send returned or raised
 
     def prepare(self, weights, version):
         return SimpleNamespace(version=version, tensors={n: t.clone() for n, t in weights})
 
     def send(self, packed):
-        assert self.release.wait(30)
-        if self.failing:
-            raise WeightSyncError("gloo transfer: connection reset by peer")
-        self.sent[packed.version] = packed.tensors
-        return SyncTimings(pause_s=0.0, transfer_s=0.01, total_s=0.01, num_bytes=4)
+        try:
+            assert self.release.wait(30)
+            if self.failing:
+                raise WeightSyncError("gloo transfer: connection reset by peer")
+            self.sent[packed.version] = packed.tensors
+            return SyncTimings(pause_s=0.0, transfer_s=0.01, total_s=0.01, num_bytes=4)
+        finally:
+            self.ended.set()
 
     def push(self, weights, version):
         return self.send(self.prepare(weights, version))
@@ -75,6 +79,7 @@ def test_a_failed_background_send_is_retried_with_the_weights_of_the_next_push(p
     sync.failing = True
     sync.release.set()
     keeper.push(made, model, 1)  # returns at once; its send fails in the background
+    assert sync.ended.wait(30)
     sync.release.clear()
     with torch.no_grad():
         model.weight.add_(1.0)
