@@ -267,7 +267,7 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     if evaluator is None:
         evaluator = TrainingEvaluator(trainer, eval_dataset, None)
     evaluator.wait()
-    if getattr(trainer, "pusher", None) is not None:  # during train(): the pipeline runs
+    if trainer.pusher is not None:  # during train(): the pipeline runs
         trainer.settle_push()
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
     result = run_evaluation(evaluator.session, rows, trainer.model_version)

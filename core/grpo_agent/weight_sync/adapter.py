@@ -32,7 +32,7 @@ from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
-from grpo_agent.weight_sync.full import WeightPusher
+from grpo_agent.weight_sync.full import WeightPusher, served_nowhere
 from grpo_agent.weight_sync.transports.control import ServerControl
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class AdapterPusher:
         self.cache_dir = Path(args.output_dir).resolve() / CACHE_DIR_NAME
         self.keep_versions = args.max_staleness + 1
         self.last_num_bytes = 0
-        self.on_served: Callable[[int], None] = lambda version: None
+        self.on_served: Callable[[int], None] = served_nowhere
         self._registered: deque[tuple[str, Path]] = deque()
         self._unloaded_folders: list[Path] = []  # deleted at the next sync
         self._main = fsdp.is_main_process()

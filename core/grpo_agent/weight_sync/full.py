@@ -52,7 +52,7 @@ class WeightPusher:
         `background`: let pushes overlap the next step where the transport allows it."""
         self.args = args
         self.last_num_bytes = 0
-        self.on_served: Callable[[int], None] = _nothing
+        self.on_served: Callable[[int], None] = served_nowhere
         self._sync: Any = None
         if fsdp.is_main_process():
             self._sync = build_weight_sync(args.vllm_server_base_url, backend=backend,
@@ -149,8 +149,8 @@ class WeightPusher:
             close()
 
 
-def _nothing(version: int) -> None:
-    pass
+def served_nowhere(version: int) -> None:
+    """A pusher's `on_served` until the trainer gives it the rollout worker's."""
 
 
 def _num_bytes(model: nn.Module) -> int:

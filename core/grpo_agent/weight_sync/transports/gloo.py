@@ -69,6 +69,12 @@ def _release_rendezvous(opener: threading.Thread, host: str, init_info: dict[str
     opener.join(10.0)
 
 
+def _described(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor],
+                                                                       list[TensorSpec]]:
+    tensors = dict(weights)
+    return tensors, [spec_of(name, tensor) for name, tensor in tensors.items()]
+
+
 class GlooWeightSync:
     """Broadcast raw parameter bytes to the server's `gloo` engine (CPU servers)."""
 
@@ -118,16 +124,14 @@ class GlooWeightSync:
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
         """Pack and send chunk by chunk (one chunk's copy in memory at a time)."""
-        tensors = dict(weights)
-        specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
+        tensors, specs = _described(weights)
         chunks = (pack(chunk, tensors) for chunk in plan_chunks(specs, self.chunk_bytes))
         return self._send(specs, chunks, version)
 
     def prepare(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PackedWeights:
         """Copy every weight into its wire chunks now, so `send` may run while the trainer
         changes the model (a background push holds one copy of the weights)."""
-        tensors = dict(weights)
-        specs = [spec_of(name, tensor) for name, tensor in tensors.items()]
+        tensors, specs = _described(weights)
         return PackedWeights(version, specs,
                              [pack(chunk, tensors) for chunk in plan_chunks(specs, self.chunk_bytes)])
 
