@@ -52,7 +52,9 @@ test: setup
 # The counter env (read the target 1-9, call `increment` with it) on the counter-warmed tiny model
 # (it overshoots by one; built once, then cached), with a local CPU vLLM server: held-out success
 # (`eval/pass@1`, greedy, every target once) before and after, then the plot (docs/quickstart.md).
-DEMO_SETS := --set max_steps=30 --set learning_rate=0.0003 --set num_generations=16 \
+DEMO_SETS := --set max_steps=30 --set learning_rate=0.0003 --set lr_scheduler_type=warmup_stable_decay \
+  --set 'lr_scheduler_kwargs={"num_decay_steps": 10}' \
+  --set num_generations=16 \
   --set max_completion_length=32 --set max_tool_calling_iterations=2 \
   --set 'chat_template_kwargs={"enable_thinking": false}' --set gradient_checkpointing=false \
   --set optim=adamw_torch --set save_strategy=no --set seed=1 --set logging_steps=1 \
