@@ -15,6 +15,7 @@ import pytest
 from grpo_agent.sampler import (
     RequestRejectedError,
     SamplerClient,
+    SamplerError,
     SamplingParams,
     ServerUnreachableError,
 )
@@ -41,7 +42,7 @@ class ScriptedServer:
                 self._reply(*outer.replies.pop(0))
 
             def _reply(self, status, body):
-                payload = json.dumps(body).encode()
+                payload = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
@@ -96,6 +97,81 @@ def test_generate_parses_ids_logprobs_top_k_and_weight_versions():
     # its top-k (255 -> 110-152 ms of its CPU per 1,000 tokens measured with top-9 on CPU).
     assert server.bodies[0]["sampling_params"]["detokenize"] is False
     assert server.bodies[0]["sampling_params"]["logprobs"] == 3
+
+
+# vLLM 0.32's full answer: fields the client never reads (token, bytes, stop_reason, usage, ...),
+# an integer log-prob, the -9999.0 floor it puts in place of -inf, a sampled token outside the
+# top-2 (rank 5) and choices out of index order.
+FULL_WIRE = {"id": "gen-1", "created": 1, "model": "tiny", "usage": {"prompt_tokens": 3},
+             "choices": [
+                 {"index": 1, "token_ids": [4], "finish_reason": "stop", "stop_reason": None,
+                  "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+                  "logprobs": {"content": [
+                      {"token_id": 4, "logprob": -9999.0, "token": "", "bytes": None, "rank": 5,
+                       "top_logprobs": [
+                           {"token_id": 4, "logprob": -9999.0, "rank": 5, "token": ""},
+                           {"token_id": 1, "logprob": 0, "rank": 1, "token": ""},
+                           {"token_id": 2, "logprob": -3.25, "rank": 2, "token": ""},
+                           {"token_id": 3, "logprob": -4.5, "rank": 3, "token": ""}]}]}},
+                 {"index": 0, "token_ids": [9, 8], "finish_reason": "length",
+                  "weight_versions": [{"version": "7", "start": 0, "end": 1},
+                                      {"version": "8", "start": 1, "end": 2}],
+                  "logprobs": {"content": [
+                      {"token_id": 9, "logprob": -0.125, "top_logprobs": [
+                          {"token_id": 9, "logprob": -0.125, "rank": 1},
+                          {"token_id": 5, "logprob": -2.0, "rank": 2},
+                          {"token_id": 6, "logprob": -2.5, "rank": 3}]},
+                      {"token_id": 8, "logprob": -1.5, "top_logprobs": [
+                          {"token_id": 8, "logprob": -1.5, "rank": 3},
+                          {"token_id": 3, "logprob": -0.5, "rank": 1},
+                          {"token_id": 2, "logprob": -1.0, "rank": 2}]}]}}]}
+
+
+def _read_plainly(choice: dict, top_k: int) -> dict:
+    """What the answer says, read with the json module: the reference for the typed decode."""
+    content = choice["logprobs"]["content"]
+    spans = choice.get("weight_versions") or []
+    return {
+        "output_ids": choice["token_ids"],
+        "output_log_probs": [float(entry["logprob"]) for entry in content],
+        "output_sampler_logprobs": [
+            {top["token_id"]: float(top["logprob"]) for top in entry["top_logprobs"]
+             if top["rank"] <= top_k} for entry in content],
+        "finish_reason": choice["finish_reason"],
+        "weight_versions": [str(span["version"]) for span in spans
+                            for _ in range(span["start"], span["end"])] or None,
+    }
+
+
+def test_generate_reads_vllms_full_answer_as_the_json_says():
+    """The typed decode (sampler/generate_wire.py) keeps every value the client reads, in
+    choice-index order, and skips the rest."""
+    server = ScriptedServer([(200, json.dumps(FULL_WIRE).encode())])
+
+    async def run():
+        async with SamplerClient(server.url) as client:
+            return await client.generate_many([1, 2, 3], SamplingParams(max_tokens=2, num_logprobs=2), 2)
+    try:
+        turns = asyncio.run(run())
+    finally:
+        server.close()
+    expected = [_read_plainly(choice, 2) for choice in sorted(FULL_WIRE["choices"], key=lambda c: c["index"])]
+    got = [{key: getattr(turn, key) for key in expected[0]} for turn in turns]
+    assert got == expected
+    assert all(isinstance(value, float) for turn in turns for value in turn.output_log_probs)
+    assert turns[1].output_sampler_logprobs == [{1: 0.0, 2: -3.25}]  # the rank-5 sample dropped
+
+
+def test_a_body_that_is_not_a_generate_answer_names_the_url_and_the_field():
+    """A proxy or another server that answers 200 with some other JSON fails at once, naming
+    what did not match, instead of a KeyError deep in the rollout."""
+    server = ScriptedServer([(200, {"choices": [{"index": 0, "token_ids": "7 8"}]})])
+    try:
+        with pytest.raises(SamplerError, match=r"inference/v1/generate.*token_ids.*--enable-scale-out"):
+            _generate(server.url)
+    finally:
+        server.close()
+    assert server.posts == 1  # not retried: the same server would answer the same
 
 
 def test_5xx_is_retried_and_counted_then_succeeds():

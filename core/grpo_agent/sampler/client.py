@@ -26,6 +26,7 @@ from grpo_agent.sampler.errors import (
     retry_delay_s,
     server_message,
 )
+from grpo_agent.sampler.generate_wire import Choice, VersionSpan, decode_generate
 from grpo_agent.sampler.prometheus import ServerMetrics, parse_server_metrics
 from grpo_agent.types import TurnRecord
 
@@ -154,9 +155,11 @@ class SamplerClient:
         self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
     ) -> list[TurnRecord]:
         body = generate_body(model, prompt_ids, params, n)
-        data = await self._request_json("POST", "/inference/v1/generate", json=body)
-        return [_turn_from_generate(prompt_ids, choice, params)
-                for choice in _choices(data, n, self.base_url)]
+        response = await self._request("POST", "/inference/v1/generate", json=body)
+        data = decode_generate(response.content, f"{self.base_url}/inference/v1/generate")
+        choices = sorted(data.choices, key=lambda choice: choice.index)
+        _check_choice_count(len(choices), n, self.base_url)
+        return [_turn_from_generate(prompt_ids, choice, params) for choice in choices]
 
     async def _generate_completions(
         self, prompt_ids: list[int], params: SamplingParams, model: str, n: int
@@ -240,10 +243,14 @@ def _route_missing(error: RequestRejectedError) -> bool:
 def _choices(data: dict, n: int, base_url: str) -> list[dict]:
     """The response's `n` choices in index order (choice i is the i-th sample)."""
     choices = sorted(data.get("choices") or [], key=lambda choice: choice.get("index", 0))
-    if len(choices) != n:
-        raise SamplerError(f"{base_url} answered {len(choices)} choices to a request for n={n}; "
-                           "a vLLM server returns one per requested sample (check the server version).")
+    _check_choice_count(len(choices), n, base_url)
     return choices
+
+
+def _check_choice_count(count: int, n: int, base_url: str) -> None:
+    if count != n:
+        raise SamplerError(f"{base_url} answered {count} choices to a request for n={n}; "
+                           "a vLLM server returns one per requested sample (check the server version).")
 
 
 def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> dict[str, Any]:
@@ -276,35 +283,34 @@ def _sampling_body(params: SamplingParams, n: int = 1) -> dict[str, Any]:
     return body
 
 
-def _turn_from_generate(prompt_ids: list[int], choice: dict, params: SamplingParams) -> TurnRecord:
-    output_ids = [int(t) for t in choice["token_ids"]]
-    content = (choice.get("logprobs") or {}).get("content") or []
+def _turn_from_generate(prompt_ids: list[int], choice: Choice, params: SamplingParams) -> TurnRecord:
+    output_ids = choice.token_ids or []
+    content = (choice.logprobs.content if choice.logprobs is not None else None) or []
     top_k = params.num_logprobs
     sampler_logprobs = [
-        {int(e["token_id"]): float(e["logprob"]) for e in entry.get("top_logprobs", [])
-         if e.get("rank") is not None and e["rank"] <= top_k}
-        for entry in content
+        {c.token_id: c.logprob for c in position.top_logprobs
+         if c.rank is not None and c.rank <= top_k}
+        for position in content
     ] if top_k > 0 else None
-    mask = choice.get("sampling_mask") if params.return_sampling_mask else None
     return TurnRecord(
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,
-        output_log_probs=[float(entry["logprob"]) for entry in content],
+        output_log_probs=[position.logprob for position in content],
         output_sampler_logprobs=sampler_logprobs,
-        output_sampling_mask=mask,
-        finish_reason=choice.get("finish_reason"),
-        weight_versions=_expand_weight_versions(choice.get("weight_versions"), len(output_ids)),
+        output_sampling_mask=choice.sampling_mask if params.return_sampling_mask else None,
+        finish_reason=choice.finish_reason,
+        weight_versions=_expand_weight_versions(choice.weight_versions, len(output_ids)),
     )
 
 
-def _expand_weight_versions(spans: list[dict] | None, num_tokens: int) -> list[str] | None:
+def _expand_weight_versions(spans: list[VersionSpan] | None, num_tokens: int) -> list[str] | None:
     """Turn vLLM's `[{version, start, end}]` spans into one version string per token."""
     if not spans:
         return None
     versions = [""] * num_tokens
     for span in spans:
-        for index in range(int(span["start"]), min(int(span["end"]), num_tokens)):
-            versions[index] = str(span["version"])
+        for index in range(span.start, min(span.end, num_tokens)):
+            versions[index] = str(span.version)
     return versions
 
 
