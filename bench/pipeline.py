@@ -18,10 +18,15 @@ generated tokens not trained per trained token (the server's own generation coun
 line is the summary as JSON; the first `--warmup` steps are left out of it.
 
     python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
-        [--share-first-turn off] [--server-nice N] [--background-push off]
+        [--share-first-turn off] [--server-nice N] [--background-push off] [--score-centering off]
 
 `--background-push off` pushes the weights inside the step (the path before the push moved off
 the step's critical path); `sync_s` is the step's own part of the push, `transfer_s` the send.
+
+`--score-centering off` trains GRPO's clipped surrogate and asks the server for no top-k
+log-probs: the objective TRL 1.16.0's AsyncGRPOTrainer optimises (`bench/pipeline_trl.py`), so the
+two pipelines compare on the same work; the default is the spec's score centering with the
+sampler's top-8 per token, which costs the server CPU (docs/performance.md).
 
 `--share-first-turn off` sends one request per rollout for a group's first turns (the config's
 `share_first_turn_request=False`, the path before issue 21's change) instead of one with n.
@@ -210,6 +215,10 @@ def main() -> None:
     parser.add_argument("--background-push", choices=("on", "off"), default="on",
                         help="let the weight push overlap the next step (on, the trainer's "
                         "default) or run it inside the step (off, the previous path)")
+    parser.add_argument("--score-centering", choices=("on", "off"), default="on",
+                        help="the spec's default loss, with the sampler's top-8 log-probs per "
+                        "token (on), or GRPO's clipped surrogate with no top-k requested (off: "
+                        "the objective TRL 1.16.0's trainer optimises)")
     parser.add_argument("--server-nice", type=int, metavar="N", default=SERVER_NICE,
                         help="the server's CPU priority during the run (default: what "
                         f"grpo-agent train gives its CPU server, {SERVER_NICE}; 0: vLLM's default)")
@@ -229,7 +238,8 @@ def main() -> None:
             gradient_accumulation_steps=1, learning_rate=1e-4, max_staleness=4,
             weight_sync_steps=1, bf16=False, gradient_checkpointing=False, logging_steps=1,
             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
-            share_first_turn_request=opts.share_first_turn == "on")
+            share_first_turn_request=opts.share_first_turn == "on",
+            score_centering=opts.score_centering == "on")
         trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=digit_fraction,
                                    train_dataset=task_dataset(), args=args)
         if opts.background_push == "off":
@@ -263,7 +273,8 @@ def main() -> None:
         record["isolated_fwd_bwd_s"] = round(alone, 3)
     print(json.dumps({**summary(measured, isolated[opts.warmup:], run_s, load_before, load_after),
                       "share_first_turn": opts.share_first_turn, "server_nice": opts.server_nice,
-                      "background_push": opts.background_push}))
+                      "background_push": opts.background_push,
+                      "score_centering": opts.score_centering}))
 
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
