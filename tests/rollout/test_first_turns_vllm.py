@@ -88,14 +88,14 @@ def test_greedy_n_samples_go_out_as_n_requests_vllm_accepts(rollout_server):
 
     async def main():
         async with SamplerClient(rollout_server[0], timeout=300) as client:
-            send = client._request_json
+            send = client._request
 
             async def recording(method, path, **kwargs):
                 if path.endswith("/generate"):
                     bodies.append(kwargs["json"]["sampling_params"])
                 return await send(method, path, **kwargs)
 
-            client._request_json = recording
+            client._request = recording
             return await client.generate_many(PROMPT, params, 3)
 
     turns = asyncio.run(main())
