@@ -148,7 +148,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/cudnn_varlen.py measures a GPU: run it on one.")
     import cudnn
-    import cudnn.sdpa.fwd.torch_op  # noqa: F401 -- registers torch.ops.cudnn.sdpa_fwd/bwd
+    import cudnn.sdpa.fwd.torch_op  # registers torch.ops.cudnn.sdpa_fwd/bwd
 
     print(json.dumps({"torch": torch.__version__, "cudnn_backend": cudnn.backend_version(),
                       "cudnn_frontend": cudnn.__version__,
