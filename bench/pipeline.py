@@ -11,7 +11,9 @@ one torch thread.
 Per step it prints trained and generated tokens/s, the step's breakdown (forward+backward,
 optimizer, weight sync, waiting for samples, pulling them, packing, metrics), each process's
 CPU share read from /proc (trainer and its main thread, rollout worker, vLLM API server, engine
-core) and generated tokens so far. After the run, with the worker stopped and the server idle,
+core), generated tokens, and the server's engine steps, their tokens and the sequences running
+when the step ended (`engine_tokens_per_step`, `server_running_median` in the summary: fuller
+batches cost the engine less CPU per token). After the run, with the worker stopped and the server idle,
 each step's packed row is forwarded and backpropagated again in isolation: the summary's
 `fwd_bwd_inflation` is the median of in-pipeline / isolated time of the same rows. `waste` is
 generated tokens not trained per trained token (the server's own generation counter). The last
@@ -290,6 +292,8 @@ def summary(measured: list[dict], isolated: list[float], run_s: float, load_befo
            for name in measured[0]["cpu"]}
     rewards = [r["reward"] for r in measured if r["reward"] is not None]
     third = max(1, len(rewards) // 3)
+    engine_steps = sum(r["engine_steps"] for r in measured)
+    engine_tokens = sum(r["engine_tokens"] for r in measured)
     return {
         "summary": "pipeline", "steps_measured": len(measured), "run_s": round(run_s, 1),
         "trained_tokens_per_s": round(trained / wall, 1),
@@ -303,6 +307,8 @@ def summary(measured: list[dict], isolated: list[float], run_s: float, load_befo
         "waiting_s": median("waiting_s"), "pull_s": median("pull_s"),
         "packing_s": median("packing_s"), "metrics_s": median("metrics_s"),
         "cpu_share": cpu,
+        "engine_tokens_per_step": round(engine_tokens / engine_steps, 1) if engine_steps else None,
+        "server_running_median": median("server_running"),
         "worker_cpu_s_per_1k_generated": round(
             1000 * cpu["rollout_worker"] * wall / generated, 3) if generated else None,
         "reward_first_third": round(statistics.mean(rewards[:third]), 3) if rewards else None,

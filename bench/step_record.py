@@ -45,9 +45,15 @@ class GeneratedTokens:
 
         while (key := self._marks.get()) is not None:
             lines = [line for line in self._http.get("/metrics").text.splitlines()
-                     if line.startswith("vllm:generation_tokens_total")]
-            self.values[key] = sum(
-                parse_samples("\n".join(lines)).get("vllm:generation_tokens_total", [0.0]))
+                     if line.startswith(SERVER_COUNTERS)]
+            samples = parse_samples("\n".join(lines))
+            self.values[key] = {name: sum(samples.get(name, [0.0])) for name in SERVER_COUNTERS}
+
+
+# What each mark reads: generated tokens, the engine's steps and their tokens (so how full its
+# batches ran, which sets its CPU per token), and the sequences running at that moment.
+SERVER_COUNTERS = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_sum",
+                   "vllm:iteration_tokens_total_count", "vllm:num_requests_running")
 
 
 class StepTimers:
@@ -133,8 +139,14 @@ def make_recorder(worker_pid, server, timers: StepTimers, records: list, base_ur
                 record = records[self.printed]
                 if record["step"] not in values:
                     return
-                generated = values[record["step"]] - values[record.pop("after_mark")]
+                now, before = values[record["step"]], values[record.pop("after_mark")]
+                generated = now["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
                 record["generated_tokens"] = generated
+                record["engine_steps"] = (now["vllm:iteration_tokens_total_count"]
+                                          - before["vllm:iteration_tokens_total_count"])
+                record["engine_tokens"] = (now["vllm:iteration_tokens_total_sum"]
+                                           - before["vllm:iteration_tokens_total_sum"])
+                record["server_running"] = now["vllm:num_requests_running"]
                 record["generated_tokens_per_s"] = round(generated / record["wall_s"], 1)
                 print(json.dumps(record), flush=True)
                 self.printed += 1
