@@ -22,6 +22,8 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 from vllm.logprobs import FlatLogprobs, Logprob
 
 VLLM_OWN = serving.ServingTokens._create_tokens_logprobs
+# The reference must be vLLM's own code, not our patch installed by a plugin load in this process.
+assert VLLM_OWN is not tokens_logprobs and VLLM_OWN.__module__ == serving.__name__
 
 
 def engine_logprobs(seed: int, positions: int, k: int):
@@ -108,7 +110,19 @@ def test_install_patches_the_api_server_only_and_leaves_other_shapes_alone(monke
     assert not install({})  # another vLLM's signature: a warning, nothing patched
     assert "not the shape" in caplog.text
 
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_generate_route(name, *args, **kwargs):  # an older vLLM: no scale_out package
+        if name.startswith("vllm.entrypoints.scale_out"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
     monkeypatch.setattr(serving.ServingTokens, "_create_tokens_logprobs", VLLM_OWN)
+    monkeypatch.setattr(builtins, "__import__", no_generate_route)
+    assert not install({})  # the server still starts
+    monkeypatch.setattr(builtins, "__import__", real_import)
     assert install({}) and install({})  # twice: the second sees its own patch
     assert serving.ServingTokens._create_tokens_logprobs is tokens_logprobs
     assert api_router.JSONResponse.__name__ == "MsgspecJSONResponse"

@@ -103,8 +103,10 @@ def install(environ: Mapping[str, str] = os.environ) -> bool:
     """Patch the generate route of this API server process; returns whether it did."""
     if not wanted(environ) or not is_api_server_process():
         return False
-    from vllm.entrypoints.scale_out.token_in_token_out import api_router, serving
-
+    try:
+        from vllm.entrypoints.scale_out.token_in_token_out import api_router, serving
+    except ImportError:  # a vLLM without the generate route: nothing to patch
+        return False
     original = getattr(serving.ServingTokens, "_create_tokens_logprobs", None)
     if original is tokens_logprobs:
         return True  # installed already (vLLM may load its plugins more than once)
