@@ -16,29 +16,15 @@ segments appended) so that rows of different shapes share graphs.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import torch
 from grpo_agent.train.packing import pack_row
+from attention_kernels import timed_ms
 from grpo_agent.train.varlen_attention import VarlenPlan, torch_flash_varlen
 from packing import make_samples
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
-
-
-def timed_ms(fn, repeats=20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def visible_pairs(cu_q: torch.Tensor, cu_k: torch.Tensor) -> int:
