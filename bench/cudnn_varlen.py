@@ -19,8 +19,8 @@ import json
 import time
 
 import torch
-from grpo_agent.train.packing import pack_row
 from attention_kernels import timed_ms
+from grpo_agent.train.packing import pack_row
 from grpo_agent.train.varlen_attention import VarlenPlan, torch_flash_varlen
 from packing import make_samples
 
