@@ -133,7 +133,7 @@ def test_compiled_layers_call_the_level_split_as_one_op(tiny_qwen3, shared_sampl
     the flash path's gradients were wrong on an H200), and the gradients are the eager
     model's."""
     from grpo_agent.train import level_attention
-    from grpo_agent.train.regional_compile import compile_decoder_layers, is_compiled
+    from grpo_agent.train.regional_compile import compile_decoder_layers
 
     traced, ops = [], []
     for name in ("_part_forward", "_part_backward"):
@@ -152,7 +152,6 @@ def test_compiled_layers_call_the_level_split_as_one_op(tiny_qwen3, shared_sampl
     enable_tree_attention(tiny_qwen3)
     compiled = copy.deepcopy(tiny_qwen3)
     compile_decoder_layers(compiled, backend=backend)
-    assert is_compiled(compiled) and not is_compiled(tiny_qwen3)
     row = pack_row(shared_samples)
     for model in (tiny_qwen3, compiled):
         lp = forward_row(model, row, temperature=1.0, backend="levels").token.logprobs

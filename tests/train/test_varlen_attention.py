@@ -314,8 +314,6 @@ def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
     long_row = tree_attention.LEVELS_MIN_TOKENS
     assert choose_backend(cuda, torch.bfloat16, long_row - 1) == "varlen"
     assert choose_backend(cuda, torch.bfloat16, long_row) == "levels"  # GPU-bound rows
-    # compiled layers: never levels (it runs outside the compiled graph)
-    assert choose_backend(cuda, torch.bfloat16, long_row, compiled=True) == "varlen"
     assert choose_backend(cuda, torch.float32, long_row) == "flex"
     assert choose_backend(cpu, torch.bfloat16, long_row) == "gather"
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_agent.train import gated_deltanet, regional_compile
+from grpo_agent.train import gated_deltanet
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
@@ -43,8 +43,7 @@ def forward_hidden(
         )
     param = next(model.parameters())
     (input_ids,) = to_device(param.device, row.input_ids)
-    tree = TreeMask.build(row, param.device, backend, dtype=param.dtype,
-                          compiled=regional_compile.is_compiled(model))
+    tree = TreeMask.build(row, param.device, backend, dtype=param.dtype)
     tree.linear = gated_deltanet.build_plan(model, row, param.device)
     kwargs = {"output_router_logits": True} if output_router_logits else {}
     out = model.get_decoder()(

@@ -32,15 +32,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def is_compiled(model: nn.Module) -> bool:
-    """True once `compile_decoder_layers` compiled the model's layers."""
-    try:
-        layers = decoder_layers(model)
-    except ValueError:  # no decoder layer list: nothing this module compiles
-        return False
-    return any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
-
-
 def compile_decoder_layers(
     model: nn.Module, *, backend: str | Callable | None = None, mode: str | None = None
 ) -> int:

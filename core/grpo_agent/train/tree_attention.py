@@ -41,10 +41,10 @@ from grpo_agent.train.transfer import to_device
 
 ATTN_IMPLEMENTATION = "grpo_tree"
 FLEX_BLOCK_SIZE = 128
-# Rows of at least this many tokens take "levels" under "auto" in eager layers: on an H200
-# (Qwen3-1.7B shape, 16k-token rows, eager) it was 2.8% faster than "varlen" with 4.4 GiB less
-# peak memory. Compiled layers stay on "varlen" (levels 1.5-2% slower there: its merge runs
-# unfused inside its op; docs/performance.md).
+# Rows of at least this many tokens take "levels" under "auto": on an H200 (Qwen3-1.7B shape,
+# 16k-token rows, eager) it was 2.8% faster than "varlen" with 4.4 GiB less peak memory; with
+# its merge fused (compiled layers), 1.4-2.2% faster on group rows (four H100 runs) and 4.3% on
+# one-prompt rows, with 5-7 GiB less (docs/performance.md).
 LEVELS_MIN_TOKENS = 12288
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
@@ -70,13 +70,11 @@ class TreeMask:
         device: torch.device | str,
         backend: str = "auto",
         dtype: torch.dtype | None = None,
-        compiled: bool = False,
     ) -> TreeMask:
-        """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only;
-        `compiled` (the model's layers are) keeps "auto" off "levels"."""
+        """`dtype` (the model's) lets "auto" pick a flash path, which is half-precision only."""
         device = torch.device(device)
         if backend == "auto":
-            backend = choose_backend(device, dtype, row.num_tokens, compiled)
+            backend = choose_backend(device, dtype, row.num_tokens)
         if backend not in BACKENDS:
             raise ValueError(
                 f"tree attention backend {backend!r}: choose 'auto' or one of {BACKENDS}."
@@ -116,18 +114,16 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
     )
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0,
-                   compiled: bool = False) -> str:
+def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0) -> str:
     """gather on CPU. On CUDA in half precision with flash kernels: levels for rows of at least
-    LEVELS_MIN_TOKENS in eager layers, varlen below and in compiled layers (measured faster
-    there: LEVELS_MIN_TOKENS); varlen was as fast as flex or faster for every packing ratio on
-    an H200, eager and compiled; else flex."""
+    LEVELS_MIN_TOKENS, varlen below (measured faster on either side: LEVELS_MIN_TOKENS); varlen
+    was as fast as flex or faster for every packing ratio on an H200, eager and compiled; else
+    flex."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
-    if (tokens >= LEVELS_MIN_TOKENS and not compiled
-            and torch.backends.cuda.is_flash_attention_available()):
+    if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
         return "levels"
     return "varlen" if varlen_attention.varlen_kernel() is not None else "flex"
 
