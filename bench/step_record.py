@@ -14,6 +14,11 @@ from collections import defaultdict
 import httpx
 from proc_cpu import CpuShares, server_processes
 
+# What each mark reads: generated tokens, the engine's steps and their tokens (so how full its
+# batches ran, which sets its CPU per token), and the sequences running at that moment.
+SERVER_COUNTERS = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_sum",
+                   "vllm:iteration_tokens_total_count", "vllm:num_requests_running")
+
 
 class GeneratedTokens:
     """The server's `vllm:generation_tokens_total` at marked moments, read on a thread of its own.
@@ -49,11 +54,6 @@ class GeneratedTokens:
             samples = parse_samples("\n".join(lines))
             self.values[key] = {name: sum(samples.get(name, [0.0])) for name in SERVER_COUNTERS}
 
-
-# What each mark reads: generated tokens, the engine's steps and their tokens (so how full its
-# batches ran, which sets its CPU per token), and the sequences running at that moment.
-SERVER_COUNTERS = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_sum",
-                   "vllm:iteration_tokens_total_count", "vllm:num_requests_running")
 
 
 class StepTimers:

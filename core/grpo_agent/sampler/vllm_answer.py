@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import multiprocessing
 import os
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ FAST_ANSWER_ENV = "GRPO_AGENT_VLLM_FAST_ANSWER"
 # On every answer of a patched route: the one sign of the patch a client can see (at plugin
 # load vLLM's logging is not set up yet, so an info line there is lost).
 ANSWER_HEADER = "x-grpo-agent-answer"
-LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf and NaN on its OpenAI-shaped wires
+LOGPROB_FLOOR = -9999.0  # vLLM's log-prob for a sampled token with no entry
 _PARAMETERS = ("self", "token_ids", "top_logprobs", "num_output_top_logprobs")
 
 
@@ -52,16 +51,12 @@ def is_api_server_process() -> bool:
     return name == "MainProcess" or name.startswith("ApiServer")
 
 
-def clamp(logprob: float) -> float:
-    """vLLM's floor: NaN and anything below -9999 (so -inf) become -9999.0."""
-    return LOGPROB_FLOOR if math.isnan(logprob) or logprob < LOGPROB_FLOOR else logprob
-
-
 def tokens_logprobs(self, token_ids, top_logprobs, num_output_top_logprobs=None):
     """`ServingTokens._create_tokens_logprobs` as vLLM 0.32 defines it (the sampled token's
     log-prob and rank, then up to max(k, 1) candidates in the engine's order; -9999.0 and no
     candidates where the sampled token has no entry), built as dicts and validated once."""
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import _clamp_logprob as clamp
 
     keep = num_output_top_logprobs
     if keep is not None and keep != -1:
@@ -112,6 +107,7 @@ def install(environ: Mapping[str, str] = os.environ) -> bool:
         return True  # installed already (vLLM may load its plugins more than once)
     route = inspect.unwrap(getattr(api_router, "generate", None) or (lambda: None))
     if (original is None or tuple(inspect.signature(original).parameters) != _PARAMETERS
+            or not callable(getattr(serving, "_clamp_logprob", None))
             or "JSONResponse" not in route.__code__.co_names
             or not isinstance(getattr(api_router, "JSONResponse", None), type)):
         logger.warning("grpo-agent: this vLLM's generate route is not the shape %s was written "
