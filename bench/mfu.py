@@ -26,6 +26,7 @@ import statistics
 import torch
 from grpo_agent.train import (
     compiled_or_eager,
+    flash_impl,
     level_attention,
     level_merge,
     logprobs,
@@ -107,6 +108,10 @@ def main() -> None:
                         help="comma-separated on/off: compiled_or_eager.COMPILE_ON_CUDA, the "
                         "small compiled functions (the level merge's rows; the LM head's tiles "
                         "under --lm-heads torch); off is the unfused previous path")
+    parser.add_argument("--flash-impls", default="auto",
+                        help="comma-separated kernels behind torch's flash ops: default "
+                        "(torch's own, the old path), FA4 (FlashAttention 4), auto (the "
+                        "trainer's choice: flash_impl.torch_flash_impl)")
     parser.add_argument("--profile", metavar="DIR",
                         help="profile one step of each variant's first pass: top kernels "
                         "printed, the full table written to DIR")
@@ -125,18 +130,21 @@ def main() -> None:
     _, dtype, prompt_len, completion_len, _ = SHAPES[args.model]
     peak = perf.peak_flops_per_s(torch.cuda.get_device_name(), "bf16")
     results = []
+    impls = [flash_impl.torch_flash_impl() if i == "auto" else i
+             for i in args.flash_impls.split(",")]
     for group_size in args.group_sizes:
         rows = [pack_row(make_samples(group_size, prompt_len, completion_len, args.token_budget,
                                       model.config.vocab_size, seed))
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m, f) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f, i) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
                     for d in args.dense.split(",") for m in args.merges.split(",")
-                    for f in args.fuse.split(",")]
+                    for f in args.fuse.split(",") for i in impls]
         profiled = set()
-        for backend, gather, lm_head, dense, merge, fuse in variants * args.passes:
+        for backend, gather, lm_head, dense, merge, fuse, impl in variants * args.passes:
+            flash_impl.use(impl)
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
             level_merge.MERGE, compiled_or_eager.COMPILE_ON_CUDA = merge, fuse == "on"
             varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
@@ -149,7 +157,8 @@ def main() -> None:
             seconds = steps_seconds(
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
-            name = f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
+            name = (f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
+                    f"-{impl}")
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -164,7 +173,7 @@ def main() -> None:
                 "case": f"{args.model}/G={group_size}", "backend": chosen,
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
-                "merge": merge if chosen == "levels" else "-", "fuse": fuse,
+                "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
                 "compiled": not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
@@ -182,9 +191,11 @@ def main() -> None:
     best = max(results, key=lambda r: r["mfu"])
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
-                                                    "dense", "merge", "fuse", "mfu")},
+                                                    "dense", "merge", "fuse", "flash_impl",
+                                                    "mfu")},
                       "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
-                               r["dense"], r["merge"], r["fuse"], r["mfu"], r["peak_gib"])
+                               r["dense"], r["merge"], r["fuse"], r["flash_impl"], r["mfu"],
+                               r["peak_gib"])
                               for r in results]}),
           flush=True)
 

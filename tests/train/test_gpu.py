@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from grpo_agent.train import flash_impl
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
 from grpo_agent.train.loss import LossConfig, row_loss
@@ -127,6 +128,24 @@ def test_level_attention_on_flash_matches_the_reference(dtype, merge):
         return level_tree_attention(q, k, v, dataclasses.replace(plan, kernel=kernel), 0.125)
 
     _assert_matches_reference(attend, row.num_tokens, dtype)
+
+
+@pytest.mark.parametrize("path", ["varlen", "levels"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashattention_4_behind_torch_flash_ops_matches_the_reference(dtype, path):
+    """With flash-attn-4 installed (Hopper/Blackwell), torch's flash ops run its kernels: both
+    tree paths still equal the float32 reference, log-sum-exps (the level merge) included."""
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+    before = flash_impl.active()
+    flash_impl.use("FA4")
+    try:
+        assert flash_impl.active() == "FA4"
+        if path == "varlen":
+            test_torch_flash_varlen_matches_the_reference_on_a_tree(dtype)
+        else:
+            test_level_attention_on_flash_matches_the_reference(dtype, "rows")
+    finally:
+        flash_impl.use(before)
 
 
 @pytest.mark.parametrize("backend", ["varlen", "levels"])

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import gated_deltanet, level_attention, varlen_attention
+from grpo_agent.train import flash_impl, gated_deltanet, level_attention, varlen_attention
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
@@ -107,6 +107,7 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
     if device.type != "cuda":
         return "reference"
     if dtype in varlen_attention.HALF_DTYPES and torch.backends.cuda.is_flash_attention_available():
+        flash_impl.torch_flash_impl()
         return "flash"
     raise ValueError(
         f"the 'levels' tree attention backend needs flash attention on CUDA: a bf16/fp16 model "

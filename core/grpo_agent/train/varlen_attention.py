@@ -20,7 +20,8 @@ Kernels, first found wins, resolved at the first CUDA half-precision row (never 
   kernels-community/flash-attn3 on other NVIDIA GPUs. It downloads into the Hub cache once;
   with `HF_HUB_OFFLINE=1` only the cache is read;
 - an installed `flash_attn` package;
-- PyTorch's own flash-attention build (`torch.ops.aten._flash_attention_forward`, CUDA);
+- PyTorch's own flash-attention op (`torch.ops.aten._flash_attention_forward`, CUDA), whose
+  kernels are FlashAttention 4's where it is installed (`flash_impl`);
 - otherwise none, and rows keep the FlexAttention tree path.
 
 A kernel that cannot be had (the `kernels` library missing, offline, no build for this GPU, or
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from grpo_agent.train import flash_impl
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
@@ -163,6 +165,7 @@ def torch_builtin_kernel() -> Callable | None:
     """PyTorch's flash-attention varlen kernel, where this torch build has one (CUDA)."""
     if not torch.backends.cuda.is_flash_attention_available():
         return None
+    flash_impl.torch_flash_impl()
     return torch_flash_varlen
 
 

@@ -1,0 +1,132 @@
+"""Which kernels torch's own flash-attention ops run: FlashAttention 4 where it is installed.
+
+Design decision: both tree-attention paths on CUDA call torch's flash ops
+(`aten._flash_attention_forward/backward`: the varlen path once per layer, the level path once
+per depth part). torch >= 2.11 can route those ops to FlashAttention 4's CuTe DSL kernels
+(`torch.nn.attention.activate_flash_attention_impl("FA4")`, Hopper and Blackwell), which
+torch.compile and the level op's custom-op wrapper then call like the built-in kernel. On an
+H100 they took 0.73-0.88 of the built-in kernel's forward+backward time on tree rows
+(`bench/varlen_kernels.py`, docs/performance.md), so `auto` activates them wherever
+`pip install flash-attn-4` put them and a small forward+backward probe agrees with SDPA. The
+first call of each kernel shape compiles it (seconds, cached on disk by the CuTe DSL).
+
+`GRPO_AGENT_FLASH_IMPL`: `auto` (default), `FA4` (required: an error if it cannot run), or
+`default` (torch's built-in kernels). Resolved once per process, at the first CUDA
+half-precision row, never at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+IMPL_ENV = "GRPO_AGENT_FLASH_IMPL"
+CHOICES = ("auto", "FA4", "default")
+FA4_MODULE = "flash_attn.cute"  # what `pip install flash-attn-4` installs
+FA4_CAPABILITIES = (9, 10)  # Hopper, Blackwell: what torch's FA4 bridge accepts
+
+
+def wanted(environ: Mapping[str, str] = os.environ) -> str:
+    text = environ.get(IMPL_ENV, "").strip() or "auto"
+    for choice in CHOICES:
+        if text.lower() == choice.lower():
+            return choice
+    raise ValueError(f"{IMPL_ENV}={text!r}: choose one of {', '.join(CHOICES)}.")
+
+
+def fa4_missing(device: torch.device) -> str | None:
+    """Why FlashAttention 4 cannot serve torch's flash ops here; None if it can be tried."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_CAPABILITIES:
+        return f"compute capability {major}.{minor} (FlashAttention 4 needs 9.x or 10.x)"
+    try:
+        from torch.nn import attention
+    except ImportError:
+        return "this torch has no torch.nn.attention"
+    if not hasattr(attention, "activate_flash_attention_impl"):
+        return f"torch {torch.__version__} cannot route its flash ops to another implementation"
+    if "FA4" not in attention.list_flash_attention_impls():
+        return f"torch {torch.__version__} has no FA4 bridge"
+    if importlib.util.find_spec(FA4_MODULE.split(".")[0]) is None or \
+            importlib.util.find_spec(FA4_MODULE) is None:
+        return "flash-attn-4 is not installed (pip install flash-attn-4)"
+    return None
+
+
+def active() -> str:
+    """"FA4" while torch's flash ops run FlashAttention 4, else "default"."""
+    from torch.nn import attention
+
+    current = getattr(attention, "current_flash_attention_impl", lambda: None)()
+    return current or "default"
+
+
+def use(name: str, device: torch.device | None = None) -> None:
+    """Route torch's flash ops to FlashAttention 4 ("FA4", after its probe passes) or back to
+    torch's own kernels ("default"); raises RuntimeError naming why FA4 cannot run."""
+    from torch.nn import attention
+
+    if name == "default":
+        attention.restore_flash_attention_impl(_raise_warn=False)
+        return
+    device = device or torch.device("cuda")
+    missing = fa4_missing(device)
+    if missing:
+        raise RuntimeError(missing)
+    attention.activate_flash_attention_impl("FA4")
+    try:
+        probe(device)
+    except Exception as exc:
+        attention.restore_flash_attention_impl(_raise_warn=False)
+        raise RuntimeError(f"its probe failed ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def probe(device: torch.device) -> None:
+    """One bf16 causal varlen forward+backward (a 4-query segment against 6 keys, GQA, head
+    dims 64 and 128) through torch's flash op against SDPA in float32."""
+    gen = torch.Generator().manual_seed(0)
+    for dim in (64, 128):
+        q, k, v = (torch.randn(n, h, dim, generator=gen).to(device, torch.bfloat16)
+                   .requires_grad_() for n, h in ((4, 4), (6, 2), (6, 2)))
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 4], [0, 6]))
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 4, 6, 0.0, True,
+                                                      False, scale=dim ** -0.5)[0]
+        out.float().sum().backward()
+        mask = torch.ones(4, 6, dtype=torch.bool, device=device).tril(2)
+        expected = F.scaled_dot_product_attention(
+            *(t.detach().float().transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask,
+            scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        if not torch.allclose(out.float(), expected, atol=3e-2, rtol=0):
+            raise RuntimeError(f"its output differs from SDPA's on a probe (head dim {dim})")
+        if not all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in (q, k, v)):
+            raise RuntimeError(f"its backward gave no finite gradients (head dim {dim})")
+
+
+@functools.cache
+def torch_flash_impl() -> str:
+    """"FA4" once torch's flash ops run FlashAttention 4 in this process, else "default"."""
+    choice = wanted()
+    if choice == "default":
+        return "default"
+    try:
+        use("FA4")
+    except RuntimeError as exc:
+        if choice == "FA4":
+            raise RuntimeError(
+                f"{IMPL_ENV}=FA4, but FlashAttention 4 cannot run: {exc}. Install flash-attn-4 "
+                f"on a Hopper/Blackwell GPU, or set {IMPL_ENV}=auto.") from exc
+        log.debug("torch's own flash kernels: FlashAttention 4 cannot run (%s)", exc)
+        return "default"
+    log.info("torch's flash attention ops run FlashAttention 4 (%s=default for torch's own "
+             "kernels)", IMPL_ENV)
+    return "FA4"

@@ -1,0 +1,115 @@
+"""Which kernels torch's flash ops run (`flash_impl`): the choice, its errors, and the fallback
+when FlashAttention 4 is missing or fails its probe. The real kernels are tested on a GPU
+(`test_gpu.py::test_flashattention_4_behind_torch_flash_ops_matches_the_reference`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from grpo_agent.train import flash_impl
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice():
+    flash_impl.torch_flash_impl.cache_clear()
+    yield
+    flash_impl.torch_flash_impl.cache_clear()
+
+
+def test_the_setting_is_read_case_insensitively_and_a_bad_one_names_the_choices():
+    assert flash_impl.wanted({}) == "auto"
+    assert flash_impl.wanted({flash_impl.IMPL_ENV: "fa4"}) == "FA4"
+    assert flash_impl.wanted({flash_impl.IMPL_ENV: " Default "}) == "default"
+    with pytest.raises(ValueError, match="GRPO_AGENT_FLASH_IMPL='fa3'.*auto, FA4, default"):
+        flash_impl.wanted({flash_impl.IMPL_ENV: "fa3"})
+
+
+def test_fa4_is_never_tried_off_cuda():
+    assert flash_impl.fa4_missing(torch.device("cpu")) == "not a CUDA device"
+
+
+def test_default_never_touches_the_dispatcher(monkeypatch):
+    monkeypatch.setenv(flash_impl.IMPL_ENV, "default")
+    monkeypatch.setattr(flash_impl, "use", lambda *a, **k: pytest.fail("use() called"))
+    assert flash_impl.torch_flash_impl() == "default"
+
+
+def test_auto_falls_back_to_torch_kernels_when_fa4_cannot_run(monkeypatch):
+    monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+
+    def cannot(name, device=None):
+        raise RuntimeError("flash-attn-4 is not installed (pip install flash-attn-4)")
+
+    monkeypatch.setattr(flash_impl, "use", cannot)
+    assert flash_impl.torch_flash_impl() == "default"
+
+
+def test_asking_for_fa4_where_it_cannot_run_is_an_error_naming_the_fix(monkeypatch):
+    monkeypatch.setenv(flash_impl.IMPL_ENV, "FA4")
+
+    def cannot(name, device=None):
+        raise RuntimeError("compute capability 8.0 (FlashAttention 4 needs 9.x or 10.x)")
+
+    monkeypatch.setattr(flash_impl, "use", cannot)
+    with pytest.raises(RuntimeError, match="compute capability 8.0.*Install flash-attn-4.*=auto"):
+        flash_impl.torch_flash_impl()
+
+
+def test_auto_activates_fa4_once_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
+    with caplog.at_level(logging.INFO, logger=flash_impl.__name__):
+        assert flash_impl.torch_flash_impl() == "FA4"
+        assert flash_impl.torch_flash_impl() == "FA4"
+    assert calls == ["FA4"]  # resolved once per process
+    assert "FlashAttention 4" in caplog.text and "GRPO_AGENT_FLASH_IMPL=default" in caplog.text
+
+
+class _Dispatcher:
+    """torch.nn.attention's registry functions, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def activate_flash_attention_impl(self, name):
+        self.calls.append(("activate", name))
+
+    def restore_flash_attention_impl(self, _raise_warn=True):
+        self.calls.append(("restore",))
+
+
+def test_a_failed_probe_restores_torch_kernels(monkeypatch):
+    from torch.nn import attention
+
+    dispatcher = _Dispatcher()
+    monkeypatch.setattr(attention, "activate_flash_attention_impl",
+                        dispatcher.activate_flash_attention_impl)
+    monkeypatch.setattr(attention, "restore_flash_attention_impl",
+                        dispatcher.restore_flash_attention_impl)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
+
+    def wrong(device):
+        raise RuntimeError("its output differs from SDPA's on a probe (head dim 128)")
+
+    monkeypatch.setattr(flash_impl, "probe", wrong)
+    with pytest.raises(RuntimeError, match="probe failed.*head dim 128"):
+        flash_impl.use("FA4", torch.device("cpu"))
+    assert dispatcher.calls == [("activate", "FA4"), ("restore",)]
+
+
+def test_a_missing_fa4_is_reported_before_the_dispatcher_changes(monkeypatch):
+    from torch.nn import attention
+
+    dispatcher = _Dispatcher()
+    monkeypatch.setattr(attention, "activate_flash_attention_impl",
+                        dispatcher.activate_flash_attention_impl)
+    with pytest.raises(RuntimeError, match="not a CUDA device"):
+        flash_impl.use("FA4", torch.device("cpu"))
+    assert dispatcher.calls == []
+
+
+def test_nothing_is_active_unless_asked():
+    assert flash_impl.active() == "default"
