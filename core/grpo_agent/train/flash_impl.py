@@ -55,7 +55,7 @@ def fa4_missing(device: torch.device) -> str | None:
         return "this torch has no torch.nn.attention"
     if not hasattr(attention, "activate_flash_attention_impl"):
         return f"torch {torch.__version__} cannot route its flash ops to another implementation"
-    if "FA4" not in attention.list_flash_attention_impls():
+    if not hasattr(getattr(attention, "_fa4", None), "register_flash_attention_fa4"):
         return f"torch {torch.__version__} has no FA4 bridge"
     if importlib.util.find_spec(FA4_MODULE.split(".")[0]) is None or \
             importlib.util.find_spec(FA4_MODULE) is None:
@@ -83,12 +83,31 @@ def use(name: str, device: torch.device | None = None) -> None:
     missing = fa4_missing(device)
     if missing:
         raise RuntimeError(missing)
+    # torch's bridge imports the module it is given and calls its `_flash_attn_fwd/_bwd`: this
+    # module's, which adapt FlashAttention 4's to what the bridge unpacks.
+    attention._registry.register_flash_attention_impl(
+        "FA4", register_fn=functools.partial(attention._fa4.register_flash_attention_fa4, __name__))
     attention.activate_flash_attention_impl("FA4")
     try:
         probe(device)
     except Exception as exc:
         attention.restore_flash_attention_impl(_raise_warn=False)
         raise RuntimeError(f"its probe failed ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _flash_attn_fwd(*args, **kwargs):
+    """FlashAttention 4's forward as torch 2.11's bridge unpacks it: (out, lse). FA4 4.0.0b36
+    also returns the sparse-MLA forward's extras (p, row_max, o_lo), None here."""
+    from flash_attn.cute import interface
+
+    return tuple(interface._flash_attn_fwd(*args, **kwargs)[:2])
+
+
+def _flash_attn_bwd(*args, **kwargs):
+    """FlashAttention 4's backward as the bridge unpacks it: (dq, dk, dv)."""
+    from flash_attn.cute import interface
+
+    return tuple(interface._flash_attn_bwd(*args, **kwargs)[:3])
 
 
 def probe(device: torch.device) -> None:
