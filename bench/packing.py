@@ -30,6 +30,7 @@ import time
 
 import torch
 from grpo_agent.train import (
+    flash_impl,
     fused_projections,
     level_attention,
     logprobs,
@@ -465,6 +466,9 @@ def main() -> None:
     shape = args.model or ("qwen3-0.6b" if device == "cuda" else "tiny")
     if device == "cpu":
         torch.set_num_threads(1)  # shared 2-core box; both paths get the same
+    # as the trainer does: FlashAttention 4 under `auto` only for rows that keep the GPU busy
+    # (GRPO_AGENT_FLASH_IMPL=FA4 for the CUDA-graph rows, whose replays have no host work)
+    flash_impl.expect_rows(args.token_budget or SHAPES[shape][4])
     plain = build_model(shape, device)
     packed = copy.deepcopy(plain)
     enable_tree_attention(packed)
@@ -493,6 +497,7 @@ def main() -> None:
                 "device": device,
                 "model": shape,
                 "compiled": args.compile,
+                "flash_impl": flash_impl.active(),
                 "mean_speedup_over_ratio": round(
                     statistics.mean(r["speedup_over_ratio"] for r in shared), 3
                 ),

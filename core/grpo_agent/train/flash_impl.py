@@ -6,13 +6,18 @@ per depth part). torch >= 2.11 can route those ops to FlashAttention 4's CuTe DS
 (`torch.nn.attention.activate_flash_attention_impl("FA4")`, Hopper and Blackwell), which
 torch.compile and the level op's custom-op wrapper then call like the built-in kernel. On an
 H100 they took 0.73-0.88 of the built-in kernel's forward+backward time on tree rows
-(`bench/varlen_kernels.py`, docs/performance.md), so `auto` activates them wherever
-`pip install flash-attn-4` put them and a small forward+backward probe agrees with SDPA. The
-first call of each kernel shape compiles it (seconds, cached on disk by the CuTe DSL).
+(`bench/varlen_kernels.py`), and the compiled 1.7B step at 16k-token rows went from 0.454 to
+0.477 MFU. But each call costs about 0.6 ms of Python on the host, so where the host sets the
+pace (8k-token rows without CUDA graphs) the step got 13% slower; with CUDA graphs (no host
+work per replay) the same rows got 11% faster (docs/performance.md). So `auto` activates them
+where `pip install flash-attn-4` put them, a small forward+backward probe agrees with SDPA,
+and the trainer's rows may reach `FA4_MIN_TOKENS` (`expect_rows`; unknown counts as long).
+The first call of each kernel shape compiles it (seconds, cached on disk by the CuTe DSL).
 
-`GRPO_AGENT_FLASH_IMPL`: `auto` (default), `FA4` (required: an error if it cannot run), or
-`default` (torch's built-in kernels). Resolved once per process, at the first CUDA
-half-precision row, never at import.
+`GRPO_AGENT_FLASH_IMPL`: `auto` (default), `FA4` (for any rows: an error if it cannot run),
+or `default` (torch's built-in kernels). Resolved once per process, at the first CUDA
+half-precision row, never at import; one implementation serves a whole run (a forward and
+its backward must run the same one).
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ IMPL_ENV = "GRPO_AGENT_FLASH_IMPL"
 CHOICES = ("auto", "FA4", "default")
 FA4_MODULE = "flash_attn.cute"  # what `pip install flash-attn-4` installs
 FA4_CAPABILITIES = (9, 10)  # Hopper, Blackwell: what torch's FA4 bridge accepts
+# `auto` takes FA4 for rows of this many tokens or more: GPU-bound there (measured faster at
+# 15-16k tokens, slower at 6k without CUDA graphs); the same bound as LEVELS_MIN_TOKENS.
+FA4_MIN_TOKENS = 12288
+_expected_row_tokens: int | None = None
+
+
+def expect_rows(tokens: int) -> None:
+    """The longest rows this process will train on (the trainer's token budget)."""
+    global _expected_row_tokens
+    _expected_row_tokens = tokens
 
 
 def wanted(environ: Mapping[str, str] = os.environ) -> str:
@@ -44,7 +59,7 @@ def wanted(environ: Mapping[str, str] = os.environ) -> str:
 
 def fa4_missing(device: torch.device) -> str | None:
     """Why FlashAttention 4 cannot serve torch's flash ops here; None if it can be tried."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FA4_CAPABILITIES:
@@ -136,6 +151,11 @@ def torch_flash_impl() -> str:
     """"FA4" once torch's flash ops run FlashAttention 4 in this process, else "default"."""
     choice = wanted()
     if choice == "default":
+        return "default"
+    if choice == "auto" and _expected_row_tokens is not None \
+            and _expected_row_tokens < FA4_MIN_TOKENS:
+        log.debug("torch's own flash kernels: rows of at most %d tokens are host-bound",
+                  _expected_row_tokens)
         return "default"
     try:
         use("FA4")

@@ -17,7 +17,7 @@ from grpo_agent import stall
 from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
-from grpo_agent.train import collectives, fsdp, setup
+from grpo_agent.train import collectives, flash_impl, fsdp, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.step_source import StepSource
 
@@ -36,6 +36,7 @@ class RolloutPipelineMixin:
         self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
+        flash_impl.expect_rows(self.token_budget)  # FlashAttention 4 only for GPU-bound rows
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, or a server an earlier run pushed into. A fresh server already has them.
