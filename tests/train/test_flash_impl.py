@@ -36,29 +36,39 @@ def test_default_never_touches_the_dispatcher(monkeypatch):
     assert flash_impl.torch_flash_impl() == "default"
 
 
-def test_auto_falls_back_to_torch_kernels_when_fa4_cannot_run(monkeypatch):
+def test_auto_falls_back_to_torch_kernels_when_fa4_is_missing(monkeypatch, caplog):
     monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: "flash-attn-4 is not installed")
+    monkeypatch.setattr(flash_impl, "use", lambda *a, **k: pytest.fail("use() called"))
+    with caplog.at_level(logging.WARNING, logger=flash_impl.__name__):
+        assert flash_impl.torch_flash_impl() == "default"
+    assert caplog.text == ""  # nothing installed: nothing to warn about
 
-    def cannot(name, device=None):
-        raise RuntimeError("flash-attn-4 is not installed (pip install flash-attn-4)")
 
-    monkeypatch.setattr(flash_impl, "use", cannot)
-    assert flash_impl.torch_flash_impl() == "default"
+def test_auto_warns_when_an_installed_fa4_fails_its_probe(monkeypatch, caplog):
+    monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
+
+    def broken(name, device=None):
+        raise RuntimeError("its probe failed (ValueError: too many values to unpack)")
+
+    monkeypatch.setattr(flash_impl, "use", broken)
+    with caplog.at_level(logging.WARNING, logger=flash_impl.__name__):
+        assert flash_impl.torch_flash_impl() == "default"
+    assert "probe failed" in caplog.text
 
 
 def test_asking_for_fa4_where_it_cannot_run_is_an_error_naming_the_fix(monkeypatch):
     monkeypatch.setenv(flash_impl.IMPL_ENV, "FA4")
-
-    def cannot(name, device=None):
-        raise RuntimeError("compute capability 8.0 (FlashAttention 4 needs 9.x or 10.x)")
-
-    monkeypatch.setattr(flash_impl, "use", cannot)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: (
+        "compute capability 8.0 (FlashAttention 4 needs 9.x or 10.x)"))
     with pytest.raises(RuntimeError, match="compute capability 8.0.*Install flash-attn-4.*=auto"):
         flash_impl.torch_flash_impl()
 
 
 def test_auto_activates_fa4_once_and_says_so(monkeypatch, caplog):
     monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
     calls = []
     monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
     with caplog.at_level(logging.INFO, logger=flash_impl.__name__):
@@ -120,6 +130,7 @@ def test_auto_keeps_torch_kernels_for_host_bound_rows(monkeypatch):
     CUDA graphs) never switches; FA4 asked for explicitly still is."""
     monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
     calls = []
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
     monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
     monkeypatch.setattr(flash_impl, "_expected_row_tokens", None)
     flash_impl.expect_rows(flash_impl.FA4_MIN_TOKENS - 1)

@@ -157,14 +157,19 @@ def torch_flash_impl() -> str:
         log.debug("torch's own flash kernels: rows of at most %d tokens are host-bound",
                   _expected_row_tokens)
         return "default"
+    missing = fa4_missing(torch.device("cuda"))
     try:
+        if missing:
+            raise RuntimeError(missing)
         use("FA4")
     except RuntimeError as exc:
         if choice == "FA4":
             raise RuntimeError(
                 f"{IMPL_ENV}=FA4, but FlashAttention 4 cannot run: {exc}. Install flash-attn-4 "
                 f"on a Hopper/Blackwell GPU, or set {IMPL_ENV}=auto.") from exc
-        log.debug("torch's own flash kernels: FlashAttention 4 cannot run (%s)", exc)
+        # not installed (or no such GPU): nothing to say; installed but broken: say so
+        (log.debug if missing else log.warning)(
+            "torch's own flash kernels: FlashAttention 4 cannot run (%s)", exc)
         return "default"
     log.info("torch's flash attention ops run FlashAttention 4 (%s=default for torch's own "
              "kernels)", IMPL_ENV)
