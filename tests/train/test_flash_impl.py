@@ -12,7 +12,10 @@ from grpo_agent.train import flash_impl
 
 
 @pytest.fixture(autouse=True)
-def fresh_choice():
+def fresh_choice(monkeypatch):
+    """No choice made yet and no row length expected (a trainer run earlier in this process
+    sets one)."""
+    monkeypatch.setattr(flash_impl, "_expected_row_tokens", None)
     flash_impl.torch_flash_impl.cache_clear()
     yield
     flash_impl.torch_flash_impl.cache_clear()
@@ -132,7 +135,6 @@ def test_auto_keeps_torch_kernels_for_host_bound_rows(monkeypatch):
     calls = []
     monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
     monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
-    monkeypatch.setattr(flash_impl, "_expected_row_tokens", None)
     flash_impl.expect_rows(flash_impl.FA4_MIN_TOKENS - 1)
     assert flash_impl.torch_flash_impl() == "default" and calls == []
     flash_impl.torch_flash_impl.cache_clear()
