@@ -16,9 +16,7 @@ def fresh_choice(monkeypatch):
     """No choice made yet and no row length expected (a trainer run earlier in this process
     sets one)."""
     monkeypatch.setattr(flash_impl, "_expected_row_tokens", None)
-    flash_impl.torch_flash_impl.cache_clear()
-    yield
-    flash_impl.torch_flash_impl.cache_clear()
+    monkeypatch.setattr(flash_impl, "_chosen", None)
 
 
 def test_the_setting_is_read_case_insensitively_and_a_bad_one_names_the_choices():
@@ -137,10 +135,10 @@ def test_auto_keeps_torch_kernels_for_host_bound_rows(monkeypatch):
     monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
     flash_impl.expect_rows(flash_impl.FA4_MIN_TOKENS - 1)
     assert flash_impl.torch_flash_impl() == "default" and calls == []
-    flash_impl.torch_flash_impl.cache_clear()
+    monkeypatch.setattr(flash_impl, "_chosen", None)
     monkeypatch.setenv(flash_impl.IMPL_ENV, "FA4")
     assert flash_impl.torch_flash_impl() == "FA4" and calls == ["FA4"]
-    flash_impl.torch_flash_impl.cache_clear()
+    monkeypatch.setattr(flash_impl, "_chosen", None)
     monkeypatch.delenv(flash_impl.IMPL_ENV)
     flash_impl.expect_rows(flash_impl.FA4_MIN_TOKENS)
     assert flash_impl.torch_flash_impl() == "FA4" and calls == ["FA4", "FA4"]
@@ -158,3 +156,17 @@ def test_level_parts_leave_cudnn_to_fa4(monkeypatch):
     monkeypatch.setattr(flash_impl, "active", lambda: "FA4")
     assert level_attention._dense_kernel("flash", cuda, "auto") is None
     assert level_attention._dense_kernel("flash", cuda, "cudnn-depth") == "cudnn"  # as asked
+
+
+def test_an_explicit_choice_is_not_overridden_by_the_first_row(monkeypatch):
+    """A bench that pins torch's kernels before its first row keeps them: `auto` must not
+    switch to FA4 behind it (bench/mfu.py's first variant did, before this)."""
+    from torch.nn import attention
+
+    monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
+    monkeypatch.setattr(attention, "restore_flash_attention_impl", lambda _raise_warn=True: None)
+    monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
+    flash_impl.use("default")
+    calls = []
+    monkeypatch.setattr(flash_impl, "use", lambda name, device=None: calls.append(name))
+    assert flash_impl.torch_flash_impl() == "default" and calls == []

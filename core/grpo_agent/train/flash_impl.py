@@ -16,8 +16,9 @@ The first call of each kernel shape compiles it (seconds, cached on disk by the 
 
 `GRPO_AGENT_FLASH_IMPL`: `auto` (default), `FA4` (for any rows: an error if it cannot run),
 or `default` (torch's built-in kernels). Resolved once per process, at the first CUDA
-half-precision row, never at import; one implementation serves a whole run (a forward and
-its backward must run the same one).
+half-precision row, never at import, unless `use()` chose first (benches switching between
+the two); one implementation serves a whole run (a forward and its backward must run the
+same one).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ FA4_CAPABILITIES = (9, 10)  # Hopper, Blackwell: what torch's FA4 bridge accepts
 # 15-16k tokens, slower at 6k without CUDA graphs); the same bound as LEVELS_MIN_TOKENS.
 FA4_MIN_TOKENS = 12288
 _expected_row_tokens: int | None = None
+_chosen: str | None = None  # set by the first torch_flash_impl() or any explicit use()
 
 
 def expect_rows(tokens: int) -> None:
@@ -89,10 +91,12 @@ def active() -> str:
 def use(name: str, device: torch.device | None = None) -> None:
     """Route torch's flash ops to FlashAttention 4 ("FA4", after its probe passes) or back to
     torch's own kernels ("default"); raises RuntimeError naming why FA4 cannot run."""
+    global _chosen
     from torch.nn import attention
 
     if name == "default":
         attention.restore_flash_attention_impl(_raise_warn=False)
+        _chosen = "default"
         return
     device = device or torch.device("cuda")
     missing = fa4_missing(device)
@@ -108,6 +112,7 @@ def use(name: str, device: torch.device | None = None) -> None:
     except Exception as exc:
         attention.restore_flash_attention_impl(_raise_warn=False)
         raise RuntimeError(f"its probe failed ({type(exc).__name__}: {str(exc)[:200]})") from exc
+    _chosen = "FA4"
 
 
 def _flash_attn_fwd(*args, **kwargs):
@@ -146,9 +151,16 @@ def probe(device: torch.device) -> None:
             raise RuntimeError(f"its backward gave no finite gradients (head dim {dim})")
 
 
-@functools.cache
 def torch_flash_impl() -> str:
-    """"FA4" once torch's flash ops run FlashAttention 4 in this process, else "default"."""
+    """"FA4" once torch's flash ops run FlashAttention 4 in this process, else "default";
+    the first call chooses (see the module doc), later ones return that choice."""
+    global _chosen
+    if _chosen is None:
+        _chosen = _choose()
+    return _chosen
+
+
+def _choose() -> str:
     choice = wanted()
     if choice == "default":
         return "default"
@@ -158,19 +170,23 @@ def torch_flash_impl() -> str:
                   _expected_row_tokens)
         return "default"
     missing = fa4_missing(torch.device("cuda"))
-    try:
-        if missing:
-            raise RuntimeError(missing)
-        use("FA4")
-    except RuntimeError as exc:
-        if choice == "FA4":
-            raise RuntimeError(
-                f"{IMPL_ENV}=FA4, but FlashAttention 4 cannot run: {exc}. Install flash-attn-4 "
-                f"on a Hopper/Blackwell GPU, or set {IMPL_ENV}=auto.") from exc
-        # not installed (or no such GPU): nothing to say; installed but broken: say so
-        (log.debug if missing else log.warning)(
-            "torch's own flash kernels: FlashAttention 4 cannot run (%s)", exc)
-        return "default"
-    log.info("torch's flash attention ops run FlashAttention 4 (%s=default for torch's own "
-             "kernels)", IMPL_ENV)
-    return "FA4"
+    if missing is None:
+        try:
+            use("FA4")
+        except RuntimeError as exc:  # installed but broken: say so
+            log.warning("torch's own flash kernels: FlashAttention 4 cannot run (%s)", exc)
+            if choice == "FA4":
+                raise _required_but(str(exc)) from exc
+            return "default"
+        log.info("torch's flash attention ops run FlashAttention 4 (%s=default for torch's "
+                 "own kernels)", IMPL_ENV)
+        return "FA4"
+    if choice == "FA4":
+        raise _required_but(missing)
+    log.debug("torch's own flash kernels: FlashAttention 4 cannot run (%s)", missing)
+    return "default"
+
+
+def _required_but(why: str) -> RuntimeError:
+    return RuntimeError(f"{IMPL_ENV}=FA4, but FlashAttention 4 cannot run: {why}. Install "
+                        f"flash-attn-4 on a Hopper/Blackwell GPU, or set {IMPL_ENV}=auto.")
