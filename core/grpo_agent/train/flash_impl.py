@@ -6,8 +6,8 @@ per depth part). torch >= 2.11 can route those ops to FlashAttention 4's CuTe DS
 (`torch.nn.attention.activate_flash_attention_impl("FA4")`, Hopper and Blackwell), which
 torch.compile and the level op's custom-op wrapper then call like the built-in kernel. On an
 H100 they took 0.73-0.88 of the built-in kernel's forward+backward time on tree rows
-(`bench/varlen_kernels.py`), and the compiled 1.7B step at 16k-token rows went from 0.454 to
-0.477 MFU. But each call costs about 0.6 ms of Python on the host, so where the host sets the
+(`bench/varlen_kernels.py`), and the compiled 1.7B step at 16k-token rows went from 0.441-0.449
+(earlier runs) to 0.477 MFU. But each call costs about 0.6 ms of Python on the host, so where the host sets the
 pace (8k-token rows without CUDA graphs) the step got 13% slower; with CUDA graphs (no host
 work per replay) the same rows got 11% faster (docs/performance.md). So `auto` activates them
 where `pip install flash-attn-4` put them, a small forward+backward probe agrees with SDPA,
