@@ -85,7 +85,7 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
         torch.cuda.synchronize()
         prepare_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         pool = _pool_gib(graphs.pool)
-        graph_lp = graphs.step(row).float().clone()
+        graph_lp = graphs.step(row).token.logprobs.float().clone()
         grad_diff = rel_diff([p.grad.float() for p in model.parameters() if p.grad is not None],
                              eager_ref)
         single_s, queued_s = time_fn(lambda: graphs.step(row))

@@ -39,6 +39,14 @@ class AsyncGRPOConfig(TrainingArguments):
         "2x faster fwd+bwd on an H200 (docs/performance.md); first steps pay the compile time.",
         default=False,
     )
+    cuda_graphs: bool = _help(
+        "Replay each packed row's forward+backward as a CUDA graph, one per bucketed row shape "
+        "(train/graphed_rows.py): removes the host bound of short rows (8k tokens on an H100: "
+        "docs/performance.md). One CUDA process, dtype bfloat16/float16, "
+        "gradient_checkpointing=False, attention-only dense models; each new row shape costs "
+        "one warm-up and one capture, so it pays on long runs.",
+        default=False,
+    )
     bf16: bool | None = _help(
         "bf16 mixed precision; None means True unless fp16 is set (and a GPU supports it).",
         default=None,
@@ -234,6 +242,12 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
             )
         _refuse_unsupported_features(self)
+        if self.cuda_graphs and self.gradient_checkpointing:
+            raise ValueError("cuda_graphs=True needs gradient_checkpointing=False: the "
+                             "recomputation in backward is not captured. Turn one of them off.")
+        if self.cuda_graphs and self.fp16:
+            raise ValueError("cuda_graphs=True does not run with fp16: its loss scaler acts "
+                             "outside the captured backward. Use bf16 or turn cuda_graphs off.")
 
     @property
     def effective_epsilon_high(self) -> float:

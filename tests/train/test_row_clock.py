@@ -34,6 +34,22 @@ def test_a_row_that_did_not_finish_is_left_out():
     assert 0.01 <= clock.read()["fwd_bwd"] < 0.5
 
 
+def test_a_replayed_row_counts_in_fwd_bwd_only():
+    clock = RowClock("cpu")
+    clock.start_row()
+    time.sleep(0.02)
+    clock.forward_unseen()  # forward and backward replayed as one graph
+    clock.end_row()
+    got = clock.read()
+    assert got["fwd"] is None and 0.02 <= got["fwd_bwd"] < 0.5
+    _row(clock, 0.01, 0.01)
+    clock.start_row()
+    clock.forward_unseen()
+    clock.end_row()
+    got = clock.read()
+    assert 0.01 <= got["fwd"] < got["fwd_bwd"]  # the eager row's forward alone
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_clock_measures_device_time_not_queueing():

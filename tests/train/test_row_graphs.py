@@ -68,7 +68,7 @@ def test_padded_step_equals_the_unpadded_row(model, shared_samples, backend, dee
     row = pack_row(_deep_tree_samples() if deep else shared_samples)
     (ref_lp,), grads = _reference(model, [row], backend)
     graphs = RowGraphs(model, _loss, capture=False, backend=backend)
-    got = graphs.step(row)
+    got = graphs.step(row).token.logprobs
     assert got.shape == ref_lp.shape
     torch.testing.assert_close(got, ref_lp, atol=1e-12, rtol=0)
     _assert_grads(model, grads)
@@ -87,7 +87,7 @@ def test_rows_of_one_bucket_reuse_its_buffers_and_accumulate(model, shared_sampl
     graphs.step(rows[2])  # then reset, as an optimizer step's zero_grad does
     model.zero_grad(set_to_none=True)
     for row, ref in zip(rows, ref_lps):
-        torch.testing.assert_close(graphs.step(row), ref, atol=1e-12, rtol=0)
+        torch.testing.assert_close(graphs.step(row).token.logprobs, ref, atol=1e-12, rtol=0)
     assert len(graphs.buffers) == 1
     _assert_grads(model, grads)
 
@@ -131,12 +131,12 @@ def test_warm_ups_of_new_buckets_add_nothing_to_accumulated_gradients(
     ref_lps, grads = _reference(model, rows, backend)
     (_, first_grads) = _reference(model, rows[:1], backend)
     graphs = RowGraphs(model, _loss, capture=False, backend=backend)
-    torch.testing.assert_close(graphs.step(rows[0]), ref_lps[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(graphs.step(rows[0]).token.logprobs, ref_lps[0], atol=1e-12, rtol=0)
     graphs.prepare(rows)
     assert len(graphs.buffers) == 3
     _assert_grads(model, first_grads)
     for row, ref in zip(rows[1:], ref_lps[1:]):
-        torch.testing.assert_close(graphs.step(row), ref, atol=1e-12, rtol=0)
+        torch.testing.assert_close(graphs.step(row).token.logprobs, ref, atol=1e-12, rtol=0)
     _assert_grads(model, grads)
 
 

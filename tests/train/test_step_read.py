@@ -83,15 +83,16 @@ class Logs(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, **config):
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=steps, gradient_accumulation_steps=grad_accum,
-        logging_steps=logging_steps, token_budget=TOKEN_BUDGET,
-        gradient_checkpointing=False, optim="adamw_torch", report_to="none", save_strategy="no",
-        disable_tqdm=True, use_cpu=True, **config)
+def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, model=None, **config):
+    args = AsyncGRPOConfig(**{
+        "output_dir": str(tmp_path), "max_steps": steps, "gradient_accumulation_steps": grad_accum,
+        "logging_steps": logging_steps, "token_budget": TOKEN_BUDGET,
+        "gradient_checkpointing": False, "optim": "adamw_torch", "report_to": "none",
+        "save_strategy": "no", "disable_tqdm": True, "use_cpu": True, **config})
     from grpo_agent.testing import build_tiny_model
 
-    trainer = OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+    trainer = OfflineTrainer(build_tiny_model() if model is None else model, args=args,
+                             reward_funcs=[],
                              train_dataset=Dataset.from_dict({"prompt": [[]] * 64}))
     # Enough groups for every row of every step, plus one that closes the last step.
     trainer.samples = [s for g in range(steps * grad_accum + 1) for s in group(g)]

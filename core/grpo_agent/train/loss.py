@@ -62,7 +62,8 @@ class LossInputs:
     logprobs: torch.Tensor
     sampler_logprobs: torch.Tensor
     advantages: torch.Tensor
-    token_sample: torch.Tensor  # the token's sample, numbered 0..K-1 over samples with tokens
+    # the token's sample, numbered 0..K-1 over samples with tokens (metrics only)
+    token_sample: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
     sampler_topk_logprobs: torch.Tensor | None = None
 
@@ -109,6 +110,19 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     return (
         score_centering_loss(inp, cfg) if cfg.score_centering else clipped_surrogate_loss(inp, cfg)
     )
+
+
+def padded_policy_loss(cfg: LossConfig):
+    """`policy_loss` as a row graph's loss function (`row_graphs.LossFn`): over a bucket's
+    padded trained entries, whose advantage is 0 (and sampler top-k -inf), so padding adds
+    nothing to the loss or to any gradient."""
+    def loss(token, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return policy_loss(LossInputs(
+            logprobs=token.logprobs, sampler_logprobs=tensors["sampler_logprobs"],
+            advantages=tensors["advantages"], topk_logprobs=token.topk_logprobs,
+            sampler_topk_logprobs=tensors.get("sampler_topk_logprobs"),
+        ), cfg)
+    return loss
 
 
 # Every metric `row_loss` can return, in a fixed order: processes reduce them by position.

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from grpo_agent.train import level_attention, level_merge, varlen_attention
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
-from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
+from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, LEVELS_MIN_TOKENS, TreeMask
 
 # Bucket granularity: each size is rounded up to a multiple of its step. Coarser steps mean
 # fewer graphs (captures, static buffers) but more padded work per row; since the buckets
@@ -47,9 +47,30 @@ STEPS = {"tokens": 64, "segments": 16, "keys": 512, "trained": 64, "seqlen": 256
 BACKENDS = ("varlen", "levels")
 
 # loss_fn(token log-probs, the bucket's padded per-trained-token tensors) -> scalar loss.
-# The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages",
-# "sampler_logprobs". It must give padded entries (valid 0) no weight.
+# The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages" (0.0 at
+# padding), "sampler_logprobs", and with sampler top-k "sampler_topk_logprobs" (-inf at
+# padding). It must give padded entries (valid 0) no weight.
 LossFn = Callable[[TokenLogprobs, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def row_backend(row: PackedRow, backend: str) -> str:
+    """The captured tree path of `row`: "auto" takes levels from LEVELS_MIN_TOKENS tokens, as
+    the eager trainer's "auto" does on a GPU (`tree_attention.choose_backend`)."""
+    if backend == "auto":
+        return "levels" if row.num_tokens >= LEVELS_MIN_TOKENS else "varlen"
+    if backend not in BACKENDS:
+        raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of {BACKENDS}")
+    return backend
+
+
+@dataclass
+class RowStep:
+    """One row's step through its graph: views of the bucket's static tensors, overwritten by
+    the next replay of any bucket (they share one pool): read or clone them before that."""
+
+    token: TokenLogprobs  # the real trained tokens' log-probs, entropy, top-k log-probs
+    loss: torch.Tensor  # 0-d: loss_fn times the step's scale, as backpropagated
+    inputs: dict[str, torch.Tensor]  # the bucket's padded inputs (padded_inputs' names)
 
 
 def _up(n: int, step: int) -> int:
@@ -92,21 +113,22 @@ class Bucket:
     keys: int = 0  # varlen: gathered keys (sum of path lengths), padding segment included
     max_k: int = 0  # varlen: longest path
     depths: tuple[DepthBucket, ...] = ()  # levels: one per depth part
+    topk: int = 0  # the sampler's top-k ids per trained token (0: none)
 
     @classmethod
     def of(cls, row: PackedRow, backend: str = "varlen") -> Bucket:
-        if backend not in BACKENDS:
-            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
+        backend = row_backend(row, backend)
         tokens = _up(row.num_tokens + 1, STEPS["tokens"])
         pad = tokens - row.num_tokens
         own = torch.bincount(row.segment_ids).tolist()
-        shapes = dict(
-            backend=backend,
-            tokens=tokens,
-            segments=_up(len(own) + 1, STEPS["segments"]),
-            trained=_up(max(row.num_trained, 1), STEPS["trained"]),
-            max_q=_up(max(max(own), pad), STEPS["seqlen"]),
-        )
+        shapes = {
+            "backend": backend,
+            "tokens": tokens,
+            "segments": _up(len(own) + 1, STEPS["segments"]),
+            "trained": _up(max(row.num_trained, 1), STEPS["trained"]),
+            "max_q": _up(max(max(own), pad), STEPS["seqlen"]),
+            "topk": 0 if row.sampler_topk_ids is None else row.sampler_topk_ids.shape[1],
+        }
         if backend == "levels":
             _, depths = level_attention.tree_parts(row)
             return cls(**shapes, depths=tuple(DepthBucket.of(p, pad) for p in depths))
@@ -152,7 +174,13 @@ def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
         "valid": trained(torch.ones(t), 0.0),
         "advantages": trained(row.advantages.float(), 0.0),
         "sampler_logprobs": trained(row.sampler_logprobs.float(), 0.0),
+        "scale": torch.zeros(()),  # set by each step (`RowGraphs.step`)
     }
+    if bucket.topk:
+        k = bucket.topk
+        inputs["topk_ids"] = torch.cat([row.sampler_topk_ids, torch.full((extra, k), -1)])
+        inputs["sampler_topk_logprobs"] = torch.cat(
+            [row.sampler_topk_logprobs.float(), torch.full((extra, k), -torch.inf)])
     if bucket.backend == "levels":
         _, depths = level_attention.tree_parts(row)
         for d, (pairs, shape) in enumerate(zip(depths, bucket.depths, strict=True)):
@@ -178,31 +206,32 @@ def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
 class RowGraphs:
     """Forward+backward of packed rows through one captured graph per bucket.
 
-    `step(row)` accumulates d loss_fn / d params into each parameter's `.grad` (as
-    `loss.backward()` would) and returns the real trained tokens' log-probs: a view of the
-    bucket's static output, overwritten by the next replay of any bucket (they share one
+    `step(row, scale)` accumulates scale * d loss_fn / d params into each parameter's `.grad`
+    (as `(scale * loss).backward()` would) and returns the row's `RowStep`: views of the
+    bucket's static outputs, overwritten by the next replay of any bucket (they share one
     pool; clone to keep). `prepare(rows)` makes the graphs of a step's rows up front.
     The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
-    fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error."""
+    fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error.
+    `backend`: a tree path of BACKENDS for every row, or "auto" (per row: `row_backend`)."""
 
     def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
                  capture: bool | None = None, backend: str = "varlen"):
         _check_model(model)
-        if backend not in BACKENDS:
-            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of {BACKENDS}")
         self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
         self.backend = backend
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.capture = self.device.type == "cuda" if capture is None else capture
         cuda = self.device.type == "cuda"
-        if backend == "levels":
-            self.kernel = "flash" if cuda else "reference"
-        else:
-            self.kernel = varlen_attention.varlen_kernel() if cuda else varlen_attention.sdpa_varlen
+        self.kernels = {
+            "levels": "flash" if cuda else "reference",
+            "varlen": varlen_attention.varlen_kernel() if cuda else varlen_attention.sdpa_varlen,
+        }
         self.grads: list[torch.Tensor] | None = None
         self.buffers: dict[Bucket, dict[str, torch.Tensor]] = {}
-        self.outputs: dict[Bucket, torch.Tensor] = {}
+        self.outputs: dict[Bucket, tuple[TokenLogprobs, torch.Tensor]] = {}
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # warm-ups and captures run on this one side stream (PyTorch's recipe): per-stream
@@ -211,7 +240,16 @@ class RowGraphs:
         # default stream, which CUDA refuses while a stream captures
         self.stream: torch.cuda.Stream | None = None
 
-    def step(self, row: PackedRow) -> torch.Tensor:
+    @staticmethod
+    def supports(row: PackedRow) -> bool:
+        """Rows a graph can take: trained tokens, and no sampler candidate sets (top-k/top-p
+        sampling masks differ in width from row to row)."""
+        return row.num_trained > 0 and row.sampling_mask is None
+
+    def step(self, row: PackedRow, scale: float = 1.0) -> RowStep:
+        if not self.supports(row):
+            raise ValueError("row graphs take rows with trained tokens and no sampling mask; "
+                             "run this row eagerly (RowGraphs.supports).")
         bucket = Bucket.of(row, self.backend)
         if bucket not in self.buffers:
             self.prepare([row])
@@ -220,21 +258,26 @@ class RowGraphs:
         for name, value in padded_inputs(row, bucket).items():
             src = value.pin_memory() if self.device.type == "cuda" else value
             static[name].copy_(src, non_blocking=True)
-        if not self.capture:
-            return self._run(bucket)[: row.num_trained]
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][: row.num_trained]
+        static["scale"].fill_(scale)
+        if self.capture:
+            self.graphs[bucket].replay()
+            token, loss = self.outputs[bucket]
+        else:
+            token, loss = self._run(bucket)
+        t = row.num_trained
+        topk = None if token.topk_logprobs is None else token.topk_logprobs[:t]
+        return RowStep(TokenLogprobs(token.logprobs[:t], token.entropy[:t], topk), loss, static)
 
     def prepare(self, rows: list[PackedRow]) -> None:
         """Make the graphs of these rows' buckets (an optimizer step's micro-batches), largest
         first. Each new bucket first runs one eager warm-up step (compilation, kernel choice,
-        workspaces) with every trained entry's `valid` 0: its loss has no weight, so it adds
-        exactly zero to the gradients. All warm-ups run before any capture and their cached
+        workspaces) with scale 0 and every trained entry's `valid` 0: it adds exactly zero to
+        the gradients. All warm-ups run before any capture and their cached
         blocks are handed back, so the captures can take that memory; the largest bucket is
         captured first, so the smaller ones fit into the blocks it freed. (Captured in the
         order rows arrive, buckets of growing sizes each needed new blocks: on an H200 the
         pool held 15.9-16.1 GiB for 3-4 buckets, largest first 12.1: docs/performance.md.)"""
-        buckets = {Bucket.of(r, self.backend): r for r in rows}
+        buckets = {Bucket.of(r, self.backend): r for r in rows if self.supports(r)}
         new = sorted(((b, r) for b, r in buckets.items() if b not in self.buffers),
                      key=lambda item: dataclasses.astuple(item[0]), reverse=True)
         if not new:
@@ -264,15 +307,16 @@ class RowGraphs:
                 self.graphs[bucket] = graph
         caller.wait_stream(self.stream)
 
-    def _run(self, bucket: Bucket) -> torch.Tensor:
+    def _run(self, bucket: Bucket) -> tuple[TokenLogprobs, torch.Tensor]:
         """The padded step on the bucket's static buffers: what a graph captures."""
         s = self.buffers[bucket]
         tree = TreeMask(segment_ids=None, ancestors=None, position_ids=s["position_ids"],
                         backend=bucket.backend)
+        kernel = self.kernels[bucket.backend]
         if bucket.backend == "levels":  # depth parts on the varlen kernel (no padded batches)
             depths = range(len(bucket.depths))
             tree.levels = level_attention.LevelPlan(
-                self.kernel, s["cu_q"], bucket.max_q,
+                kernel, s["cu_q"], bucket.max_q,
                 query_index=[s[f"depth{d}_q"] for d in depths],
                 key_index=[s[f"depth{d}_k"] for d in depths],
                 cu_q=[s[f"depth{d}_cu_q"] for d in depths],
@@ -282,7 +326,7 @@ class RowGraphs:
             )
         else:
             tree.varlen = varlen_attention.VarlenPlan(
-                kernel=self.kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
+                kernel=kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
                 max_k=bucket.max_k, kv_index=s["kv_index"],
             )
         hidden = self.model.get_decoder()(
@@ -290,9 +334,12 @@ class RowGraphs:
             use_cache=False, tree_mask=tree,
         ).last_hidden_state[0]
         token = token_logprobs(hidden[s["pred_index"]], self.model.get_output_embeddings().weight,
-                               s["targets"], temperature=self.temperature)
-        self.loss_fn(token, s).backward()
-        return token.logprobs.detach()
+                               s["targets"], temperature=self.temperature,
+                               topk_ids=s.get("topk_ids"))
+        loss = self.loss_fn(token, s) * s["scale"]
+        loss.backward()
+        topk = None if token.topk_logprobs is None else token.topk_logprobs.detach()
+        return TokenLogprobs(token.logprobs.detach(), token.entropy.detach(), topk), loss.detach()
 
     def attach_grads(self) -> None:
         """Give every parameter the fixed gradient tensor the graphs accumulate into."""

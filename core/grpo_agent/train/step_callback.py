@@ -56,7 +56,8 @@ class AsyncStepCallback(TrainerCallback):
         window = trainer.window
         window.add("perf/step_s", step_s)
         window.add("perf/fwd_bwd_s", fwd_bwd_s)
-        window.add("perf/fwd_s", fwd_s)
+        if fwd_s is not None:  # None: every row replayed a CUDA graph (cuda_graphs)
+            window.add("perf/fwd_s", fwd_s)
         window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
         window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         window.add_rate("perf/wall_clock_trained_tokens_per_s", trainer.step_trained_tokens, step_s)

@@ -28,7 +28,7 @@ from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
-from grpo_agent.train import collectives, fsdp, perf, setup
+from grpo_agent.train import collectives, fsdp, graphed_rows, perf, setup
 from grpo_agent.train.checkpoint import (
     PromptLedger,
     RolloutState,
@@ -131,6 +131,10 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                 model, backend=args.torch_compile_backend, mode=args.torch_compile_mode
             )
         fsdp.install_forward_method(model, "grpo_row_loss", row_loss)
+        self.graphed_rows = None  # cuda_graphs: rows replayed through CUDA graphs
+        if args.cuda_graphs:
+            graphed_rows.check_model(model)
+            self.graphed_rows = graphed_rows.GraphedRows(model, build_loss_config(args, model))
         self.phases = collectives.RankPhases(args)  # the collective phase of this rank (FSDP)
         self.window = MetricWindow()
         # This step's rows: losses and metrics stay on the device and are read at the optimizer
@@ -286,9 +290,27 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.row_clock.start_row()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.graphed_rows is not None and self.graphed_rows.takes(inputs.row):
+            loss = self._graphed_training_step(inputs, num_items_in_batch)
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self.row_clock.end_row()
         self.step_rows.add_loss(loss)
+        return loss
+
+    def _graphed_training_step(self, inputs: Microbatch, num_items_in_batch) -> torch.Tensor:
+        """The row's step replayed through its CUDA graph (`cuda_graphs`): it backpropagates
+        what transformers' `training_step` would from `compute_loss` (divided by the
+        accumulation steps where transformers divides) and returns that loss."""
+        self.model.train()
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None
+                      ) or self.compute_loss_func is not None
+        divisor = 1 if scaled else self.current_gradient_accumulation_steps
+        loss, metrics = self.graphed_rows.step(inputs.row, 1.0 / (inputs.num_trained_global * divisor))
+        self.row_clock.forward_unseen()
+        self.step_rows.add_metrics(metrics, inputs.row.num_trained)
         return loss
 
     def read_step_rows(self) -> None:

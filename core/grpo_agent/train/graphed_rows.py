@@ -1,0 +1,89 @@
+"""`cuda_graphs=True`: the trainer's rows replayed through `row_graphs`, with its own loss.
+
+Design decision: at 8k-token rows the packed step is bound by the host queueing its kernels
+(docs/performance.md); one graph replay per row removes that. The graph holds the decoder,
+the LM head, `loss.policy_loss` over the bucket's padded entries (advantage 0 at padding)
+and the backward; the loss metrics are computed after the replay from the graph's outputs by
+`loss.loss_metrics`, so the eager and the graphed row share every rule. Rows a graph cannot
+take (nothing trained, sampler candidate sets) run eagerly. What cannot be captured is
+refused when the trainer is built, naming the fix: several processes (FSDP's collectives),
+float32 or non-flash attention, Gated DeltaNet, sliding-window and MoE layers (here), and
+gradient checkpointing or fp16's loss scaler (`AsyncGRPOConfig`). Each new row shape pays one warm-up and one capture (a few
+row steps), so graphs pay on long runs of short rows.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from grpo_agent.train import fsdp, row_graphs
+from grpo_agent.train.forward import is_moe
+from grpo_agent.train.loss import LossConfig, LossInputs, loss_metrics, padded_policy_loss
+from grpo_agent.train.packing import PackedRow
+from grpo_agent.train.transfer import to_device
+
+logger = logging.getLogger(__name__)
+
+
+def check_model(model) -> None:
+    """Refuse a model or process layout the graphs cannot capture, naming the fix."""
+    if fsdp.world_size() > 1:
+        raise ValueError("cuda_graphs=True runs in one process only (FSDP's collectives are not "
+                         "captured): launch one process or turn cuda_graphs off.")
+    if is_moe(model):
+        raise ValueError("cuda_graphs=True cannot capture MoE layers (their routing decides "
+                         "shapes on the GPU): turn cuda_graphs off for this model.")
+    _check_device(model)
+
+
+def _check_device(model) -> None:
+    from grpo_agent.train.tree_attention import choose_backend
+
+    param = next(model.parameters())
+    if param.device.type != "cuda" or choose_backend(param.device, param.dtype) != "varlen":
+        raise ValueError(
+            f"cuda_graphs=True needs a CUDA model in bf16/fp16 with flash attention (got "
+            f"{param.dtype} on {param.device}): load the model in bf16 on a GPU, or turn "
+            "cuda_graphs off.")
+
+
+class GraphedRows:
+    """One graph per bucketed row shape (`row_graphs.RowGraphs`, tree path by row length)."""
+
+    def __init__(self, model, cfg: LossConfig, capture: bool | None = None):
+        self.cfg = cfg
+        self.graphs = row_graphs.RowGraphs(model, padded_policy_loss(cfg),
+                                           temperature=cfg.temperature, capture=capture,
+                                           backend="auto")
+        self._warned = False
+
+    def takes(self, row: PackedRow) -> bool:
+        if row_graphs.RowGraphs.supports(row):
+            return True
+        if row.sampling_mask is not None and not self._warned:
+            self._warned = True
+            logger.warning("cuda_graphs: rows whose sampler had a candidate set (top_k/top_p/"
+                           "min_p) run eagerly; only rows without one replay a graph.")
+        return False
+
+    def step(self, row: PackedRow, scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward+backward of `scale` x the row's loss sum; the scaled loss (a copy: the graph's
+        output is overwritten by the next replay) and the row's loss metrics, on the device."""
+        out = self.graphs.step(row, scale)
+        t, inputs = row.num_trained, out.inputs
+        (token_sample,) = to_device(self.graphs.device,
+                                    torch.unique(row.token_sample, return_inverse=True)[1])
+        topk = inputs.get("sampler_topk_logprobs")
+        inp = LossInputs(
+            logprobs=out.token.logprobs, sampler_logprobs=inputs["sampler_logprobs"][:t],
+            advantages=inputs["advantages"][:t], token_sample=token_sample,
+            topk_logprobs=out.token.topk_logprobs,
+            sampler_topk_logprobs=None if topk is None else topk[:t],
+        )
+        return out.loss.clone(), loss_metrics(inp, self.cfg, out.token.entropy)
+
+    @property
+    def captured(self) -> int:
+        """Row shapes made so far (each one warm-up and one capture)."""
+        return len(self.graphs.buffers)
