@@ -70,8 +70,9 @@ class RecordingPush:
 def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.testing import build_tiny_model
+    from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
 
-    from tests.train.test_step_read import TOKEN_BUDGET, OfflineTrainer, ScriptedWorker, group
+    from tests.train.test_step_read import TOKEN_BUDGET, group
 
     class Trainer(OfflineTrainer):
         def start_pipeline(self):

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.testing.offline import OfflineTrainer
 from grpo_agent.train import perf, step_callback
 from grpo_agent.train.batching import plan_step
 from grpo_agent.train.forward import forward_row
@@ -33,46 +34,6 @@ def group(group_id: int, sampler_shift: float = 0.0) -> list[TrainingSample]:
             advantage=1.0 - i, model_version=0, group_id=group_id, row_index=group_id,
             prompt_index=group_id, group_num_samples=3))
     return samples
-
-
-class ScriptedWorker:
-    """The rollout worker's seam: every group at the first pull, nothing after."""
-
-    def __init__(self, samples):
-        self.batches = [samples]
-
-    def pull(self, timeout):
-        return self.batches.pop(0) if self.batches else []
-
-    def set_model_version(self, version): ...
-    def recheck_carry(self, carry): return carry  # version 0 throughout: never stale
-    def hold_admission(self): ...
-    def report_step_tokens(self, tokens): ...
-    def drain_metrics(self): return []
-    def flush_metrics(self, timeout_s): return True
-    def stop(self): ...
-
-
-class NoPush:
-    lora_name = None
-
-    def push(self, model, version):
-        return {}
-
-    def wait(self):
-        return {}
-
-    def close(self): ...
-
-
-class OfflineTrainer(AsyncGRPOTrainer):
-    """AsyncGRPOTrainer with scripted samples (`self.samples`) instead of a server and a
-    rollout worker."""
-
-    def start_pipeline(self):
-        self.token_budget = self.args.token_budget
-        self.pusher = NoPush()
-        self.source = self._step_source(ScriptedWorker(list(self.samples)))
 
 
 class Logs(TrainerCallback):
