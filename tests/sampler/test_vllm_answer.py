@@ -97,6 +97,8 @@ def test_the_switch_is_read_from_the_environment():
 def test_install_patches_the_api_server_only_and_leaves_other_shapes_alone(monkeypatch, caplog):
     monkeypatch.setattr(serving.ServingTokens, "_create_tokens_logprobs", VLLM_OWN)
     monkeypatch.setattr(api_router, "JSONResponse", api_router.JSONResponse)
+    serve = serving.ServingTokens.serve_tokens
+    monkeypatch.setattr(serving.ServingTokens, "serve_tokens", serve)
     assert not install({FAST_ANSWER_ENV: "0"})
     assert serving.ServingTokens._create_tokens_logprobs is VLLM_OWN
 
@@ -109,6 +111,16 @@ def test_install_patches_the_api_server_only_and_leaves_other_shapes_alone(monke
                         lambda self, token_ids, top_logprobs, k, tokenizer=None: None)
     assert not install({})  # another vLLM's signature: a warning, nothing patched
     assert "not the shape" in caplog.text
+    monkeypatch.setattr(serving.ServingTokens, "_create_tokens_logprobs", VLLM_OWN)
+
+    async def serve_tokens(self, request):  # no raw request: no header to read
+        pass
+
+    monkeypatch.setattr(serving.ServingTokens, "serve_tokens", serve_tokens)
+    caplog.clear()
+    assert not install({}) and "not the shape" in caplog.text
+    assert serving.ServingTokens._create_tokens_logprobs is VLLM_OWN
+    monkeypatch.setattr(serving.ServingTokens, "serve_tokens", serve)
 
     import builtins
 
@@ -125,6 +137,7 @@ def test_install_patches_the_api_server_only_and_leaves_other_shapes_alone(monke
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert install({}) and install({})  # twice: the second sees its own patch
     assert serving.ServingTokens._create_tokens_logprobs is tokens_logprobs
+    assert serving.ServingTokens.serve_tokens.__wrapped__ is serve  # wrapped once
     assert api_router.JSONResponse.__name__ == "MsgspecJSONResponse"
     assert api_router.JSONResponse.__mro__[1].__name__ == "JSONResponse"  # wrapped once
 

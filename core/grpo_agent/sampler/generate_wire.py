@@ -7,7 +7,9 @@ skipping the fields we never read (the API server's `token`, `bytes`, `stop_reas
 an n=8 x 64-token top-9 answer goes to records in 1.6 ms instead of 5.9, the rollout worker's
 CPU per generated token falls 22% in the pipeline (issue 21, docs/performance.md). The structs mirror vLLM's
 `GenerateTokensChoice` (vllm/entrypoints/scale_out/token_in_token_out/protocol.py) with only
-the fields the client uses.
+the fields the client uses. A server with our vLLM plugin answers in columns when the request
+asks (`x-grpo-agent-logprobs: columns`, `sampler/vllm_answer.py`): four lists per choice instead
+of ten objects per token, read by the same structs.
 """
 from __future__ import annotations
 
@@ -32,7 +34,15 @@ class Position(msgspec.Struct):
 
 
 class Logprobs(msgspec.Struct):
+    """vLLM's form (`content`: an object per position and candidate) or, from a server with our
+    plugin asked for it, the columns form (`grpo_agent.sampler.vllm_answer`): per position the
+    sampled token's log-prob, and the candidates' ids, log-probs and ranks as lists."""
+
     content: list[Position] | None = None
+    sampled_logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    top_ranks: list[list[int | None]] | None = None
 
 
 class VersionSpan(msgspec.Struct):
