@@ -21,6 +21,12 @@ line is the summary as JSON; the first `--warmup` steps are left out of it.
 
     python bench/pipeline.py [--steps 30] [--warmup 3] [--profile DIR] [--base-url URL --server-pid PID]
         [--share-first-turn off] [--server-nice N] [--background-push off] [--score-centering off]
+        [--logprob-columns off]
+
+`--logprob-columns off` has the rollout worker ask for vLLM's own log-prob form (an object per
+top-k candidate) instead of columns (`GRPO_AGENT_LOGPROB_COLUMNS=0`; the columns need our vLLM
+plugin in the server, which a managed or `vllm_entry` server loads). The summary's
+`api_server_cpu_ms_per_1k_generated` is the API server's CPU per 1,000 generated tokens.
 
 `--background-push off` pushes the weights inside the step (the path before the push moved off
 the step's critical path); `sync_s` is the step's own part of the push, `transfer_s` the send.
@@ -221,10 +227,15 @@ def main() -> None:
                         help="the spec's default loss, with the sampler's top-8 log-probs per "
                         "token (on), or GRPO's clipped surrogate with no top-k requested (off: "
                         "the objective TRL 1.16.0's trainer optimises)")
+    parser.add_argument("--logprob-columns", choices=("on", "off"), default="on",
+                        help="ask the server for log-probs as columns (on, the client's default) "
+                        "or in vLLM's own form, an object per top-k candidate (off)")
     parser.add_argument("--server-nice", type=int, metavar="N", default=SERVER_NICE,
                         help="the server's CPU priority during the run (default: what "
                         f"grpo-agent train gives its CPU server, {SERVER_NICE}; 0: vLLM's default)")
     opts = parser.parse_args()
+    # read by the sampler client of the rollout worker, a spawned child of this process
+    os.environ["GRPO_AGENT_LOGPROB_COLUMNS"] = "1" if opts.logprob_columns == "on" else "0"
     import torch
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
     from grpo_agent.testing import build_tiny_model
@@ -276,7 +287,8 @@ def main() -> None:
     print(json.dumps({**summary(measured, isolated[opts.warmup:], run_s, load_before, load_after),
                       "share_first_turn": opts.share_first_turn, "server_nice": opts.server_nice,
                       "background_push": opts.background_push,
-                      "score_centering": opts.score_centering}))
+                      "score_centering": opts.score_centering,
+                      "logprob_columns": opts.logprob_columns}))
 
 
 def summary(measured: list[dict], isolated: list[float], run_s: float, load_before, load_after) -> dict:
@@ -311,6 +323,9 @@ def summary(measured: list[dict], isolated: list[float], run_s: float, load_befo
         "server_running_median": median("server_running"),
         "worker_cpu_s_per_1k_generated": round(
             1000 * cpu["rollout_worker"] * wall / generated, 3) if generated else None,
+        "api_server_cpu_ms_per_1k_generated": round(
+            1e6 * cpu["api_server"] * wall / generated, 1) if generated and "api_server" in cpu
+        else None,
         "reward_first_third": round(statistics.mean(rewards[:third]), 3) if rewards else None,
         "reward_last_third": round(statistics.mean(rewards[-third:]), 3) if rewards else None,
         "load_avg_before": [round(x, 2) for x in load_before],
