@@ -1,7 +1,8 @@
 """Throughput through `SamplerClient` vs a plain concurrent HTTP baseline, same server.
 
 Both sides send identical `/inference/v1/generate` requests (fixed-length outputs, top-8
-logprobs) at the same concurrency; the baseline only posts and decodes the JSON, ours also
+logprobs, the client's `x-grpo-agent-logprobs` header when it asks for columns) at the same
+concurrency; the baseline only posts and decodes the JSON, ours also
 builds `TurnRecord`s (top-k selection, weight-version expansion, retry bookkeeping). Rounds
 alternate between the two so drift on a shared machine hits both equally. Prints one JSON
 object per round; the last line is the summary, whose `ratio` (ours / baseline, target
@@ -25,6 +26,7 @@ import time
 import httpx
 from grpo_agent.sampler import SamplerClient, SamplingParams
 from grpo_agent.sampler.client import generate_body
+from grpo_agent.sampler.vllm_answer import COLUMNS, LOGPROBS_HEADER
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -51,8 +53,11 @@ async def bench(base_url: str, concurrency: int, rounds: int, requests: int, tok
             httpx.AsyncClient(base_url=base_url, timeout=600.0,
                               limits=httpx.Limits(max_connections=512)) as plain:
         model = (await client.model_info()).id
+        headers = {LOGPROBS_HEADER: COLUMNS} if client.logprob_columns else {}
+
         async def send_plain(prompt):
-            response = await plain.post("/inference/v1/generate", json=generate_body(model, prompt, params))
+            response = await plain.post("/inference/v1/generate",
+                                        json=generate_body(model, prompt, params), headers=headers)
             response.raise_for_status()
             response.json()
 
