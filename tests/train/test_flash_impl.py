@@ -128,7 +128,8 @@ def test_nothing_is_active_unless_asked():
 
 def test_auto_keeps_torch_kernels_for_host_bound_rows(monkeypatch):
     """A trainer whose rows stay under FA4_MIN_TOKENS (8k rows ran 13% slower on FA4 without
-    CUDA graphs) never switches; FA4 asked for explicitly still is."""
+    CUDA graphs) never switches unless its rows replay graphs; FA4 asked for explicitly still
+    is."""
     monkeypatch.delenv(flash_impl.IMPL_ENV, raising=False)
     calls = []
     monkeypatch.setattr(flash_impl, "fa4_missing", lambda device: None)
@@ -142,6 +143,9 @@ def test_auto_keeps_torch_kernels_for_host_bound_rows(monkeypatch):
     monkeypatch.delenv(flash_impl.IMPL_ENV)
     flash_impl.expect_rows(flash_impl.FA4_MIN_TOKENS)
     assert flash_impl.torch_flash_impl() == "FA4" and calls == ["FA4", "FA4"]
+    monkeypatch.setattr(flash_impl, "_chosen", None)
+    flash_impl.expect_rows(8192, replayed=True)  # cuda_graphs: no host cost per call
+    assert flash_impl.torch_flash_impl() == "FA4" and calls == ["FA4", "FA4", "FA4"]
 
 
 def test_level_parts_leave_cudnn_to_fa4(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from grpo_agent import AsyncGRPOConfig
-from grpo_agent.train import graphed_rows, row_graphs
+from grpo_agent.train import graphed_rows
 from grpo_agent.types import TrainingSample, TrainingSequence
 from transformers import TrainerCallback
 
@@ -50,8 +50,8 @@ class Gradients(TrainerCallback):
 def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False):
     if graphs and not gpu:
         monkeypatch.setattr(graphed_rows, "_check_device", lambda model: None)
-    monkeypatch.setattr(row_graphs, "STEPS", {"tokens": 16, "segments": 4, "keys": 64,
-                                              "trained": 8, "seqlen": 16, "rows": 16})
+    monkeypatch.setattr(graphed_rows, "TRAINER_STEPS", {
+        "tokens": 16, "segments": 4, "keys": 64, "trained": 8, "seqlen": 16, "rows": 16})
     eager_rows = []
 
     def setup(trainer):
@@ -67,14 +67,10 @@ def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False
 
         trainer.compute_loss = compute_loss
 
-    model = None
-    if gpu:
-        from grpo_agent.testing import build_tiny_model
-
-        model = build_tiny_model().to(torch.bfloat16)
     trainer, logs, _ = train(tmp_path / str(graphs), steps=2, grad_accum=grad_accum,
                              setup=setup, cuda_graphs=graphs, optim="sgd", learning_rate=0.5,
-                             num_sampler_logprobs=4, model=model, use_cpu=not gpu)
+                             num_sampler_logprobs=4, use_cpu=not gpu,
+                             dtype="bfloat16" if gpu else "float32")
     return trainer, logs, setup.grads.steps, eager_rows
 
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.testing.offline import OfflineTrainer
 from grpo_agent.train import perf, step_callback
@@ -44,7 +43,7 @@ class Logs(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, model=None, **config):
+def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, **config):
     args = AsyncGRPOConfig(**{
         "output_dir": str(tmp_path), "max_steps": steps, "gradient_accumulation_steps": grad_accum,
         "logging_steps": logging_steps, "token_budget": TOKEN_BUDGET,
@@ -52,9 +51,8 @@ def train(tmp_path, steps, grad_accum=1, logging_steps=1, setup=None, model=None
         "save_strategy": "no", "disable_tqdm": True, "use_cpu": True, **config})
     from grpo_agent.testing import build_tiny_model
 
-    trainer = OfflineTrainer(build_tiny_model() if model is None else model, args=args,
-                             reward_funcs=[],
-                             train_dataset=Dataset.from_dict({"prompt": [[]] * 64}))
+    trainer = OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                             train_dataset=[{"prompt": []}] * 64)  # no datasets on the GPU box
     # Enough groups for every row of every step, plus one that closes the last step.
     trainer.samples = [s for g in range(steps * grad_accum + 1) for s in group(g)]
     logs = Logs()

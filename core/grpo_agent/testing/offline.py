@@ -44,6 +44,9 @@ class OfflineTrainer(AsyncGRPOTrainer):
     rollout worker."""
 
     def start_pipeline(self):
+        from grpo_agent.train import flash_impl
+
         self.token_budget = self.args.token_budget
+        flash_impl.expect_rows(self.token_budget, replayed=self.args.cuda_graphs)  # as the real one
         self.pusher = NoPush()
         self.source = self._step_source(ScriptedWorker(list(self.samples)))

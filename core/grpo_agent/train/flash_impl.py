@@ -11,7 +11,8 @@ H100 they took 0.73-0.88 of the built-in kernel's forward+backward time on tree 
 pace (8k-token rows without CUDA graphs) the step got 13% slower; with CUDA graphs (no host
 work per replay) the same rows got 11% faster (docs/performance.md). So `auto` activates them
 where `pip install flash-attn-4` put them, a small forward+backward probe agrees with SDPA,
-and the trainer's rows may reach `FA4_MIN_TOKENS` (`expect_rows`; unknown counts as long).
+and the trainer's rows may reach `FA4_MIN_TOKENS` or replay CUDA graphs (`expect_rows`; unknown
+counts as long).
 The first call of each kernel shape compiles it (seconds, cached on disk by the CuTe DSL).
 
 `GRPO_AGENT_FLASH_IMPL`: `auto` (default), `FA4` (for any rows: an error if it cannot run),
@@ -45,10 +46,12 @@ _expected_row_tokens: int | None = None
 _chosen: str | None = None  # set by the first torch_flash_impl() or any explicit use()
 
 
-def expect_rows(tokens: int) -> None:
-    """The longest rows this process will train on (the trainer's token budget)."""
+def expect_rows(tokens: int, replayed: bool = False) -> None:
+    """The longest rows this process will train on (the trainer's token budget). `replayed`:
+    its rows replay CUDA graphs (`cuda_graphs`), where FA4's host cost is paid at capture
+    only, so rows of any length count as GPU-bound."""
     global _expected_row_tokens
-    _expected_row_tokens = tokens
+    _expected_row_tokens = None if replayed else tokens
 
 
 def wanted(environ: Mapping[str, str] = os.environ) -> str:

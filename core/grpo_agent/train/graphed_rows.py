@@ -25,6 +25,13 @@ from grpo_agent.train.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
+# Bucket granularity in training (`row_graphs.STEPS` is the benches' finer one): rows fill up
+# to the token budget but every other size varies from step to step, and each new shape costs
+# one warm-up and one capture, so sizes are rounded coarsely; the padding is cheap (at most
+# 511 tokens through the layers, 255 LM-head entries, padding keys seen by padding only).
+TRAINER_STEPS = {"tokens": 512, "segments": 64, "keys": 2048, "trained": 256, "seqlen": 1024,
+                 "rows": 256}
+
 
 def check_model(model) -> None:
     """Refuse a model or process layout the graphs cannot capture, naming the fix."""
@@ -51,11 +58,12 @@ def _check_device(model) -> None:
 class GraphedRows:
     """One graph per bucketed row shape (`row_graphs.RowGraphs`, tree path by row length)."""
 
-    def __init__(self, model, cfg: LossConfig, capture: bool | None = None):
+    def __init__(self, model, cfg: LossConfig, capture: bool | None = None,
+                 steps: dict[str, int] | None = None):
         self.cfg = cfg
         self.graphs = row_graphs.RowGraphs(model, padded_policy_loss(cfg),
                                            temperature=cfg.temperature, capture=capture,
-                                           backend="auto")
+                                           backend="auto", steps=steps or TRAINER_STEPS)
         self._warned = False
 
     def takes(self, row: PackedRow) -> bool:
@@ -70,7 +78,11 @@ class GraphedRows:
     def step(self, row: PackedRow, scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward+backward of `scale` x the row's loss sum; the scaled loss (a copy: the graph's
         output is overwritten by the next replay) and the row's loss metrics, on the device."""
+        before = self.captured
         out = self.graphs.step(row, scale)
+        if self.captured > before:
+            logger.info("cuda_graphs: row shape %d made (%d tokens, %d trained)", self.captured,
+                        row.num_tokens, row.num_trained)
         t, inputs = row.num_trained, out.inputs
         (token_sample,) = to_device(self.graphs.device,
                                     torch.unique(row.token_sample, return_inverse=True)[1])

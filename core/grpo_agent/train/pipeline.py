@@ -36,7 +36,8 @@ class RolloutPipelineMixin:
         self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
         self.token_budget = self.args.token_budget or facts.max_model_len
-        flash_impl.expect_rows(self.token_budget)  # FlashAttention 4 only for GPU-bound rows
+        # FlashAttention 4 only for GPU-bound rows (long, or replayed through CUDA graphs)
+        flash_impl.expect_rows(self.token_budget, replayed=self.args.cuda_graphs)
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, or a server an earlier run pushed into. A fresh server already has them.

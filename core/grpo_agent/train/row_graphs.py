@@ -88,16 +88,18 @@ class DepthBucket:
     max_k: int
 
     @classmethod
-    def of(cls, pairs: list[tuple[range, range]], pad_tokens: int) -> DepthBucket:
+    def of(cls, pairs: list[tuple[range, range]], pad_tokens: int,
+           steps: dict[str, int] | None = None) -> DepthBucket:
+        steps = STEPS if steps is None else steps
         q_lens, k_lens = [len(q) for q, _ in pairs], [len(k) for _, k in pairs]
-        queries = _up(sum(q_lens) + 1, STEPS["rows"])
-        keys = _up(sum(k_lens) + 1, STEPS["rows"])
+        queries = _up(sum(q_lens) + 1, steps["rows"])
+        keys = _up(sum(k_lens) + 1, steps["rows"])
         return cls(
             queries=queries,
             keys=keys,
-            pairs=_up(len(pairs) + 1, STEPS["segments"]),
-            max_q=_up(max(*q_lens, queries - sum(q_lens), pad_tokens), STEPS["seqlen"]),
-            max_k=_up(max(*k_lens, keys - sum(k_lens)), STEPS["seqlen"]),
+            pairs=_up(len(pairs) + 1, steps["segments"]),
+            max_q=_up(max(*q_lens, queries - sum(q_lens), pad_tokens), steps["seqlen"]),
+            max_k=_up(max(*k_lens, keys - sum(k_lens)), steps["seqlen"]),
         )
 
 
@@ -116,26 +118,29 @@ class Bucket:
     topk: int = 0  # the sampler's top-k ids per trained token (0: none)
 
     @classmethod
-    def of(cls, row: PackedRow, backend: str = "varlen") -> Bucket:
+    def of(cls, row: PackedRow, backend: str = "varlen",
+           steps: dict[str, int] | None = None) -> Bucket:
+        """`steps`: the granularity of each size (default `STEPS`)."""
+        steps = STEPS if steps is None else steps
         backend = row_backend(row, backend)
-        tokens = _up(row.num_tokens + 1, STEPS["tokens"])
+        tokens = _up(row.num_tokens + 1, steps["tokens"])
         pad = tokens - row.num_tokens
         own = torch.bincount(row.segment_ids).tolist()
         shapes = {
             "backend": backend,
             "tokens": tokens,
-            "segments": _up(len(own) + 1, STEPS["segments"]),
-            "trained": _up(max(row.num_trained, 1), STEPS["trained"]),
-            "max_q": _up(max(max(own), pad), STEPS["seqlen"]),
+            "segments": _up(len(own) + 1, steps["segments"]),
+            "trained": _up(max(row.num_trained, 1), steps["trained"]),
+            "max_q": _up(max(max(own), pad), steps["seqlen"]),
             "topk": 0 if row.sampler_topk_ids is None else row.sampler_topk_ids.shape[1],
         }
         if backend == "levels":
             _, depths = level_attention.tree_parts(row)
-            return cls(**shapes, depths=tuple(DepthBucket.of(p, pad) for p in depths))
+            return cls(**shapes, depths=tuple(DepthBucket.of(p, pad, steps) for p in depths))
         path_keys = sum(len(p) for p in row.segment_paths)
-        keys = _up(path_keys + pad, STEPS["keys"])
+        keys = _up(path_keys + pad, steps["keys"])
         return cls(**shapes, keys=keys, max_k=_up(
-            max(max(len(p) for p in row.segment_paths), keys - path_keys), STEPS["seqlen"]))
+            max(max(len(p) for p in row.segment_paths), keys - path_keys), steps["seqlen"]))
 
 
 def _cu(lengths: list[int], total: int) -> torch.Tensor:
@@ -212,15 +217,17 @@ class RowGraphs:
     pool; clone to keep). `prepare(rows)` makes the graphs of a step's rows up front.
     The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
     fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error.
-    `backend`: a tree path of BACKENDS for every row, or "auto" (per row: `row_backend`)."""
+    `backend`: a tree path of BACKENDS for every row, or "auto" (per row: `row_backend`);
+    `steps`: bucket granularity (default `STEPS`)."""
 
     def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
-                 capture: bool | None = None, backend: str = "varlen"):
+                 capture: bool | None = None, backend: str = "varlen",
+                 steps: dict[str, int] | None = None):
         _check_model(model)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of {BACKENDS}")
         self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
-        self.backend = backend
+        self.backend, self.steps = backend, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -250,7 +257,7 @@ class RowGraphs:
         if not self.supports(row):
             raise ValueError("row graphs take rows with trained tokens and no sampling mask; "
                              "run this row eagerly (RowGraphs.supports).")
-        bucket = Bucket.of(row, self.backend)
+        bucket = Bucket.of(row, self.backend, self.steps)
         if bucket not in self.buffers:
             self.prepare([row])
         self.attach_grads()
@@ -277,7 +284,7 @@ class RowGraphs:
         captured first, so the smaller ones fit into the blocks it freed. (Captured in the
         order rows arrive, buckets of growing sizes each needed new blocks: on an H200 the
         pool held 15.9-16.1 GiB for 3-4 buckets, largest first 12.1: docs/performance.md.)"""
-        buckets = {Bucket.of(r, self.backend): r for r in rows if self.supports(r)}
+        buckets = {Bucket.of(r, self.backend, self.steps): r for r in rows if self.supports(r)}
         new = sorted(((b, r) for b, r in buckets.items() if b not in self.buffers),
                      key=lambda item: dataclasses.astuple(item[0]), reverse=True)
         if not new:
