@@ -8,8 +8,9 @@ torch.compile and the level op's custom-op wrapper then call like the built-in k
 H100 they took 0.73-0.88 of the built-in kernel's forward+backward time on tree rows
 (`bench/varlen_kernels.py`), and the compiled 1.7B step at 16k-token rows went from 0.441-0.449
 (earlier runs) to 0.477 MFU. But each call costs about 0.6 ms of Python on the host, so where the host sets the
-pace (8k-token rows without CUDA graphs) the step got 13% slower; with CUDA graphs (no host
-work per replay) the same rows got 11% faster (docs/performance.md). So `auto` activates them
+pace (6k-token rows without CUDA graphs) the step got 13% slower; with CUDA graphs (no host
+work per replay) the same rows got 11% faster, and the trainer's own step at 8k-token rows,
+GPU-bound there, 6-8% faster (docs/performance.md). So `auto` activates them
 where `pip install flash-attn-4` put them, a small forward+backward probe agrees with SDPA,
 and the trainer's rows may reach `FA4_MIN_TOKENS` or replay CUDA graphs (`expect_rows`; unknown
 counts as long).
@@ -39,9 +40,10 @@ IMPL_ENV = "GRPO_AGENT_FLASH_IMPL"
 CHOICES = ("auto", "FA4", "default")
 FA4_MODULE = "flash_attn.cute"  # what `pip install flash-attn-4` installs
 FA4_CAPABILITIES = (9, 10)  # Hopper, Blackwell: what torch's FA4 bridge accepts
-# `auto` takes FA4 for rows of this many tokens or more: GPU-bound there (measured faster at
-# 15-16k tokens, slower at 6k without CUDA graphs); the same bound as LEVELS_MIN_TOKENS.
-FA4_MIN_TOKENS = 12288
+# `auto` takes FA4 for token budgets of this many tokens or more: GPU-bound there (on an H100
+# faster in the trainer's step at 8k-token rows and in the MFU bench at 15-16k, slower in an
+# isolated 6k-token row without CUDA graphs: docs/performance.md).
+FA4_MIN_TOKENS = 8192
 _expected_row_tokens: int | None = None
 _chosen: str | None = None  # set by the first torch_flash_impl() or any explicit use()
 
