@@ -125,3 +125,12 @@ def test_what_graphs_cannot_capture_is_refused(tiny_qwen3):
         AsyncGRPOConfig(**base)
     with pytest.raises(ValueError, match="bf16/fp16 with flash attention"):
         graphed_rows.check_model(tiny_qwen3)  # a float32 CPU model
+
+
+def test_long_rows_run_eagerly(tmp_path, monkeypatch):
+    """Rows of GRAPH_MAX_TOKENS or more (GPU-bound; their graph pool did not fit beside a 1.7B
+    model on an H100) take the eager path, the others replay."""
+    monkeypatch.setattr(graphed_rows, "GRAPH_MAX_TOKENS", 30)  # the test's rows hold 34 tokens
+    graphed, logs, _, eager_rows = _run(tmp_path, True, 1, monkeypatch)
+    assert graphed.graphed_rows.captured == 0 and len(eager_rows) == 2
+    assert all("perf/fwd_s" in log for log in logs)

@@ -1,15 +1,17 @@
 """`cuda_graphs=True`: the trainer's rows replayed through `row_graphs`, with its own loss.
 
-Design decision: at 8k-token rows the packed step is bound by the host queueing its kernels
-(docs/performance.md); one graph replay per row removes that. The graph holds the decoder,
-the LM head, `loss.policy_loss` over the bucket's padded entries (advantage 0 at padding)
-and the backward; the loss metrics are computed after the replay from the graph's outputs by
+Design decision: where the host queueing kernels sets the pace (short rows, fast GPUs), one
+graph replay per row removes that bound. The graph holds the decoder, the LM head,
+`loss.policy_loss` over the bucket's padded entries (advantage 0 at padding) and the
+backward; the loss metrics are computed after the replay from the graph's outputs by
 `loss.loss_metrics`, so the eager and the graphed row share every rule. Rows a graph cannot
-take (nothing trained, sampler candidate sets) run eagerly. What cannot be captured is
-refused when the trainer is built, naming the fix: several processes (FSDP's collectives),
-float32 or non-flash attention, Gated DeltaNet, sliding-window and MoE layers (here), and
-gradient checkpointing or fp16's loss scaler (`AsyncGRPOConfig`). Each new row shape pays one warm-up and one capture (a few
-row steps), so graphs pay on long runs of short rows.
+take (nothing trained, sampler candidate sets, GRAPH_MAX_TOKENS or more) run eagerly. What
+cannot be captured is refused when the trainer is built, naming the fix: several processes
+(FSDP's collectives), float32 or non-flash attention, Gated DeltaNet, sliding-window and MoE
+layers (here), gradient checkpointing or fp16's loss scaler (`AsyncGRPOConfig`). Each new row
+shape costs one warm-up and one capture (about two more row steps). Off by default: on an
+H100 the trainer's 8k-token step is already GPU-bound (a replay 4% faster than the eager row
+on FlashAttention 4, 3% slower on torch's kernels: docs/performance.md).
 """
 from __future__ import annotations
 
@@ -22,8 +24,15 @@ from grpo_agent.train.forward import is_moe
 from grpo_agent.train.loss import LossConfig, LossInputs, loss_metrics, padded_policy_loss
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
+from grpo_agent.train.tree_attention import LEVELS_MIN_TOKENS
 
 logger = logging.getLogger(__name__)
+
+# Rows this long or longer run eagerly: the GPU sets their pace (no host bound to remove), and
+# on an H100 the graph pool of 1.7B-shape 16k-token rows (34 GiB, growing with each new level
+# shape) did not fit beside the eager step and the optimizer. Below it, rows take the varlen
+# path, as the eager trainer's "auto" does (`tree_attention.LEVELS_MIN_TOKENS`).
+GRAPH_MAX_TOKENS = LEVELS_MIN_TOKENS
 
 # Bucket granularity in training (`row_graphs.STEPS` is the benches' finer one): rows fill up
 # to the token budget but every other size varies from step to step, and each new shape costs
@@ -56,17 +65,20 @@ def _check_device(model) -> None:
 
 
 class GraphedRows:
-    """One graph per bucketed row shape (`row_graphs.RowGraphs`, tree path by row length)."""
+    """One graph per bucketed row shape (`row_graphs.RowGraphs`, varlen path) for rows under
+    GRAPH_MAX_TOKENS."""
 
     def __init__(self, model, cfg: LossConfig, capture: bool | None = None,
                  steps: dict[str, int] | None = None):
         self.cfg = cfg
         self.graphs = row_graphs.RowGraphs(model, padded_policy_loss(cfg),
                                            temperature=cfg.temperature, capture=capture,
-                                           backend="auto", steps=steps or TRAINER_STEPS)
+                                           backend="varlen", steps=steps or TRAINER_STEPS)
         self._warned = False
 
     def takes(self, row: PackedRow) -> bool:
+        if row.num_tokens >= GRAPH_MAX_TOKENS:
+            return False
         if row_graphs.RowGraphs.supports(row):
             return True
         if row.sampling_mask is not None and not self._warned:

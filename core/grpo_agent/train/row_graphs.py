@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from grpo_agent.train import level_attention, level_merge, varlen_attention
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
-from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, LEVELS_MIN_TOKENS, TreeMask
+from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
 
 # Bucket granularity: each size is rounded up to a multiple of its step. Coarser steps mean
 # fewer graphs (captures, static buffers) but more padded work per row; since the buckets
@@ -51,16 +51,6 @@ BACKENDS = ("varlen", "levels")
 # padding), "sampler_logprobs", and with sampler top-k "sampler_topk_logprobs" (-inf at
 # padding). It must give padded entries (valid 0) no weight.
 LossFn = Callable[[TokenLogprobs, dict[str, torch.Tensor]], torch.Tensor]
-
-
-def row_backend(row: PackedRow, backend: str) -> str:
-    """The captured tree path of `row`: "auto" takes levels from LEVELS_MIN_TOKENS tokens, as
-    the eager trainer's "auto" does on a GPU (`tree_attention.choose_backend`)."""
-    if backend == "auto":
-        return "levels" if row.num_tokens >= LEVELS_MIN_TOKENS else "varlen"
-    if backend not in BACKENDS:
-        raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of {BACKENDS}")
-    return backend
 
 
 @dataclass
@@ -122,7 +112,8 @@ class Bucket:
            steps: dict[str, int] | None = None) -> Bucket:
         """`steps`: the granularity of each size (default `STEPS`)."""
         steps = STEPS if steps is None else steps
-        backend = row_backend(row, backend)
+        if backend not in BACKENDS:
+            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
         tokens = _up(row.num_tokens + 1, steps["tokens"])
         pad = tokens - row.num_tokens
         own = torch.bincount(row.segment_ids).tolist()
@@ -217,15 +208,15 @@ class RowGraphs:
     pool; clone to keep). `prepare(rows)` makes the graphs of a step's rows up front.
     The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
     fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error.
-    `backend`: a tree path of BACKENDS for every row, or "auto" (per row: `row_backend`);
-    `steps`: bucket granularity (default `STEPS`)."""
+    `backend`: the captured tree path (BACKENDS); `steps`: bucket granularity (default
+    `STEPS`)."""
 
     def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
                  capture: bool | None = None, backend: str = "varlen",
                  steps: dict[str, int] | None = None):
         _check_model(model)
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of {BACKENDS}")
+        if backend not in BACKENDS:
+            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
         self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
         self.backend, self.steps = backend, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
