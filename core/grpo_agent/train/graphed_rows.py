@@ -60,8 +60,8 @@ def _check_device(model) -> None:
     if param.device.type != "cuda" or choose_backend(param.device, param.dtype) != "varlen":
         raise ValueError(
             f"cuda_graphs=True needs a CUDA model in bf16/fp16 with flash attention (got "
-            f"{param.dtype} on {param.device}): load the model in bf16 on a GPU, or turn "
-            "cuda_graphs off.")
+            f"{param.dtype} on {param.device}): set dtype='bfloat16' and train on a GPU, or "
+            "turn cuda_graphs off.")
 
 
 class GraphedRows:
