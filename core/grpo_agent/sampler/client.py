@@ -33,7 +33,7 @@ from grpo_agent.sampler.errors import (
 )
 from grpo_agent.sampler.generate_wire import Choice, Logprobs, VersionSpan, decode_generate
 from grpo_agent.sampler.prometheus import ServerMetrics, parse_server_metrics
-from grpo_agent.sampler.vllm_answer import COLUMNS, LOGPROBS_HEADER
+from grpo_agent.sampler.vllm_answer import COLUMNS, LOGPROBS_HEADER, env_switch
 from grpo_agent.types import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -46,14 +46,8 @@ LOGPROB_COLUMNS_ENV = "GRPO_AGENT_LOGPROB_COLUMNS"
 
 
 def logprob_columns_wanted(environ=os.environ) -> bool:
-    """On unless `LOGPROB_COLUMNS_ENV` says 0/false/off; another value raises, naming it."""
-    text = environ.get(LOGPROB_COLUMNS_ENV, "").strip().lower()
-    if text in ("", "1", "true", "on"):
-        return True
-    if text in ("0", "false", "off"):
-        return False
-    raise ValueError(f"{LOGPROB_COLUMNS_ENV}={text!r}: give 1 (default: ask the server for "
-                     "log-probs as columns) or 0 (vLLM's own form).")
+    """Ask the server for log-probs as columns (`vllm_answer`) unless the switch is off."""
+    return env_switch(LOGPROB_COLUMNS_ENV, "to take vLLM's own log-prob form", environ)
 
 
 def adapter_name(lora_name: str | None, version: int) -> str | None:

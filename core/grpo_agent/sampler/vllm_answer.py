@@ -60,15 +60,19 @@ _PENDING_COLUMNS: contextvars.ContextVar[list[dict[str, list]] | None] = context
     "grpo_agent_logprob_columns", default=None)
 
 
-def wanted(environ: Mapping[str, str] = os.environ) -> bool:
-    """On unless `FAST_ANSWER_ENV` says 0/false/off; another value raises, naming it."""
-    text = environ.get(FAST_ANSWER_ENV, "").strip().lower()
+def env_switch(name: str, off_means: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """An on/off environment switch: on unless it says 0/false/off; another value raises,
+    naming the variable and what 0 does (`off_means`)."""
+    text = environ.get(name, "").strip().lower()
     if text in ("", "1", "true", "on"):
         return True
     if text in ("0", "false", "off"):
         return False
-    raise ValueError(f"{FAST_ANSWER_ENV}={text!r}: give 1 (default) or 0 to keep vLLM's own "
-                     "answer encoding.")
+    raise ValueError(f"{name}={text!r}: give 1 (default) or 0 {off_means}.")
+
+
+def wanted(environ: Mapping[str, str] = os.environ) -> bool:
+    return env_switch(FAST_ANSWER_ENV, "to keep vLLM's own answer encoding", environ)
 
 
 def is_api_server_process() -> bool:
