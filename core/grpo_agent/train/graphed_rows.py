@@ -21,7 +21,13 @@ import torch
 
 from grpo_agent.train import fsdp, row_graphs
 from grpo_agent.train.forward import is_moe
-from grpo_agent.train.loss import LossConfig, LossInputs, loss_metrics, padded_policy_loss
+from grpo_agent.train.loss import (
+    LossConfig,
+    LossInputs,
+    dense_token_samples,
+    loss_metrics,
+    padded_policy_loss,
+)
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 from grpo_agent.train.tree_attention import LEVELS_MIN_TOKENS
@@ -68,12 +74,11 @@ class GraphedRows:
     """One graph per bucketed row shape (`row_graphs.RowGraphs`, varlen path) for rows under
     GRAPH_MAX_TOKENS."""
 
-    def __init__(self, model, cfg: LossConfig, capture: bool | None = None,
-                 steps: dict[str, int] | None = None):
+    def __init__(self, model, cfg: LossConfig):
         self.cfg = cfg
         self.graphs = row_graphs.RowGraphs(model, padded_policy_loss(cfg),
-                                           temperature=cfg.temperature, capture=capture,
-                                           backend="varlen", steps=steps or TRAINER_STEPS)
+                                           temperature=cfg.temperature, backend="varlen",
+                                           steps=TRAINER_STEPS)
         self._warned = False
 
     def takes(self, row: PackedRow) -> bool:
@@ -96,8 +101,7 @@ class GraphedRows:
             logger.info("cuda_graphs: row shape %d made (%d tokens, %d trained)", self.captured,
                         row.num_tokens, row.num_trained)
         t, inputs = row.num_trained, out.inputs
-        (token_sample,) = to_device(self.graphs.device,
-                                    torch.unique(row.token_sample, return_inverse=True)[1])
+        (token_sample,) = to_device(self.graphs.device, dense_token_samples(row))
         topk = inputs.get("sampler_topk_logprobs")
         inp = LossInputs(
             logprobs=out.token.logprobs, sampler_logprobs=inputs["sampler_logprobs"][:t],

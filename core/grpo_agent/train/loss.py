@@ -190,6 +190,12 @@ def _per_sample_fractions(low: torch.Tensor, high: torch.Tensor, token_sample: t
     return fractions[:, 0], fractions[:, 1], counts > 0
 
 
+def dense_token_samples(row: PackedRow) -> torch.Tensor:
+    """Each trained token's sample numbered 0..K-1 over the row's samples with tokens (CPU):
+    what `LossInputs.token_sample` holds for the per-sample clip metrics."""
+    return torch.unique(row.token_sample, return_inverse=True)[1]
+
+
 def row_loss(
     model, row: PackedRow, cfg: LossConfig, num_trained_tokens_global: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -210,7 +216,7 @@ def row_loss(
     # on the device before the forward is queued (see forward_row)
     sampler_logprobs, advantages, sampler_topk_logprobs, token_sample = to_device(
         next(model.parameters()).device, row.sampler_logprobs, row.advantages,
-        row.sampler_topk_logprobs, torch.unique(row.token_sample, return_inverse=True)[1],
+        row.sampler_topk_logprobs, dense_token_samples(row),
     )
     fwd = forward_row(model, row, temperature=cfg.temperature, with_aux_loss=with_aux)
     inp = LossInputs(
