@@ -64,13 +64,24 @@ def wanted(environ: Mapping[str, str] = os.environ) -> str:
     raise ValueError(f"{IMPL_ENV}={text!r}: choose one of {', '.join(CHOICES)}.")
 
 
-def fa4_missing(device: torch.device) -> str | None:
-    """Why FlashAttention 4 cannot serve torch's flash ops here; None if it can be tried."""
+def fa4_kernels_missing(device: torch.device) -> str | None:
+    """Why FlashAttention 4's own kernels cannot run here; None if they can be tried."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FA4_CAPABILITIES:
         return f"compute capability {major}.{minor} (FlashAttention 4 needs 9.x or 10.x)"
+    if importlib.util.find_spec(FA4_MODULE.split(".")[0]) is None or \
+            importlib.util.find_spec(FA4_MODULE) is None:
+        return "flash-attn-4 is not installed (pip install flash-attn-4)"
+    return None
+
+
+def fa4_missing(device: torch.device) -> str | None:
+    """Why FlashAttention 4 cannot serve torch's flash ops here; None if it can be tried."""
+    missing = fa4_kernels_missing(device)
+    if missing:
+        return missing
     try:
         from torch.nn import attention
     except ImportError:
@@ -79,9 +90,6 @@ def fa4_missing(device: torch.device) -> str | None:
         return f"torch {torch.__version__} cannot route its flash ops to another implementation"
     if not hasattr(getattr(attention, "_fa4", None), "register_flash_attention_fa4"):
         return f"torch {torch.__version__} has no FA4 bridge"
-    if importlib.util.find_spec(FA4_MODULE.split(".")[0]) is None or \
-            importlib.util.find_spec(FA4_MODULE) is None:
-        return "flash-attn-4 is not installed (pip install flash-attn-4)"
     return None
 
 

@@ -14,7 +14,9 @@ rows under LEVELS_MIN_TOKENS. "levels" splits the tree by depth into flash calls
 own keys, merged by their log-sum-exps (`level_attention`): less GPU work and memory than
 "varlen" (no gathered keys, no scatter-add of their gradients) but more kernels per layer, so
 "auto" picks it for rows long enough that the GPU, not the host queueing kernels, sets the
-pace (measured on an H200: docs/performance.md). Otherwise on CUDA, "flex":
+pace (measured on an H200: docs/performance.md). "masked" is one FlashAttention 4 call per
+layer with the predicate as the kernel's mask and the trie as its block sparsity
+(`masked_attention`; Hopper/Blackwell with flash-attn-4): neither gathered keys nor parts. Otherwise on CUDA, "flex":
 FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
@@ -35,7 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import flash_impl, gated_deltanet, level_attention, varlen_attention
+from grpo_agent.train import (
+    flash_impl,
+    gated_deltanet,
+    level_attention,
+    masked_attention,
+    varlen_attention,
+)
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.transfer import to_device
 
@@ -60,6 +68,7 @@ class TreeMask:
     block_mask: Any = None  # FlexAttention BlockMask (flex)
     varlen: varlen_attention.VarlenPlan | None = None  # query/key bounds, gather index
     levels: level_attention.LevelPlan | None = None  # self and per-depth bounds
+    masked: masked_attention.MaskedPlan | None = None  # until, FA4 block lists (masked)
     dense: torch.Tensor | None = None  # [N, N] bool (sdpa)
     linear: Any = None  # gated_deltanet.DeltaPlan for Gated DeltaNet layers (hybrid models)
 
@@ -94,12 +103,30 @@ class TreeMask:
             )
         elif backend == "levels":
             mask.levels = level_attention.LevelPlan.build(row, device, _level_kernel(device, dtype))
+        elif backend == "masked":
+            mask.masked = masked_attention.MaskedPlan.build(
+                visible_until(mask.segment_ids, mask.ancestors), _masked_kernel(device, dtype))
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
 
 
-BACKENDS = ("varlen", "levels", "flex", "gather", "sdpa")
+BACKENDS = ("varlen", "levels", "masked", "flex", "gather", "sdpa")
+
+
+def _masked_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
+    """FlashAttention 4 on CUDA; on CPU the dense reference (quadratic memory: tests)."""
+    if device.type != "cuda":
+        return "reference"
+    missing = flash_impl.fa4_kernels_missing(device)
+    if dtype not in varlen_attention.HALF_DTYPES:
+        missing = f"a {dtype} model (FlashAttention 4 runs bf16/fp16)"
+    if missing:
+        raise ValueError(
+            f"the 'masked' tree attention backend runs FlashAttention 4, which cannot run here: "
+            f"{missing}. Install flash-attn-4 on a Hopper/Blackwell GPU with a bf16 model, or "
+            "use backend='auto'.")
+    return "fa4"
 
 
 def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
@@ -239,6 +266,10 @@ def tree_attention_forward(
         # One custom op (its backward another): called whole from a compiled decoder layer.
         return level_attention.level_tree_attention(
             query, key, value, tree_mask.levels, scaling
+        ), None
+    if plain and tree_mask.backend == "masked":
+        return masked_attention.masked_tree_attention(
+            query, key, value, tree_mask.masked, scaling
         ), None
     if plain and tree_mask.backend == "varlen":
         # One kernel call on tensors: traced into a compiled decoder layer (`regional_compile`).
