@@ -142,7 +142,7 @@ _masked_attention.register_autograd(_backward, setup_context=_save)
 def tree_mask_mod():
     """The tree rule as FA4's mask_mod: key n visible to query m iff n <= m < until[n]."""
     import cutlass
-    import cutlass.cute as cute
+    from cutlass import cute
     from flash_attn.cute import utils
 
     @cute.jit
