@@ -13,6 +13,7 @@ the largest log-prob difference to the first variant; the summary line last.
     python bench/mfu.py                                   # qwen3-1.7b, 16k-token rows, G=8
     python bench/mfu.py --model qwen3-0.6b --token-budget 8192 --group-sizes 8
     python bench/mfu.py --group-sizes 56 --backends varlen,levels   # one prompt per row
+    python bench/mfu.py --backends masked,levels --flash-impls FA4  # FA4 with the tree mask
     python bench/mfu.py --merges float32,rows --profile out/   # level merge, old vs new
     python bench/mfu.py --backends levels --fuse off,on        # level merge unfused vs fused
 """

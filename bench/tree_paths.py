@@ -1,0 +1,104 @@
+"""One layer's tree attention, forward+backward, through each GPU path on the same rows.
+
+The paths exactly as a decoder layer calls them (bf16, 16 query heads over 8 key/value heads of
+128, bench/packing.py's rows): `varlen` (each segment against its gathered path, one flash
+call, the gather's backward a scatter-add), `levels` (self part + one part per depth, merged by
+log-sum-exp) and `masked` (one FlashAttention 4 call with the tree as its mask_mod and block
+lists from the trie). torch's flash ops run FlashAttention 4 when `--flash-impl FA4`, so the
+first two use the same kernels as the third. Per path: median ms of `--repeats` (CUDA events),
+TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as perf counts them), the
+plan's build time, and the largest output and gradient differences to the first path.
+
+    PYTHONPATH=core:bench python bench/tree_paths.py --flash-impl FA4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from attention_kernels import timed_ms
+from grpo_agent.train import flash_impl
+from grpo_agent.train.packing import pack_row
+from grpo_agent.train.tree_attention import TreeMask, dense_tree_mask, tree_attention_forward
+from packing import make_samples
+
+HEADS, KV_HEADS, DIM = 16, 8, 128
+
+
+class _Layer(torch.nn.Module):
+    """What tree_attention_forward reads from a transformers attention module."""
+
+    training = True
+
+
+def visible(row) -> int:
+    return int(dense_tree_mask(row.segment_ids, row.segment_ancestors).sum())
+
+
+def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_len: int,
+         completion_len: int) -> list[dict]:
+    row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000, 0))
+    n = row.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, KV_HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pairs, layer, lines, first = visible(row), _Layer(), [], None
+    for path in paths:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tree = TreeMask.build(row, "cuda", path, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        build_ms = (time.perf_counter() - start) * 1e3
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def step(tree=tree, leaves=leaves):
+            for t in leaves:
+                t.grad = None
+            out, _ = tree_attention_forward(layer, *leaves, None, scaling=DIM ** -0.5,
+                                            tree_mask=tree)
+            out.backward(grad)
+            return out
+
+        out = step()
+        results = [out.float(), *(t.grad.float() for t in leaves)]
+        ms = timed_ms(step, repeats)
+        line = {"case": f"G={group_size}/{budget}", "tokens": n, "path": path,
+                "flash_impl": flash_impl.active(), "fwd_bwd_ms": round(ms, 3),
+                "tflops": round(3.5 * 4 * pairs * DIM / ms / 1e9, 1),
+                "plan_build_ms": round(build_ms, 2)}
+        if first is None:
+            first = results
+        else:
+            line["max_diff_out_dq_dk_dv"] = [round((a - b).abs().max().item(), 4)
+                                             for a, b in zip(results, first)]
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paths", default="varlen,levels,masked")
+    parser.add_argument("--cases", default="8:16384,56:16384,8:8192,8:4096",
+                        help="comma-separated group_size:token_budget")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--completion-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--flash-impl", default="FA4", choices=flash_impl.CHOICES[1:])
+    args = parser.parse_args()
+    flash_impl.use(args.flash_impl)
+    lines = []
+    for spec in args.cases.split(","):
+        group_size, budget = (int(x) for x in spec.split(":"))
+        lines += case(args.paths.split(","), group_size, budget, args.repeats, args.prompt_len,
+                      args.completion_len)
+    print(json.dumps({"summary": [(r["case"], r["path"], r["fwd_bwd_ms"]) for r in lines]}))
+
+
+if __name__ == "__main__":
+    main()
