@@ -160,6 +160,15 @@ def test_masked_backend_refuses_what_fa4_cannot_run():
         MaskedPlan.build(torch.tensor([1, 2]), "triton")
 
 
+def test_fa4_plan_refuses_head_dims_its_tiles_do_not_fit():
+    row = _forest_row(0, groups=1)
+    plan = MaskedPlan.build(_until(row), "reference")
+    plan.kernel = "fa4"
+    q = torch.zeros(1, 2, row.num_tokens, 256)
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        masked_tree_attention(q, q[:, :1], q[:, :1], plan, None)
+
+
 # GPU: FlashAttention 4 ---------------------------------------------------------------------
 
 
@@ -209,3 +218,4 @@ def test_fa4_masked_model_path_matches_unpacked_in_bf16(tiny_qwen3, shared_sampl
     assert err < 0.1 and err < 2 * flex_err + 1e-2, (err, flex_err)
     got.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in packed.parameters() if p.grad is not None)
+

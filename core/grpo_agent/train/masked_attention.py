@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 128  # FA4's Hopper tile for head dim 128 (forward 128 x 128; backward 64 x 128)
+MAX_HEAD_DIM = 128  # larger heads get key tiles (80, 96, 112) that 128-key blocks do not fit
 KERNELS = ("fa4", "reference")
 
 
@@ -86,6 +87,11 @@ def _lists(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def masked_tree_attention(query, key, value, plan: MaskedPlan, scaling) -> torch.Tensor:
     """Tree attention; inputs [1, heads, N, dim], output [1, N, heads, dim]."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
+    if plan.kernel == "fa4" and q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"the 'masked' tree attention backend runs FlashAttention 4 with {BLOCK}-key blocks, "
+            f"which its Hopper kernels tile only for head dims up to {MAX_HEAD_DIM} (this model: "
+            f"{q.shape[-1]}). Use backend='auto' (varlen or levels) for this model.")
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out, _ = _masked_attention(q, k, v, plan.until, list(plan.blocks), float(scaling),
