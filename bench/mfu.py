@@ -34,7 +34,7 @@ from grpo_agent.train import (
     perf,
     varlen_attention,
 )
-from grpo_agent.train.forward import forward_row
+from grpo_agent.train.forward import attention_head_dim, forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
 from grpo_agent.train.tree_attention import choose_backend, enable_tree_attention
@@ -168,7 +168,8 @@ def main() -> None:
                                  backend=backend).token.logprobs.float()
             reference = lp if reference is None else reference
             model.zero_grad(set_to_none=True)
-            chosen = (choose_backend(torch.device("cuda"), dtype, rows[0].num_tokens)
+            chosen = (choose_backend(torch.device("cuda"), dtype, rows[0].num_tokens,
+                                      attention_head_dim(model.config))
                       if backend == "auto" else backend)
             results.append({
                 "case": f"{args.model}/G={group_size}", "backend": chosen,

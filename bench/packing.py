@@ -303,7 +303,8 @@ def run_case(packed_model, plain_model, shape, group_size, device, repeats, budg
         "compiled": compiled,
         "fused_projections": compiled and fused_projections.fused_groups > 0,
         "backend": (
-            choose_backend(torch.device(device), SHAPES[shape][1], row.num_tokens)
+            choose_backend(torch.device(device), SHAPES[shape][1], row.num_tokens,
+                           SHAPES[shape][0].get("head_dim"))
             if backend == "auto" else backend
         ),
         "device": device,

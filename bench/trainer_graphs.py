@@ -14,6 +14,7 @@ largest relative difference to the first variant. One JSON line per variant, the
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
     python bench/trainer_graphs.py --token-budget 16384 --model qwen3-1.7b
     python bench/trainer_graphs.py --device cpu --model tiny --variants eager --no-compile  # smoke
+    python bench/trainer_graphs.py --variants eager --tree-backend masked  # FA4, tree as mask
 """
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--variants", default="eager,cuda_graphs")
+    parser.add_argument("--tree-backend", default="auto",
+                        help="the tree attention path every row takes (auto: the trainer's "
+                        "choice; e.g. varlen or masked to compare paths at one budget)")
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
@@ -152,6 +156,11 @@ def main() -> None:
                           opts.prompt_len or prompt_len, opts.completion_len or completion_len,
                           opts.topk, kwargs["vocab_size"], opts.seed)
     from grpo_agent.testing import build_tiny_model
+
+    if opts.tree_backend != "auto":  # the trainer asks `auto`; answer with the chosen path
+        from grpo_agent.train import tree_attention
+
+        tree_attention.choose_backend = lambda *args, **kwargs: opts.tree_backend
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())  # unused without a server
     results = []
@@ -166,6 +175,7 @@ def main() -> None:
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     summary = {"model": opts.model, "token_budget": opts.token_budget,
+               "tree_backend": opts.tree_backend,
                "group_size": opts.group_size, "topk": opts.topk, "compile": opts.compile,
                "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}
     if len(results) == 2:

@@ -327,3 +327,18 @@ def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
     assert choose_backend(cuda, torch.bfloat16) == "flex"
     with pytest.raises(ValueError, match="install flash-attn"):
         TreeMask.build(pack_row(shared_samples), cpu, "varlen")
+
+
+def test_long_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch):
+    from grpo_agent.train import flash_impl
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    long_row = tree_attention.LEVELS_MIN_TOKENS
+    monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "FA4")
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "masked"
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "levels"  # Qwen3.5
+    assert choose_backend(cuda, torch.bfloat16, long_row) == "levels"  # head width unknown
+    monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "default")
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "levels"

@@ -32,6 +32,14 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def attention_head_dim(config) -> int | None:
+    """The attention heads' width (a hybrid's full-attention layers), None if unknown."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None)
+    heads = getattr(text, "num_attention_heads", None)
+    return head_dim or (text.hidden_size // heads if heads else None)
+
+
 def forward_hidden(
     model, row: PackedRow, *, output_router_logits: bool = False, backend: str = "auto"
 ):
@@ -43,7 +51,8 @@ def forward_hidden(
         )
     param = next(model.parameters())
     (input_ids,) = to_device(param.device, row.input_ids)
-    tree = TreeMask.build(row, param.device, backend, dtype=param.dtype)
+    tree = TreeMask.build(row, param.device, backend, dtype=param.dtype,
+                          head_dim=attention_head_dim(model.config))
     tree.linear = gated_deltanet.build_plan(model, row, param.device)
     kwargs = {"output_router_logits": True} if output_router_logits else {}
     out = model.get_decoder()(
