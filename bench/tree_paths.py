@@ -69,7 +69,7 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
         ms = timed_ms(step, repeats)
         line = {"case": f"G={group_size}/{budget}", "tokens": n, "path": path,
                 "flash_impl": flash_impl.active(), "fwd_bwd_ms": round(ms, 3),
-                "tflops": round(3.5 * 4 * pairs * DIM / ms / 1e9, 1),
+                "tflops": round(3.5 * 4 * pairs * HEADS * DIM / ms / 1e9, 1),
                 "plan_build_ms": round(build_ms, 2)}
         if first is None:
             first = results
