@@ -7,7 +7,8 @@ log-sum-exp) and `masked` (one FlashAttention 4 call with the tree as its mask_m
 lists from the trie). torch's flash ops run FlashAttention 4 when `--flash-impl FA4`, so the
 first two use the same kernels as the third. Per path: median ms of `--repeats` (CUDA events),
 TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as perf counts them), the
-plan's build time, and the largest output and gradient differences to the first path.
+plan's build time, and the largest output and gradient differences to the first path. Eager:
+the times include the host queueing each path's kernels.
 
     PYTHONPATH=core:bench python bench/tree_paths.py --flash-impl FA4
 """
