@@ -329,16 +329,23 @@ def test_backend_choice(monkeypatch, shared_samples, no_kernel_cache):
         TreeMask.build(pack_row(shared_samples), cpu, "varlen")
 
 
-def test_long_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch):
+def test_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch, no_kernel_cache):
     from grpo_agent.train import flash_impl
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(varlen_attention, "flash_capable", lambda device: True)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     long_row = tree_attention.LEVELS_MIN_TOKENS
+    monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)
+    monkeypatch.setattr(flash_impl, "fa4_kernels_missing", lambda device: None)
     monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "FA4")
+    row = tree_attention.MASKED_MIN_TOKENS
+    assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "masked"
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "masked"
+    assert choose_backend(cuda, torch.bfloat16, row - 1, head_dim=128) == "varlen"  # host-bound
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "levels"  # Qwen3.5
+    assert choose_backend(cuda, torch.bfloat16, row, head_dim=256) == "varlen"
     assert choose_backend(cuda, torch.bfloat16, long_row) == "levels"  # head width unknown
     monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "default")
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "levels"
+    assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "varlen"

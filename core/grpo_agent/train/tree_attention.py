@@ -16,7 +16,8 @@ own keys, merged by their log-sum-exps (`level_attention`): less GPU work and me
 "auto" picks it for rows long enough that the GPU, not the host queueing kernels, sets the
 pace (measured on an H200: docs/performance.md). "masked" is one FlashAttention 4 call per
 layer with the predicate as the kernel's mask and the trie as its block sparsity
-(`masked_attention`; Hopper/Blackwell with flash-attn-4): neither gathered keys nor parts. Otherwise on CUDA, "flex":
+(`masked_attention`; Hopper/Blackwell with flash-attn-4): neither gathered keys nor parts;
+"auto" picks it over both for rows of MASKED_MIN_TOKENS or more wherever FA4 runs. Otherwise on CUDA, "flex":
 FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
@@ -54,6 +55,10 @@ FLEX_BLOCK_SIZE = 128
 # its merge fused (compiled layers), 1.4-2.2% faster on group rows (four H100 runs) and 4.3% on
 # one-prompt rows, with 5-7 GiB less (docs/performance.md).
 LEVELS_MIN_TOKENS = 12288
+# Rows of at least this many tokens take "masked" under "auto" where FlashAttention 4 runs: as
+# long as its rows were measured (8k and 16k tokens on an H100; docs/performance.md); shorter
+# rows are host-bound, where FA4's Python per call costs more than it saves.
+MASKED_MIN_TOKENS = 8192
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
 
@@ -146,19 +151,23 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
 
 def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0,
                    head_dim: int | None = None) -> str:
-    """gather on CPU. On CUDA in half precision with flash kernels, for rows of at least
-    LEVELS_MIN_TOKENS: masked where torch's flash ops run FlashAttention 4 (`flash_impl`) and
-    the heads fit its blocks (2.7-3.1% faster than levels at G=8, level at G=56, 1.7B shape,
-    16k rows, H100), else levels; varlen below (measured faster on either side:
-    LEVELS_MIN_TOKENS); varlen was as fast as flex or faster for every packing ratio on an
-    H200, eager and compiled; else flex."""
+    """gather on CPU. On CUDA in half precision with flash kernels: masked for rows of at
+    least MASKED_MIN_TOKENS where torch's flash ops run FlashAttention 4 (`flash_impl`) and the
+    heads fit its blocks (on an H100 the trainer's 8k-row step 5-6% faster than varlen, the
+    1.7B step at 16k rows 2.7-3.1% faster than levels at G=8 and level at G=56); otherwise
+    levels for rows of at least LEVELS_MIN_TOKENS, varlen below (measured faster on either
+    side: LEVELS_MIN_TOKENS); varlen was as fast as flex or faster for every packing ratio on
+    an H200, eager and compiled; else flex."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
+    fits = head_dim is not None and head_dim <= masked_attention.MAX_HEAD_DIM
+    if fits and tokens >= MASKED_MIN_TOKENS and flash_impl.fa4_kernels_missing(device) is None \
+            and flash_impl.torch_flash_impl() == "FA4":
+        return "masked"
     if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
-        fits = head_dim is not None and head_dim <= masked_attention.MAX_HEAD_DIM
-        return "masked" if fits and flash_impl.torch_flash_impl() == "FA4" else "levels"
+        return "levels"
     return "varlen" if varlen_attention.varlen_kernel() is not None else "flex"
 
 
