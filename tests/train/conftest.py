@@ -106,3 +106,44 @@ def shared_samples():
 @pytest.fixture
 def sample_factory():
     return make_sample
+
+
+def assert_tree_path_matches_sdpa(model, row, backend: str) -> None:
+    """`model` (tree attention on) through `backend` against a copy through the dense SDPA tree
+    mask: log-probs, then the gradients of a random weighting of them."""
+    import copy
+
+    from grpo_agent.train.forward import forward_row
+
+    other = copy.deepcopy(model)
+    got = forward_row(model, row, temperature=1.0, backend=backend).token.logprobs
+    ref = forward_row(other, row, temperature=1.0, backend="sdpa").token.logprobs
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    weights = torch.randn_like(ref)
+    (got * weights).sum().backward(), (ref * weights).sum().backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def compiled_layer_ops(model, row, backend: str) -> list[str]:
+    """Train `row` through `model` (tree attention on) and through a copy with compiled decoder
+    layers: the gradients must agree. Returns the ops dynamo's graphs of the layers hold."""
+    import copy
+
+    from grpo_agent.train.forward import forward_row
+    from grpo_agent.train.regional_compile import compile_decoder_layers
+
+    ops = []
+
+    def recording(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = copy.deepcopy(model)
+    compile_decoder_layers(compiled, backend=recording)
+    for each in (model, compiled):
+        lp = forward_row(each, row, temperature=1.0, backend=backend).token.logprobs
+        (lp * row.advantages).sum().backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    return ops

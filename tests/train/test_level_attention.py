@@ -6,19 +6,17 @@ in dense tensor math; `tests/train/test_gpu.py` holds PyTorch's flash build to i
 
 from __future__ import annotations
 
-import copy
 import itertools
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from grpo_agent.train.forward import forward_row
 from grpo_agent.train.level_attention import LevelPlan, level_tree_attention
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import dense_tree_mask, enable_tree_attention
 
-from .conftest import VOCAB, make_sample
+from .conftest import VOCAB, assert_tree_path_matches_sdpa, compiled_layer_ops, make_sample
 
 
 def _deep_tree_samples():
@@ -106,15 +104,8 @@ def assert_exact_against_dense_mask(row, plan):
 @pytest.mark.parametrize("deep", [False, True])
 def test_model_path_matches_the_dense_tree_mask(tiny_qwen3, shared_samples, deep):
     enable_tree_attention(tiny_qwen3)
-    other = copy.deepcopy(tiny_qwen3)
     row = pack_row(_deep_tree_samples() if deep else shared_samples)
-    got = forward_row(tiny_qwen3, row, temperature=1.0, backend="levels").token.logprobs
-    ref = forward_row(other, row, temperature=1.0, backend="sdpa").token.logprobs
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    weights = torch.randn_like(ref)
-    (got * weights).sum().backward(), (ref * weights).sum().backward()
-    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), other.named_parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_tree_path_matches_sdpa(tiny_qwen3, row, "levels")
 
 
 def test_levels_on_cuda_needs_half_precision_flash():
@@ -133,9 +124,8 @@ def test_compiled_layers_call_the_level_split_as_one_op(tiny_qwen3, shared_sampl
     the flash path's gradients were wrong on an H200), and the gradients are the eager
     model's."""
     from grpo_agent.train import level_attention
-    from grpo_agent.train.regional_compile import compile_decoder_layers
 
-    traced, ops = [], []
+    traced = []
     for name in ("_part_forward", "_part_backward"):
         real = getattr(level_attention, name)
 
@@ -145,23 +135,12 @@ def test_compiled_layers_call_the_level_split_as_one_op(tiny_qwen3, shared_sampl
 
         monkeypatch.setattr(level_attention, name, recording)
 
-    def backend(gm, example_inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     enable_tree_attention(tiny_qwen3)
-    compiled = copy.deepcopy(tiny_qwen3)
-    compile_decoder_layers(compiled, backend=backend)
-    row = pack_row(shared_samples)
-    for model in (tiny_qwen3, compiled):
-        lp = forward_row(model, row, temperature=1.0, backend="levels").token.logprobs
-        (lp * row.advantages).sum().backward()
+    ops = compiled_layer_ops(tiny_qwen3, pack_row(shared_samples), "levels")
     layers = tiny_qwen3.config.num_hidden_layers
     calls = 2 * 2 * layers  # two parts per layer, two models
     assert sorted(traced) == [("_part_backward", False)] * calls + [("_part_forward", False)] * calls
     assert "grpo_agent.level_attention.default" in ops
-    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), compiled.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("merge", ["rows", "float32"])

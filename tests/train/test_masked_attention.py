@@ -24,7 +24,7 @@ from grpo_agent.train.masked_attention import (
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import dense_tree_mask, enable_tree_attention, visible_until
 
-from .conftest import make_sample
+from .conftest import assert_tree_path_matches_sdpa, compiled_layer_ops, make_sample
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -107,36 +107,13 @@ def test_op_equals_dense_masked_attention_with_gqa():
 
 def test_model_path_matches_the_dense_tree_mask(tiny_qwen3, shared_samples):
     enable_tree_attention(tiny_qwen3)
-    other = copy.deepcopy(tiny_qwen3)
-    row = pack_row(shared_samples)
-    got = forward_row(tiny_qwen3, row, temperature=1.0, backend="masked").token.logprobs
-    ref = forward_row(other, row, temperature=1.0, backend="sdpa").token.logprobs
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    weights = torch.randn_like(ref)
-    (got * weights).sum().backward(), (ref * weights).sum().backward()
-    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), other.named_parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_tree_path_matches_sdpa(tiny_qwen3, pack_row(shared_samples), "masked")
 
 
 def test_compiled_layers_call_masked_attention_as_one_op(tiny_qwen3, shared_samples):
-    from grpo_agent.train.regional_compile import compile_decoder_layers
-
-    ops = []
-
-    def backend(gm, example_inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     enable_tree_attention(tiny_qwen3)
-    compiled = copy.deepcopy(tiny_qwen3)
-    compile_decoder_layers(compiled, backend=backend)
-    row = pack_row(shared_samples)
-    for model in (tiny_qwen3, compiled):
-        lp = forward_row(model, row, temperature=1.0, backend="masked").token.logprobs
-        (lp * row.advantages).sum().backward()
+    ops = compiled_layer_ops(tiny_qwen3, pack_row(shared_samples), "masked")
     assert "grpo_agent.masked_attention.default" in ops
-    for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), compiled.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_masked_attention_op_registration():
