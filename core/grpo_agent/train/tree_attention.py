@@ -345,7 +345,7 @@ _SINKS_ERROR = (
 def _softcap_error(softcap: float) -> str:
     return (
         f"This model caps its attention logits (attn_logit_softcapping={softcap}, e.g. Gemma 2); "
-        "no tree attention path applies the cap (varlen, levels, flex, gather, sdpa), so its "
+        "no tree attention path applies the cap (varlen, levels, masked, flex, gather, sdpa), so its "
         "log-probs would be wrong. Train a model without attention softcapping."
     )
 
