@@ -146,6 +146,15 @@ def test_fa4_plan_refuses_head_dims_its_tiles_do_not_fit():
         masked_tree_attention(q, q[:, :1], q[:, :1], plan, None)
 
 
+
+def test_the_head_width_auto_sees(tiny_qwen3):
+    from grpo_agent.train.forward import attention_head_dim
+    from transformers import GPT2Config
+
+    assert attention_head_dim(tiny_qwen3.config) == 16  # Qwen3 names it
+    assert attention_head_dim(GPT2Config(n_embd=96, n_head=4)) == 24  # derived
+
+
 # GPU: FlashAttention 4 ---------------------------------------------------------------------
 
 

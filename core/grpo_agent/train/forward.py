@@ -36,8 +36,8 @@ def attention_head_dim(config) -> int | None:
     """The attention heads' width (a hybrid's full-attention layers), None if unknown."""
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None)
-    heads = getattr(text, "num_attention_heads", None)
-    return head_dim or (text.hidden_size // heads if heads else None)
+    heads, hidden = (getattr(text, k, None) for k in ("num_attention_heads", "hidden_size"))
+    return head_dim or (hidden // heads if heads and hidden else None)
 
 
 def forward_hidden(
