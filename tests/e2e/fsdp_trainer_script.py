@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed
 from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
 from grpo_agent.demo import letter_fraction, load_prompts
 
@@ -23,3 +24,7 @@ if __name__ == "__main__":
     trainer.train(resume_from_checkpoint=True if resume else None)
     rank = os.environ.get("RANK", "0")
     Path(out, f"done-rank{rank}").write_text(str(trainer.state.global_step))
+    # Leave the process group before the interpreter exits, as PyTorch asks of scripts: gloo's
+    # threads torn down at exit aborted a finished rank now and then ("terminate called without
+    # an active exception", SIGABRT).
+    torch.distributed.destroy_process_group()

@@ -91,7 +91,18 @@ def run_training(
     metrics = output_dir / METRICS_NAME
     if metrics.is_file():
         plot_reward_and_length(metrics, output_dir / PLOT_NAME)
+    _leave_process_group()
     return output_dir
+
+
+def _leave_process_group() -> None:
+    """Under torchrun, leave the process group before the interpreter exits: gloo's threads
+    torn down at exit aborted a finished rank now and then (SIGABRT, "terminate called without
+    an active exception"; seen in the two-process CI test)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _harness_trainer(agent: Any, task: dict[str, Any], common: dict[str, Any]) -> Any:
