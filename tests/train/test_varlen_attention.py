@@ -328,7 +328,6 @@ def test_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch,
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     long_row = tree_attention.LEVELS_MIN_TOKENS
     monkeypatch.setattr(varlen_attention, "varlen_kernel", lambda: sdpa_varlen)
-    monkeypatch.setattr(flash_impl, "fa4_kernels_missing", lambda device: None)
     monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "FA4")
     row = tree_attention.MASKED_MIN_TOKENS
     assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "masked"

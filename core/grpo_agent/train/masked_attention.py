@@ -222,12 +222,16 @@ def _expand_blocks(pairs: torch.Tensor, tokens: int) -> torch.Tensor:
     return pairs.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:tokens, :tokens]
 
 
-def _reference_attention(q, k, v, mask, scale):
+def _float_scores(q, k, v, mask, scale):
+    """q, k, v in float32 with k/v repeated per query head; masked scores [heads, q, k]."""
     groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(groups, 1), \
-        v.float().repeat_interleave(groups, 1)
-    scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    scores = scores.masked_fill(~mask[None], float("-inf"))
+    qf, kf, vf = q.float(), *(t.float().repeat_interleave(groups, 1) for t in (k, v))
+    scores = (torch.einsum("qhd,khd->hqk", qf, kf) * scale).masked_fill(~mask[None], float("-inf"))
+    return qf, kf, vf, scores
+
+
+def _reference_attention(q, k, v, mask, scale):
+    _, _, vf, scores = _float_scores(q, k, v, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)  # [heads, N]
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), vf)
     return out, lse
@@ -242,10 +246,8 @@ def _reference_forward(q, k, v, until, blocks, scale):
 def _reference_backward(dout, q, k, v, out, lse, until, blocks, scale):
     """The softmax backward by hand (a custom op's body runs below autograd)."""
     mask = listed_mask(until, *blocks[4:], q.shape[0], transposed=True)
-    groups = q.shape[1] // k.shape[1]
-    qf, do = q.float(), dout.float()
-    kf, vf = (t.float().repeat_interleave(groups, 1) for t in (k, v))
-    scores = (torch.einsum("qhd,khd->hqk", qf, kf) * scale).masked_fill(~mask[None], float("-inf"))
+    qf, kf, vf, scores = _float_scores(q, k, v, mask, scale)
+    do = dout.float()
     probs = torch.exp(scores - lse.float()[..., None])  # [heads, q, k]
     dv = torch.einsum("hqk,qhd->khd", probs, do)
     dprobs = torch.einsum("qhd,khd->hqk", do, vf)
@@ -253,7 +255,7 @@ def _reference_backward(dout, q, k, v, out, lse, until, blocks, scale):
     dscores = probs * (dprobs - row[..., None]) * scale
     dq = torch.einsum("hqk,khd->qhd", dscores, kf)
     dk = torch.einsum("hqk,qhd->khd", dscores, qf)
-    dk, dv = (g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (dk, dv))
+    dk, dv = (g.unflatten(1, (k.shape[1], -1)).sum(2) for g in (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

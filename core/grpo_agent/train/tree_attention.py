@@ -163,8 +163,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int 
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
     fits = head_dim is not None and head_dim <= masked_attention.MAX_HEAD_DIM
-    if fits and tokens >= MASKED_MIN_TOKENS and flash_impl.fa4_kernels_missing(device) is None \
-            and flash_impl.torch_flash_impl() == "FA4":
+    if fits and tokens >= MASKED_MIN_TOKENS and flash_impl.torch_flash_impl() == "FA4":
         return "masked"
     if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
         return "levels"
