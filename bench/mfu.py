@@ -28,9 +28,11 @@ import torch
 from grpo_agent.train import (
     compiled_or_eager,
     flash_impl,
+    fused_lm_head,
     level_attention,
     level_merge,
     logprobs,
+    masked_attention,
     perf,
     varlen_attention,
 )
@@ -59,21 +61,29 @@ def steps_seconds(step, repeats: int) -> float:
 
 
 def profile_step(step, folder: str, name: str) -> None:
-    """One step under torch.profiler: GPU time by kernel, the top 12 printed, all to a file."""
+    """One step under torch.profiler: GPU time by kernel, the top 12 printed, all to a file;
+    GPU time by operator and input shapes to a second file (which matmuls, which copies)."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, f"ops-{name}.txt").write_text("".join(
+        f"{e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:60]}  "
+        f"{str(e.input_shapes)[:140]}\n" for e in ops))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in kernels)
     lines = [f"{e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:110]}"
              for e in kernels]
-    Path(folder).mkdir(parents=True, exist_ok=True)
     Path(folder, f"profile-{name}.txt").write_text(
         f"{name}: {total / 1e3:.2f} ms GPU, {sum(e.count for e in kernels)} kernels\n"
         + "\n".join(lines) + "\n")
@@ -113,6 +123,12 @@ def main() -> None:
                         help="comma-separated kernels behind torch's flash ops: default "
                         "(torch's own, the old path), FA4 (FlashAttention 4), auto (the "
                         "trainer's choice: flash_impl.torch_flash_impl)")
+    parser.add_argument("--lm-head-configs", type=json.loads, default=[{}],
+                        help="JSON list of fused LM head kernel configs (updates of "
+                        "fused_lm_head.CONFIG, e.g. '[{}, {\"TMA\": true}]'), one variant each")
+    parser.add_argument("--gqa-backward", default="accumulate",
+                        help="comma-separated masked_attention.GQA_BACKWARD values: accumulate "
+                        "(FA4's float32 dK/dV buffers), expand (K/V per query head); masked only")
     parser.add_argument("--profile", metavar="DIR",
                         help="profile one step of each variant's first pass: top kernels "
                         "printed, the full table written to DIR")
@@ -133,19 +149,25 @@ def main() -> None:
     results = []
     impls = [flash_impl.torch_flash_impl() if i == "auto" else i
              for i in args.flash_impls.split(",")]
+    default_head = dict(fused_lm_head.CONFIG)
     for group_size in args.group_sizes:
         rows = [pack_row(make_samples(group_size, prompt_len, completion_len, args.token_budget,
                                       model.config.vocab_size, seed))
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m, f, i) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f, i, x) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
                     for d in args.dense.split(",") for m in args.merges.split(",")
-                    for f in args.fuse.split(",") for i in impls]
+                    for f in args.fuse.split(",") for i in impls
+                    for x in args.gqa_backward.split(",")
+                    for c in range(len(args.lm_head_configs))]
         profiled = set()
-        for backend, gather, lm_head, dense, merge, fuse, impl in variants * args.passes:
+        for backend, gather, lm_head, dense, merge, fuse, impl, gqa, head in (
+                variants * args.passes):
             flash_impl.use(impl)
+            masked_attention.GQA_BACKWARD = gqa
+            fused_lm_head.CONFIG = {**default_head, **args.lm_head_configs[head]}
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
             level_merge.MERGE, compiled_or_eager.COMPILE_ON_CUDA = merge, fuse == "on"
             varlen_attention.GATHER_GRAD_DTYPE = GATHER_DTYPES[gather]
@@ -159,7 +181,7 @@ def main() -> None:
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
             name = (f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
-                    f"-{impl}")
+                    f"-{impl}-{gqa}-head{head}")
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -176,6 +198,8 @@ def main() -> None:
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
                 "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
+                "gqa_backward": gqa if chosen == "masked" else "-",
+                "lm_head_config": args.lm_head_configs[head],
                 "compiled": not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
@@ -189,14 +213,17 @@ def main() -> None:
             })
             print(json.dumps(results[-1]), flush=True)
     logprobs.LM_HEAD, level_attention.DENSE, level_merge.MERGE = "auto", "auto", "rows"
+    fused_lm_head.CONFIG = default_head
     compiled_or_eager.COMPILE_ON_CUDA = True
     best = max(results, key=lambda r: r["mfu"])
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
                                                     "dense", "merge", "fuse", "flash_impl",
+                                                    "gqa_backward", "lm_head_config",
                                                     "mfu")},
                       "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
-                               r["dense"], r["merge"], r["fuse"], r["flash_impl"], r["mfu"],
+                               r["dense"], r["merge"], r["fuse"], r["flash_impl"],
+                               r["gqa_backward"], r["lm_head_config"], r["mfu"],
                                r["peak_gib"])
                               for r in results]}),
           flush=True)

@@ -2,7 +2,7 @@
 its log-sum-exp, entropy and gradients to float32 accuracy (the logits stay in float32
 registers), the log-probs within bf16 tolerance (the target's logit is a bf16 dot product, as
 on the torch path); at sizes that are not multiples of its blocks, over several backward
-chunks, with a temperature. `auto` picks it on CUDA; a sampling mask keeps the torch tiles."""
+chunks, with a temperature, with tiles by pointer or by TMA. `auto` picks it on CUDA; a sampling mask keeps the torch tiles."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ def _inputs(tokens, vocab, hidden):
     return h, w.requires_grad_(), gen
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize(
     "tokens,vocab,hidden,tile", [(1000, 5000, 96, 1024), (300, 151936, 1024, None)]
 )
-def test_triton_head_matches_full_logits(monkeypatch, temperature, tokens, vocab, hidden, tile):
+def test_triton_head_matches_full_logits(monkeypatch, temperature, tokens, vocab, hidden, tile,
+                                         tma):
     monkeypatch.setattr(logprobs, "LM_HEAD", "triton")
+    monkeypatch.setitem(fused_lm_head.CONFIG, "TMA", tma)
     torch.backends.cuda.matmul.allow_tf32 = False
     h, w, gen = _inputs(tokens, vocab, hidden)
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)

@@ -24,9 +24,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Block shape, token blocks per program group, and launch options of both kernels (the bench
-# sweeps them: bench/lm_head.py --configs).
-CONFIG = {"BT": 128, "BV": 256, "BD": 64, "GT": 16, "num_warps": 8, "num_stages": 4}
+# Block shape, token blocks per program group, launch options of both kernels, and whether
+# tiles come by TMA (tensor descriptors; Hopper and later) (the bench sweeps them:
+# bench/lm_head.py --configs).
+CONFIG = {"BT": 128, "BV": 256, "BD": 64, "GT": 16, "num_warps": 8, "num_stages": 4,
+          "TMA": False}
 
 
 def block_partials(hidden, weight, temperature: float, block_v: int = 128):
@@ -76,6 +78,24 @@ def _grid(triton, tokens: int, vocab: int):
     return (triton.cdiv(tokens, CONFIG["BT"]) * triton.cdiv(vocab, CONFIG["BV"]),)
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """TMA reads rows whose start and stride are 16-byte aligned."""
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and t.stride(0) * t.element_size() % 16 == 0)
+
+
+def _operands(hidden, weight, config: dict) -> tuple[tuple, dict]:
+    """(hidden, weight) as the kernels read them, and the config to launch with: tensor
+    descriptors where `config["TMA"]` asks and both are aligned, else the tensors (pointers)
+    and TMA off."""
+    if config.get("TMA") and _tma_ready(hidden) and _tma_ready(weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return ((TensorDescriptor.from_tensor(hidden, [config["BT"], config["BD"]]),
+                 TensorDescriptor.from_tensor(weight, [config["BV"], config["BD"]])), config)
+    return (hidden, weight), {**config, "TMA": False}
+
+
 def triton_partials(hidden, weight, temperature: float):
     """`block_partials` by the fused kernel: the logits never leave the registers."""
     triton, stats_kernel, _ = _kernels()
@@ -83,9 +103,10 @@ def triton_partials(hidden, weight, temperature: float):
     n_blocks = triton.cdiv(vocab, CONFIG["BV"])
     maxes, sums, sums_z = (torch.empty(n_blocks, tokens, device=hidden.device,
                                        dtype=torch.float32) for _ in range(3))
+    (h, w), config = _operands(hidden, weight, CONFIG)
     stats_kernel[_grid(triton, tokens, vocab)](
-        hidden, weight, maxes, sums, sums_z, tokens, vocab, hidden.shape[1], hidden.stride(0),
-        weight.stride(0), 1.0 / temperature, **CONFIG,
+        h, w, maxes, sums, sums_z, tokens, vocab, hidden.shape[1], hidden.stride(0),
+        weight.stride(0), 1.0 / temperature, **config,
     )
     return maxes, sums, sums_z
 
@@ -95,9 +116,10 @@ def triton_softmax_grad(hidden, weight_chunk, temperature: float, lse, scale, ou
     dtype)."""
     triton, _, grad_kernel = _kernels()
     tokens, width = hidden.shape[0], weight_chunk.shape[0]
+    (h, w), config = _operands(hidden, weight_chunk, CONFIG)
     grad_kernel[_grid(triton, tokens, width)](
-        hidden, weight_chunk, lse, scale, out, tokens, width, hidden.shape[1], hidden.stride(0),
-        weight_chunk.stride(0), out.stride(0), 1.0 / temperature, **CONFIG,
+        h, w, lse, scale, out, tokens, width, hidden.shape[1], hidden.stride(0),
+        weight_chunk.stride(0), out.stride(0), 1.0 / temperature, **config,
     )
     return out
 

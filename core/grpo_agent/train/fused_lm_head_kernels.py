@@ -4,7 +4,9 @@ Each program computes one [BT x BV] block of logits h . w in float32 registers a
 its epilogue: the softmax statistics (forward) or the softmax gradient (backward). Programs are
 numbered in groups of GT token blocks, vocabulary blocks within a group, so the programs
 running at one time read a few token blocks and a few weight blocks, which stay in L2 (the
-hidden states of 16k tokens at hidden 2048 alone are larger than the H200's L2).
+hidden states of 16k tokens at hidden 2048 alone are larger than the H200's L2). With
+`TMA`, `h` and `w` are tensor descriptors and the Hopper copy engine brings the tiles in
+(out-of-range rows come back as zeros); else they are pointers and every load is masked.
 """
 
 import triton
@@ -13,20 +15,26 @@ import triton.language as tl
 
 @triton.jit
 def _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w, pid_t, pid_v,
-                  BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+                  BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr):
     offs_t = pid_t * BT + tl.arange(0, BT)
     offs_v = pid_v * BV + tl.arange(0, BV)
-    offs_d = tl.arange(0, BD)
-    h_ptrs = h_ptr + offs_t[:, None] * stride_h + offs_d[None, :]
-    w_ptrs = w_ptr + offs_v[:, None] * stride_w + offs_d[None, :]
     acc = tl.zeros((BT, BV), dtype=tl.float32)
-    for d in range(0, D, BD):
-        d_ok = (offs_d + d) < D
-        h = tl.load(h_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_v[:, None] < V) & d_ok[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc)
-        h_ptrs += BD
-        w_ptrs += BD
+    if TMA:
+        for d in range(0, D, BD):
+            h = h_ptr.load([pid_t * BT, d])
+            w = w_ptr.load([pid_v * BV, d])
+            acc = tl.dot(h, tl.trans(w), acc)
+    else:
+        offs_d = tl.arange(0, BD)
+        h_ptrs = h_ptr + offs_t[:, None] * stride_h + offs_d[None, :]
+        w_ptrs = w_ptr + offs_v[:, None] * stride_w + offs_d[None, :]
+        for d in range(0, D, BD):
+            d_ok = (offs_d + d) < D
+            h = tl.load(h_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_v[:, None] < V) & d_ok[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc)
+            h_ptrs += BD
+            w_ptrs += BD
     return acc, offs_t, offs_v
 
 
@@ -44,10 +52,10 @@ def _block_ids(T, V, BT: tl.constexpr, BV: tl.constexpr, GT: tl.constexpr):
 @triton.jit
 def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, stride_w,
                  inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
-                 GT: tl.constexpr):
+                 GT: tl.constexpr, TMA: tl.constexpr):
     pid_t, pid_v = _block_ids(T, V, BT, BV, GT)
     acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
-                                        pid_t, pid_v, BT, BV, BD)
+                                        pid_t, pid_v, BT, BV, BD, TMA)
     v_ok = offs_v < V
     z = tl.where(v_ok[None, :], acc * inv_temp, float("-inf"))
     m = tl.max(z, axis=1)
@@ -63,10 +71,10 @@ def stats_kernel(h_ptr, w_ptr, max_ptr, sum_ptr, sumz_ptr, T, V, D, stride_h, st
 @triton.jit
 def grad_kernel(h_ptr, w_ptr, lse_ptr, scale_ptr, g_ptr, T, V, D, stride_h, stride_w,
                 stride_g, inv_temp, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
-                GT: tl.constexpr):
+                GT: tl.constexpr, TMA: tl.constexpr):
     pid_t, pid_v = _block_ids(T, V, BT, BV, GT)
     acc, offs_t, offs_v = _logits_block(h_ptr, w_ptr, T, V, D, stride_h, stride_w,
-                                        pid_t, pid_v, BT, BV, BD)
+                                        pid_t, pid_v, BT, BV, BD, TMA)
     t_ok = offs_t < T
     lse = tl.load(lse_ptr + offs_t, mask=t_ok, other=0.0)
     scale = tl.load(scale_ptr + offs_t, mask=t_ok, other=0.0)
