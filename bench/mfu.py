@@ -135,6 +135,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=1,
                         help="time every variant this many times, alternating")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of the decoder layers (the trainer's "
+                        "torch_compile_mode), e.g. max-autotune-no-cudagraphs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py measures a GPU: run it on one.")
@@ -143,7 +146,7 @@ def main() -> None:
     model = build_model(args.model, "cuda")
     enable_tree_attention(model)
     if not args.no_compile:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, mode=args.compile_mode)
     _, dtype, prompt_len, completion_len, _ = SHAPES[args.model]
     peak = perf.peak_flops_per_s(torch.cuda.get_device_name(), "bf16")
     results = []
@@ -200,7 +203,7 @@ def main() -> None:
                 "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
                 "gqa_backward": gqa if chosen == "masked" else "-",
                 "lm_head_config": args.lm_head_configs[head],
-                "compiled": not args.no_compile,
+                "compiled": args.compile_mode or not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
                                        / sum(r.num_tokens for r in rows), 3),
