@@ -32,7 +32,6 @@ from grpo_agent.train import (
     level_attention,
     level_merge,
     logprobs,
-    masked_attention,
     perf,
     varlen_attention,
 )
@@ -126,9 +125,6 @@ def main() -> None:
     parser.add_argument("--lm-head-configs", type=json.loads, default=[{}],
                         help="JSON list of fused LM head kernel configs (updates of "
                         "fused_lm_head.CONFIG, e.g. '[{}, {\"TMA\": true}]'), one variant each")
-    parser.add_argument("--gqa-backward", default="accumulate",
-                        help="comma-separated masked_attention.GQA_BACKWARD values: accumulate "
-                        "(FA4's float32 dK/dV buffers), expand (K/V per query head); masked only")
     parser.add_argument("--profile", metavar="DIR",
                         help="profile one step of each variant's first pass: top kernels "
                         "printed, the full table written to DIR")
@@ -159,17 +155,14 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m, f, i, x) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f, i, c) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
                     for d in args.dense.split(",") for m in args.merges.split(",")
                     for f in args.fuse.split(",") for i in impls
-                    for x in args.gqa_backward.split(",")
                     for c in range(len(args.lm_head_configs))]
         profiled = set()
-        for backend, gather, lm_head, dense, merge, fuse, impl, gqa, head in (
-                variants * args.passes):
+        for backend, gather, lm_head, dense, merge, fuse, impl, head in variants * args.passes:
             flash_impl.use(impl)
-            masked_attention.GQA_BACKWARD = gqa
             fused_lm_head.CONFIG = {**default_head, **args.lm_head_configs[head]}
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
             level_merge.MERGE, compiled_or_eager.COMPILE_ON_CUDA = merge, fuse == "on"
@@ -184,7 +177,7 @@ def main() -> None:
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
             name = (f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
-                    f"-{impl}-{gqa}-head{head}")
+                    f"-{impl}-head{head}")
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -201,7 +194,6 @@ def main() -> None:
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
                 "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
-                "gqa_backward": gqa if chosen == "masked" else "-",
                 "lm_head_config": args.lm_head_configs[head],
                 "compiled": args.compile_mode or not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
@@ -222,12 +214,10 @@ def main() -> None:
     print(json.dumps({"summary": "mfu", "device": torch.cuda.get_device_name(),
                       "best": {k: best[k] for k in ("case", "backend", "lm_head", "gather_grad",
                                                     "dense", "merge", "fuse", "flash_impl",
-                                                    "gqa_backward", "lm_head_config",
-                                                    "mfu")},
+                                                    "lm_head_config", "mfu")},
                       "mfu": [(r["case"], r["backend"], r["lm_head"], r["gather_grad"],
                                r["dense"], r["merge"], r["fuse"], r["flash_impl"],
-                               r["gqa_backward"], r["lm_head_config"], r["mfu"],
-                               r["peak_gib"])
+                               r["lm_head_config"], r["mfu"], r["peak_gib"])
                               for r in results]}),
           flush=True)
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 from attention_kernels import timed_ms
-from grpo_agent.train import flash_impl, masked_attention
+from grpo_agent.train import flash_impl
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import TreeMask, dense_tree_mask, tree_attention_forward
 from packing import make_samples
@@ -50,11 +50,9 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
     grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     pairs, layer, lines, first = visible(row), _Layer(), [], None
     for path in paths:
-        backend, _, variant = path.partition(":")
-        masked_attention.GQA_BACKWARD = variant or "accumulate"
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tree = TreeMask.build(row, "cuda", backend, dtype=torch.bfloat16)
+        tree = TreeMask.build(row, "cuda", path, dtype=torch.bfloat16)
         torch.cuda.synchronize()
         build_ms = (time.perf_counter() - start) * 1e3
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -86,9 +84,7 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", default="varlen,levels,masked",
-                        help="comma-separated backends; masked:expand is the masked path with "
-                        "masked_attention.GQA_BACKWARD='expand'")
+    parser.add_argument("--paths", default="varlen,levels,masked")
     parser.add_argument("--cases", default="8:16384,56:16384,8:8192,8:4096",
                         help="comma-separated group_size:token_budget")
     parser.add_argument("--prompt-len", type=int, default=1024)

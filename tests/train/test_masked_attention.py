@@ -85,9 +85,7 @@ def test_a_full_block_listed_where_one_pair_is_hidden_shows_in_the_mask():
     assert not torch.equal(got, dense_tree_mask(row.segment_ids, row.segment_ancestors))
 
 
-@pytest.mark.parametrize("gqa_backward", ["accumulate", "expand"])
-def test_op_equals_dense_masked_attention_with_gqa(gqa_backward, monkeypatch):
-    monkeypatch.setattr(masked_attention, "GQA_BACKWARD", gqa_backward)
+def test_op_equals_dense_masked_attention_with_gqa():
     row = _forest_row(2)
     n = row.num_tokens
     rule = dense_tree_mask(row.segment_ids, row.segment_ancestors)
@@ -163,15 +161,12 @@ def test_the_head_width_auto_sees(tiny_qwen3):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 4])
-@pytest.mark.parametrize("gqa_backward", ["accumulate", "expand"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fa4_masked_attention_matches_the_reference(dtype, head_dim, seed, gqa_backward,
-                                                    monkeypatch):
+def test_fa4_masked_attention_matches_the_reference(dtype, head_dim, seed):
     """FA4 with the tree mask_mod and the block lists, forward and backward (16 query heads
     over 8 key/value heads), against the reference in float32 on the same plan."""
     pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
-    monkeypatch.setattr(masked_attention, "GQA_BACKWARD", gqa_backward)
     row = _forest_row(seed, groups=4)
     n = row.num_tokens
     plan = MaskedPlan.build(_until(row).cuda(), "fa4")

@@ -41,10 +41,6 @@ import torch
 BLOCK = 128  # FA4's Hopper tile for head dim 128 (forward 128 x 128; backward 64 x 128)
 MAX_HEAD_DIM = 128  # larger heads get key tiles (80, 96, 112) that 128-key blocks do not fit
 KERNELS = ("fa4", "reference")
-# GQA backward: "accumulate" (FA4 adds each query head's dK/dV into float32 buffers, then
-# converts) or "expand" (K/V repeated per query head, dK/dV written in the compute dtype and
-# summed per group here); bench/tree_paths.py and bench/mfu.py compare them.
-GQA_BACKWARD = "accumulate"
 
 
 @dataclass
@@ -127,17 +123,8 @@ def _masked_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                until: torch.Tensor, blocks: list[torch.Tensor], scale: float,
                                kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = q.shape[1] // k.shape[1]
-    if GQA_BACKWARD != "expand" or groups == 1:
-        grads = _BACKWARD[kernel](dout.contiguous(), q, k, v, out, lse, until, blocks, scale)
-        return tuple(g.contiguous() for g in grads)
-    # query head h reads key/value head h // groups, as FA4's GQA does
-    wide_k, wide_v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    dq, dk, dv = _BACKWARD[kernel](dout.contiguous(), q, wide_k, wide_v, out, lse, until, blocks,
-                                   scale)
-    wide = torch.promote_types(dk.dtype, torch.float32)
-    dk, dv = (g.unflatten(1, (-1, groups)).sum(2, dtype=wide).to(g.dtype) for g in (dk, dv))
-    return dq.contiguous(), dk, dv
+    grads = _BACKWARD[kernel](dout.contiguous(), q, k, v, out, lse, until, blocks, scale)
+    return tuple(g.contiguous() for g in grads)
 
 
 @_masked_attention_backward.register_fake
