@@ -13,25 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from attention_kernels import timed_ms
 from grpo_agent.train import perf
 from packing import SHAPES
-
-
-def gemm_seconds(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1000)
-    return statistics.median(times)
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -65,7 +51,7 @@ def main() -> None:
                 for kind, fn in (("fwd", lambda x=x, w=w: x @ w.T),
                                  ("dgrad", lambda dy=dy, w=w: dy @ w),
                                  ("wgrad", lambda dy=dy, x=x: dy.T @ x)):
-                    s = gemm_seconds(fn)
+                    s = timed_ms(fn) / 1e3
                     parts[f"{name}.{kind}"] = round(flops / s / peak, 3)
                     total_flops += flops
                     total_s += s
