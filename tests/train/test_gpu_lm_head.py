@@ -2,7 +2,8 @@
 its log-sum-exp, entropy and gradients to float32 accuracy (the logits stay in float32
 registers), the log-probs within bf16 tolerance (the target's logit is a bf16 dot product, as
 on the torch path); at sizes that are not multiples of its blocks, over several backward
-chunks, with a temperature, with tiles by pointer or by TMA. `auto` picks it on CUDA; a sampling mask keeps the torch tiles."""
+chunks, with a temperature, with tiles by pointer or by TMA. `auto` picks it on CUDA; a sampling
+mask keeps the torch tiles."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_triton_head_matches_full_logits(monkeypatch, temperature, tokens, vocab
     monkeypatch.setitem(fused_lm_head.CONFIG, "TMA", tma)
     torch.backends.cuda.matmul.allow_tf32 = False
     h, w, gen = _inputs(tokens, vocab, hidden)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert fused_lm_head._operands(h, w, fused_lm_head.CONFIG)[1]["TMA"] == (tma and hopper)
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     topk = torch.randint(-1, vocab, (tokens, 3), device="cuda", generator=gen)
     upstream = torch.randn(tokens, device="cuda", generator=gen)
