@@ -64,3 +64,14 @@ def test_cpu_runs_the_torch_tiles_and_a_forced_triton_head_says_why_not(monkeypa
     monkeypatch.setattr(logprobs, "LM_HEAD", "fast")
     with pytest.raises(ValueError, match="choose one of"):
         logprobs.use_fused_kernels(hidden, weight)
+
+
+def test_a_triton_without_tensor_descriptors_keeps_the_pointer_loads(monkeypatch):
+    """TMA asked for, but this Triton has no descriptors (torch 2.6's): the kernels get the
+    tensors themselves and a config with TMA off, so they compile the pointer path."""
+    monkeypatch.setattr(fused_lm_head, "_tensor_descriptor", lambda: None)
+    hidden, weight = torch.zeros(4, 16), torch.zeros(8, 16)
+    (h, w), config = fused_lm_head._operands(hidden, weight, {**fused_lm_head.CONFIG,
+                                                              "TMA": True})
+    assert h is hidden and w is weight and config["TMA"] is False
+    assert fused_lm_head.CONFIG["TMA"] is True  # the shared default is left as it was

@@ -85,15 +85,27 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
+@functools.cache
+def _tensor_descriptor():
+    """Triton's host-side TMA descriptor class, or None where this Triton has none (torch
+    2.6's Triton 3.2)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError as exc:
+        log.info("this Triton has no tensor descriptors (%s): the LM head loads by pointer",
+                 str(exc))  # text: see varlen_attention.load_hub_kernel
+        return None
+    return TensorDescriptor
+
+
 def _operands(hidden, weight, config: dict) -> tuple[tuple, dict]:
     """(hidden, weight) as the kernels read them, and the config to launch with: tensor
-    descriptors where `config["TMA"]` asks and the GPU and both tensors allow, else the
-    tensors (pointers) and TMA off."""
-    if config.get("TMA") and _tma_ready(hidden) and _tma_ready(weight):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        return ((TensorDescriptor.from_tensor(hidden, [config["BT"], config["BD"]]),
-                 TensorDescriptor.from_tensor(weight, [config["BV"], config["BD"]])), config)
+    descriptors where `config["TMA"]` asks and Triton, the GPU and both tensors allow, else
+    the tensors (pointers) and TMA off."""
+    descriptor = _tensor_descriptor() if config.get("TMA") else None
+    if descriptor is not None and _tma_ready(hidden) and _tma_ready(weight):
+        return ((descriptor.from_tensor(hidden, [config["BT"], config["BD"]]),
+                 descriptor.from_tensor(weight, [config["BV"], config["BD"]])), config)
     return (hidden, weight), {**config, "TMA": False}
 
 
