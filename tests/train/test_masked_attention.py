@@ -56,17 +56,19 @@ def _until(row):
     return visible_until(row.segment_ids, row.segment_ancestors)
 
 
+@pytest.mark.parametrize("key_block", [BLOCK, 64])
 @pytest.mark.parametrize("seed", range(6))
-def test_block_lists_cover_exactly_the_tree_rule(seed):
+def test_block_lists_cover_exactly_the_tree_rule(seed, key_block):
     row = _forest_row(seed)
     n, rule = row.num_tokens, dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    plan = MaskedPlan.build(_until(row), "reference")
+    plan = MaskedPlan.build(_until(row), "reference", key_block)
     assert torch.equal(listed_mask(plan.until, *plan.blocks[:4], n), rule)
     assert torch.equal(listed_mask(plan.until, *plan.blocks[4:], n, transposed=True), rule)
-    _, visible, full = block_pairs(_until(row))
+    _, visible, full = block_pairs(_until(row), key_block)
     blocks = -(-n // BLOCK)
     padded_rule = F.pad(rule, (0, blocks * BLOCK - n, 0, blocks * BLOCK - n))
-    per_block = padded_rule.view(blocks, BLOCK, blocks, BLOCK).transpose(1, 2)
+    key_blocks = blocks * BLOCK // key_block
+    per_block = padded_rule.view(blocks, BLOCK, key_blocks, key_block).transpose(1, 2)
     assert torch.equal(visible, per_block.any(-1).any(-1))  # no visible block left out
     assert torch.equal(full, per_block.all(-1).all(-1))  # full exactly where all pairs are seen
     assert full.any() and (visible & ~full).any()  # both kinds occur on these rows
@@ -85,17 +87,18 @@ def test_a_full_block_listed_where_one_pair_is_hidden_shows_in_the_mask():
     assert not torch.equal(got, dense_tree_mask(row.segment_ids, row.segment_ancestors))
 
 
-def test_op_equals_dense_masked_attention_with_gqa():
+@pytest.mark.parametrize("head_dim", [16, 160])  # 128-key blocks, 64-key blocks
+def test_op_equals_dense_masked_attention_with_gqa(head_dim):
     row = _forest_row(2)
     n = row.num_tokens
     rule = dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    plan = MaskedPlan.build(_until(row), "reference")
+    plan = MaskedPlan.build(_until(row), "reference", masked_attention.key_block(head_dim))
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, n, 16, dtype=torch.float64, generator=gen, requires_grad=True)
-    k, v = (torch.randn(1, 2, n, 16, dtype=torch.float64, generator=gen, requires_grad=True)
-            for _ in range(2))
-    got = masked_tree_attention(q, k, v, plan, 0.3)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=rule, scale=0.3,
+    q = torch.randn(1, 4, n, head_dim, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, head_dim, dtype=torch.float64, generator=gen,
+                        requires_grad=True) for _ in range(2))
+    got = masked_tree_attention(q, k, v, plan, head_dim ** -0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=rule, scale=head_dim ** -0.5,
                                          enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)  # the reference runs in float32
     weights = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
@@ -137,12 +140,20 @@ def test_masked_backend_refuses_what_fa4_cannot_run():
         MaskedPlan.build(torch.tensor([1, 2]), "triton")
 
 
-def test_fa4_plan_refuses_head_dims_its_tiles_do_not_fit():
+def test_fa4_plan_refuses_head_dims_that_have_not_run_on_a_gpu():
     row = _forest_row(0, groups=1)
-    plan = MaskedPlan.build(_until(row), "reference")
+    plan = MaskedPlan.build(_until(row), "reference", key_block=64)
     plan.kernel = "fa4"
     q = torch.zeros(1, 2, row.num_tokens, 256)
-    with pytest.raises(ValueError, match="head dims up to 128"):
+    with pytest.raises(ValueError, match="heads up to 128 wide"):
+        masked_tree_attention(q, q[:, :1], q[:, :1], plan, None)
+
+
+def test_a_plan_with_the_wrong_key_block_for_the_heads_is_refused():
+    row = _forest_row(0, groups=1)
+    plan = MaskedPlan.build(_until(row), "reference")  # 128-key blocks
+    q = torch.zeros(1, 2, row.num_tokens, 256)
+    with pytest.raises(ValueError, match="need 64: build it with"):
         masked_tree_attention(q, q[:, :1], q[:, :1], plan, None)
 
 

@@ -4,7 +4,8 @@ block sparsity.
 Design decision: in the depth-first layout, key j is visible to query i iff
 `j <= i < until[j]` (`tree_attention.visible_until`: where j's segment's subtree ends). FA4's
 CuTe DSL kernels take such a rule as a `mask_mod` evaluated inside the tile, and a list of the
-128 x 128 blocks worth visiting per query block (and per key block, for the backward), split
+128-query x 128-key blocks (64-key for heads over 128 wide: `key_block`) worth visiting per
+query block (and per key block, for the backward), split
 into *full* blocks (every pair visible: no mask work) and *partial* ones (the rule applied per
 score). So one forward and one backward call per layer cover the whole row:
 - no gathered copies of ancestor keys and no scatter-add of their gradients (the varlen path's
@@ -38,9 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 128  # FA4's Hopper tile for head dim 128 (forward 128 x 128; backward 64 x 128)
-MAX_HEAD_DIM = 128  # larger heads get key tiles (80, 96, 112) that 128-key blocks do not fit
+BLOCK = 128  # query blocks; key blocks too for heads up to 128 wide (FA4's Hopper tiles)
+# Wider heads take 64-key blocks: FA4's block-sparse Hopper backward tiles 256-wide heads by 64
+# keys and its forward shrinks its key tile to the lists' key block. Only heads up to 128 wide
+# have run on a GPU, so FA4 refuses wider ones for now (the reference kernel takes both).
+MAX_HEAD_DIM = 128
 KERNELS = ("fa4", "reference")
+
+
+def key_block(head_dim: int | None) -> int:
+    """Keys per block for heads this wide: 128 up to 128 wide, 64 above."""
+    return 64 if head_dim is not None and head_dim > 128 else BLOCK
 
 
 @dataclass
@@ -48,37 +57,48 @@ class MaskedPlan:
     """One row's mask for the kernel: `until` padded to whole blocks (padding keys are seen by
     no query) and the block lists, forward (per query block) then backward (per key block)."""
 
-    until: torch.Tensor  # [blocks * BLOCK] int32
+    until: torch.Tensor  # [query blocks * BLOCK] int32
     blocks: list[torch.Tensor]  # fwd partial cnt/idx, fwd full cnt/idx, bwd likewise
     kernel: str
+    key_block: int = BLOCK
 
     @classmethod
-    def build(cls, until: torch.Tensor, kernel: str) -> MaskedPlan:
+    def build(cls, until: torch.Tensor, kernel: str, key_block: int = BLOCK) -> MaskedPlan:
         if kernel not in KERNELS:
             raise ValueError(f"masked attention kernel {kernel!r}: choose one of {KERNELS}")
-        padded, visible, full = block_pairs(until)
+        padded, visible, full = block_pairs(until, key_block)
         partial = visible & ~full
         blocks = [*_lists(partial), *_lists(full), *_lists(partial.T), *_lists(full.T)]
-        return cls(padded, blocks, kernel)
+        return cls(padded, blocks, kernel, key_block)
 
 
-def block_pairs(until: torch.Tensor, block: int = BLOCK):
-    """(until padded to whole blocks as int32, visible [Mb, Nb] bool, full [Mb, Nb] bool)."""
+def _spans(tokens: int, count: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, stops) of `count` blocks of `size` over `tokens` (the last ones may be short
+    or empty)."""
+    starts = torch.arange(count, device=device) * size
+    return starts, torch.clamp(starts + size, max=tokens)
+
+
+def block_pairs(until: torch.Tensor, key_block: int = BLOCK):
+    """(until padded to whole query blocks as int32, visible [Mb, Nb] bool, full [Mb, Nb]
+    bool) for BLOCK-query by `key_block`-key blocks (`key_block` divides BLOCK)."""
     tokens = until.numel()
-    count = -(-tokens // block)
-    padded = torch.zeros(count * block, dtype=torch.int32, device=until.device)
+    count = -(-tokens // BLOCK)
+    key_count = count * BLOCK // key_block
+    padded = torch.zeros(count * BLOCK, dtype=torch.int32, device=until.device)
     padded[:tokens] = until.to(torch.int32)
-    keys = torch.arange(count * block, device=until.device)
-    starts = torch.arange(count, device=until.device) * block
-    stops = torch.clamp(starts + block, max=tokens)
+    keys = torch.arange(count * BLOCK, device=until.device)
+    starts, stops = _spans(tokens, count, BLOCK, until.device)
+    key_starts, key_stops = _spans(tokens, key_count, key_block, until.device)
     # key j is visible to some query in [start, stop) iff j < stop and until[j] > start
     visible = ((keys[None, :] < stops[:, None]) & (padded[None, :] > starts[:, None]))
-    visible = visible.view(count, count, block).any(-1)
-    key_last = stops - 1  # the last key of each key block (padding keys have until 0)
-    key_min_until = padded.view(count, block).amin(-1)
-    whole = (stops - starts) == block
+    visible = visible.view(count, key_count, key_block).any(-1)
+    key_last = key_stops - 1  # the last key of each key block (padding keys have until 0)
+    key_min_until = padded.view(key_count, key_block).amin(-1)
+    whole = (stops - starts) == BLOCK
+    whole_keys = (key_stops - key_starts) == key_block
     full = ((key_last[None, :] <= starts[:, None]) & (key_min_until[None, :] >= stops[:, None])
-            & whole[:, None] & whole[None, :])
+            & whole[:, None] & whole_keys[None, :])
     return padded, visible, full & visible
 
 
@@ -95,9 +115,14 @@ def masked_tree_attention(query, key, value, plan: MaskedPlan, scaling) -> torch
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
     if plan.kernel == "fa4" and q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(
-            f"the 'masked' tree attention backend runs FlashAttention 4 with {BLOCK}-key blocks, "
-            f"which its Hopper kernels tile only for head dims up to {MAX_HEAD_DIM} (this model: "
-            f"{q.shape[-1]}). Use backend='auto' (varlen or levels) for this model.")
+            f"the 'masked' tree attention backend has run FlashAttention 4 only for heads up to "
+            f"{MAX_HEAD_DIM} wide (this model: {q.shape[-1]}). Use backend='auto' (varlen or "
+            "levels) for this model.")
+    if plan.key_block != key_block(q.shape[-1]):
+        raise ValueError(
+            f"this masked plan has {plan.key_block}-key blocks; heads {q.shape[-1]} wide need "
+            f"{key_block(q.shape[-1])}: build it with TreeMask.build(..., head_dim="
+            f"{q.shape[-1]}).")
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out, _ = _masked_attention(q, k, v, plan.until, list(plan.blocks), float(scaling),
@@ -166,11 +191,15 @@ def tree_mask_mod():
     return tree_visible
 
 
-def _sparse(counts, indices, full_counts, full_indices):
+def _key_block_of(until: torch.Tensor, blocks) -> int:
+    """The lists' key block: the padded row over the forward lists' key-block count."""
+    return until.numel() // blocks[1].shape[-1]
+
+
+def _sparse(until, blocks):
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    return BlockSparseTensorsTorch(counts, indices, full_counts, full_indices,
-                                   block_size=(BLOCK, BLOCK))
+    return BlockSparseTensorsTorch(*blocks, block_size=(BLOCK, _key_block_of(until, blocks)))
 
 
 def _fa4_forward(q, k, v, until, blocks, scale):
@@ -178,7 +207,8 @@ def _fa4_forward(q, k, v, until, blocks, scale):
 
     out, lse = interface._flash_attn_fwd(
         q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=tree_mask_mod(),
-        aux_tensors=[until], block_sparse_tensors=_sparse(*blocks[:4]), return_lse=True)[:2]
+        aux_tensors=[until], block_sparse_tensors=_sparse(until, blocks[:4]),
+        return_lse=True)[:2]
     return out[0], lse[0]
 
 
@@ -188,7 +218,7 @@ def _fa4_backward(dout, q, k, v, out, lse, until, blocks, scale):
     dq, dk, dv = interface._flash_attn_bwd(
         q[None], k[None], v[None], out[None], dout[None], lse[None], scale, False,
         mask_mod=tree_mask_mod(), aux_tensors=[until],
-        block_sparse_tensors=_sparse(*blocks[4:]))[:3]
+        block_sparse_tensors=_sparse(until, blocks[4:]))[:3]
     return dq[0], dk[0], dv[0]
 
 
@@ -203,7 +233,8 @@ def listed_mask(until: torch.Tensor, counts, indices, full_counts, full_indices,
     full = _dense_pairs(full_counts, full_indices)
     if transposed:
         partial, full = partial.T, full.T
-    expand = functools.partial(_expand_blocks, tokens=tokens)
+    expand = functools.partial(_expand_blocks, tokens=tokens,
+                               key_block=until.numel() // partial.shape[1])
     idx = torch.arange(tokens, device=until.device)
     rule = (idx[None, :] <= idx[:, None]) & (idx[:, None] < until[:tokens].long()[None, :])
     return expand(full) | (expand(partial) & rule)
@@ -218,8 +249,8 @@ def _dense_pairs(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return pairs[:, :cols]
 
 
-def _expand_blocks(pairs: torch.Tensor, tokens: int) -> torch.Tensor:
-    return pairs.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:tokens, :tokens]
+def _expand_blocks(pairs: torch.Tensor, tokens: int, key_block: int) -> torch.Tensor:
+    return pairs.repeat_interleave(BLOCK, 0).repeat_interleave(key_block, 1)[:tokens, :tokens]
 
 
 def _float_scores(q, k, v, mask, scale):

@@ -112,7 +112,8 @@ class TreeMask:
             mask.levels = level_attention.LevelPlan.build(row, device, _level_kernel(device, dtype))
         elif backend == "masked":
             mask.masked = masked_attention.MaskedPlan.build(
-                visible_until(mask.segment_ids, mask.ancestors), _masked_kernel(device, dtype))
+                visible_until(mask.segment_ids, mask.ancestors), _masked_kernel(device, dtype),
+                masked_attention.key_block(head_dim))
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
