@@ -62,6 +62,7 @@ def test_block_lists_cover_exactly_the_tree_rule(seed, key_block):
     row = _forest_row(seed)
     n, rule = row.num_tokens, dense_tree_mask(row.segment_ids, row.segment_ancestors)
     plan = MaskedPlan.build(_until(row), "reference", key_block)
+    assert plan.key_block == key_block  # what both FA4 calls are given
     assert torch.equal(listed_mask(plan.until, *plan.blocks[:4], n), rule)
     assert torch.equal(listed_mask(plan.until, *plan.blocks[4:], n, transposed=True), rule)
     _, visible, full = block_pairs(_until(row), key_block)

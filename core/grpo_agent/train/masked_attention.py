@@ -60,7 +60,10 @@ class MaskedPlan:
     until: torch.Tensor  # [query blocks * BLOCK] int32
     blocks: list[torch.Tensor]  # fwd partial cnt/idx, fwd full cnt/idx, bwd likewise
     kernel: str
-    key_block: int = BLOCK
+
+    @property
+    def key_block(self) -> int:
+        return _key_block_of(self.until, self.blocks)
 
     @classmethod
     def build(cls, until: torch.Tensor, kernel: str, key_block: int = BLOCK) -> MaskedPlan:
@@ -69,7 +72,7 @@ class MaskedPlan:
         padded, visible, full = block_pairs(until, key_block)
         partial = visible & ~full
         blocks = [*_lists(partial), *_lists(full), *_lists(partial.T), *_lists(full.T)]
-        return cls(padded, blocks, kernel, key_block)
+        return cls(padded, blocks, kernel)
 
 
 def _spans(tokens: int, count: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,14 +195,15 @@ def tree_mask_mod():
 
 
 def _key_block_of(until: torch.Tensor, blocks) -> int:
-    """The lists' key block: the padded row over the forward lists' key-block count."""
+    """Keys per block of a plan's lists (all eight, forward first): the padded row over the
+    forward lists' key-block count."""
     return until.numel() // blocks[1].shape[-1]
 
 
-def _sparse(until, blocks):
+def _sparse(lists, key_block: int):
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    return BlockSparseTensorsTorch(*blocks, block_size=(BLOCK, _key_block_of(until, blocks)))
+    return BlockSparseTensorsTorch(*lists, block_size=(BLOCK, key_block))
 
 
 def _fa4_forward(q, k, v, until, blocks, scale):
@@ -207,8 +211,8 @@ def _fa4_forward(q, k, v, until, blocks, scale):
 
     out, lse = interface._flash_attn_fwd(
         q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=tree_mask_mod(),
-        aux_tensors=[until], block_sparse_tensors=_sparse(until, blocks[:4]),
-        return_lse=True)[:2]
+        aux_tensors=[until], return_lse=True,
+        block_sparse_tensors=_sparse(blocks[:4], _key_block_of(until, blocks)))[:2]
     return out[0], lse[0]
 
 
@@ -218,7 +222,7 @@ def _fa4_backward(dout, q, k, v, out, lse, until, blocks, scale):
     dq, dk, dv = interface._flash_attn_bwd(
         q[None], k[None], v[None], out[None], dout[None], lse[None], scale, False,
         mask_mod=tree_mask_mod(), aux_tensors=[until],
-        block_sparse_tensors=_sparse(until, blocks[4:]))[:3]
+        block_sparse_tensors=_sparse(blocks[4:], _key_block_of(until, blocks)))[:3]
     return dq[0], dk[0], dv[0]
 
 
