@@ -17,8 +17,9 @@ own keys, merged by their log-sum-exps (`level_attention`): less GPU work and me
 pace (measured on an H200: docs/performance.md). "masked" is one FlashAttention 4 call per
 layer with the predicate as the kernel's mask and the trie as its block sparsity
 (`masked_attention`; Hopper/Blackwell with flash-attn-4): neither gathered keys nor parts;
-"auto" picks it over both for rows of MASKED_MIN_TOKENS or more wherever FA4 runs. Otherwise on CUDA, "flex":
-FlexAttention with a block mask built from the predicate (sparse blocks are skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
+"auto" picks it over both for rows of MASKED_MIN_TOKENS or more wherever FA4 runs. Otherwise
+on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse blocks are
+skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
 lengths, not N^2).
 "sdpa" (one SDPA call with the dense [N, N] boolean mask) is the simple reference and the
@@ -345,8 +346,8 @@ _SINKS_ERROR = (
 def _softcap_error(softcap: float) -> str:
     return (
         f"This model caps its attention logits (attn_logit_softcapping={softcap}, e.g. Gemma 2); "
-        "no tree attention path applies the cap (varlen, levels, masked, flex, gather, sdpa), so its "
-        "log-probs would be wrong. Train a model without attention softcapping."
+        "no tree attention path applies the cap (varlen, levels, masked, flex, gather, sdpa), so "
+        "its log-probs would be wrong. Train a model without attention softcapping."
     )
 
 
