@@ -1,21 +1,24 @@
 """One layer's tree attention, forward+backward, through each GPU path on the same rows.
 
 The paths exactly as a decoder layer calls them (bf16, 16 query heads over 8 key/value heads of
-128, bench/packing.py's rows): `varlen` (each segment against its gathered path, one flash
-call, the gather's backward a scatter-add), `levels` (self part + one part per depth, merged by
-log-sum-exp) and `masked` (one FlashAttention 4 call with the tree as its mask_mod and block
-lists from the trie). torch's flash ops run FlashAttention 4 when `--flash-impl FA4`, so the
-first two use the same kernels as the third. Per path: median ms of `--repeats` (CUDA events),
-TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as perf counts them), the
-plan's build time, and the largest output and gradient differences to the first path. Eager:
-the times include the host queueing each path's kernels.
+128 unless `--heads` says otherwise, bench/packing.py's rows): `varlen` (each segment against
+its gathered path, one flash call, the gather's backward a scatter-add), `levels` (self part +
+one part per depth, merged by log-sum-exp) and `masked` (one FlashAttention 4 call with the tree
+as its mask_mod and block lists from the trie). torch's flash ops run FlashAttention 4 when
+`--flash-impl FA4`, so the first two use the same kernels as the third. Per path: median ms of
+`--repeats` (CUDA events), TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as
+perf counts them), the plan's build time, and the largest output and gradient differences to the
+first path. Eager: the times include the host queueing each path's kernels.
 
     PYTHONPATH=core:bench python bench/tree_paths.py --flash-impl FA4
+    PYTHONPATH=core:bench python bench/tree_paths.py --heads 8:2:256   # Qwen3.5's attention
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import time
 
@@ -26,7 +29,7 @@ from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import TreeMask, dense_tree_mask, tree_attention_forward
 from packing import make_samples
 
-HEADS, KV_HEADS, DIM = 16, 8, 128
+HEADS = (16, 8, 128)  # query heads, key/value heads, head width (Qwen3-1.7B's)
 
 
 class _Layer(torch.nn.Module):
@@ -39,20 +42,39 @@ def visible(row) -> int:
     return int(dense_tree_mask(row.segment_ids, row.segment_ancestors).sum())
 
 
+@contextlib.contextmanager
+def fa4_backward_config(override: dict):
+    """FA4's Hopper backward with these fields of its tile config replaced (a sweep for the
+    masked path; flash-attn-4 picks one config per head width and does not take one)."""
+    from flash_attn.cute import interface
+
+    original = interface._tile_size_bwd_sm90
+    interface._tile_size_bwd_sm90 = lambda *a, **kw: dataclasses.replace(original(*a, **kw),
+                                                                         **override)
+    try:
+        yield
+    finally:
+        interface._tile_size_bwd_sm90 = original
+
+
 def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_len: int,
-         completion_len: int) -> list[dict]:
+         completion_len: int, heads: tuple[int, int, int] = HEADS,
+         bwd_configs: list[dict] | None = None) -> list[dict]:
     row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000, 0))
-    n = row.num_tokens
+    n, (q_heads, kv_heads, dim) = row.num_tokens, heads
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(1, KV_HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, q_heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(2))
-    grad = torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(1, n, q_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     pairs, layer, lines, first = visible(row), _Layer(), [], None
-    for path in paths:
+    runs = [(p, c) for p in paths for c in (bwd_configs if p == "masked" and bwd_configs
+                                            else [None])]
+    for path, bwd_config in runs:
+        patch = fa4_backward_config(bwd_config) if bwd_config else contextlib.nullcontext()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tree = TreeMask.build(row, "cuda", path, dtype=torch.bfloat16)
+        tree = TreeMask.build(row, "cuda", path, dtype=torch.bfloat16, head_dim=dim)
         torch.cuda.synchronize()
         build_ms = (time.perf_counter() - start) * 1e3
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -60,18 +82,27 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
         def step(tree=tree, leaves=leaves):
             for t in leaves:
                 t.grad = None
-            out, _ = tree_attention_forward(layer, *leaves, None, scaling=DIM ** -0.5,
+            out, _ = tree_attention_forward(layer, *leaves, None, scaling=dim ** -0.5,
                                             tree_mask=tree)
             out.backward(grad)
             return out
 
-        out = step()
-        results = [out.float(), *(t.grad.float() for t in leaves)]
-        ms = timed_ms(step, repeats)
-        line = {"case": f"G={group_size}/{budget}", "tokens": n, "path": path,
+        try:
+            with patch:
+                out = step()
+                results = [out.float(), *(t.grad.float() for t in leaves)]
+                ms = timed_ms(step, repeats)
+        except Exception as exc:  # noqa: BLE001 -- a config FA4 cannot build: say so, go on
+            print(json.dumps({"path": path, "fa4_bwd_config": bwd_config,
+                              "error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
+            continue
+        line = {"case": f"G={group_size}/{budget}", "heads": "{}:{}:{}".format(*heads),
+                "tokens": n, "path": path,
                 "flash_impl": flash_impl.active(), "fwd_bwd_ms": round(ms, 3),
-                "tflops": round(3.5 * 4 * pairs * HEADS * DIM / ms / 1e9, 1),
+                "tflops": round(3.5 * 4 * pairs * q_heads * dim / ms / 1e9, 1),
                 "plan_build_ms": round(build_ms, 2)}
+        if bwd_config is not None:
+            line["fa4_bwd_config"] = bwd_config
         if first is None:
             first = results
         else:
@@ -91,6 +122,12 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--flash-impl", default="FA4", choices=flash_impl.CHOICES[1:])
+    parser.add_argument("--heads", default="{}:{}:{}".format(*HEADS),
+                        type=lambda text: tuple(int(x) for x in text.split(":")),
+                        help="query heads:key/value heads:head width")
+    parser.add_argument("--fa4-bwd-configs", type=json.loads, default=None,
+                        help="masked path once per entry: fields of FA4's Hopper BwdConfig to "
+                        "replace, e.g. '[{}, {\"m_block_size\": 128, \"num_stages_Q\": 1}]'")
     args = parser.parse_args()
     flash_impl.use(args.flash_impl)
     lines = []
@@ -98,7 +135,8 @@ def main() -> None:
         group_size, budget = (int(x) for x in spec.split(":"))
         lines += case(args.paths.split(","), group_size, budget, args.repeats, args.prompt_len,
                       args.completion_len)
-    print(json.dumps({"summary": [(r["case"], r["path"], r["fwd_bwd_ms"]) for r in lines]}))
+    print(json.dumps({"summary": [(r["case"], r["path"], r.get("fa4_bwd_config"), r["fwd_bwd_ms"])
+                                  for r in lines]}))
 
 
 if __name__ == "__main__":
