@@ -134,7 +134,7 @@ def main() -> None:
     for spec in args.cases.split(","):
         group_size, budget = (int(x) for x in spec.split(":"))
         lines += case(args.paths.split(","), group_size, budget, args.repeats, args.prompt_len,
-                      args.completion_len)
+                      args.completion_len, args.heads, args.fa4_bwd_configs)
     print(json.dumps({"summary": [(r["case"], r["path"], r.get("fa4_bwd_config"), r["fwd_bwd_ms"])
                                   for r in lines]}))
 
