@@ -333,9 +333,11 @@ def test_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch,
     assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "masked"
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "masked"
     assert choose_backend(cuda, torch.bfloat16, row - 1, head_dim=128) == "varlen"  # host-bound
-    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "levels"  # Qwen3.5
-    assert choose_backend(cuda, torch.bfloat16, row, head_dim=256) == "varlen"
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "masked"  # Qwen3.5
+    assert choose_backend(cuda, torch.bfloat16, long_row - 1, head_dim=256) == "varlen"
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=192) == "levels"  # FA4: no
     assert choose_backend(cuda, torch.bfloat16, long_row) == "levels"  # head width unknown
     monkeypatch.setattr(flash_impl, "torch_flash_impl", lambda: "default")
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "levels"
+    assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "levels"
     assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "varlen"

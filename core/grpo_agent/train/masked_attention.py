@@ -41,10 +41,19 @@ import torch
 
 BLOCK = 128  # query blocks; key blocks too for heads up to 128 wide (FA4's Hopper tiles)
 # Wider heads take 64-key blocks: FA4's block-sparse Hopper backward tiles 256-wide heads by 64
-# keys and its forward shrinks its key tile to the lists' key block. Only heads up to 128 wide
-# have run on a GPU, so FA4 refuses wider ones for now (the reference kernel takes both).
-MAX_HEAD_DIM = 128
+# keys and its forward shrinks its key tile to the lists' key block. Heads up to 128 wide and
+# 256 wide have run on a GPU against the reference; FA4 tiles the widths between (its 192-wide
+# backward) by 96 keys, which fits neither block, so they are refused.
+FA4_WIDE_HEAD = 256
+# `auto` takes masked from MASKED_MIN_TOKENS for heads up to this wide, for wider ones only
+# where it replaces levels (measured: tree_attention.MASKED_MIN_TOKENS).
+AUTO_MAX_HEAD_DIM = BLOCK
 KERNELS = ("fa4", "reference")
+
+
+def fa4_runs(head_dim: int) -> bool:
+    """Whether FA4's masked kernels take heads this wide (see FA4_WIDE_HEAD)."""
+    return head_dim <= BLOCK or head_dim == FA4_WIDE_HEAD
 
 
 def key_block(head_dim: int | None) -> int:
@@ -116,11 +125,11 @@ def _lists(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def masked_tree_attention(query, key, value, plan: MaskedPlan, scaling) -> torch.Tensor:
     """Tree attention; inputs [1, heads, N, dim], output [1, N, heads, dim]."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim] views
-    if plan.kernel == "fa4" and q.shape[-1] > MAX_HEAD_DIM:
+    if plan.kernel == "fa4" and not fa4_runs(q.shape[-1]):
         raise ValueError(
-            f"the 'masked' tree attention backend has run FlashAttention 4 only for heads up to "
-            f"{MAX_HEAD_DIM} wide (this model: {q.shape[-1]}). Use backend='auto' (varlen or "
-            "levels) for this model.")
+            f"the 'masked' tree attention backend runs FlashAttention 4 for heads up to {BLOCK} "
+            f"wide or {FA4_WIDE_HEAD} wide (this model: {q.shape[-1]}). Use backend='auto' "
+            "(varlen or levels) for this model.")
     if plan.key_block != key_block(q.shape[-1]):
         raise ValueError(
             f"this masked plan has {plan.key_block}-key blocks; heads {q.shape[-1]} wide need "

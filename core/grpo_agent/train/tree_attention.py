@@ -17,7 +17,8 @@ own keys, merged by their log-sum-exps (`level_attention`): less GPU work and me
 pace (measured on an H200: docs/performance.md). "masked" is one FlashAttention 4 call per
 layer with the predicate as the kernel's mask and the trie as its block sparsity
 (`masked_attention`; Hopper/Blackwell with flash-attn-4): neither gathered keys nor parts;
-"auto" picks it over both for rows of MASKED_MIN_TOKENS or more wherever FA4 runs. Otherwise
+"auto" picks it over both for rows of MASKED_MIN_TOKENS or more wherever FA4 runs (heads over
+128 wide: over "levels" only, from LEVELS_MIN_TOKENS). Otherwise
 on CUDA, "flex": FlexAttention with a block mask built from the predicate (sparse blocks are
 skipped). On CPU, where FlexAttention has no backward, "gather": the same plan as
 "varlen" with one SDPA call per segment (work and memory grow with the sum of segment x path
@@ -60,6 +61,10 @@ LEVELS_MIN_TOKENS = 12288
 # long as its rows were measured (8k and 16k tokens on an H100; docs/performance.md); shorter
 # rows are host-bound, where FA4's Python per call costs more than it saves.
 MASKED_MIN_TOKENS = 8192
+# Heads wider than masked_attention.AUTO_MAX_HEAD_DIM (Qwen3.5's 256) take "masked" only where
+# it replaces "levels" (rows of LEVELS_MIN_TOKENS or more): one such layer on an H100 took 3.46
+# ms masked, 5.13 levels, 3.68 varlen at 14.7k tokens, but 2.39 masked against 1.93 varlen at
+# 5.9k (bench/tree_paths.py --heads 8:2:256).
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
 
@@ -153,20 +158,23 @@ def _level_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
 
 def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int = 0,
                    head_dim: int | None = None) -> str:
-    """gather on CPU. On CUDA in half precision with flash kernels: masked for rows of at
-    least MASKED_MIN_TOKENS where torch's flash ops run FlashAttention 4 (`flash_impl`) and the
-    heads fit its blocks (on an H100 the trainer's 8k-row step 5-6% faster than varlen, the
-    1.7B step at 16k rows 2.7-3.1% faster than levels at G=8 and level at G=56); otherwise
-    levels for rows of at least LEVELS_MIN_TOKENS, varlen below (measured faster on either
-    side: LEVELS_MIN_TOKENS); varlen was as fast as flex or faster for every packing ratio on
-    an H200, eager and compiled; else flex."""
+    """gather on CPU. On CUDA in half precision with flash kernels: masked for rows of at least
+    MASKED_MIN_TOKENS where torch's flash ops run FlashAttention 4 (`flash_impl`) and the
+    heads fit its blocks, from LEVELS_MIN_TOKENS for 256-wide heads (on an H100 the
+    trainer's 8k-row step 5-6% faster than varlen, the 1.7B step at 16k rows 2.7-3.1%
+    faster than levels at G=8 and level at G=56); otherwise levels for rows of at least
+    LEVELS_MIN_TOKENS, varlen below (measured faster on either side: LEVELS_MIN_TOKENS);
+    varlen was as fast as flex or faster for every packing ratio on an H200, eager and
+    compiled; else flex."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
-    fits = head_dim is not None and head_dim <= masked_attention.MAX_HEAD_DIM
-    if fits and tokens >= MASKED_MIN_TOKENS and flash_impl.torch_flash_impl() == "FA4":
-        return "masked"
+    if head_dim is not None and masked_attention.fa4_runs(head_dim):
+        narrow = head_dim <= masked_attention.AUTO_MAX_HEAD_DIM
+        masked_from = MASKED_MIN_TOKENS if narrow else LEVELS_MIN_TOKENS
+        if tokens >= masked_from and flash_impl.torch_flash_impl() == "FA4":
+            return "masked"
     if tokens >= LEVELS_MIN_TOKENS and torch.backends.cuda.is_flash_attention_available():
         return "levels"
     return "varlen" if varlen_attention.varlen_kernel() is not None else "flex"
