@@ -19,6 +19,7 @@ largest relative difference to the first variant. One JSON line per variant, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -31,6 +32,7 @@ import time
 import torch
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.testing.offline import OfflineTrainer
+from grpo_agent.top_logprobs import TopLogprobs
 from grpo_agent.train import flash_impl
 from grpo_agent.train.row_graphs import Bucket
 from grpo_agent.types import TrainingSample, TrainingSequence
@@ -53,8 +55,9 @@ def make_groups(steps: int, budget: int, group_size: int, prompt_len: int, compl
                     for _ in range(gen.randint(completion_len // 2, completion_len * 3 // 2))]
             mask = [0] * prompt_len + [1] * len(comp)
             lps = [near + gen.uniform(-0.3, 0.3) if m else 0.0 for m in mask]
-            top = [{gen.randrange(vocab): near + gen.uniform(-0.3, 0.3) for _ in range(topk)}
-                   if m else None for m in mask] if topk else None
+            top = TopLogprobs.from_dicts(  # as the rollout worker hands them over
+                [{gen.randrange(vocab): near + gen.uniform(-0.3, 0.3) for _ in range(topk)}
+                 if m else None for m in mask]) if topk else None
             samples.append(TrainingSample(
                 TrainingSequence(prompt + comp, mask, lps, sampler_top_logprobs=top),
                 advantage=gen.uniform(-1, 1), model_version=0, group_id=group,
@@ -114,6 +117,7 @@ def run_variant(graphs: bool, opts, samples, tokenizer) -> dict:
         "steps": len(logs.logs), "timed_steps": len(after),
         "fwd_bwd_s": round(median("perf/fwd_bwd_s"), 5),
         "step_s": round(median("perf/step_s"), 5),
+        "step_s_mean": round(statistics.mean(log["perf/step_s"] for log in after), 5),
         "trained_tokens_per_s": round(trained, 1),
         "fwd_bwd_mfu": round(median("perf/fwd_bwd_mfu"), 4) if "perf/fwd_bwd_mfu" in after[0]
         else None,
@@ -148,6 +152,9 @@ def main() -> None:
                         help="the tree attention path every row takes (auto: the trainer's "
                         "choice; e.g. varlen or masked to compare paths at one budget)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gc", default="managed", choices=["managed", "python"],
+                        help="python: leave Python's cyclic collector as it is during planning "
+                        "and the run (the trainer before train/heap.py), for a before/after")
     opts = parser.parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/trainer_graphs.py needs a CUDA GPU (or --device cpu to smoke-test).")
@@ -162,6 +169,11 @@ def main() -> None:
 
         tree_attention.choose_backend = lambda *args, **kwargs: opts.tree_backend
 
+    if opts.gc == "python":
+        from grpo_agent.train import heap
+
+        heap.cyclic_gc_paused = contextlib.nullcontext
+        heap.freeze_long_lived = heap.thaw = lambda: None
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())  # unused without a server
     results = []
     for name in opts.variants.split(","):
@@ -175,7 +187,7 @@ def main() -> None:
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     summary = {"model": opts.model, "token_budget": opts.token_budget,
-               "tree_backend": opts.tree_backend,
+               "tree_backend": opts.tree_backend, "gc": opts.gc,
                "group_size": opts.group_size, "topk": opts.topk, "compile": opts.compile,
                "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}
     if len(results) == 2:

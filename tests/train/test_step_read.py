@@ -188,3 +188,25 @@ def test_loss_metrics_are_means_over_the_steps_trained_tokens(tiny_qwen3):
         diff.max().item(), rel=1e-5)
     row_means = sum(d.mean().item() for d in diff.split([8, 16])) / 2
     assert abs(reading.metrics["sampling/sampling_logp_difference/mean"] - row_means) > 0.1
+
+
+def test_steps_are_planned_with_the_cyclic_collector_off_and_the_heap_thawed_after(
+        tmp_path, monkeypatch):
+    """A step's trie (a node per token) is built with the collector paused, and what existed
+    at train begin and after step 1 is frozen out of collections until train returns."""
+    import gc
+
+    from grpo_agent.train.batching import StepPlanner
+
+    seen = []
+    plan = StepPlanner.plan
+
+    def planning(self, leftover=None):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return plan(self, leftover)
+
+    monkeypatch.setattr(StepPlanner, "plan", planning)
+    assert gc.isenabled()
+    train(tmp_path, steps=3)
+    assert seen == [(False, True)] * 3  # every step planned paused, with a frozen heap
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # as before train

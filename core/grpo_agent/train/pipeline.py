@@ -17,7 +17,7 @@ from grpo_agent import stall
 from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
-from grpo_agent.train import collectives, flash_impl, fsdp, setup
+from grpo_agent.train import collectives, flash_impl, fsdp, heap, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.step_source import StepSource
 
@@ -82,8 +82,9 @@ class RolloutPipelineMixin:
                 num_processes=fsdp.world_size(),
                 grad_accum_steps=self.args.gradient_accumulation_steps,
             )
-            self._step_samples = self.source.next_step(planner)
-            plan = planner.plan()
+            with heap.cyclic_gc_paused():  # a trie node per token: no cycles, many objects
+                self._step_samples = self.source.next_step(planner)
+                plan = planner.plan()
             if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
                 self.source.worker.hold_admission()  # until the push: new groups would arrive stale
         if fsdp.world_size() > 1:

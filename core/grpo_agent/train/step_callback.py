@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from grpo_agent.train import fsdp, perf
+from grpo_agent.train import fsdp, heap, perf
 
 
 class AsyncStepCallback(TrainerCallback):
@@ -26,6 +26,7 @@ class AsyncStepCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.start_pipeline()
+        heap.freeze_long_lived()  # the model, optimizer and pipeline: out of later collections
         self._step_started = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -37,6 +38,8 @@ class AsyncStepCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         done = self.trainer.end_step(state)
+        if state.global_step == 1:
+            heap.freeze_long_lived()  # what the first step built: compiled graphs, buffers
         self._record_step_metrics()
         if done:
             control.should_training_stop = True

@@ -28,7 +28,7 @@ from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.loop import AsyncRolloutLoop
-from grpo_agent.train import collectives, fsdp, graphed_rows, perf, setup
+from grpo_agent.train import collectives, fsdp, graphed_rows, heap, perf, setup
 from grpo_agent.train.checkpoint import (
     PromptLedger,
     RolloutState,
@@ -195,6 +195,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
             self._stop_pipeline(at_once=interrupted)
+            heap.thaw()  # frozen at train begin (train/step_callback.py)
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
         if checkpoint is None:
