@@ -3,7 +3,7 @@ its own sample's history, and each forwarded position predicts at most one train
 
 from __future__ import annotations
 
-from grpo_agent.train.packing import pack_row
+from grpo_agent.train.packing import PrefixTrie, pack_row, predicts_trained
 from grpo_agent.train.tree_attention import dense_tree_mask
 from grpo_agent.types import TrainingSample, TrainingSequence
 from hypothesis import given, settings
@@ -58,3 +58,35 @@ def test_interval_rule_of_the_flex_kernel_equals_the_tree_rule(specs):
     idx = torch.arange(row.num_tokens)
     interval = (idx[None, :] <= idx[:, None]) & (idx[:, None] < until[None, :])
     assert torch.equal(interval, dense_tree_mask(row.segment_ids, row.segment_ancestors))
+
+
+class _NodeByNodeTrie(PrefixTrie):
+    """The walk without the shortcut along the last sample's prefix."""
+
+    def _shared(self, token_ids, predicts_trained):
+        path, node = [], self.root
+        for token, claims in zip(token_ids, predicts_trained):
+            node = self._child(node, token, claims)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(sample_spec, min_size=1, max_size=6))
+def test_the_shortcut_along_the_last_prefix_builds_the_same_row(specs):
+    samples = [_sample(*spec) for spec in specs]
+    fast, slow = PrefixTrie(), _NodeByNodeTrie()
+    for s in samples:
+        claims = predicts_trained(s)
+        assert fast.added_tokens(s.sequence.token_ids, claims) == slow.added_tokens(
+            s.sequence.token_ids, claims)
+        fast.insert(s.sequence.token_ids, claims)
+        slow.insert(s.sequence.token_ids, claims)
+    assert (fast.num_nodes, fast.attention_cost) == (slow.num_nodes, slow.attention_cost)
+    a, b = pack_row(samples, fast), pack_row(samples, slow)
+    for name in ("input_ids", "position_ids", "segment_ids", "segment_ancestors", "pred_index",
+                 "targets", "token_sample"):
+        assert getattr(a, name).equal(getattr(b, name)), name
+    assert a.segment_paths == b.segment_paths

@@ -26,7 +26,7 @@ from grpo_agent.types import TrainingSample
 NO_TARGET = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Node:
     token: int
     depth: int
@@ -36,13 +36,20 @@ class _Node:
 
 
 class PrefixTrie:
-    """Incremental trie over token sequences; `added_tokens` previews the cost of an insert."""
+    """Incremental trie over token sequences; `added_tokens` previews the cost of an insert.
+
+    A walk node by node costs a Python step per token, and most samples repeat the previous
+    one's prompt (its group's). So a walk first takes, in one step, the prefix it shares with
+    the sample inserted last, up to where either claims a trained token: there both walks
+    follow the first child with the token, which the last sample's path already is (children
+    are only ever appended). Node by node from there."""
 
     def __init__(self) -> None:
         self.root = _Node(token=NO_TARGET, depth=-1)
         self.num_nodes = 0
         self.attention_cost = 0  # sum over nodes of the keys they attend to (depth + 1)
         self.paths: list[list[_Node]] = []
+        self._last: tuple[list[int], int] = ([], 0)  # last inserted tokens, first claim
 
     def _child(self, node: _Node, token: int, claims_target: bool) -> _Node | None:
         for child in node.children:
@@ -50,35 +57,67 @@ class PrefixTrie:
                 return child
         return None
 
+    def _shared(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
+        """The existing nodes this sequence would share, one per token from its start."""
+        last_tokens, last_claim = self._last
+        limit = min(last_claim, _first_claim(predicts_trained))
+        path = self.paths[-1][:_common_prefix(last_tokens, token_ids, limit)] if self.paths else []
+        node = path[-1] if path else self.root
+        for depth in range(len(path), len(token_ids)):
+            node = self._child(node, token_ids[depth], predicts_trained[depth])
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def added_tokens(self, token_ids: list[int], predicts_trained: list[bool]) -> tuple[int, int]:
         """(new nodes, added attention cost) if this sequence were inserted."""
-        node, depth = self.root, 0
-        for depth, (token, claims) in enumerate(zip(token_ids, predicts_trained)):
-            child = self._child(node, token, claims)
-            if child is None:
-                new = len(token_ids) - depth
-                cost = sum(d + 1 for d in range(depth, len(token_ids)))
-                return new, cost
-            node = child
-        return 0, 0
+        shared, total = len(self._shared(token_ids, predicts_trained)), len(token_ids)
+        return total - shared, (total * (total + 1) - shared * (shared + 1)) // 2
 
     def insert(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
         """Insert one sample; returns its path (one node per token)."""
-        owner = len(self.paths)
-        node, path = self.root, []
-        for depth, (token, claims) in enumerate(zip(token_ids, predicts_trained)):
-            child = self._child(node, token, claims)
-            if child is None:
-                child = _Node(token=token, depth=depth)
-                node.children.append(child)
-                self.num_nodes += 1
-                self.attention_cost += depth + 1
-            if claims:
+        owner, total, first = len(self.paths), len(token_ids), _first_claim(predicts_trained)
+        path = self._shared(token_ids, predicts_trained)
+        shared = len(path)
+        self.num_nodes += total - shared
+        self.attention_cost += (total * (total + 1) - shared * (shared + 1)) // 2
+        for depth in range(first, shared):
+            if predicts_trained[depth]:
+                path[depth].target_owner = owner
+        node = path[-1] if path else self.root
+        for depth in range(shared, total):
+            child = _Node(token=token_ids[depth], depth=depth)
+            if predicts_trained[depth]:
                 child.target_owner = owner
+            node.children.append(child)
             path.append(child)
             node = child
         self.paths.append(path)
+        self._last = (token_ids, first)
         return path
+
+
+def _first_claim(predicts_trained: list[bool]) -> int:
+    """The first position that predicts a trained token (the length if none does)."""
+    try:
+        return predicts_trained.index(True)
+    except ValueError:
+        return len(predicts_trained)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most `limit` (slices compare in C)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def predicts_trained(sample: TrainingSample) -> list[bool]:
