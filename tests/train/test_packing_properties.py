@@ -90,3 +90,13 @@ def test_the_shortcut_along_the_last_prefix_builds_the_same_row(specs):
                  "targets", "token_sample"):
         assert getattr(a, name).equal(getattr(b, name)), name
     assert a.segment_paths == b.segment_paths
+
+
+def test_token_ids_as_tuples_or_arrays_pack_like_lists():
+    import numpy as np
+
+    samples = [_sample([1, 2, 3], [1, 2], [0, 0, 0, 1, 1]), _sample([1, 2, 3], [3], [0, 0, 0, 1])]
+    trie = PrefixTrie()
+    for s, kind in zip(samples, (tuple, np.asarray)):
+        trie.insert(kind(s.sequence.token_ids), predicts_trained(s))
+    assert pack_row(samples, trie).input_ids.equal(pack_row(samples).input_ids)

@@ -59,6 +59,7 @@ class PrefixTrie:
 
     def _shared(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
         """The existing nodes this sequence would share, one per token from its start."""
+        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)  # e.g. arrays
         last_tokens, last_claim = self._last
         limit = min(last_claim, _first_claim(predicts_trained))
         path = self.paths[-1][:_common_prefix(last_tokens, token_ids, limit)] if self.paths else []
@@ -94,7 +95,7 @@ class PrefixTrie:
             path.append(child)
             node = child
         self.paths.append(path)
-        self._last = (token_ids, first)
+        self._last = (token_ids if isinstance(token_ids, list) else list(token_ids), first)
         return path
 
 
