@@ -23,7 +23,8 @@ Measured on an H100 (docs/performance.md): one layer alone 0.66-0.84x the best o
 time; in the compiled 1.7B step at 16k rows 2.7-3.1% faster than levels at G=8 (MFU 0.486),
 level at G=56 (its kernels run slower than the level parts' in the model: mask work in the
 partial blocks, 36-39% of those visited, and 1.2x block rounding); the trainer's 8k-row step
-5-6% faster than varlen. So `tree_attention.choose_backend` takes it wherever FA4 runs.
+5-6% faster than varlen. So `tree_attention.choose_backend` takes it wherever FA4 runs (256-wide
+heads from longer rows).
 
 Kernels: "fa4" (CUDA, bf16/fp16, flash-attn-4 installed, compute capability 9.x/10.x) or
 "reference": the same contract in dense float32 math that applies the *block lists* (full
