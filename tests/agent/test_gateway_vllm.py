@@ -318,7 +318,9 @@ def test_a_call_over_the_rollouts_budget_gets_a_429_the_agent_sees(warm_server, 
 def test_responses_api_tool_calls_are_function_call_items_and_multi_turn_is_one_sample(
         warm_server, tmp_path, chain, stream):
     async def main():
-        async with started_loop(warm_server, tmp_path, harness_agents.responses_counter_agent) as loop:
+        # nearly greedy, as in the chat test above: a fork can only come from the gateway
+        async with started_loop(warm_server, tmp_path, harness_agents.responses_counter_agent,
+                                config={"temperature": 0.1}) as loop:
             rows = [{"target": t, "chain": chain, "stream": stream} for t in (1, 2, 3, 4)]
             results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
             session = loop.gateway.open_session(0)
