@@ -2,15 +2,16 @@
 
 `AsyncGRPOTrainer` trains `--steps` optimizer steps without a server (`testing.offline`: the
 rollout worker is a script that hands over every sample at once): the step planner, tree
-packing, the policy loss with score centering's top-k term, the loss metrics and fused AdamW
-all run as in a real run. The model is a random Qwen3 shape in bf16 (`--compile`: decoder
-layers compiled, as `torch_compile=True`); the samples are groups of `--group-size` sharing a
-prompt, completions of varying length, the sampler's top `--topk` log-probs per token, about
-one `--token-budget` row per step. Per variant: medians over the steps after `--warmup` of the
-rows' device time (`perf/fwd_bwd_s`) and the step's wall time (`perf/step_s`; also its mean,
-which carries the steps a full garbage collection hit: `--gc python` leaves the collector as it
-was before `train/heap.py`), the whole run's wall time (captures included), row shapes captured, peak memory, and the per-step losses'
-largest relative difference to the first variant. One JSON line per variant, then a summary.
+packing, the policy loss with score centering's top-k term, the loss metrics and fused AdamW all
+run as in a real run. The model is a random Qwen3 shape in bf16 (`--compile`: decoder layers
+compiled, as `torch_compile=True`); the samples are groups of `--group-size` sharing a prompt,
+completions of varying length, the sampler's top `--topk` log-probs per token, about one
+`--token-budget` row per step. Per variant: medians over the steps after `--warmup` of the rows'
+device time (`perf/fwd_bwd_s`) and the step's wall time (`perf/step_s`; also its mean, which
+carries the steps a full garbage collection hit: `--gc python` leaves the collector as it was
+before `train/heap.py`), the whole run's wall time (captures included), row shapes captured,
+peak memory, and the per-step losses' largest relative difference to the first variant. One JSON
+line per variant, then a summary.
 
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
     python bench/trainer_graphs.py --token-budget 16384 --model qwen3-1.7b
