@@ -9,7 +9,9 @@ with compiled graphs and a real model's modules), one step in three to five. The
 no cycles (children lists, no parent links), so reference counting frees them when the plan
 is made; the collector has nothing to find there. So:
 
-- `cyclic_gc_paused` turns the collector off while a step is pulled and planned;
+- `cyclic_gc_paused` turns the collector off while a step is pulled and planned (the whole
+  pull: a collection run between two samples would promote the nodes as before; cyclic
+  garbage other threads make meanwhile waits for the next collection after it);
 - `freeze_long_lived` moves what exists at train begin and after the first step (modules,
   compiled graphs, the pipeline) to the permanent generation (`gc.freeze`), so a collection
   that does run walks only what the run made since; `thaw` gives them back to the collector
