@@ -46,9 +46,6 @@ BLOCK = 128  # query blocks; key blocks too for heads up to 128 wide (FA4's Hopp
 # 256 wide have run on a GPU against the reference; FA4 tiles the widths between (its 192-wide
 # backward) by 96 keys, which fits neither block, so they are refused.
 FA4_WIDE_HEAD = 256
-# `auto` takes masked from MASKED_MIN_TOKENS for heads up to this wide, for wider ones only
-# where it replaces levels (measured: tree_attention.MASKED_MIN_TOKENS).
-AUTO_MAX_HEAD_DIM = BLOCK
 KERNELS = ("fa4", "reference")
 
 
@@ -59,7 +56,7 @@ def fa4_runs(head_dim: int) -> bool:
 
 def key_block(head_dim: int | None) -> int:
     """Keys per block for heads this wide: 128 up to 128 wide, 64 above."""
-    return 64 if head_dim is not None and head_dim > 128 else BLOCK
+    return 64 if head_dim is not None and head_dim > BLOCK else BLOCK
 
 
 @dataclass

@@ -59,7 +59,7 @@ class PrefixTrie:
 
     def _shared(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
         """The existing nodes this sequence would share, one per token from its start."""
-        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)  # e.g. arrays
+        token_ids = _as_list(token_ids)
         last_tokens, last_claim = self._last
         limit = min(last_claim, _first_claim(predicts_trained))
         path = self.paths[-1][:_common_prefix(last_tokens, token_ids, limit)] if self.paths else []
@@ -74,15 +74,16 @@ class PrefixTrie:
     def added_tokens(self, token_ids: list[int], predicts_trained: list[bool]) -> tuple[int, int]:
         """(new nodes, added attention cost) if this sequence were inserted."""
         shared, total = len(self._shared(token_ids, predicts_trained)), len(token_ids)
-        return total - shared, (total * (total + 1) - shared * (shared + 1)) // 2
+        return total - shared, _added_cost(total, shared)
 
     def insert(self, token_ids: list[int], predicts_trained: list[bool]) -> list[_Node]:
         """Insert one sample; returns its path (one node per token)."""
+        token_ids = _as_list(token_ids)
         owner, total, first = len(self.paths), len(token_ids), _first_claim(predicts_trained)
         path = self._shared(token_ids, predicts_trained)
         shared = len(path)
         self.num_nodes += total - shared
-        self.attention_cost += (total * (total + 1) - shared * (shared + 1)) // 2
+        self.attention_cost += _added_cost(total, shared)
         for depth in range(first, shared):
             if predicts_trained[depth]:
                 path[depth].target_owner = owner
@@ -95,8 +96,18 @@ class PrefixTrie:
             path.append(child)
             node = child
         self.paths.append(path)
-        self._last = (token_ids if isinstance(token_ids, list) else list(token_ids), first)
+        self._last = (token_ids, first)
         return path
+
+
+def _as_list(token_ids) -> list[int]:
+    """Token ids as a list (tuples or arrays would not compare as slices of one)."""
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
+
+
+def _added_cost(total: int, shared: int) -> int:
+    """Attention cost of the nodes at depths shared..total-1: sum of (depth + 1)."""
+    return (total * (total + 1) - shared * (shared + 1)) // 2
 
 
 def _first_claim(predicts_trained: list[bool]) -> int:

@@ -61,10 +61,11 @@ LEVELS_MIN_TOKENS = 12288
 # long as its rows were measured (8k and 16k tokens on an H100; docs/performance.md); shorter
 # rows are host-bound, where FA4's Python per call costs more than it saves.
 MASKED_MIN_TOKENS = 8192
-# Heads wider than masked_attention.AUTO_MAX_HEAD_DIM (Qwen3.5's 256) take "masked" only where
-# it replaces "levels" (rows of LEVELS_MIN_TOKENS or more): one such layer on an H100 took 3.46
-# ms masked, 5.13 levels, 3.68 varlen at 14.7k tokens, but 2.39 masked against 1.93 varlen at
-# 5.9k (bench/tree_paths.py --heads 8:2:256).
+# Heads wider than this (Qwen3.5's 256) take "masked" only where it replaces "levels" (rows of
+# LEVELS_MIN_TOKENS or more): one such layer on an H100 took 3.46 ms masked, 5.13 levels, 3.68
+# varlen at 14.7k tokens, but 2.39 masked against 1.93 varlen at 5.9k (bench/tree_paths.py
+# --heads 8:2:256).
+MASKED_MIN_TOKENS_MAX_HEAD_DIM = 128
 COMPILE_BLOCK_MASK = True  # compiled mask construction: no [N, N] tensor on the GPU
 
 
@@ -171,7 +172,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int 
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
         return "flex"
     if head_dim is not None and masked_attention.fa4_runs(head_dim):
-        narrow = head_dim <= masked_attention.AUTO_MAX_HEAD_DIM
+        narrow = head_dim <= MASKED_MIN_TOKENS_MAX_HEAD_DIM
         masked_from = MASKED_MIN_TOKENS if narrow else LEVELS_MIN_TOKENS
         if tokens >= masked_from and flash_impl.torch_flash_impl() == "FA4":
             return "masked"
