@@ -11,12 +11,17 @@ device time (`perf/fwd_bwd_s`) and the step's wall time (`perf/step_s`; also its
 carries the steps a full garbage collection hit: `--gc python` leaves the collector as it was
 before `train/heap.py`), the whole run's wall time (captures included), row shapes captured,
 peak memory, and the per-step losses' largest relative difference to the first variant. One JSON
-line per variant, then a summary.
+line per variant, then a summary. `--profile N` also profiles N steps after the warm-up and says
+where their wall time went: the GPU's busy and idle time, and per phase of the step (planning,
+rows, gradient clipping, optimizer, step end, logging) the host's time and the GPU idle time
+that phase left (`step_phases`).
 
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
     python bench/trainer_graphs.py --token-budget 16384 --model qwen3-1.7b
     python bench/trainer_graphs.py --device cpu --model tiny --variants eager --no-compile  # smoke
     python bench/trainer_graphs.py --variants eager --tree-backend masked  # FA4, tree as mask
+    python bench/trainer_graphs.py --model qwen3-1.7b --token-budget 16384 --variants eager \
+        --steps 12 --warmup 6 --profile 3                     # where the step's time goes
 """
 from __future__ import annotations
 
@@ -70,6 +75,114 @@ def make_groups(steps: int, budget: int, group_size: int, prompt_len: int, compl
     return samples
 
 
+# The step's phases as the profile names them: trainer methods (and torch functions) timed on the
+# host; the optimizer by torch's global step hooks.
+PHASES = {"plan": ("trainer", "get_batch_samples"), "row": ("trainer", "training_step"),
+          "step_read": ("trainer", "read_step_rows"), "step_end": ("trainer", "end_step"),
+          "log": ("trainer", "log"), "clip_grad": ("trainer", "_clip_grad_norm")}
+
+
+@contextlib.contextmanager
+def phases_recorded():
+    """Each phase of PHASES (and the optimizer step) inside a profiler range of its name."""
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+    from torch.autograd.profiler import record_function
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    owners = {"trainer": AsyncGRPOTrainer}
+    saved = []
+    for name, (owner, attr) in PHASES.items():
+        target = owners[owner]
+        original = getattr(target, attr)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            with record_function(f"phase:{_name}"):
+                return _original(*args, **kwargs)
+
+        saved.append((target, attr, original))
+        setattr(target, attr, timed)
+    open_ranges = []
+    pre = register_optimizer_step_pre_hook(
+        lambda *_: open_ranges.append(record_function("phase:optimizer").__enter__()))
+    post = register_optimizer_step_post_hook(
+        lambda *_: open_ranges.pop().__exit__(None, None, None))
+    try:
+        yield
+    finally:
+        pre.remove(), post.remove()
+        for target, attr, original in saved:
+            setattr(target, attr, original)
+
+
+def _union(intervals):
+    """Merged [start, end) intervals, sorted."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _overlap(spans, start, end) -> float:
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+
+def step_phases(prof, steps: int) -> dict:
+    """Where the profiled steps' wall time went: GPU busy/idle over the window, and per phase
+    the host's time and the GPU time idle (and busy) while the host was in it (ms per step)."""
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    ranges = [(e.name.split(":", 1)[1], e.time_range.start, e.time_range.end) for e in events
+              if e.device_type.name == "CPU" and e.name.startswith("phase:")]
+    start = min(s for _, s, _ in ranges)
+    end = max(e for _, _, e in ranges)
+    busy = _union([(max(s, start), min(e, end)) for s, e in kernels if e > start and s < end])
+    edges = [start, *(t for span in busy for t in span), end]
+    idle = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]  # busy's complement
+    busy_ms = sum(e - s for s, e in busy) / 1e3
+    per = {}
+    for name, s, e in ranges:
+        entry = per.setdefault(name, {"host_ms": 0.0, "gpu_idle_ms": 0.0, "calls": 0})
+        entry["host_ms"] += (e - s) / 1e3
+        entry["gpu_idle_ms"] += _overlap(idle, s, e) / 1e3
+        entry["calls"] += 1
+    covered = _union([(s, e) for _, s, e in ranges])
+    outside_idle = sum(e - s for s, e in idle) - sum(_overlap(idle, s, e) for s, e in covered)
+    return {"steps": steps, "wall_ms_per_step": round((end - start) / 1e3 / steps, 2),
+            "gpu_busy_ms_per_step": round(busy_ms / steps, 2),
+            "gpu_idle_ms_per_step": round(((end - start) / 1e3 - busy_ms) / steps, 2),
+            "idle_outside_phases_ms_per_step": round(outside_idle / 1e3 / steps, 2),
+            "phases": {k: {"host_ms_per_step": round(v["host_ms"] / steps, 2),
+                           "gpu_idle_ms_per_step": round(v["gpu_idle_ms"] / steps, 2),
+                           "calls": v["calls"]} for k, v in per.items()}}
+
+
+class StepProfile(TrainerCallback):
+    """torch.profiler over `steps` whole steps after step `after` (from the end of one step to
+    the end of the last: each step's planning included)."""
+
+    def __init__(self, after: int, steps: int):
+        self.after, self.steps, self.prof, self.result = after, steps, None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from torch.profiler import ProfilerActivity, profile
+
+        if state.global_step == self.after:
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif self.prof is not None and state.global_step == self.after + self.steps:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.result, self.prof = step_phases(self.prof, self.steps), None
+
+
 class StepLogs(TrainerCallback):
     def __init__(self):
         self.logs = []
@@ -98,8 +211,12 @@ def run_variant(graphs: bool, opts, samples, tokenizer) -> dict:
         logs = StepLogs()
         trainer.add_callback(logs)
         trainer.remove_callback(PrinterCallback)
+        profiler = StepProfile(opts.warmup, opts.profile) if opts.profile else None
+        if profiler is not None:
+            trainer.add_callback(profiler)
         started = time.perf_counter()
-        trainer.train()
+        with phases_recorded() if profiler is not None else contextlib.nullcontext():
+            trainer.train()
         run_s = time.perf_counter() - started
         captured = trainer.graphed_rows.captured if graphs else 0
         buckets = list(trainer.graphed_rows.graphs.buffers) if graphs else []
@@ -134,6 +251,7 @@ def run_variant(graphs: bool, opts, samples, tokenizer) -> dict:
         "fwd_bwd_s_per_step": [round(log["perf/fwd_bwd_s"], 4) for log in logs.logs],
         "peak_gib": round(peak, 3) if cuda else None,
         "losses": [log["loss"] for log in logs.logs],
+        "step_phases": profiler.result if profiler is not None else None,
     }
 
 
@@ -157,7 +275,17 @@ def main() -> None:
     parser.add_argument("--gc", default="managed", choices=["managed", "python"],
                         help="python: leave Python's cyclic collector as it is during planning "
                         "and the run (the trainer before train/heap.py), for a before/after")
+    parser.add_argument("--plan-ahead", default="on", choices=["on", "off"],
+                        help="off: plan each step after the wait for the last one's rows (the "
+                        "trainer before plan_ahead), for a before/after")
+    parser.add_argument("--mask-rule", default="intervals", choices=["intervals", "until"],
+                        help="until: masked tree attention reads the per-key rule in every "
+                        "partial block (before masked_attention.query_spans)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="profile this many steps after the warm-up (CUDA): step_phases")
     opts = parser.parse_args()
+    if opts.profile and (opts.device != "cuda" or opts.warmup + opts.profile > opts.steps):
+        raise SystemExit("--profile needs --device cuda and warmup + profile <= steps")
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/trainer_graphs.py needs a CUDA GPU (or --device cpu to smoke-test).")
     kwargs, _, prompt_len, completion_len, _ = SHAPES[opts.model]
@@ -171,6 +299,14 @@ def main() -> None:
 
         tree_attention.choose_backend = lambda *args, **kwargs: opts.tree_backend
 
+    if opts.plan_ahead == "off":
+        from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+        AsyncGRPOTrainer.plan_ahead = lambda self, control: None
+    if opts.mask_rule == "until":
+        from grpo_agent.train import masked_attention
+
+        masked_attention.QUERY_SPANS = False
     if opts.gc == "python":
         from grpo_agent.train import heap
 
@@ -189,7 +325,8 @@ def main() -> None:
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     summary = {"model": opts.model, "token_budget": opts.token_budget,
-               "tree_backend": opts.tree_backend, "gc": opts.gc,
+               "tree_backend": opts.tree_backend, "gc": opts.gc, "plan_ahead": opts.plan_ahead,
+               "mask_rule": opts.mask_rule,
                "group_size": opts.group_size, "topk": opts.topk, "compile": opts.compile,
                "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}
     if len(results) == 2:

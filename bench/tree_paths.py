@@ -4,7 +4,8 @@ The paths exactly as a decoder layer calls them (bf16, 16 query heads over 8 key
 128 unless `--heads` says otherwise, bench/packing.py's rows): `varlen` (each segment against
 its gathered path, one flash call, the gather's backward a scatter-add), `levels` (self part +
 one part per depth, merged by log-sum-exp) and `masked` (one FlashAttention 4 call with the tree
-as its mask_mod and block lists from the trie). torch's flash ops run FlashAttention 4 when
+as its mask_mod and block lists from the trie; `masked_until` the same with the per-key rule
+in partial blocks instead of the queries' intervals). torch's flash ops run FlashAttention 4 when
 `--flash-impl FA4`, so the first two use the same kernels as the third. Per path: median ms of
 `--repeats` (CUDA events), TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as
 perf counts them), the plan's build time, and the largest output and gradient differences to the
@@ -57,6 +58,18 @@ def fa4_backward_config(override: dict):
         interface._tile_size_bwd_sm90 = original
 
 
+@contextlib.contextmanager
+def per_key_rule():
+    """Masked plans built meanwhile read `until` per key in partial blocks (no query spans)."""
+    from grpo_agent.train import masked_attention
+
+    masked_attention.QUERY_SPANS = False
+    try:
+        yield
+    finally:
+        masked_attention.QUERY_SPANS = True
+
+
 def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_len: int,
          completion_len: int, heads: tuple[int, int, int] = HEADS,
          bwd_configs: list[dict] | None = None) -> list[dict]:
@@ -68,13 +81,15 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
             for _ in range(2))
     grad = torch.randn(1, n, q_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     pairs, layer, lines, first = visible(row), _Layer(), [], None
-    runs = [(p, c) for p in paths for c in (bwd_configs if p == "masked" and bwd_configs
+    runs = [(p, c) for p in paths for c in (bwd_configs if p.startswith("masked") and bwd_configs
                                             else [None])]
     for path, bwd_config in runs:
         patch = fa4_backward_config(bwd_config) if bwd_config else contextlib.nullcontext()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tree = TreeMask.build(row, "cuda", path, dtype=torch.bfloat16, head_dim=dim)
+        with per_key_rule() if path == "masked_until" else contextlib.nullcontext():
+            tree = TreeMask.build(row, "cuda", path.removesuffix("_until"), dtype=torch.bfloat16,
+                                  head_dim=dim)
         torch.cuda.synchronize()
         build_ms = (time.perf_counter() - start) * 1e3
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -95,11 +95,11 @@ def test_a_step_blocks_until_its_rows_are_full_and_carries_the_overflow():
 
     # 3 tokens per sample, budget 7: two samples fill the single row of a step.
     source = step_source([[sample(0, 1)], [], [], [sample(1, 1), sample(2, 1)]], epoch_prompts=3)
-    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert [s.prompt_index for s in step] == [0, 1]  # waited through two empty pulls
     assert source.worker.pulls == 4
     source.ledger.record_trained(step)
-    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert [s.prompt_index for s in step] == [2]  # the carried sample; the epoch ends partial
     assert source.worker.pulls == 4
 
@@ -111,9 +111,9 @@ def test_a_carry_the_push_made_stale_is_noticed_as_consumed_not_trained():
     source = step_source([[sample(0, 1), sample(1, 1), sample(2, 1)]], epoch_prompts=3)
     on_policy = TokenAllowance(max_staleness=0, step_tokens=7)
     source.worker.recheck = lambda carry: on_policy.recheck_carry(carry, version=1)[0]
-    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert [s.prompt_index for s in step] == [0, 1]  # prompt 2's sample is carried
     source.ledger.record_trained(step)
-    step = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+    step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert step == []  # version 0 is stale under version 1: not trained
     assert source.ledger.frontier == 3  # prompt 2 counted consumed, so the epoch ends

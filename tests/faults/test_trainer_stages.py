@@ -156,7 +156,7 @@ def test_a_server_restore_in_the_queue_pull_runs_on_its_own_deadline(watch, tmp_
     source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): bool(seen),
                         window=SimpleNamespace(add=lambda *a: None), restore_server=restore,
                         no_progress_timeout=watch.config.no_progress_timeout)
-    assert source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1)) == []
+    assert source.next_step(StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1))[0] == []
     assert seen == ["queue_pull", "server_restore"]
     assert not (tmp_path / stall.REPORT_NAME).exists()  # the pull's clock stopped meanwhile
 

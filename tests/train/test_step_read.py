@@ -210,3 +210,39 @@ def test_steps_are_planned_with_the_cyclic_collector_off_and_the_heap_thawed_aft
     train(tmp_path, steps=3)
     assert seen == [(False, True)] * 3  # every step planned paused, with a frozen heap
     assert gc.isenabled() and gc.get_freeze_count() == 0  # as before train
+
+
+@pytest.mark.parametrize("save_steps", [None, 2])
+def test_the_next_step_is_planned_before_the_wait_for_this_ones_rows(tmp_path, save_steps):
+    """A step's end plans the next step first and waits for the GPU after (the host plans
+    while the GPU finishes the rows), except where the step saves or ends the run: a
+    checkpoint never holds pulled, untrained samples. Every group is trained once, in order."""
+    events = []
+
+    def setup(trainer):
+        step = lambda: trainer.state.global_step
+        for name, label in (("_next_step_plan", "plan"), ("read_step_rows", "read")):
+            inner = getattr(trainer, name)
+
+            def recorded(*args, _inner=inner, _label=label, **kwargs):
+                events.append((_label, step()))
+                return _inner(*args, **kwargs)
+
+            setattr(trainer, name, recorded)
+        end_step = trainer.end_step
+
+        def ending(state):
+            events.append(("end", state.global_step,
+                           sorted({s.group_id for s in trainer._step_samples})))
+            return end_step(state)
+
+        trainer.end_step = ending
+
+    config = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    train(tmp_path, steps=3, setup=setup, **config)
+    # ("plan", n): planned when n steps had ended, i.e. step n + 1's plan
+    assert events == [
+        ("plan", 0), ("end", 1, [0]), ("plan", 1), ("read", 1),
+        ("end", 2, [1]), *([("read", 2), ("plan", 2)] if save_steps else [("plan", 2), ("read", 2)]),
+        ("end", 3, [2]), ("read", 3),  # the last step plans nothing ahead
+    ]

@@ -1,9 +1,9 @@
 """`AsyncStepCallback`: the trainer's hooks between optimizer steps, and each step's perf metrics.
 
 Design decision: `transformers.Trainer` runs the training loop and calls callbacks at fixed
-points; this one only forwards them to the trainer (`start_pipeline`, `read_step_rows`,
-`end_step`, the ledger on save) and times the step, so the order of a step lives in one
-place, `AsyncGRPOTrainer.end_step`.
+points; this one only forwards them to the trainer (`start_pipeline`, `end_step`,
+`plan_ahead`, `read_step_rows`, the ledger on save) and times the step, so the order of a
+step lives in one place, `AsyncGRPOTrainer.end_step`.
 """
 from __future__ import annotations
 
@@ -30,19 +30,23 @@ class AsyncStepCallback(TrainerCallback):
         self._step_started = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.read_step_rows()
         self._optimizer_started = time.perf_counter()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer.window.add("perf/optimizer_s", time.perf_counter() - self._optimizer_started)
 
     def on_step_end(self, args, state, control, **kwargs):
+        """After transformers' own step end (which decides saving, evaluating, stopping): the
+        step's end, the next step's plan while the GPU finishes this one, then the one wait
+        for the GPU (the step's losses, metrics and timings) before the step is logged."""
         done = self.trainer.end_step(state)
         if state.global_step == 1:
             heap.freeze_long_lived()  # what the first step built: compiled graphs, buffers
-        self._record_step_metrics()
         if done:
             control.should_training_stop = True
+        self.trainer.plan_ahead(control)
+        self.trainer.read_step_rows()
+        self._record_step_metrics()
 
     def on_save(self, args, state, control, **kwargs):
         if fsdp.is_main_process():

@@ -40,7 +40,7 @@ class StepSource:
     """Fills optimizer steps from the rollout worker's sample queue (rank 0 only).
 
     `ledger` takes the prompt notices, `epochs_done(in_hand)` says whether the run's prompts
-    are all consumed counting the samples in hand, `window` takes the pull and worker metrics.
+    are all consumed counting the samples in hand, `window` takes the worker's metrics.
     """
 
     def __init__(self, worker: Any, *, ledger: PromptLedger,
@@ -57,9 +57,10 @@ class StepSource:
         self._last_starved_warning = 0.0
         self.no_progress = NoProgressGuard(no_progress_timeout, stall.active())
 
-    def next_step(self, planner: StepPlanner) -> list[TrainingSample]:
+    def next_step(self, planner: StepPlanner) -> tuple[list[TrainingSample], float]:
         """Fill `planner` with one step: block until its rows are full (the spec: kept groups
         fill the step) or every prompt of the run was consumed, whichever comes first.
+        Returns the samples and the seconds spent waiting for the worker.
 
         Returns no samples only when the run's prompt epochs were all consumed without a sample
         (every group dropped), so a run on a task its model never scores still ends.
@@ -96,8 +97,7 @@ class StepSource:
                     break
                 taken.append(sample)
         # Staleness, time in queue and queue size are recorded once, by the worker's pull.
-        self.window.add("perf/rollout_wait_s", waited)
-        return taken
+        return taken, waited
 
     def _restore(self, pull_stage: Any) -> None:
         """Bring the server back on the restore's deadline (a managed restart may take its

@@ -151,6 +151,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.source: StepSource | None = None
         self.pusher: Pusher | None = None
         self._step_samples: list[TrainingSample] = []
+        self._planned_ahead = None  # the next step's (plan, samples), from `plan_ahead`
         self.step_trained_tokens = 0  # this step's trained (completion) tokens, all processes
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
@@ -230,7 +231,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """One step's micro-batches for this process, planned from the queue on rank 0."""
-        plan = self._next_step_plan()
+        plan = self.take_step_plan()
         self.window.update(plan.metrics)
         # On, transformers reads each row's loss (a host wait per row): off while the rows run,
         # back on at the step's read, which filters the step instead.
