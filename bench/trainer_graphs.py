@@ -278,9 +278,6 @@ def main() -> None:
     parser.add_argument("--plan-ahead", default="on", choices=["on", "off"],
                         help="off: plan each step after the wait for the last one's rows (the "
                         "trainer before plan_ahead), for a before/after")
-    parser.add_argument("--mask-rule", default="intervals", choices=["intervals", "until"],
-                        help="until: masked tree attention reads the per-key rule in every "
-                        "partial block (before masked_attention.query_spans)")
     parser.add_argument("--profile", type=int, default=0,
                         help="profile this many steps after the warm-up (CUDA): step_phases")
     opts = parser.parse_args()
@@ -303,10 +300,6 @@ def main() -> None:
         from grpo_agent.train.trainer import AsyncGRPOTrainer
 
         AsyncGRPOTrainer.plan_ahead = lambda self, control: None
-    if opts.mask_rule == "until":
-        from grpo_agent.train import masked_attention
-
-        masked_attention.QUERY_SPANS = False
     if opts.gc == "python":
         from grpo_agent.train import heap
 
@@ -326,7 +319,6 @@ def main() -> None:
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     summary = {"model": opts.model, "token_budget": opts.token_budget,
                "tree_backend": opts.tree_backend, "gc": opts.gc, "plan_ahead": opts.plan_ahead,
-               "mask_rule": opts.mask_rule,
                "group_size": opts.group_size, "topk": opts.topk, "compile": opts.compile,
                "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}
     if len(results) == 2:

@@ -4,8 +4,10 @@ The paths exactly as a decoder layer calls them (bf16, 16 query heads over 8 key
 128 unless `--heads` says otherwise, bench/packing.py's rows): `varlen` (each segment against
 its gathered path, one flash call, the gather's backward a scatter-add), `levels` (self part +
 one part per depth, merged by log-sum-exp) and `masked` (one FlashAttention 4 call with the tree
-as its mask_mod and block lists from the trie; `masked_until` the same with the per-key rule
-in partial blocks instead of the queries' intervals). torch's flash ops run FlashAttention 4 when
+as its mask_mod and block lists from the trie). Two timing-only variants of `masked` say what its
+mask work costs (their results are wrong where the tree rule differs, so their differences are
+large): `masked_causal` applies `j <= i` alone in the partial blocks (no per-key load of the
+rule), `masked_full` lists every visible block as full (no mask work at all). torch's flash ops run FlashAttention 4 when
 `--flash-impl FA4`, so the first two use the same kernels as the third. Per path: median ms of
 `--repeats` (CUDA events), TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as
 perf counts them), the plan's build time, and the largest output and gradient differences to the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 
@@ -58,16 +61,37 @@ def fa4_backward_config(override: dict):
         interface._tile_size_bwd_sm90 = original
 
 
-@contextlib.contextmanager
-def per_key_rule():
-    """Masked plans built meanwhile read `until` per key in partial blocks (no query spans)."""
-    from grpo_agent.train import masked_attention
+TIMING_ONLY = ("masked_causal", "masked_full")
 
-    masked_attention.QUERY_SPANS = False
+
+@functools.cache
+def _causal_mask_mod():
+    from cutlass import cute
+
+    @cute.jit
+    def causal_only(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        return n_idx <= m_idx
+
+    return causal_only
+
+
+@contextlib.contextmanager
+def timing_variant(path: str, tree):
+    """`masked_causal` / `masked_full` from a masked plan (see the module docstring)."""
+    from grpo_agent.train import masked_attention as ma
+
+    plan, original = tree.masked, ma.tree_mask_mod
+    if path == "masked_full":
+        _, visible, _ = ma.block_pairs(plan.until, plan.key_block)
+        none = visible & False
+        plan.blocks = [*ma._lists(none), *ma._lists(visible), *ma._lists(none.T),
+                       *ma._lists(visible.T)]
+    elif path == "masked_causal":
+        ma.tree_mask_mod = _causal_mask_mod
     try:
         yield
     finally:
-        masked_attention.QUERY_SPANS = True
+        ma.tree_mask_mod = original
 
 
 def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_len: int,
@@ -81,15 +105,14 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
             for _ in range(2))
     grad = torch.randn(1, n, q_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     pairs, layer, lines, first = visible(row), _Layer(), [], None
-    runs = [(p, c) for p in paths for c in (bwd_configs if p.startswith("masked") and bwd_configs
+    runs = [(p, c) for p in paths for c in (bwd_configs if p == "masked" and bwd_configs
                                             else [None])]
     for path, bwd_config in runs:
         patch = fa4_backward_config(bwd_config) if bwd_config else contextlib.nullcontext()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with per_key_rule() if path == "masked_until" else contextlib.nullcontext():
-            tree = TreeMask.build(row, "cuda", path.removesuffix("_until"), dtype=torch.bfloat16,
-                                  head_dim=dim)
+        tree = TreeMask.build(row, "cuda", "masked" if path in TIMING_ONLY else path,
+                              dtype=torch.bfloat16, head_dim=dim)
         torch.cuda.synchronize()
         build_ms = (time.perf_counter() - start) * 1e3
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -102,6 +125,8 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
             out.backward(grad)
             return out
 
+        if path in TIMING_ONLY:
+            patch = timing_variant(path, tree)
         try:
             with patch:
                 out = step()

@@ -18,10 +18,8 @@ from grpo_agent.train.masked_attention import (
     BLOCK,
     MaskedPlan,
     block_pairs,
-    dense_rule,
     listed_mask,
     masked_tree_attention,
-    query_spans,
 )
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.tree_attention import dense_tree_mask, enable_tree_attention, visible_until
@@ -65,8 +63,8 @@ def test_block_lists_cover_exactly_the_tree_rule(seed, key_block):
     n, rule = row.num_tokens, dense_tree_mask(row.segment_ids, row.segment_ancestors)
     plan = MaskedPlan.build(_until(row), "reference", key_block)
     assert plan.key_block == key_block  # what both FA4 calls are given
-    assert torch.equal(listed_mask(rule, *plan.blocks[:4]), rule)
-    assert torch.equal(listed_mask(rule, *plan.blocks[4:], transposed=True), rule)
+    assert torch.equal(listed_mask(plan.until, *plan.blocks[:4], n), rule)
+    assert torch.equal(listed_mask(plan.until, *plan.blocks[4:], n, transposed=True), rule)
     _, visible, full = block_pairs(_until(row), key_block)
     blocks = -(-n // BLOCK)
     padded_rule = F.pad(rule, (0, blocks * BLOCK - n, 0, blocks * BLOCK - n))
@@ -86,47 +84,16 @@ def test_a_full_block_listed_where_one_pair_is_hidden_shows_in_the_mask():
     wrong = full.clone()
     wrong[m, col] = True
     counts, indices = masked_attention._lists(wrong)
-    rule = dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    assert not torch.equal(listed_mask(rule, *plan.blocks[:2], counts, indices), rule)
+    got = listed_mask(plan.until, *plan.blocks[:2], counts, indices, row.num_tokens)
+    assert not torch.equal(got, dense_tree_mask(row.segment_ids, row.segment_ancestors))
 
 
-def _spans(row):
-    return query_spans(row.segment_ids, row.segment_ancestors,
-                       int(row.segment_ancestors.sum(1).max()))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_query_intervals_and_until_are_both_the_tree_rule(seed):
-    """Each query's intervals (its ancestor segments whole, its own from its start) and the
-    per-key `until` give the same mask, the tree's, on forests with multi-turn forks."""
-    row = _forest_row(seed)
-    n, rule = row.num_tokens, dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    spans = _spans(row)
-    assert spans.shape == (n, 2 * 4)  # a three-segment path takes the 4-interval kernel
-    assert torch.equal(dense_rule(_until(row), spans, n), rule)
-    assert torch.equal(dense_rule(_until(row), None, n), rule)
-    plan = MaskedPlan.build(_until(row), "reference", spans=spans)
-    assert plan.spans.shape == (plan.until.numel(), 8) and not plan.spans[n:].any()
-
-
-def test_paths_deeper_than_the_interval_kernels_keep_the_until_rule(monkeypatch):
-    row = _forest_row(0)
-    assert query_spans(row.segment_ids, row.segment_ancestors,
-                       masked_attention.MAX_INTERVALS).shape[1] == 2 * masked_attention.MAX_INTERVALS
-    assert query_spans(row.segment_ids, row.segment_ancestors,
-                       masked_attention.MAX_INTERVALS + 1) is None
-    monkeypatch.setattr(masked_attention, "QUERY_SPANS", False)
-    assert _spans(row) is None
-
-
-@pytest.mark.parametrize("intervals", [True, False])  # the rule by query intervals / by until
 @pytest.mark.parametrize("head_dim", [16, 160])  # 128-key blocks, 64-key blocks
-def test_op_equals_dense_masked_attention_with_gqa(head_dim, intervals):
+def test_op_equals_dense_masked_attention_with_gqa(head_dim):
     row = _forest_row(2)
     n = row.num_tokens
     rule = dense_tree_mask(row.segment_ids, row.segment_ancestors)
-    plan = MaskedPlan.build(_until(row), "reference", masked_attention.key_block(head_dim),
-                            _spans(row) if intervals else None)
+    plan = MaskedPlan.build(_until(row), "reference", masked_attention.key_block(head_dim))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, n, head_dim, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, 2, n, head_dim, dtype=torch.float64, generator=gen,
@@ -153,14 +120,13 @@ def test_compiled_layers_call_masked_attention_as_one_op(tiny_qwen3, shared_samp
     assert "grpo_agent.masked_attention.default" in ops
 
 
-@pytest.mark.parametrize("intervals", [True, False])
-def test_masked_attention_op_registration(intervals):
+def test_masked_attention_op_registration():
     row = _forest_row(3, groups=1)
-    plan = MaskedPlan.build(_until(row), "reference", spans=_spans(row) if intervals else None)
+    plan = MaskedPlan.build(_until(row), "reference")
     n = row.num_tokens
     q = torch.randn(n, 4, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    args = (q, k, v, plan.until, plan.spans, list(plan.blocks), 0.3, "reference")
+    args = (q, k, v, plan.until, list(plan.blocks), 0.3, "reference")
     checks = torch.library.opcheck(masked_attention._masked_attention, args)
     assert set(checks.values()) == {"SUCCESS"}, checks
 
@@ -204,21 +170,18 @@ def test_the_head_width_auto_sees(tiny_qwen3):
 # GPU: FlashAttention 4 ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("intervals", [True, False])  # the rule by query intervals / by until
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 4])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fa4_masked_attention_matches_the_reference(dtype, head_dim, seed, intervals):
+def test_fa4_masked_attention_matches_the_reference(dtype, head_dim, seed):
     """FA4 with the tree mask_mod and the block lists, forward and backward (16 query heads
     over 8 key/value heads), against the reference in float32 on the same plan."""
     pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
     row = _forest_row(seed, groups=4)
     n = row.num_tokens
-    spans = _spans(row).cuda() if intervals else None
-    plan = MaskedPlan.build(_until(row).cuda(), "fa4", masked_attention.key_block(head_dim),
-                            spans)
+    plan = MaskedPlan.build(_until(row).cuda(), "fa4", masked_attention.key_block(head_dim))
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, 16, n, head_dim, device="cuda", generator=gen)
     k, v = (torch.randn(1, 8, n, head_dim, device="cuda", generator=gen) for _ in range(2))

@@ -14,13 +14,6 @@ score). So one forward and one backward call per layer cover the whole row:
   copies, element-wise float32 work per depth);
 - the work is the visible pairs rounded out to 128 x 128 blocks.
 
-In partial blocks the kernel applies the rule per score. Read as `until[j]`, that is one load
-per score, by key: a quarter of the layer's attention time on an H100 (docs/performance.md). So
-where the row's tree is at most `MAX_INTERVALS` segments deep, each query instead carries its
-visible keys as intervals (`query_spans`): its ancestor segments whole and its own segment from
-its start (plus `j <= i`). Those loads depend on the query only, so the kernel makes them once
-per row of its tile, not once per score. Deeper trees keep the `until` rule.
-
 The block lists come from `until` with tensor ops (no host synchronisation, a few MB at 16k
 tokens): a block pair is *visible* iff some key j of the key block has j < the query block's end
 and until[j] > its start; *full* iff the key block ends at or before the query block starts and
@@ -46,7 +39,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 BLOCK = 128  # query blocks; key blocks too for heads up to 128 wide (FA4's Hopper tiles)
 # Wider heads take 64-key blocks: FA4's block-sparse Hopper backward tiles 256-wide heads by 64
@@ -55,12 +47,6 @@ BLOCK = 128  # query blocks; key blocks too for heads up to 128 wide (FA4's Hopp
 # backward) by 96 keys, which fits neither block, so they are refused.
 FA4_WIDE_HEAD = 256
 KERNELS = ("fa4", "reference")
-# Interval counts the per-query rule is compiled for (each its own FA4 kernel): a row takes the
-# smallest that holds its deepest path; deeper rows take the per-key `until` rule.
-INTERVAL_COUNTS = (2, 4, 8)
-MAX_INTERVALS = INTERVAL_COUNTS[-1]
-QUERY_SPANS = True  # False: every row on the `until` rule (bench/tree_paths.py compares)
-_OPEN = 2**30  # the own segment's interval ends past any row (the rule's j <= i bounds it)
 
 
 def fa4_runs(head_dim: int) -> bool:
@@ -76,11 +62,9 @@ def key_block(head_dim: int | None) -> int:
 @dataclass
 class MaskedPlan:
     """One row's mask for the kernel: `until` padded to whole blocks (padding keys are seen by
-    no query), the queries' visible intervals where the tree is shallow enough (else None),
-    and the block lists, forward (per query block) then backward (per key block)."""
+    no query) and the block lists, forward (per query block) then backward (per key block)."""
 
     until: torch.Tensor  # [query blocks * BLOCK] int32
-    spans: torch.Tensor | None  # [query blocks * BLOCK, 2 * intervals] int32 (lo, hi) pairs
     blocks: list[torch.Tensor]  # fwd partial cnt/idx, fwd full cnt/idx, bwd likewise
     kernel: str
 
@@ -89,57 +73,13 @@ class MaskedPlan:
         return _key_block_of(self.until, self.blocks)
 
     @classmethod
-    def build(cls, until: torch.Tensor, kernel: str, key_block: int = BLOCK,
-              spans: torch.Tensor | None = None) -> MaskedPlan:
-        """`spans`: `query_spans` of the row (None: the partial blocks use `until`)."""
+    def build(cls, until: torch.Tensor, kernel: str, key_block: int = BLOCK) -> MaskedPlan:
         if kernel not in KERNELS:
             raise ValueError(f"masked attention kernel {kernel!r}: choose one of {KERNELS}")
         padded, visible, full = block_pairs(until, key_block)
         partial = visible & ~full
         blocks = [*_lists(partial), *_lists(full), *_lists(partial.T), *_lists(full.T)]
-        if spans is not None:  # padding queries see nothing: empty intervals
-            spans = F.pad(spans.to(torch.int32), (0, 0, 0, padded.numel() - spans.shape[0]))
-        return cls(padded, spans, blocks, kernel)
-
-
-def query_spans(segment_ids: torch.Tensor, ancestors: torch.Tensor,
-                depth: int) -> torch.Tensor | None:
-    """[N, 2 * intervals] int32: per query, the key intervals [lo, hi) it sees: its ancestor
-    segments whole, root first, then its own segment from its start (open-ended: the rule's
-    j <= i ends it); unused intervals empty. `depth`: the most segments on one path (read on
-    the host, where the packer's ancestor table lives). None where no interval count holds
-    it, or QUERY_SPANS is off. Tensor ops, no host synchronisation."""
-    intervals = next((c for c in INTERVAL_COUNTS if c >= depth), None)
-    if not QUERY_SPANS or intervals is None:
-        return None
-    device, tokens = segment_ids.device, segment_ids.numel()
-    count = ancestors.shape[0]
-    positions = torch.arange(tokens, device=device)
-    start = torch.full((count,), tokens, device=device).scatter_reduce_(
-        0, segment_ids, positions, reduce="amin")
-    stop = torch.zeros(count, dtype=torch.long, device=device).scatter_reduce_(
-        0, segment_ids, positions + 1, reduce="amax")
-    # segments are numbered in layout order, so a path's segments rank by number: root first
-    rank = torch.where(ancestors, ancestors.long().cumsum(1) - 1, -1)  # [s, a]
-    slot = rank[..., None] == torch.arange(intervals, device=device)  # [s, a, interval]
-    own = torch.eye(count, dtype=torch.bool, device=device)[..., None]
-    lo = (slot * start[None, :, None]).sum(1)
-    hi = (slot * torch.where(own, _OPEN, stop[None, :, None])).sum(1)
-    return torch.stack([lo, hi], -1).flatten(1)[segment_ids].to(torch.int32)
-
-
-def dense_rule(until: torch.Tensor, spans: torch.Tensor | None, tokens: int) -> torch.Tensor:
-    """[tokens, tokens] bool (query rows, key columns): the rule a plan's kernel applies in
-    partial blocks, by the queries' intervals (`spans`) or else by `until`; both are the
-    tree rule."""
-    idx = torch.arange(tokens, device=until.device)
-    causal = idx[None, :] <= idx[:, None]
-    if spans is None:
-        return causal & (idx[:, None] < until[:tokens].long()[None, :])
-    spans = spans[:tokens].long().unflatten(1, (-1, 2))  # [q, intervals, 2]
-    inside = ((idx[None, :, None] >= spans[:, None, :, 0])
-              & (idx[None, :, None] < spans[:, None, :, 1]))
-    return causal & inside.any(-1)
+        return cls(padded, blocks, kernel)
 
 
 def _spans(tokens: int, count: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,50 +135,48 @@ def masked_tree_attention(query, key, value, plan: MaskedPlan, scaling) -> torch
             f"{q.shape[-1]}).")
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out, _ = _masked_attention(q, k, v, plan.until, plan.spans, list(plan.blocks),
-                               float(scaling), plan.kernel)
+    out, _ = _masked_attention(q, k, v, plan.until, list(plan.blocks), float(scaling),
+                               plan.kernel)
     return out[None]
 
 
 @torch.library.custom_op("grpo_agent::masked_attention", mutates_args=())
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, until: torch.Tensor,
-                      spans: torch.Tensor | None, blocks: list[torch.Tensor], scale: float,
+                      blocks: list[torch.Tensor], scale: float,
                       kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [N, heads, dim], lse [heads, N] float32)."""
-    return tuple(t.contiguous() for t in _FORWARD[kernel](q, k, v, until, spans, blocks, scale))
+    return tuple(t.contiguous() for t in _FORWARD[kernel](q, k, v, until, blocks, scale))
 
 
 @_masked_attention.register_fake
-def _(q, k, v, until, spans, blocks, scale, kernel):
+def _(q, k, v, until, blocks, scale, kernel):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("grpo_agent::masked_attention_backward", mutates_args=())
 def _masked_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                               until: torch.Tensor, spans: torch.Tensor | None,
-                               blocks: list[torch.Tensor], scale: float,
+                               until: torch.Tensor, blocks: list[torch.Tensor], scale: float,
                                kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _BACKWARD[kernel](dout.contiguous(), q, k, v, out, lse, until, spans, blocks, scale)
+    grads = _BACKWARD[kernel](dout.contiguous(), q, k, v, out, lse, until, blocks, scale)
     return tuple(g.contiguous() for g in grads)
 
 
 @_masked_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, until, spans, blocks, scale, kernel):
+def _(dout, q, k, v, out, lse, until, blocks, scale, kernel):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, until, spans, blocks, scale, kernel = inputs
-    ctx.save_for_backward(q, k, v, *output, until, spans, *blocks)
+    q, k, v, until, blocks, scale, kernel = inputs
+    ctx.save_for_backward(q, k, v, *output, until, *blocks)
     ctx.args = (scale, kernel)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, until, spans, *blocks = ctx.saved_tensors
-    dq, dk, dv = _masked_attention_backward(dout, q, k, v, out, lse, until, spans, blocks,
-                                            *ctx.args)
-    return dq, dk, dv, None, None, [None] * len(blocks), None, None
+    q, k, v, out, lse, until, *blocks = ctx.saved_tensors
+    dq, dk, dv = _masked_attention_backward(dout, q, k, v, out, lse, until, blocks, *ctx.args)
+    return dq, dk, dv, None, [None] * len(blocks), None, None
 
 
 _masked_attention.register_autograd(_backward, setup_context=_save)
@@ -263,35 +201,6 @@ def tree_mask_mod():
     return tree_visible
 
 
-@functools.cache
-def interval_mask_mod(intervals: int):
-    """The tree rule as FA4's mask_mod from the query's intervals (`query_spans`): key n visible
-    to query m iff n <= m and n lies in one of m's intervals. Every load depends on m only."""
-    import cutlass
-    from cutlass import cute
-    from flash_attn.cute import utils
-
-    @cute.jit
-    def tree_visible(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        spans = aux_tensors[0]
-        base = m_idx[0] * (2 * intervals)
-        seen = n_idx < 0  # false: key indices are not negative
-        for k in cutlass.range_constexpr(intervals):
-            lo = utils.scalar_to_ssa(spans[base + 2 * k], cutlass.Int32)
-            hi = utils.scalar_to_ssa(spans[base + 2 * k + 1], cutlass.Int32)
-            seen = seen | ((n_idx >= lo) & (n_idx < hi))
-        return (n_idx <= m_idx) & seen
-
-    return tree_visible
-
-
-def _rule(until: torch.Tensor, spans: torch.Tensor | None):
-    """FA4's mask_mod and aux tensors for a plan's rule."""
-    if spans is None:
-        return tree_mask_mod(), [until]
-    return interval_mask_mod(spans.shape[1] // 2), [spans.view(-1)]
-
-
 def _key_block_of(until: torch.Tensor, blocks) -> int:
     """Keys per block of a plan's lists (all eight, forward first): the padded row over the
     forward lists' key-block count."""
@@ -304,24 +213,22 @@ def _sparse(lists, key_block: int):
     return BlockSparseTensorsTorch(*lists, block_size=(BLOCK, key_block))
 
 
-def _fa4_forward(q, k, v, until, spans, blocks, scale):
+def _fa4_forward(q, k, v, until, blocks, scale):
     from flash_attn.cute import interface
 
-    mask_mod, aux = _rule(until, spans)
     out, lse = interface._flash_attn_fwd(
-        q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=mask_mod,
-        aux_tensors=aux, return_lse=True,
+        q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=tree_mask_mod(),
+        aux_tensors=[until], return_lse=True,
         block_sparse_tensors=_sparse(blocks[:4], _key_block_of(until, blocks)))[:2]
     return out[0], lse[0]
 
 
-def _fa4_backward(dout, q, k, v, out, lse, until, spans, blocks, scale):
+def _fa4_backward(dout, q, k, v, out, lse, until, blocks, scale):
     from flash_attn.cute import interface
 
-    mask_mod, aux = _rule(until, spans)
     dq, dk, dv = interface._flash_attn_bwd(
         q[None], k[None], v[None], out[None], dout[None], lse[None], scale, False,
-        mask_mod=mask_mod, aux_tensors=aux,
+        mask_mod=tree_mask_mod(), aux_tensors=[until],
         block_sparse_tensors=_sparse(blocks[4:], _key_block_of(until, blocks)))[:3]
     return dq[0], dk[0], dv[0]
 
@@ -329,18 +236,18 @@ def _fa4_backward(dout, q, k, v, out, lse, until, spans, blocks, scale):
 # The reference: dense float32 math over the mask the block lists describe ------------------
 
 
-def listed_mask(rule: torch.Tensor, counts, indices, full_counts, full_indices,
+def listed_mask(until: torch.Tensor, counts, indices, full_counts, full_indices, tokens: int,
                 transposed: bool = False) -> torch.Tensor:
     """[tokens, tokens] bool: what a kernel following these block lists attends (query rows,
-    key columns): full blocks whole, partial blocks through `rule` (`dense_rule`), others
-    nothing."""
+    key columns): full blocks whole, partial blocks through the tree rule, others nothing."""
     partial = _dense_pairs(counts, indices)
     full = _dense_pairs(full_counts, full_indices)
     if transposed:
         partial, full = partial.T, full.T
-    tokens = rule.shape[0]
-    key_block = -(-tokens // BLOCK) * BLOCK // partial.shape[1]
-    expand = functools.partial(_expand_blocks, tokens=tokens, key_block=key_block)
+    expand = functools.partial(_expand_blocks, tokens=tokens,
+                               key_block=until.numel() // partial.shape[1])
+    idx = torch.arange(tokens, device=until.device)
+    rule = (idx[None, :] <= idx[:, None]) & (idx[:, None] < until[:tokens].long()[None, :])
     return expand(full) | (expand(partial) & rule)
 
 
@@ -372,16 +279,15 @@ def _reference_attention(q, k, v, mask, scale):
     return out, lse
 
 
-def _reference_forward(q, k, v, until, spans, blocks, scale):
-    rule = dense_rule(until, spans, q.shape[0])
-    out, lse = _reference_attention(q, k, v, listed_mask(rule, *blocks[:4]), scale)
+def _reference_forward(q, k, v, until, blocks, scale):
+    mask = listed_mask(until, *blocks[:4], q.shape[0])
+    out, lse = _reference_attention(q, k, v, mask, scale)
     return out.to(q.dtype), lse
 
 
-def _reference_backward(dout, q, k, v, out, lse, until, spans, blocks, scale):
+def _reference_backward(dout, q, k, v, out, lse, until, blocks, scale):
     """The softmax backward by hand (a custom op's body runs below autograd)."""
-    rule = dense_rule(until, spans, q.shape[0])
-    mask = listed_mask(rule, *blocks[4:], transposed=True)
+    mask = listed_mask(until, *blocks[4:], q.shape[0], transposed=True)
     qf, kf, vf, scores = _float_scores(q, k, v, mask, scale)
     do = dout.float()
     probs = torch.exp(scores - lse.float()[..., None])  # [heads, q, k]

@@ -118,11 +118,9 @@ class TreeMask:
         elif backend == "levels":
             mask.levels = level_attention.LevelPlan.build(row, device, _level_kernel(device, dtype))
         elif backend == "masked":
-            depth = int(row.segment_ancestors.sum(1).max()) if row.num_tokens else 0  # host
             mask.masked = masked_attention.MaskedPlan.build(
                 visible_until(mask.segment_ids, mask.ancestors), _masked_kernel(device, dtype),
-                masked_attention.key_block(head_dim),
-                masked_attention.query_spans(mask.segment_ids, mask.ancestors, depth))
+                masked_attention.key_block(head_dim))
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
         return mask
