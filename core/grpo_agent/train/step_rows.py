@@ -2,7 +2,7 @@
 
 Design decision: reading a device value makes the host wait for the GPU, so each row's loss
 and its `loss_metrics` (0-d device tensors) stay on the device while the step's rows are
-queued back to back. At the optimizer step they are reduced on the device into one vector per
+queued back to back. At the step's end they are reduced on the device into one vector per
 process, gathered (one all-gather under FSDP) and read in one transfer. The reduction follows
 the window rule of `grpo_agent.metrics` over every process's rows: a mean is weighted by the
 rows' trained tokens (a mean over the step's trained tokens), a max or min is the extreme.

@@ -70,9 +70,11 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
     """Asynchronous GRPO: a rollout worker generates while this trainer trains (see the spec).
 
     One optimizer step, in order: pull (`get_batch_samples`: the step's samples from the
-    worker's queue, planned into packed rows), train (each row's forward and backward, the
-    step's losses read once, the optimizer step), then `end_step`: the prompt ledger, the
-    weight push and version bump, the worker's allowance and metrics, the epoch count.
+    worker's queue, planned into packed rows), train (each row's forward and backward, queued
+    back to back, and the optimizer step), then `end_step`: the prompt ledger, the weight push
+    and version bump, the worker's allowance and metrics, the epoch count. Then the next
+    step's pull (`plan_ahead`, while the GPU still runs this step), and only then the one wait
+    for the GPU: the step's losses and metrics, read once, and the step's log.
     """
 
     loop_cls = AsyncRolloutLoop
@@ -137,8 +139,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             self.graphed_rows = graphed_rows.GraphedRows(model, build_loss_config(args, model))
         self.phases = collectives.RankPhases(args)  # the collective phase of this rank (FSDP)
         self.window = MetricWindow()
-        # This step's rows: losses and metrics stay on the device and are read at the optimizer
-        # step, so the host queues row i+1 while the GPU still runs row i (no wait between rows).
+        # This step's rows: losses and metrics stay on the device and are read at the step's end
+        # (after the next step's plan), so the host queues row i+1 while the GPU still runs row
+        # i (no wait between rows) and plans the next step while the GPU finishes this one.
         self.step_rows = StepRows()
         # NaN/inf steps are filtered from the logged loss once per step, on the values read
         # there; the Trainer's own check waits for the GPU after every row (see read_step_rows).
