@@ -246,3 +246,25 @@ def test_the_next_step_is_planned_before_the_wait_for_this_ones_rows(tmp_path, s
         ("end", 2, [1]), *([("read", 2), ("plan", 2)] if save_steps else [("plan", 2), ("read", 2)]),
         ("end", 3, [2]), ("read", 3),  # the last step plans nothing ahead
     ]
+
+
+def test_a_step_planned_ahead_is_dropped_when_the_run_is_interrupted(tmp_path):
+    """Ctrl-C while step 1 is logged, after step 2 was planned ahead: the plan goes with the
+    stopped worker, so a later train() in this process does not train its samples."""
+    class Interrupt(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                interrupt.ahead = trainer._planned_ahead
+                raise KeyboardInterrupt
+
+    interrupt, trainer = Interrupt(), None
+
+    def setup(t):
+        nonlocal trainer
+        trainer = t
+        t.add_callback(interrupt)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path, steps=3, setup=setup)
+    assert interrupt.ahead is not None  # step 2 had been planned when step 1 was logged
+    assert trainer._planned_ahead is None

@@ -177,7 +177,9 @@ class RolloutPipelineMixin:
 
     def _stop_pipeline(self, *, at_once: bool = False) -> None:
         """Stop the worker (`at_once`: without waiting for it to flush, the run was
-        interrupted and nothing it still sends would be trained), then the pusher."""
+        interrupted and nothing it still sends would be trained), then the pusher. A step
+        planned ahead goes with the worker (a later `train()` pulls from its own)."""
+        self._planned_ahead = None
         self.phases.leave()
         stall.remove_abort(self._kill_worker)
         if getattr(self, "stalls", None) is not None:
