@@ -14,7 +14,8 @@ peak memory, and the per-step losses' largest relative difference to the first v
 line per variant, then a summary. `--profile N` also profiles N steps after the warm-up and says
 where their wall time went: the GPU's busy and idle time, and per phase of the step (planning,
 rows, gradient clipping, optimizer, step end, logging) the host's time and the GPU idle time
-that phase left (`step_phases`).
+that phase left (`step_phases`). `--plan-ahead off` plans each step after the wait for the last
+one's rows, as the trainer did before `plan_ahead`.
 
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
     python bench/trainer_graphs.py --token-budget 16384 --model qwen3-1.7b
