@@ -7,8 +7,9 @@ one part per depth, merged by log-sum-exp) and `masked` (one FlashAttention 4 ca
 as its mask_mod and block lists from the trie). Two timing-only variants of `masked` say what its
 mask work costs (their results are wrong where the tree rule differs, so their differences are
 large): `masked_causal` applies `j <= i` alone in the partial blocks (no per-key load of the
-rule), `masked_full` lists every visible block as full (no mask work at all). torch's flash ops run FlashAttention 4 when
-`--flash-impl FA4`, so the first two use the same kernels as the third. Per path: median ms of
+rule), `masked_full` lists every visible block as full (no mask work at all). torch's flash
+ops run FlashAttention 4 when `--flash-impl FA4`, so the first two use the same kernels as the
+third. Per path: median ms of
 `--repeats` (CUDA events), TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as
 perf counts them), the plan's build time, and the largest output and gradient differences to the
 first path. Eager: the times include the host queueing each path's kernels.
