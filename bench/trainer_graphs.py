@@ -13,8 +13,8 @@ before `train/heap.py`), the whole run's wall time (captures included), row shap
 peak memory, and the per-step losses' largest relative difference to the first variant. One JSON
 line per variant, then a summary. `--profile N` also profiles N steps after the warm-up and says
 where their wall time went: the GPU's busy and idle time, and per phase of the step (planning,
-rows, gradient clipping, optimizer, step end, logging) the host's time and the GPU idle time
-that phase left (`step_phases`). `--plan-ahead off` plans each step after the wait for the last
+rows, gradient clipping, optimizer, step end, planning ahead, the step's read, logging) the
+host's time and the GPU idle time that phase left (`step_phases`). `--plan-ahead off` plans each step after the wait for the last
 one's rows, as the trainer did before `plan_ahead`.
 
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
@@ -76,11 +76,11 @@ def make_groups(steps: int, budget: int, group_size: int, prompt_len: int, compl
     return samples
 
 
-# The step's phases as the profile names them: trainer methods (and torch functions) timed on the
-# host; the optimizer by torch's global step hooks.
-PHASES = {"plan": ("trainer", "get_batch_samples"), "row": ("trainer", "training_step"),
-          "step_read": ("trainer", "read_step_rows"), "step_end": ("trainer", "end_step"),
-          "log": ("trainer", "log"), "clip_grad": ("trainer", "_clip_grad_norm")}
+# The step's phases as the profile names them: trainer methods timed on the host (the optimizer
+# step by torch's global step hooks).
+PHASES = {"plan": "get_batch_samples", "row": "training_step", "clip_grad": "_clip_grad_norm",
+          "step_end": "end_step", "plan_ahead": "plan_ahead", "step_read": "read_step_rows",
+          "log": "log"}
 
 
 @contextlib.contextmanager
@@ -93,18 +93,13 @@ def phases_recorded():
         register_optimizer_step_pre_hook,
     )
 
-    owners = {"trainer": AsyncGRPOTrainer}
-    saved = []
-    for name, (owner, attr) in PHASES.items():
-        target = owners[owner]
-        original = getattr(target, attr)
-
-        def timed(*args, _original=original, _name=name, **kwargs):
+    saved = {attr: getattr(AsyncGRPOTrainer, attr) for attr in PHASES.values()}
+    for name, attr in PHASES.items():
+        def timed(*args, _original=saved[attr], _name=name, **kwargs):
             with record_function(f"phase:{_name}"):
                 return _original(*args, **kwargs)
 
-        saved.append((target, attr, original))
-        setattr(target, attr, timed)
+        setattr(AsyncGRPOTrainer, attr, timed)
     open_ranges = []
     pre = register_optimizer_step_pre_hook(
         lambda *_: open_ranges.append(record_function("phase:optimizer").__enter__()))
@@ -114,8 +109,8 @@ def phases_recorded():
         yield
     finally:
         pre.remove(), post.remove()
-        for target, attr, original in saved:
-            setattr(target, attr, original)
+        for attr, original in saved.items():
+            setattr(AsyncGRPOTrainer, attr, original)
 
 
 def _union(intervals):
@@ -135,7 +130,7 @@ def _overlap(spans, start, end) -> float:
 
 def step_phases(prof, steps: int) -> dict:
     """Where the profiled steps' wall time went: GPU busy/idle over the window, and per phase
-    the host's time and the GPU time idle (and busy) while the host was in it (ms per step)."""
+    the host's time and the GPU's idle time while the host was in it (ms per step)."""
     events = prof.events()
     kernels = [(e.time_range.start, e.time_range.end) for e in events
                if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
