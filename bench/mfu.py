@@ -16,6 +16,7 @@ the largest log-prob difference to the first variant; the summary line last.
     python bench/mfu.py --backends masked,levels --flash-impls FA4  # FA4 with the tree mask
     python bench/mfu.py --merges float32,rows --profile out/   # level merge, old vs new
     python bench/mfu.py --backends levels --fuse off,on        # level merge unfused vs fused
+    python bench/mfu.py --swiglu off,on --passes 2   # inductor's SwiGLU vs the op, alternating
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from grpo_agent.train import (
     level_merge,
     logprobs,
     perf,
+    swiglu,
     varlen_attention,
 )
 from grpo_agent.train.forward import attention_head_dim, forward_row
@@ -42,6 +44,7 @@ from grpo_agent.train.tree_attention import choose_backend, enable_tree_attentio
 from packing import SHAPES, build_model, make_samples, peak_memory_gib
 
 GATHER_DTYPES = {"fp32": torch.float32, "compute": None}
+SWIGLU_DEVICES = {"on": ("cuda",), "off": ()}
 
 
 def steps_seconds(step, repeats: int) -> float:
@@ -122,6 +125,10 @@ def main() -> None:
                         help="comma-separated kernels behind torch's flash ops: default "
                         "(torch's own, the old path), FA4 (FlashAttention 4), auto (the "
                         "trainer's choice: flash_impl.torch_flash_impl)")
+    parser.add_argument("--swiglu", default="on",
+                        help="comma-separated on/off: whether the compiled layers' MLP runs "
+                        "the swiglu op (off: inductor's own kernels, the old path); a switch "
+                        "recompiles the layers")
     parser.add_argument("--lm-head-configs", type=json.loads, default=[{}],
                         help="JSON list of fused LM head kernel configs (updates of "
                         "fused_lm_head.CONFIG, e.g. '[{}, {\"TMA\": true}]'), one variant each")
@@ -155,13 +162,18 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m, f, i, c) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f, i, c, sw) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
                     for d in args.dense.split(",") for m in args.merges.split(",")
                     for f in args.fuse.split(",") for i in impls
-                    for c in range(len(args.lm_head_configs))]
+                    for c in range(len(args.lm_head_configs))
+                    for sw in args.swiglu.split(",")]
         profiled = set()
-        for backend, gather, lm_head, dense, merge, fuse, impl, head in variants * args.passes:
+        for backend, gather, lm_head, dense, merge, fuse, impl, head, sw in (
+                variants * args.passes):
+            if swiglu.REWRITE_DEVICES != SWIGLU_DEVICES[sw]:
+                swiglu.REWRITE_DEVICES = SWIGLU_DEVICES[sw]
+                torch._dynamo.reset()  # the layers compile again, with or without the op
             flash_impl.use(impl)
             fused_lm_head.CONFIG = {**default_head, **args.lm_head_configs[head]}
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
@@ -177,7 +189,7 @@ def main() -> None:
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
             name = (f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
-                    f"-{impl}-head{head}")
+                    f"-{impl}-head{head}-swiglu-{sw}")
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -194,7 +206,7 @@ def main() -> None:
                 "lm_head": lm_head, "gather_grad": gather,
                 "dense": dense if chosen == "levels" else "-",
                 "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
-                "lm_head_config": args.lm_head_configs[head],
+                "lm_head_config": args.lm_head_configs[head], "swiglu": sw,
                 "compiled": args.compile_mode or not args.no_compile,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)

@@ -14,8 +14,9 @@ peak memory, and the per-step losses' largest relative difference to the first v
 line per variant, then a summary. `--profile N` also profiles N steps after the warm-up and says
 where their wall time went: the GPU's busy and idle time, and per phase of the step (planning,
 rows, gradient clipping, optimizer, step end, planning ahead, the step's read, logging) the
-host's time and the GPU idle time that phase left (`step_phases`). `--plan-ahead off` plans each step after the wait for the last
-one's rows, as the trainer did before `plan_ahead`.
+host's time and the GPU idle time that phase left (`step_phases`). `--plan-ahead off` plans
+each step after the wait for the last one's rows, as the trainer did before `plan_ahead`;
+`--swiglu off` keeps inductor's SwiGLU kernels, as before `train/swiglu.py`.
 
     python bench/trainer_graphs.py                              # qwen3-0.6b, 8k rows, G=8
     python bench/trainer_graphs.py --token-budget 16384 --model qwen3-1.7b
@@ -276,6 +277,9 @@ def main() -> None:
                         "trainer before plan_ahead), for a before/after")
     parser.add_argument("--profile", type=int, default=0,
                         help="profile this many steps after the warm-up (CUDA): step_phases")
+    parser.add_argument("--swiglu", default="on", choices=["on", "off"],
+                        help="off: the compiled layers keep inductor's own SwiGLU kernels (the "
+                        "trainer before train/swiglu.py), for a before/after")
     opts = parser.parse_args()
     if opts.profile and (opts.device != "cuda" or opts.warmup + opts.profile > opts.steps):
         raise SystemExit("--profile needs --device cuda and warmup + profile <= steps")
@@ -296,6 +300,10 @@ def main() -> None:
         from grpo_agent.train.trainer import AsyncGRPOTrainer
 
         AsyncGRPOTrainer.plan_ahead = lambda self, control: None
+    if opts.swiglu == "off":
+        from grpo_agent.train import swiglu
+
+        swiglu.REWRITE_DEVICES = ()
     if opts.gc == "python":
         from grpo_agent.train import heap
 
@@ -315,6 +323,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     summary = {"model": opts.model, "token_budget": opts.token_budget,
                "tree_backend": opts.tree_backend, "gc": opts.gc, "plan_ahead": opts.plan_ahead,
+               "swiglu": opts.swiglu,
                "group_size": opts.group_size, "topk": opts.topk, "compile": opts.compile,
                "device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}
     if len(results) == 2:
