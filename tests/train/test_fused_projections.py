@@ -1,6 +1,7 @@
 """The pre-grad pass that runs linears sharing an input as one matmul: same outputs and
 gradients as the separate linears, on a toy module (biases) and on the tiny Qwen3's layers
-(q/k/v and gate/up fused: 7 linears per layer become 4)."""
+(q/k/v and gate/up fused: 7 linears per layer become 4; the MLP's gate as `swiglu`'s op where
+its devices list the CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from grpo_agent.train import fused_projections
+from grpo_agent.train import fused_projections, swiglu
 from grpo_agent.train.forward import forward_row
 from grpo_agent.train.packing import pack_row
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -24,18 +25,23 @@ def fresh_dynamo():
 
 
 class FusingBackend:
-    """A dynamo backend that applies the pass and runs the rewritten graph eagerly."""
+    """A dynamo backend that applies the pass (the linears' part alone, or all of it, as
+    inductor does) and runs the rewritten graph eagerly."""
 
-    def __init__(self):
+    def __init__(self, whole_pass: bool = False):
+        self.whole_pass = whole_pass
         self.linears: list[int] = []  # linear calls per compiled graph, after the pass
+        self.swiglus: list[int] = []  # swiglu ops per compiled graph
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        fused_projections.fuse_shared_input_linears(gm.graph)
+        if self.whole_pass:
+            fused_projections.FUSE_PASS(gm.graph)
+        else:
+            fused_projections.fuse_shared_input_linears(gm.graph)
         gm.recompile()
-        self.linears.append(sum(
-            n.op == "call_function" and n.target in fused_projections.LINEARS
-            for n in gm.graph.nodes
-        ))
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        self.linears.append(sum(t in fused_projections.LINEARS for t in targets))
+        self.swiglus.append(targets.count(torch.ops.grpo_agent.swiglu.default))
         return gm.forward
 
 
@@ -69,10 +75,13 @@ def test_linears_on_one_input_become_one(fresh_dynamo):
         torch.testing.assert_close(_grads(model)[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_dynamo):
+@pytest.mark.parametrize("swiglu_devices", [("cuda",), ("cpu",)])
+def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_dynamo,
+                                             monkeypatch, swiglu_devices):
     # levels is the one tree path CPU layers run whole (no graph break): one custom op
+    monkeypatch.setattr(swiglu, "REWRITE_DEVICES", swiglu_devices)
     enable_tree_attention(tiny_qwen3)
-    compiled, backend = copy.deepcopy(tiny_qwen3), FusingBackend()
+    compiled, backend = copy.deepcopy(tiny_qwen3), FusingBackend(whole_pass=True)
     compile_decoder_layers(compiled, backend=backend)
     row = pack_row(shared_samples)
     results = []
@@ -81,6 +90,7 @@ def test_decoder_layers_fuse_qkv_and_gate_up(tiny_qwen3, shared_samples, fresh_d
         logprobs.sum().backward()
         results.append((logprobs.detach(), _grads(model)))
     assert backend.linears == [4]  # qkv, o, gate+up, down: one graph for both layers
+    assert backend.swiglus == [1 if "cpu" in swiglu_devices else 0]
     (ref, ref_grads), (got, got_grads) = results
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     assert ref_grads.keys() == got_grads.keys()
