@@ -118,8 +118,9 @@ def _triton_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 # The compiled layer's rewrite ---------------------------------------------------------------
 
-_SILU = (F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default)
-_MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
+# the pre-grad graph holds torch-level calls (dynamo's), not aten ops
+_SILU = (F.silu,)
+_MUL = (operator.mul, torch.mul)
 
 
 def rewrite_gated_silu(graph: fx.Graph) -> int:
