@@ -451,7 +451,7 @@ def main() -> None:
         type=lambda text: [(*map(int, v.split(":")[:2]), *v.split(":")[2:]) for v in text.split(",")],
         help="with --graphs on: bucket sizes to time one after another, as tokens:trained "
         "steps (a row is padded to a multiple of each), e.g. 512:512,64:64; further fields: "
-        "'levels' captures the level tree path (default varlen), 'arrival' captures buckets "
+        "'levels' or 'masked' captures that tree path (default varlen), 'arrival' captures buckets "
         "in the rows' order instead of largest first (e.g. 64:64:levels:arrival)",
     )
     parser.add_argument(

@@ -72,7 +72,7 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
         """One bucket size's graphs, made, timed and checked; freed on return."""
         row_graphs.STEPS.update(tokens=tokens_step, trained=trained_step)
         order = "arrival" if "arrival" in flags else "largest"
-        backend = "levels" if "levels" in flags else "varlen"
+        backend = next((f for f in flags if f in row_graphs.BACKENDS), "varlen")
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         graphs = RowGraphs(model, _valid_logprob_sum, backend=backend)
@@ -90,7 +90,7 @@ def graph_case(model, packed_step, packed_rows, eager: dict, time_fn, peak_fn,
                              eager_ref)
         single_s, queued_s = time_fn(lambda: graphs.step(row))
         pipelined_s = time_fn(lambda: [graphs.step(r) for r in packed_rows])[0] / len(packed_rows)
-        tag = (f"graph_{tokens_step}_{trained_step}_" + ("levels_" if backend == "levels" else "")
+        tag = (f"graph_{tokens_step}_{trained_step}_" + (f"{backend}_" if backend != "varlen" else "")
                + ("arrival_" if order != "largest" else ""))
         res = {
             tag + "buckets": len(graphs.graphs),

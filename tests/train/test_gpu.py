@@ -289,15 +289,19 @@ def test_level_attention_dense_parts_on_cudnn_match_the_reference(dtype, dense, 
     _assert_matches_reference(attend, row.num_tokens, dtype)
 
 
-@pytest.mark.parametrize("backend", ["varlen", "levels"])
+@pytest.mark.parametrize("backend", ["varlen", "levels", "masked"])
 def test_row_graphs_replay_the_eager_step(tiny_qwen3, shared_samples, monkeypatch, backend):
-    """CUDA graphs over bucketed rows (`row_graphs`), on both captured tree paths: three
-    buckets sharing one pool, captured largest first, replayed in another order; each replay
-    reads its own row, log-probs and the accumulated gradients match the eager step of the
-    same path in bf16 (the warm-ups added nothing), a gradient reset re-attaches, and a replay
-    never makes the host wait for the GPU."""
+    """CUDA graphs over bucketed rows (`row_graphs`), on every captured tree path (masked:
+    FlashAttention 4, skipped without it): three buckets sharing one pool, captured largest
+    first, replayed in another order; each replay reads its own row, log-probs and the
+    accumulated gradients match the eager step of the same path in bf16 (the warm-ups added
+    nothing), a gradient reset re-attaches, and a replay never makes the host wait for the
+    GPU."""
     from grpo_agent.train import row_graphs
     from grpo_agent.train.row_graphs import RowGraphs
+
+    if backend == "masked" and flash_impl.fa4_kernels_missing(torch.device("cuda")):
+        pytest.skip(flash_impl.fa4_kernels_missing(torch.device("cuda")))
 
     def loss(token, tensors):
         return (token.logprobs * tensors["advantages"] * tensors["valid"]).sum()

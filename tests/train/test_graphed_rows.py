@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from grpo_agent import AsyncGRPOConfig
-from grpo_agent.train import graphed_rows
+from grpo_agent.train import graphed_rows, tree_attention
 from grpo_agent.types import TrainingSample, TrainingSequence
 from transformers import TrainerCallback
 
@@ -49,9 +49,12 @@ class Gradients(TrainerCallback):
                            if p.grad is not None})
 
 
-def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False):
+def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False,
+         tree: str = "auto"):
     if graphs and not gpu:
         monkeypatch.setattr(graphed_rows, "_check_device", lambda model: None)
+    if tree == "masked":  # both trainers: what `auto` answers where FlashAttention 4 runs
+        monkeypatch.setattr(tree_attention, "choose_backend", lambda *args, **kwargs: "masked")
     monkeypatch.setattr(graphed_rows, "TRAINER_STEPS", {
         "tokens": 16, "segments": 4, "keys": 64, "trained": 8, "seqlen": 16, "rows": 16})
     eager_rows = []
@@ -69,17 +72,19 @@ def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False
 
         trainer.compute_loss = compute_loss
 
-    trainer, logs, _ = train(tmp_path / str(graphs), steps=2, grad_accum=grad_accum,
+    trainer, logs, _ = train(tmp_path / f"{graphs}-{tree}", steps=2, grad_accum=grad_accum,
                              setup=setup, cuda_graphs=graphs, optim="sgd", learning_rate=0.5,
                              num_sampler_logprobs=4, use_cpu=not gpu,
                              dtype="bfloat16" if gpu else "float32")
     return trainer, logs, setup.grads.steps, eager_rows
 
 
-def _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=False):
-    eager, eager_logs, eager_grads, _ = _run(tmp_path, False, grad_accum, monkeypatch, gpu)
-    graphed, logs, grads, eager_rows = _run(tmp_path, True, grad_accum, monkeypatch, gpu)
+def _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=False, tree="auto"):
+    eager, eager_logs, eager_grads, _ = _run(tmp_path, False, grad_accum, monkeypatch, gpu, tree)
+    graphed, logs, grads, eager_rows = _run(tmp_path, True, grad_accum, monkeypatch, gpu, tree)
     assert graphed.graphed_rows.captured >= 1 and eager_rows == []  # every row replayed
+    paths = {b.backend for b in graphed.graphed_rows.graphs.buffers}
+    assert paths == {"masked" if tree == "masked" else "varlen"}
     assert eager.graphed_rows is None
     assert len(grads) == len(eager_grads) == 2
     # CPU: float32, two attention kernels; GPU: bf16 through flash, graphs against eager
@@ -107,16 +112,24 @@ def _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=False):
     assert "perf/fwd_s" in eager_logs[0]
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_graphed_rows_train_as_the_eager_rows(tmp_path, monkeypatch, grad_accum):
-    _assert_same_training(tmp_path, monkeypatch, grad_accum)
+@pytest.mark.parametrize(("grad_accum", "tree"), [(1, "auto"), (2, "auto"), (2, "masked")])
+def test_graphed_rows_train_as_the_eager_rows(tmp_path, monkeypatch, grad_accum, tree):
+    """tree: the path `auto` gives the rows (varlen on a GPU's short rows), or masked."""
+    _assert_same_training(tmp_path, monkeypatch, grad_accum, tree=tree)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_captured_rows_train_as_the_eager_rows_on_a_gpu(tmp_path, monkeypatch, grad_accum):
-    _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=True)
+@pytest.mark.parametrize(("grad_accum", "tree"), [(1, "auto"), (2, "auto"), (2, "masked")])
+def test_captured_rows_train_as_the_eager_rows_on_a_gpu(tmp_path, monkeypatch, grad_accum, tree):
+    """masked: FlashAttention 4's kernels inside the captured graphs (skipped without them)."""
+    if tree == "masked":
+        from grpo_agent.train import flash_impl
+
+        missing = flash_impl.fa4_kernels_missing(torch.device("cuda"))
+        if missing:
+            pytest.skip(missing)
+    _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=True, tree=tree)
 
 
 def test_what_graphs_cannot_capture_is_refused(tiny_qwen3):

@@ -132,11 +132,11 @@ def test_masked_attention_op_registration():
 
 
 def test_masked_backend_refuses_what_fa4_cannot_run():
-    from grpo_agent.train.tree_attention import _masked_kernel
+    from grpo_agent.train.tree_attention import masked_kernel
 
-    assert _masked_kernel(torch.device("cpu"), torch.float32) == "reference"
+    assert masked_kernel(torch.device("cpu"), torch.float32) == "reference"
     with pytest.raises(ValueError, match="flash-attn-4|CUDA|bf16"):
-        _masked_kernel(torch.device("cuda"), torch.float32)
+        masked_kernel(torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="choose one of"):
         MaskedPlan.build(torch.tensor([1, 2]), "triton")
 

@@ -1,7 +1,7 @@
 """Row graphs (`row_graphs`): the padded, bucketed step that a CUDA graph captures equals the
-unpadded tree step on CPU (float64: log-probs and every parameter gradient), on both captured
-tree paths (varlen; levels through its reference kernel), across rows of one bucket and across
-gradient resets; a replaced `.grad` is refused."""
+unpadded tree step on CPU (float64: log-probs and every parameter gradient), on every captured
+tree path (varlen; levels and masked through their reference kernels), across rows of one
+bucket and across gradient resets; a replaced `.grad` is refused."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ BACKENDS = pytest.mark.parametrize("backend", row_graphs.BACKENDS)
 
 
 @pytest.mark.parametrize(("backend", "deep"), [("varlen", False), ("levels", False),
-                                              ("levels", True)])
+                                              ("levels", True), ("masked", True)])
 def test_padded_step_equals_the_unpadded_row(model, shared_samples, backend, deep):
     """deep: three levels, so two depth parts, each with its padding pair."""
     row = pack_row(_deep_tree_samples() if deep else shared_samples)
@@ -108,6 +108,41 @@ def test_padding_keys_are_only_seen_by_padding(shared_samples, monkeypatch):
     assert (t["kv_index"][stop - (bucket.tokens - row.num_tokens):stop]
             == torch.arange(row.num_tokens, bucket.tokens)).all()
     assert t["valid"].sum() == row.num_trained and t["valid"].numel() == bucket.trained
+
+
+def test_masked_padding_is_one_causal_segment_after_the_row(shared_samples):
+    """masked: the real keys keep the row's `until` (none reaches a padding query), each padding
+    key is seen up to the bucket's end (by itself and the padding queries after it), and the
+    bucket is the token and trained-entry counts only."""
+    from grpo_agent.train.tree_attention import visible_until
+
+    row = pack_row(shared_samples)
+    bucket = Bucket.of(row, "masked")
+    assert (bucket.segments, bucket.max_q, bucket.keys, bucket.depths) == (0, 0, 0, ())
+    until = padded_inputs(row, bucket)["until"]
+    n = row.num_tokens
+    assert until.dtype == torch.int32 and until.numel() == bucket.tokens > n
+    assert (until[:n] == visible_until(row.segment_ids, row.segment_ancestors)).all()
+    assert until[:n].max() <= n and (until[n:] == bucket.tokens).all()
+    other = pack_row(shared_samples[1:])
+    assert other.num_tokens != n and Bucket.of(other, "masked") == bucket
+
+
+def test_auto_takes_masked_where_the_eager_auto_does(model, shared_samples, monkeypatch):
+    from grpo_agent.train import tree_attention
+
+    row = pack_row(shared_samples)
+    graphs = RowGraphs(model, _loss, capture=False, backend="auto")
+    assert graphs.bucket(row).backend == "varlen"  # CPU: auto answers gather
+    seen = []
+
+    def choose(device, dtype, tokens, head_dim):
+        seen.append((tokens, head_dim))
+        return "masked"
+
+    monkeypatch.setattr(tree_attention, "choose_backend", choose)
+    assert graphs.bucket(row).backend == "masked"
+    assert seen == [(row.num_tokens, model.config.head_dim)]
 
 
 def test_replaced_gradients_are_refused(model, shared_samples):

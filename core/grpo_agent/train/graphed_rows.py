@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from grpo_agent.train import fsdp, row_graphs
+from grpo_agent.train import fsdp, row_graphs, varlen_attention
 from grpo_agent.train.forward import is_moe
 from grpo_agent.train.loss import (
     LossConfig,
@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Rows this long or longer run eagerly: the GPU sets their pace (no host bound to remove), and
 # on an H100 the graph pool of 1.7B-shape 16k-token rows (34 GiB, growing with each new level
-# shape) did not fit beside the eager step and the optimizer. Below it, rows take the varlen
-# path, as the eager trainer's "auto" does (`tree_attention.LEVELS_MIN_TOKENS`).
+# shape) did not fit beside the eager step and the optimizer. Below it, rows take the path the
+# eager trainer's "auto" gives them short of levels (`tree_attention.LEVELS_MIN_TOKENS`):
+# masked where FlashAttention 4 runs, from `tree_attention.MASKED_MIN_TOKENS`, else varlen.
 GRAPH_MAX_TOKENS = LEVELS_MIN_TOKENS
 
 # Bucket granularity in training (`row_graphs.STEPS` is the benches' finer one): rows fill up
@@ -60,10 +61,11 @@ def check_model(model) -> None:
 
 
 def _check_device(model) -> None:
-    from grpo_agent.train.tree_attention import choose_backend
-
+    """What varlen rows need (every graphed row can take varlen): CUDA, half precision, flash."""
     param = next(model.parameters())
-    if param.device.type != "cuda" or choose_backend(param.device, param.dtype) != "varlen":
+    if (param.device.type != "cuda" or param.dtype not in varlen_attention.HALF_DTYPES
+            or not varlen_attention.flash_capable(param.device)
+            or varlen_attention.varlen_kernel() is None):
         raise ValueError(
             f"cuda_graphs=True needs a CUDA model in bf16/fp16 with flash attention (got "
             f"{param.dtype} on {param.device}): set dtype='bfloat16' and train on a GPU, or "
@@ -71,13 +73,14 @@ def _check_device(model) -> None:
 
 
 class GraphedRows:
-    """One graph per bucketed row shape (`row_graphs.RowGraphs`, varlen path) for rows under
-    GRAPH_MAX_TOKENS."""
+    """One graph per bucketed row shape (`row_graphs.RowGraphs`) for rows under
+    GRAPH_MAX_TOKENS, on the tree path the eager row would take: masked where `auto` gives it
+    (FlashAttention 4, rows of `tree_attention.MASKED_MIN_TOKENS` or more), else varlen."""
 
     def __init__(self, model, cfg: LossConfig):
         self.cfg = cfg
         self.graphs = row_graphs.RowGraphs(model, padded_policy_loss(cfg),
-                                           temperature=cfg.temperature, backend="varlen",
+                                           temperature=cfg.temperature, backend="auto",
                                            steps=TRAINER_STEPS)
         self._warned = False
 

@@ -27,10 +27,10 @@ partial blocks, 36-39% of those visited, and 1.2x block rounding); the trainer's
 heads from longer rows).
 
 Kernels: "fa4" (CUDA, bf16/fp16, flash-attn-4 installed, compute capability 9.x/10.x) or
-"reference": the same contract in dense float32 math that applies the *block lists* (full
-blocks unmasked, partial blocks through the rule, the rest skipped), so the tests check the
-lists, not just the rule. Wrapped in one custom op (and one backward op) that compiled decoder
-layers call whole, like `level_attention`.
+"reference": the same contract in dense float32 math (float64 for float64 inputs) that applies
+the *block lists* (full blocks unmasked, partial blocks through the rule, the rest skipped), so
+the tests check the lists, not just the rule. Wrapped in one custom op (and one backward op)
+that compiled decoder layers call whole, like `level_attention`.
 """
 
 from __future__ import annotations
@@ -144,13 +144,18 @@ def masked_tree_attention(query, key, value, plan: MaskedPlan, scaling) -> torch
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, until: torch.Tensor,
                       blocks: list[torch.Tensor], scale: float,
                       kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [N, heads, dim], lse [heads, N] float32)."""
+    """(out [N, heads, dim], lse [heads, N] in `_stats_dtype`)."""
     return tuple(t.contiguous() for t in _FORWARD[kernel](q, k, v, until, blocks, scale))
 
 
 @_masked_attention.register_fake
 def _(q, k, v, until, blocks, scale, kernel):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q))
+
+
+def _stats_dtype(q: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the reference in the CPU tests' precision)."""
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 @torch.library.custom_op("grpo_agent::masked_attention_backward", mutates_args=())
@@ -265,9 +270,10 @@ def _expand_blocks(pairs: torch.Tensor, tokens: int, key_block: int) -> torch.Te
 
 
 def _float_scores(q, k, v, mask, scale):
-    """q, k, v in float32 with k/v repeated per query head; masked scores [heads, q, k]."""
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), *(t.float().repeat_interleave(groups, 1) for t in (k, v))
+    """q, k, v in `_stats_dtype` with k/v repeated per query head; masked scores [heads, q,
+    k]."""
+    groups, dtype = q.shape[1] // k.shape[1], _stats_dtype(q)
+    qf, kf, vf = q.to(dtype), *(t.to(dtype).repeat_interleave(groups, 1) for t in (k, v))
     scores = (torch.einsum("qhd,khd->hqk", qf, kf) * scale).masked_fill(~mask[None], float("-inf"))
     return qf, kf, vf, scores
 
@@ -289,11 +295,11 @@ def _reference_backward(dout, q, k, v, out, lse, until, blocks, scale):
     """The softmax backward by hand (a custom op's body runs below autograd)."""
     mask = listed_mask(until, *blocks[4:], q.shape[0], transposed=True)
     qf, kf, vf, scores = _float_scores(q, k, v, mask, scale)
-    do = dout.float()
-    probs = torch.exp(scores - lse.float()[..., None])  # [heads, q, k]
+    do = dout.to(qf.dtype)
+    probs = torch.exp(scores - lse.to(qf.dtype)[..., None])  # [heads, q, k]
     dv = torch.einsum("hqk,qhd->khd", probs, do)
     dprobs = torch.einsum("qhd,khd->hqk", do, vf)
-    row = (do * out.float()).sum(-1).T  # [heads, q]
+    row = (do * out.to(qf.dtype)).sum(-1).T  # [heads, q]
     dscores = probs * (dprobs - row[..., None]) * scale
     dq = torch.einsum("hqk,khd->qhd", dscores, kf)
     dk = torch.einsum("hqk,qhd->khd", dscores, qf)

@@ -11,10 +11,14 @@ tree metadata is copied into that bucket's static buffers, and the graph is repl
 Padding is exact for the real tokens: the padding tokens form one extra segment at the end of
 the row that sees only padding keys (the varlen plan's last segment), extra segments are empty
 (`cu_seqlens` repeated), and padded trained entries carry `valid` 0, so the loss and every
-gradient they could carry are zero. Two tree paths can be captured: varlen (the default; the
-row always gathers its keys, an unshared row too, so one plan shape serves every row) and
-levels (`backend="levels"`: the self part's padding segment, and per depth part one padding
-pair of padding query and key rows; a bucket also fixes the number of depths). Level graphs
+gradient they could carry are zero. Three tree paths can be captured: varlen (the default; the
+row always gathers its keys, an unshared row too, so one plan shape serves every row), levels
+(`backend="levels"`: the self part's padding segment, and per depth part one padding pair of
+padding query and key rows; a bucket also fixes the number of depths) and masked
+(`backend="masked"`, FlashAttention 4 with the tree as its mask: the padding tokens' `until`
+is the bucket's end, so they are one causal segment; the block lists are built from `until`
+inside the graph, so a bucket is its token and trained-entry counts only). `backend="auto"`
+takes masked for the rows the eager trainer's `auto` gives it, varlen for the others. Level graphs
 were first timed on an H200 on the traced level path whose gradients were wrong
 (docs/performance.md); the level split is now one custom op inside the captured step. Off CUDA
 nothing is captured and the padded step runs as is: the CPU tests hold it to the unpadded
@@ -32,7 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_agent.train import level_attention, level_merge, varlen_attention
+from grpo_agent.train import (
+    level_attention,
+    level_merge,
+    masked_attention,
+    tree_attention,
+    varlen_attention,
+)
+from grpo_agent.train.forward import attention_head_dim
 from grpo_agent.train.logprobs import TokenLogprobs, token_logprobs
 from grpo_agent.train.packing import PackedRow
 from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
@@ -44,7 +55,7 @@ from grpo_agent.train.tree_attention import ATTN_IMPLEMENTATION, TreeMask
 # faster back to back than 512-token steps (docs/performance.md). "rows": a level part's
 # selected query and key rows.
 STEPS = {"tokens": 64, "segments": 16, "keys": 512, "trained": 64, "seqlen": 256, "rows": 64}
-BACKENDS = ("varlen", "levels")
+BACKENDS = ("varlen", "levels", "masked")
 
 # loss_fn(token log-probs, the bucket's padded per-trained-token tensors) -> scalar loss.
 # The tensors: "valid" (1.0 for real trained tokens, 0.0 for padding), "advantages" (0.0 at
@@ -99,9 +110,9 @@ class Bucket:
 
     backend: str  # tree attention path: one of BACKENDS
     tokens: int  # row tokens, real + padding (at least one padding token)
-    segments: int  # segments, real + padding segment + empty ones
     trained: int  # trained-token entries
-    max_q: int  # longest segment
+    segments: int = 0  # varlen, levels: segments, real + padding segment + empty ones
+    max_q: int = 0  # varlen, levels: longest segment
     keys: int = 0  # varlen: gathered keys (sum of path lengths), padding segment included
     max_k: int = 0  # varlen: longest path
     depths: tuple[DepthBucket, ...] = ()  # levels: one per depth part
@@ -116,15 +127,17 @@ class Bucket:
             raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
         tokens = _up(row.num_tokens + 1, steps["tokens"])
         pad = tokens - row.num_tokens
-        own = torch.bincount(row.segment_ids).tolist()
         shapes = {
             "backend": backend,
             "tokens": tokens,
-            "segments": _up(len(own) + 1, steps["segments"]),
             "trained": _up(max(row.num_trained, 1), steps["trained"]),
-            "max_q": _up(max(max(own), pad), steps["seqlen"]),
             "topk": 0 if row.sampler_topk_ids is None else row.sampler_topk_ids.shape[1],
         }
+        if backend == "masked":
+            return cls(**shapes)
+        own = torch.bincount(row.segment_ids).tolist()
+        shapes |= {"segments": _up(len(own) + 1, steps["segments"]),
+                   "max_q": _up(max(max(own), pad), steps["seqlen"])}
         if backend == "levels":
             _, depths = level_attention.tree_parts(row)
             return cls(**shapes, depths=tuple(DepthBucket.of(p, pad, steps) for p in depths))
@@ -152,9 +165,10 @@ def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
     segment's keys are `keys - sum(paths)` padding rows, its own tokens last. levels: the self
     part's padding segment is causal on itself; each depth part ends with a padding pair
     whose queries and keys are padding rows (read more than once where the part's padded
-    sizes exceed the padding tokens: such copies compute the same values)."""
+    sizes exceed the padding tokens: such copies compute the same values). masked: `until`
+    of a padding key is the bucket's end (seen by the padding queries after it), a real
+    key's stops at or before N."""
     n, pad = row.num_tokens, bucket.tokens - row.num_tokens
-    own = torch.bincount(row.segment_ids).tolist()
     pad_rows = torch.arange(n, bucket.tokens)
     t, extra = row.num_trained, bucket.trained - row.num_trained
 
@@ -164,7 +178,6 @@ def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
     inputs = {
         "input_ids": torch.cat([row.input_ids, torch.zeros(pad, dtype=row.input_ids.dtype)]),
         "position_ids": torch.cat([row.position_ids, torch.arange(pad)]),
-        "cu_q": _cu(own + [pad], bucket.segments),
         "pred_index": trained(row.pred_index, n),  # padded entries read the first pad row
         "targets": trained(row.targets, 0),
         "valid": trained(torch.ones(t), 0.0),
@@ -177,6 +190,12 @@ def padded_inputs(row: PackedRow, bucket: Bucket) -> dict[str, torch.Tensor]:
         inputs["topk_ids"] = torch.cat([row.sampler_topk_ids, torch.full((extra, k), -1)])
         inputs["sampler_topk_logprobs"] = torch.cat(
             [row.sampler_topk_logprobs.float(), torch.full((extra, k), -torch.inf)])
+    if bucket.backend == "masked":
+        until = tree_attention.visible_until(row.segment_ids, row.segment_ancestors)
+        inputs["until"] = torch.cat([until, torch.full((pad,), bucket.tokens)]).to(torch.int32)
+        return inputs
+    own = torch.bincount(row.segment_ids).tolist()
+    inputs["cu_q"] = _cu(own + [pad], bucket.segments)
     if bucket.backend == "levels":
         _, depths = level_attention.tree_parts(row)
         for d, (pairs, shape) in enumerate(zip(depths, bucket.depths, strict=True)):
@@ -208,21 +227,24 @@ class RowGraphs:
     pool; clone to keep). `prepare(rows)` makes the graphs of a step's rows up front.
     The graphs accumulate into fixed gradient tensors: `zero_grad(set_to_none=True)` is
     fine (they are re-attached, zeroed, at the next step), replacing `.grad` is an error.
-    `backend`: the captured tree path (BACKENDS); `steps`: bucket granularity (default
-    `STEPS`)."""
+    `backend`: the captured tree path (BACKENDS), or "auto": masked where
+    `tree_attention.choose_backend` gives the row masked, else varlen; `steps`: bucket
+    granularity (default `STEPS`)."""
 
     def __init__(self, model, loss_fn: LossFn, *, temperature: float = 1.0,
                  capture: bool | None = None, backend: str = "varlen",
                  steps: dict[str, int] | None = None):
         _check_model(model)
-        if backend not in BACKENDS:
-            raise ValueError(f"row graphs backend {backend!r}: choose one of {BACKENDS}")
+        if backend not in (*BACKENDS, "auto"):
+            raise ValueError(f"row graphs backend {backend!r}: choose 'auto' or one of "
+                             f"{BACKENDS}")
         self.model, self.loss_fn, self.temperature = model, loss_fn, temperature
         self.backend, self.steps = backend, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.capture = self.device.type == "cuda" if capture is None else capture
         cuda = self.device.type == "cuda"
+        self.head_dim = attention_head_dim(model.config)
         self.kernels = {
             "levels": "flash" if cuda else "reference",
             "varlen": varlen_attention.varlen_kernel() if cuda else varlen_attention.sdpa_varlen,
@@ -248,7 +270,7 @@ class RowGraphs:
         if not self.supports(row):
             raise ValueError("row graphs take rows with trained tokens and no sampling mask; "
                              "run this row eagerly (RowGraphs.supports).")
-        bucket = Bucket.of(row, self.backend, self.steps)
+        bucket = self.bucket(row)
         if bucket not in self.buffers:
             self.prepare([row])
         self.attach_grads()
@@ -275,7 +297,7 @@ class RowGraphs:
         captured first, so the smaller ones fit into the blocks it freed. (Captured in the
         order rows arrive, buckets of growing sizes each needed new blocks: on an H200 the
         pool held 15.9-16.1 GiB for 3-4 buckets, largest first 12.1: docs/performance.md.)"""
-        buckets = {Bucket.of(r, self.backend, self.steps): r for r in rows if self.supports(r)}
+        buckets = {self.bucket(r): r for r in rows if self.supports(r)}
         new = sorted(((b, r) for b, r in buckets.items() if b not in self.buffers),
                      key=lambda item: dataclasses.astuple(item[0]), reverse=True)
         if not new:
@@ -305,12 +327,25 @@ class RowGraphs:
                 self.graphs[bucket] = graph
         caller.wait_stream(self.stream)
 
+    def bucket(self, row: PackedRow) -> Bucket:
+        """The row's bucket: its tree path (`backend`, "auto" resolved) and padded sizes."""
+        backend = self.backend
+        if backend == "auto":
+            chosen = tree_attention.choose_backend(self.device, self.params[0].dtype,
+                                                   row.num_tokens, self.head_dim)
+            backend = "masked" if chosen == "masked" else "varlen"
+        return Bucket.of(row, backend, self.steps)
+
     def _run(self, bucket: Bucket) -> tuple[TokenLogprobs, torch.Tensor]:
         """The padded step on the bucket's static buffers: what a graph captures."""
         s = self.buffers[bucket]
         tree = TreeMask(segment_ids=None, ancestors=None, position_ids=s["position_ids"],
                         backend=bucket.backend)
-        kernel = self.kernels[bucket.backend]
+        if bucket.backend == "masked":  # the lists from `until`: tensor ops, no host wait
+            kernel = tree_attention.masked_kernel(self.device, self.params[0].dtype)
+            tree.masked = masked_attention.MaskedPlan.build(
+                s["until"], kernel, masked_attention.key_block(self.head_dim))
+        kernel = self.kernels.get(bucket.backend)
         if bucket.backend == "levels":  # depth parts on the varlen kernel (no padded batches)
             depths = range(len(bucket.depths))
             tree.levels = level_attention.LevelPlan(
@@ -322,7 +357,7 @@ class RowGraphs:
                 max_q=[b.max_q for b in bucket.depths], max_k=[b.max_k for b in bucket.depths],
                 merge=level_merge.check(level_merge.MERGE),
             )
-        else:
+        elif bucket.backend == "varlen":
             tree.varlen = varlen_attention.VarlenPlan(
                 kernel=kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
                 max_k=bucket.max_k, kv_index=s["kv_index"],
@@ -368,6 +403,6 @@ def _check_model(model) -> None:
     text = model.config.get_text_config()
     if getattr(model, "_grpo_linear_layers", 0) or getattr(text, "use_sliding_window", False):
         raise ValueError(
-            "row graphs capture the varlen and level tree paths only: models with Gated "
+            "row graphs capture the varlen, level and masked tree paths only: models with Gated "
             "DeltaNet or sliding-window layers take other paths. Turn graphs off for this model."
         )

@@ -119,7 +119,7 @@ class TreeMask:
             mask.levels = level_attention.LevelPlan.build(row, device, _level_kernel(device, dtype))
         elif backend == "masked":
             mask.masked = masked_attention.MaskedPlan.build(
-                visible_until(mask.segment_ids, mask.ancestors), _masked_kernel(device, dtype),
+                visible_until(mask.segment_ids, mask.ancestors), masked_kernel(device, dtype),
                 masked_attention.key_block(head_dim))
         else:
             mask.dense = dense_tree_mask(mask.segment_ids, mask.ancestors)
@@ -129,7 +129,7 @@ class TreeMask:
 BACKENDS = ("varlen", "levels", "masked", "flex", "gather", "sdpa")
 
 
-def _masked_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
+def masked_kernel(device: torch.device, dtype: torch.dtype | None) -> str:
     """FlashAttention 4 on CUDA; on CPU the dense reference (quadratic memory: tests)."""
     if device.type != "cuda":
         return "reference"
