@@ -50,7 +50,7 @@ class Gradients(TrainerCallback):
 
 
 def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False,
-         tree: str = "auto"):
+         tree: str = "auto", compiled: bool = False):
     if graphs and not gpu:
         monkeypatch.setattr(graphed_rows, "_check_device", lambda model: None)
     if tree == "masked":  # both trainers: what `auto` answers where FlashAttention 4 runs
@@ -72,16 +72,19 @@ def _run(tmp_path, graphs: bool, grad_accum: int, monkeypatch, gpu: bool = False
 
         trainer.compute_loss = compute_loss
 
-    trainer, logs, _ = train(tmp_path / f"{graphs}-{tree}", steps=2, grad_accum=grad_accum,
+    trainer, logs, _ = train(tmp_path / f"{graphs}-{tree}-{compiled}", steps=2, grad_accum=grad_accum,
                              setup=setup, cuda_graphs=graphs, optim="sgd", learning_rate=0.5,
                              num_sampler_logprobs=4, use_cpu=not gpu,
-                             dtype="bfloat16" if gpu else "float32")
+                             dtype="bfloat16" if gpu else "float32", torch_compile=compiled)
     return trainer, logs, setup.grads.steps, eager_rows
 
 
-def _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=False, tree="auto"):
-    eager, eager_logs, eager_grads, _ = _run(tmp_path, False, grad_accum, monkeypatch, gpu, tree)
-    graphed, logs, grads, eager_rows = _run(tmp_path, True, grad_accum, monkeypatch, gpu, tree)
+def _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=False, tree="auto",
+                          compiled=False):
+    eager, eager_logs, eager_grads, _ = _run(tmp_path, False, grad_accum, monkeypatch, gpu, tree,
+                                             compiled)
+    graphed, logs, grads, eager_rows = _run(tmp_path, True, grad_accum, monkeypatch, gpu, tree,
+                                            compiled)
     assert graphed.graphed_rows.captured >= 1 and eager_rows == []  # every row replayed
     paths = {b.backend for b in graphed.graphed_rows.graphs.buffers}
     assert paths == {"masked" if tree == "masked" else "varlen"}
@@ -120,16 +123,21 @@ def test_graphed_rows_train_as_the_eager_rows(tmp_path, monkeypatch, grad_accum,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("grad_accum", "tree"), [(1, "auto"), (2, "auto"), (2, "masked")])
-def test_captured_rows_train_as_the_eager_rows_on_a_gpu(tmp_path, monkeypatch, grad_accum, tree):
-    """masked: FlashAttention 4's kernels inside the captured graphs (skipped without them)."""
+@pytest.mark.parametrize(("grad_accum", "tree", "compiled"), [
+    (1, "auto", False), (2, "auto", False), (2, "masked", False), (2, "auto", True),
+    (2, "masked", True)])
+def test_captured_rows_train_as_the_eager_rows_on_a_gpu(tmp_path, monkeypatch, grad_accum, tree,
+                                                        compiled):
+    """masked: FlashAttention 4's kernels inside the captured graphs (skipped without them);
+    compiled: the compiled layers (SwiGLU as one Triton op) inside them."""
     if tree == "masked":
         from grpo_agent.train import flash_impl
 
         missing = flash_impl.fa4_kernels_missing(torch.device("cuda"))
         if missing:
             pytest.skip(missing)
-    _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=True, tree=tree)
+    _assert_same_training(tmp_path, monkeypatch, grad_accum, gpu=True, tree=tree,
+                          compiled=compiled)
 
 
 def test_what_graphs_cannot_capture_is_refused(tiny_qwen3):
