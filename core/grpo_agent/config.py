@@ -41,8 +41,9 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     cuda_graphs: bool = _help(
         "Replay each packed row's forward+backward as a CUDA graph, one per bucketed row shape "
-        "(train/graphed_rows.py): removes the host bound of short rows (8k tokens on an H100: "
-        "docs/performance.md). One CUDA process, dtype bfloat16/float16, "
+        "(train/graphed_rows.py), on the tree path the eager row takes (`masked` where "
+        "FlashAttention 4 runs, else `varlen`; rows of 12,288+ tokens run eagerly): removes the "
+        "host bound of short rows (8k tokens on an H100: docs/performance.md). One CUDA process, dtype bfloat16/float16, "
         "gradient_checkpointing=False, attention-only dense models; each new row shape costs "
         "one warm-up and one capture, so it pays on long runs.",
         default=False,
