@@ -17,9 +17,9 @@ row always gathers its keys, an unshared row too, so one plan shape serves every
 padding query and key rows; a bucket also fixes the number of depths) and masked
 (`backend="masked"`, FlashAttention 4 with the tree as its mask: the padding tokens' `until`
 is the bucket's end, so they are one causal segment; the block lists are built from `until`
-inside the graph, so a bucket is its token and trained-entry counts only). `backend="auto"`
-takes masked for the rows the eager trainer's `auto` gives it, varlen for the others. Level graphs
-were first timed on an H200 on the traced level path whose gradients were wrong
+inside the graph, so a bucket is its token and trained-entry counts only); `backend="auto"`
+takes masked for the rows the eager trainer's `auto` gives it, varlen for the others. Level
+graphs were first timed on an H200 on the traced level path whose gradients were wrong
 (docs/performance.md); the level split is now one custom op inside the captured step. Off CUDA
 nothing is captured and the padded step runs as is: the CPU tests hold it to the unpadded
 path. All buckets share one memory pool, captured largest
@@ -342,14 +342,13 @@ class RowGraphs:
         tree = TreeMask(segment_ids=None, ancestors=None, position_ids=s["position_ids"],
                         backend=bucket.backend)
         if bucket.backend == "masked":  # the lists from `until`: tensor ops, no host wait
-            kernel = tree_attention.masked_kernel(self.device, self.params[0].dtype)
             tree.masked = masked_attention.MaskedPlan.build(
-                s["until"], kernel, masked_attention.key_block(self.head_dim))
-        kernel = self.kernels.get(bucket.backend)
-        if bucket.backend == "levels":  # depth parts on the varlen kernel (no padded batches)
+                s["until"], tree_attention.masked_kernel(self.device, self.params[0].dtype),
+                masked_attention.key_block(self.head_dim))
+        elif bucket.backend == "levels":  # depth parts on the varlen kernel (no padded batches)
             depths = range(len(bucket.depths))
             tree.levels = level_attention.LevelPlan(
-                kernel, s["cu_q"], bucket.max_q,
+                self.kernels["levels"], s["cu_q"], bucket.max_q,
                 query_index=[s[f"depth{d}_q"] for d in depths],
                 key_index=[s[f"depth{d}_k"] for d in depths],
                 cu_q=[s[f"depth{d}_cu_q"] for d in depths],
@@ -357,9 +356,9 @@ class RowGraphs:
                 max_q=[b.max_q for b in bucket.depths], max_k=[b.max_k for b in bucket.depths],
                 merge=level_merge.check(level_merge.MERGE),
             )
-        elif bucket.backend == "varlen":
+        else:
             tree.varlen = varlen_attention.VarlenPlan(
-                kernel=kernel, cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
+                kernel=self.kernels["varlen"], cu_q=s["cu_q"], cu_k=s["cu_k"], max_q=bucket.max_q,
                 max_k=bucket.max_k, kv_index=s["kv_index"],
             )
         hidden = self.model.get_decoder()(
