@@ -57,10 +57,13 @@ FLEX_BLOCK_SIZE = 128
 # its merge fused (compiled layers), 1.4-2.2% faster on group rows (four H100 runs) and 4.3% on
 # one-prompt rows, with 5-7 GiB less (docs/performance.md).
 LEVELS_MIN_TOKENS = 12288
-# Rows of at least this many tokens take "masked" under "auto" where FlashAttention 4 runs: as
-# long as its rows were measured (8k and 16k tokens on an H100; docs/performance.md); shorter
-# rows are host-bound, where FA4's Python per call costs more than it saves.
-MASKED_MIN_TOKENS = 8192
+# Rows of at least this many tokens take "masked" under "auto" where FlashAttention 4 runs
+# (which `auto` turns on from token budgets of 8,192): on an H100 it beat varlen wherever
+# measured, one layer at 5,865 and 14,703 tokens and the trainer's step at 7,961 (a budget of
+# 8,192 fills rows to 7.9-8.2k: at 8,192 most of them had stayed on varlen); shorter rows are
+# unmeasured and host-bound, where FA4's Python per call may cost more than it saves
+# (docs/performance.md).
+MASKED_MIN_TOKENS = 6144
 # Heads wider than this (Qwen3.5's 256) take "masked" only where it replaces "levels" (rows of
 # LEVELS_MIN_TOKENS or more): one such layer on an H100 took 3.46 ms masked, 5.13 levels, 3.68
 # varlen at 14.7k tokens, but 2.39 masked against 1.93 varlen at 5.9k (bench/tree_paths.py
