@@ -10,8 +10,9 @@ cannot be captured is refused when the trainer is built, naming the fix: several
 (FSDP's collectives), float32 or non-flash attention, Gated DeltaNet, sliding-window and MoE
 layers (here), gradient checkpointing or fp16's loss scaler (`AsyncGRPOConfig`). Each new row
 shape costs one warm-up and one capture (about two more row steps). Off by default: on an
-H100 the trainer's 8k-token step is already GPU-bound (a replay 4% faster than the eager row
-on FlashAttention 4, 3% slower on torch's kernels: docs/performance.md).
+H100 the trainer's 8k-token step is mostly GPU-bound (a replay 6-11% faster than the eager row
+on FlashAttention 4's masked path with 2 GiB more memory, 3% slower on torch's varlen kernels:
+docs/performance.md).
 """
 from __future__ import annotations
 
