@@ -332,7 +332,7 @@ def test_rows_take_the_masked_path_where_fa4_runs_and_the_heads_fit(monkeypatch,
     row = tree_attention.MASKED_MIN_TOKENS
     assert choose_backend(cuda, torch.bfloat16, row, head_dim=128) == "masked"
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=128) == "masked"
-    assert choose_backend(cuda, torch.bfloat16, row - 1, head_dim=128) == "varlen"  # host-bound
+    assert choose_backend(cuda, torch.bfloat16, row - 1, head_dim=128) == "varlen"  # unmeasured
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=256) == "masked"  # Qwen3.5
     assert choose_backend(cuda, torch.bfloat16, long_row - 1, head_dim=256) == "varlen"
     assert choose_backend(cuda, torch.bfloat16, long_row, head_dim=192) == "levels"  # FA4: no

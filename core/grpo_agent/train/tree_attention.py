@@ -58,12 +58,12 @@ FLEX_BLOCK_SIZE = 128
 # one-prompt rows, with 5-7 GiB less (docs/performance.md).
 LEVELS_MIN_TOKENS = 12288
 # Rows of at least this many tokens take "masked" under "auto" where FlashAttention 4 runs
-# (which `auto` turns on from token budgets of 8,192): on an H100 it beat varlen wherever
-# measured, one layer at 5,865 and 14,703 tokens and the trainer's step at 7,961 (a budget of
-# 8,192 fills rows to 7.9-8.2k: at 8,192 most of them had stayed on varlen); shorter rows are
-# unmeasured and host-bound, where FA4's Python per call may cost more than it saves
+# (which `auto` turns on from token budgets of 8,192, or for CUDA graphs): on an H100 it beat
+# varlen wherever measured, by most at the shortest rows: one layer at 5,865 and 14,703 tokens,
+# the trainer's step at 7,961, eager rows of 5.9k (0.91-0.99x), graphed rows of 5.9-6.8k
+# (0.92-0.94x) and of 2.8-3.5k (0.79-0.83x). Rows under 2,048 are unmeasured
 # (docs/performance.md).
-MASKED_MIN_TOKENS = 6144
+MASKED_MIN_TOKENS = 2048
 # Heads wider than this (Qwen3.5's 256) take "masked" only where it replaces "levels" (rows of
 # LEVELS_MIN_TOKENS or more): one such layer on an H100 took 3.46 ms masked, 5.13 levels, 3.68
 # varlen at 14.7k tokens, but 2.39 masked against 1.93 varlen at 5.9k (bench/tree_paths.py
@@ -164,9 +164,9 @@ def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int 
                    head_dim: int | None = None) -> str:
     """gather on CPU. On CUDA in half precision with flash kernels: masked for rows of at least
     MASKED_MIN_TOKENS where torch's flash ops run FlashAttention 4 (`flash_impl`) and the
-    heads fit its blocks, from LEVELS_MIN_TOKENS for 256-wide heads (on an H100 the
-    trainer's 8k-row step 5-6% faster than varlen, the 1.7B step at 16k rows 2.7-3.1%
-    faster than levels at G=8 and level at G=56); otherwise levels for rows of at least
+    heads fit its blocks, from LEVELS_MIN_TOKENS for 256-wide heads (on an H100 graphed 3k
+    rows 17-21% faster than varlen, the trainer's 8k-row step 5-6%, the 1.7B step at 16k
+    rows 2.7-3.1% faster than levels at G=8 and level at G=56); otherwise levels for rows of at least
     LEVELS_MIN_TOKENS, varlen below (measured faster on either side: LEVELS_MIN_TOKENS);
     varlen was as fast as flex or faster for every packing ratio on an H200, eager and
     compiled; else flex."""
