@@ -164,12 +164,10 @@ def choose_backend(device: torch.device, dtype: torch.dtype | None, tokens: int 
                    head_dim: int | None = None) -> str:
     """gather on CPU. On CUDA in half precision with flash kernels: masked for rows of at least
     MASKED_MIN_TOKENS where torch's flash ops run FlashAttention 4 (`flash_impl`) and the
-    heads fit its blocks, from LEVELS_MIN_TOKENS for 256-wide heads (on an H100 graphed 3k
-    rows 17-21% faster than varlen, the trainer's 8k-row step 5-6%, the 1.7B step at 16k
-    rows 2.7-3.1% faster than levels at G=8 and level at G=56); otherwise levels for rows of at least
-    LEVELS_MIN_TOKENS, varlen below (measured faster on either side: LEVELS_MIN_TOKENS);
-    varlen was as fast as flex or faster for every packing ratio on an H200, eager and
-    compiled; else flex."""
+    heads fit its blocks, from LEVELS_MIN_TOKENS for 256-wide heads; otherwise levels for
+    rows of at least LEVELS_MIN_TOKENS, varlen below; varlen was as fast as flex or faster for
+    every packing ratio on an H200, eager and compiled; else flex. Each bound's measurements
+    are with its constant above."""
     if device.type != "cuda":
         return "gather"
     if dtype not in varlen_attention.HALF_DTYPES or not varlen_attention.flash_capable(device):
