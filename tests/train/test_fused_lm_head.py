@@ -1,6 +1,8 @@
-"""The fused LM head's formulation on CPU: per-vocabulary-block softmax statistics merged by
-`combine_blocks`, and the per-chunk softmax gradient, equal the full-logits reference; and the
-choice between the Triton kernels and the torch tiles (the kernels run in test_gpu_lm_head.py)."""
+"""The fused LM head on CPU: per-vocabulary-block softmax statistics merged by `combine_blocks`,
+and the per-chunk softmax gradient, equal the full-logits reference; `FusedLogSumExp` itself
+(its chunk loop, temperature and gradient matmuls) with the two kernels replaced by those torch
+references; and the choice between the Triton kernels and the torch tiles (the kernels
+themselves run in test_gpu_lm_head.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,37 @@ def test_chunk_softmax_gradients_give_the_log_sum_exp_gradient(temperature):
         grad_w[start:start + 128] = g.T @ hidden
     torch.testing.assert_close(grad_h, h.grad, atol=1e-10, rtol=0)
     torch.testing.assert_close(grad_w, w.grad, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_function_gives_the_full_logits_values_and_gradients(monkeypatch, temperature):
+    """Everything of `FusedLogSumExp` but the two Triton kernels, whose torch references stand
+    in: three vocabulary chunks, the last one short."""
+    def partials(hidden, weight, temperature):
+        return fused_lm_head.block_partials(hidden, weight, temperature, block_v=64)
+
+    def softmax_grad(hidden, weight_chunk, temperature, lse, scale, out):
+        return out.copy_(fused_lm_head.chunk_softmax_grad(hidden, weight_chunk, temperature,
+                                                          lse, scale))
+
+    monkeypatch.setattr(fused_lm_head, "triton_partials", partials)
+    monkeypatch.setattr(fused_lm_head, "triton_softmax_grad", softmax_grad)
+    monkeypatch.setattr(fused_lm_head, "FLOAT32_ADDMM", fused_lm_head.FLOAT32_ADDMM)
+    hidden, weight = (t.float() for t in _inputs())
+    upstream = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(1))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lse, entropy = fused_lm_head.FusedLogSumExp.apply(h, w, temperature, 128)
+    (lse * upstream).sum().backward()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.T / temperature, -1)
+    ref_lse = torch.logsumexp(h64 @ w64.T / temperature, -1)
+    (ref_lse * upstream.double()).sum().backward()
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), -(logp.exp() * logp).sum(-1).detach(),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_runs_the_torch_tiles_and_a_forced_triton_head_says_why_not(monkeypatch):

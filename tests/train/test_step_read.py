@@ -192,23 +192,33 @@ def test_loss_metrics_are_means_over_the_steps_trained_tokens(tiny_qwen3):
 
 def test_steps_are_planned_with_the_cyclic_collector_off_and_the_heap_thawed_after(
         tmp_path, monkeypatch):
-    """A step's trie (a node per token) is built with the collector paused, and what existed
-    at train begin and after step 1 is frozen out of collections until train returns."""
+    """A step's trie (a node per token, built as samples are placed) is built and planned with
+    the collector paused; what existed at train begin is frozen before step 1 is planned, what
+    step 1 built before step 2 is, and train returns with the heap thawed."""
     import gc
 
     from grpo_agent.train.batching import StepPlanner
 
-    seen = []
-    plan = StepPlanner.plan
+    placed, planned = [], []
+    add, plan = StepPlanner.add, StepPlanner.plan
+
+    def placing(self, sample):
+        placed.append(gc.isenabled())
+        return add(self, sample)
 
     def planning(self, leftover=None):
-        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        planned.append((gc.isenabled(), gc.get_freeze_count()))
         return plan(self, leftover)
 
+    monkeypatch.setattr(StepPlanner, "add", placing)
     monkeypatch.setattr(StepPlanner, "plan", planning)
     assert gc.isenabled()
     train(tmp_path, steps=3)
-    assert seen == [(False, True)] * 3  # every step planned paused, with a frozen heap
+    assert placed and not any(placed)  # every sample placed into a trie with the collector off
+    assert [enabled for enabled, _ in planned] == [False] * 3
+    frozen = [count for _, count in planned]
+    # frozen at train begin, then more after step 1 (frozen objects only leave when they die)
+    assert 0 < frozen[0] < frozen[1]
     assert gc.isenabled() and gc.get_freeze_count() == 0  # as before train
 
 

@@ -127,12 +127,27 @@ def test_sdpa_varlen_is_bottom_right_causal_attention_with_gqa():
     torch.testing.assert_close(got, torch.stack(rows).view_as(got))
 
 
-def test_gather_backward_sums_shared_rows_in_float32():
-    x = torch.randn(3, 2, dtype=torch.bfloat16, requires_grad=True)
-    index = torch.tensor([0] * 300 + [2])
-    grad = torch.full((301, 2), 1.001, dtype=torch.bfloat16)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gather_backward_sums_shared_rows_in_float32(device, monkeypatch):
+    """A row shared by 300 paths gets 300 gradients. CUDA's bf16 index_add rounds after every
+    add (300 x 1.0 stops at 256); CPU's sums exactly in either dtype, so there the rule is
+    checked where it is made: the sum's buffer is float32, the gradient comes back bf16."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    buffers = []
+    index_add = torch.Tensor.index_add_
+
+    def recording(self, *args, **kwargs):
+        buffers.append(self.dtype)
+        return index_add(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", recording)
+    x = torch.randn(3, 2, dtype=torch.bfloat16, device=device, requires_grad=True)
+    index = torch.tensor([0] * 300 + [2], device=device)
+    grad = torch.full((301, 2), 1.001, dtype=torch.bfloat16, device=device)
     varlen_attention._GatherRows.apply(x, index).backward(grad)
     exact = 300 * float(torch.tensor(1.001, dtype=torch.bfloat16))
+    assert buffers == [torch.float32]
     assert math.isclose(float(x.grad[0, 0]), exact, rel_tol=2**-8)
     assert x.grad[1].abs().sum() == 0 and x.grad.dtype == torch.bfloat16
 

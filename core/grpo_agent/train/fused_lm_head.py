@@ -11,8 +11,9 @@ vocabulary chunk at a time; the two gradient matmuls of that chunk stay in cuBLA
 [tokens x vocab] tensor exists at any point, and no raw logits are ever written.
 
 `block_partials` / `chunk_softmax_grad` are the same arithmetic in torch: the CPU reference the
-tests hold the formulation to, and what runs where Triton does not (the kernels are imported
-lazily: CPU CI never loads Triton). Sampling masks (`candidates`) take the torch tiled path.
+tests hold the kernels to, and stand in for them to test `FusedLogSumExp` on CPU. Where the
+kernels cannot run (no CUDA, no Triton: imported lazily, so CPU CI never loads it) and under
+sampling masks (`candidates`), the LM head takes the torch tiles (`logprobs._TiledLogSumExp`).
 """
 
 from __future__ import annotations
