@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.sampler import WeightSyncError, recovery
 from grpo_agent.weight_sync.full import WeightPusher

@@ -111,3 +111,29 @@ def test_install_keeps_a_pass_the_user_set():
         fused_projections.install()
         fused_projections.install()
         assert inductor_config.pre_grad_custom_pass is fused_projections.FUSE_PASS
+
+
+def _two_linears(weight_dtypes=(torch.float32, torch.float32), mutate=False) -> torch.fx.Graph:
+    """x -> linear(x, w1), linear(x, w2) as dynamo hands them over (example values in meta),
+    the first output optionally changed in place."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.randn(3, 8)
+    weights = [graph.placeholder(f"w{i}") for i in range(len(weight_dtypes))]
+    for w, dtype in zip(weights, weight_dtypes):
+        w.meta["example_value"] = torch.randn(4, 8, dtype=dtype)
+    outputs = [graph.call_function(torch._C._nn.linear, (x, w)) for w in weights]
+    if mutate:
+        outputs[0] = graph.call_method("add_", (outputs[0], 1.0))
+    graph.output(tuple(outputs))
+    return graph
+
+
+@pytest.mark.parametrize("case", ["fused", "dtypes differ", "output changed in place"])
+def test_linears_fuse_only_with_one_dtype_and_no_in_place_user(case):
+    graph = _two_linears(
+        weight_dtypes=(torch.float32, torch.bfloat16) if case == "dtypes differ" else
+        (torch.float32, torch.float32), mutate=case == "output changed in place")
+    fused_projections.fuse_shared_input_linears(graph)
+    linears = [n for n in graph.nodes if n.target in fused_projections.LINEARS]
+    assert len(linears) == (1 if case == "fused" else 2)

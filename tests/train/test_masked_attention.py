@@ -150,6 +150,16 @@ def test_fa4_plan_refuses_head_dims_that_have_not_run_on_a_gpu():
         masked_tree_attention(q, q[:, :1], q[:, :1], plan, None)
 
 
+@pytest.mark.parametrize("head_dim,runs,keys", [(64, True, 128), (128, True, 128),
+                                               (192, False, 64), (256, True, 64),
+                                               (512, False, 64)])
+def test_which_head_widths_fa4_takes_and_their_key_blocks(head_dim, runs, keys):
+    """The widths that ran against the reference on a GPU (up to 128 with 128-key blocks, 256
+    with 64-key blocks; FA4 tiles 192-wide backwards by 96 keys, which fits neither)."""
+    assert masked_attention.fa4_runs(head_dim) is runs
+    assert masked_attention.key_block(head_dim) == keys
+
+
 def test_a_plan_with_the_wrong_key_block_for_the_heads_is_refused():
     row = _forest_row(0, groups=1)
     plan = MaskedPlan.build(_until(row), "reference")  # 128-key blocks

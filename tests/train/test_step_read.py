@@ -258,6 +258,23 @@ def test_the_next_step_is_planned_before_the_wait_for_this_ones_rows(tmp_path, s
     ]
 
 
+@pytest.mark.parametrize("flag", [None, "should_training_stop", "should_save",
+                                  "should_evaluate"])
+def test_nothing_is_planned_ahead_of_a_save_an_evaluation_or_the_end(flag):
+    """The rule alone (the save and the end also run whole above): an evaluation, like a
+    checkpoint, never happens with pulled samples untrained."""
+    from types import SimpleNamespace
+
+    from grpo_agent.train.pipeline import RolloutPipelineMixin
+
+    flags = dict.fromkeys(("should_training_stop", "should_save", "should_evaluate"), False)
+    if flag:
+        flags[flag] = True
+    trainer = SimpleNamespace(_planned_ahead=None, _next_step_plan=lambda: "next plan")
+    RolloutPipelineMixin.plan_ahead(trainer, SimpleNamespace(**flags))
+    assert trainer._planned_ahead == (None if flag else "next plan")
+
+
 def test_a_step_planned_ahead_is_dropped_when_the_run_is_interrupted(tmp_path):
     """Ctrl-C while step 1 is logged, after step 2 was planned ahead: the plan goes with the
     stopped worker, so a later train() in this process does not train its samples."""

@@ -74,6 +74,10 @@ class Gated(nn.Module):
         y = self.proj(x)
         if self.variant == "three":  # the halves of a three-way split: not gate/up
             gate, up, _ = torch.split(y, [2, 2, 4], dim=-1)
+        elif self.variant == "unequal":  # broadcasts: one gate column over seven
+            gate, up = torch.split(y, [1, 7], dim=-1)
+        elif self.variant == "rows":  # split over tokens, not features
+            gate, up = torch.split(y, [2, 2], dim=0)
         else:
             gate, up = torch.split(y, [4, 4], dim=-1)
         if self.variant == "swapped":
@@ -84,13 +88,13 @@ class Gated(nn.Module):
 
 
 @pytest.mark.parametrize("variant,ops", [("plain", 1), ("swapped", 0), ("three", 0),
-                                         ("relu", 0)])
+                                         ("unequal", 0), ("rows", 0), ("relu", 0)])
 def test_only_the_exact_pattern_is_rewritten(variant, ops, on_cpu):
     torch.manual_seed(0)
     eager = Gated(variant)
     backend = RewritingBackend()
     compiled = torch.compile(copy.deepcopy(eager), backend=backend)
-    x = torch.randn(3, 6)
+    x = torch.randn(4, 6)
     torch.testing.assert_close(compiled(x), eager(x), atol=1e-6, rtol=1e-6)
     assert [c[0] for c in backend.counts] == [ops]
 
