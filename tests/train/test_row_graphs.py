@@ -200,3 +200,24 @@ def test_level_padding_pairs_hold_padding_rows_only(monkeypatch):
         assert cu_q[pairs + 1] == shape.queries and cu_k[pairs + 1] == shape.keys
         assert (cu_q[pairs + 1:] == shape.queries).all() and (cu_k[pairs + 1:] == shape.keys).all()
         assert cu_q.numel() == shape.pairs + 1
+
+
+@pytest.mark.parametrize("backend", ["varlen", "levels"])
+@pytest.mark.parametrize("longest", ["padding tokens", "padding rows of a depth part"])
+def test_flash_bounds_cover_every_padded_range(monkeypatch, shared_samples, backend, longest):
+    """max_q / max_k are what flash kernels size their grids by (CPU's stand-in ignores them):
+    every padded range, the padding's own included, must fit. Fine seqlen steps, and coarse
+    token (or depth-part row) buckets that make a padding range the longest one."""
+    coarse = {"tokens": 1024} if longest == "padding tokens" else {"tokens": 1, "rows": 1024}
+    monkeypatch.setattr(row_graphs, "STEPS", {**row_graphs.STEPS, "seqlen": 1, **coarse})
+    row = pack_row(shared_samples)
+    bucket = Bucket.of(row, backend)
+    t = padded_inputs(row, bucket)
+    if longest == "padding tokens":
+        assert bucket.tokens - row.num_tokens > max(torch.bincount(row.segment_ids).tolist())
+    assert int(t["cu_q"].diff().max()) <= bucket.max_q
+    if backend == "varlen":
+        assert int(t["cu_k"].diff().max()) <= bucket.max_k
+    for d, shape in enumerate(bucket.depths):
+        assert int(t[f"depth{d}_cu_q"].diff().max()) <= shape.max_q
+        assert int(t[f"depth{d}_cu_k"].diff().max()) <= shape.max_k
