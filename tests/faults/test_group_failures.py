@@ -38,6 +38,9 @@ def test_which_failures_cost_only_their_group():
     assert failure_reason(EnvironmentResetError("Env.reset() raised KeyError: 'x'")) == ENV_ERROR
     other_400 = RequestRejectedError("bad", status_code=400, server_message="temperature must be >= 0")
     assert failure_reason(other_400) is None  # a bug in the request: it stops the run
+    routed_wrong = RequestRejectedError("gone", status_code=404,
+                                        server_message="maximum model length")
+    assert failure_reason(routed_wrong) is None  # only a 400 says the prompt itself is too long
     assert failure_reason(ValueError("maximum model length")) is None
 
 

@@ -11,7 +11,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from grpo_agent.sampler import (
     RequestRejectedError,
     SamplerClient,
@@ -172,6 +171,21 @@ def test_a_body_that_is_not_a_generate_answer_names_the_url_and_the_field():
     finally:
         server.close()
     assert server.posts == 1  # not retried: the same server would answer the same
+
+
+def test_fewer_choices_than_requested_samples_is_an_error_naming_both():
+    """A group's request asks n samples in one call; an answer with fewer choices (another
+    server, an old vLLM) must fail loudly, not give the group fewer rollouts than it counts."""
+    server = ScriptedServer([(200, GENERATED)])
+
+    async def run():
+        async with SamplerClient(server.url) as client:
+            return await client.generate_many([1, 2, 3], SamplingParams(max_tokens=2), 2)
+    try:
+        with pytest.raises(SamplerError, match="answered 1 choices to a request for n=2"):
+            asyncio.run(run())
+    finally:
+        server.close()
 
 
 def test_5xx_is_retried_and_counted_then_succeeds():

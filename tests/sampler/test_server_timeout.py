@@ -118,6 +118,28 @@ def test_the_timeout_bounds_the_wait_and_names_the_setting(loading_server):
     assert time.monotonic() - began < 4
 
 
+def test_a_server_answering_5xx_is_not_ready():
+    """A proxy in front of a loading server answers 503: that is waited on (and named in the
+    error), not taken for a ready server whose first generate request would fail."""
+    class Unavailable(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServerUnreachableError, match="not ready after 2 s.*HTTP 503"):
+            asyncio.run(wait_until_ready(f"http://127.0.0.1:{httpd.server_address[1]}", 2.0))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_host_that_does_not_resolve_fails_at_once():
     began = time.monotonic()
     with pytest.raises(ServerUnreachableError, match="does not resolve.*vllm_server_base_url"):
