@@ -1,0 +1,71 @@
+"""The gateway's per-rollout budgets, its max_tokens rule and its key check, at the seam: a
+Gateway without a server (the end-to-end paths run in test_gateway_vllm.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
+from grpo_agent.rollout.gateway_errors import GatewayError
+
+
+def _gateway(**limits) -> Gateway:
+    gateway = Gateway.__new__(Gateway)  # no tokenizer, no server: the rules only
+    gateway.limits = HarnessLimits(**limits)
+    gateway.sessions = {}
+    gateway.loop = SimpleNamespace(config=SimpleNamespace(max_completion_length=256),
+                                   model_name="tiny", server=SimpleNamespace(max_model_len=1024))
+    return gateway
+
+
+def _session(calls=0, tokens=0, age_s=0.0) -> AgentSession:
+    session = AgentSession(version=0, started=time.monotonic() - age_s)
+    session.turns, session.generated_tokens = [object()] * calls, tokens
+    return session
+
+
+@pytest.mark.parametrize("spent,code", [
+    ({"calls": 4}, "rollout_call_budget"),
+    ({"tokens": 100}, "rollout_token_budget"),
+    ({"age_s": 11.0}, "rollout_time_budget"),
+])
+def test_each_budget_ends_the_rollouts_calls_once_spent(spent, code):
+    """A rollout past its calls, tokens or seconds gets a 429 naming the budget; one call,
+    token or second short of each it may still call."""
+    gateway = _gateway(max_calls=4, max_generated_tokens=100, timeout_s=10.0)
+    gateway._check_budget(_session(calls=3, tokens=99, age_s=9.0))
+    with pytest.raises(GatewayError) as raised:
+        gateway._check_budget(_session(**spent))
+    assert raised.value.status == 429 and raised.value.code == code
+
+
+def test_no_budget_set_means_no_limit():
+    _gateway(max_calls=None, max_generated_tokens=None)._check_budget(
+        _session(calls=10_000, tokens=10**9))
+
+
+def test_max_tokens_is_capped_by_the_completion_length_and_the_token_budget():
+    gateway = _gateway(max_generated_tokens=100)
+    assert gateway._max_tokens(None) == 256  # max_completion_length
+    assert gateway._max_tokens(50) == 50
+    assert gateway._max_tokens(500) == 100  # the rollout's token budget
+    assert _gateway()._max_tokens(500) == 256
+    for bad in (0, -1, True, "3", 2.5):
+        with pytest.raises(GatewayError, match="max_tokens must be a positive integer"):
+            gateway._max_tokens(bad)
+
+
+def test_models_answers_only_a_rollouts_own_key():
+    gateway = _gateway()
+    gateway.sessions["grpo-key"] = _session()
+
+    def status(headers):
+        request = make_mocked_request("GET", "/v1/models", headers=headers)
+        return asyncio.run(gateway._models(request)).status
+
+    assert status({"Authorization": "Bearer grpo-key"}) == 200
+    assert status({"Authorization": "Bearer someone-else"}) == 401
+    assert status({}) == 401
