@@ -1,0 +1,71 @@
+"""One gateway turn at the seam (`Gateway._sample`): the real template, tokenizer and tool-call
+parser, a scripted sampler. What the agent is answered and what the rollout counts."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
+from grpo_agent.rollout.gateway_errors import GatewayError
+from grpo_agent.types import TurnRecord
+
+TOOLS = [{"type": "function", "function": {
+    "name": "increment", "description": "Increment the counter.",
+    "parameters": {"type": "object", "properties": {"step": {"type": "integer"}}}}}]
+CALL = "<tool_call>\n" + json.dumps({"name": "increment", "arguments": {"step": 3}}) + "\n</tool_call>"
+USER = [{"role": "user", "content": "Increment the counter by 3."}]
+
+
+class Sampler:
+    """generate_one_turn answering `text` with `finish`; records the max_tokens asked."""
+
+    def __init__(self, tokenizer, text, finish):
+        self.tokenizer, self.text, self.finish, self.max_tokens = tokenizer, text, finish, []
+
+    async def __call__(self, prompt_ids, max_tokens):
+        self.max_tokens.append(max_tokens)
+        output = self.tokenizer.encode(self.text, add_special_tokens=False)
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason=self.finish)
+
+
+def _turn(tokenizer, text=CALL, finish="stop", tool_choice=None, max_model_len=4096,
+          max_tokens=64):
+    sampler = Sampler(tokenizer, text, finish)
+    loop = SimpleNamespace(tokenizer=tokenizer, tool_executor=None, generate_one_turn=sampler,
+                           server=SimpleNamespace(max_model_len=max_model_len),
+                           config=SimpleNamespace(chat_template_kwargs=None))
+    session = AgentSession(version=0)
+    message, finish, usage = asyncio.run(
+        Gateway(loop, HarnessLimits())._sample(session, USER, TOOLS, tool_choice, max_tokens))
+    return message, finish, usage, session, sampler
+
+
+def test_a_tool_call_is_answered_as_one_and_counted(tiny_tokenizer):
+    message, finish, _, session, _ = _turn(tiny_tokenizer)
+    assert finish == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"step": 3}
+    assert session.tool_calls == 1 and session.parallel_calls == [1]
+
+
+def test_tool_choice_none_leaves_the_text_unparsed(tiny_tokenizer):
+    """tool_choice="none": the agent asked for text, so a call-shaped answer stays text."""
+    message, finish, _, session, _ = _turn(tiny_tokenizer, tool_choice="none")
+    assert finish == "stop" and "tool_calls" not in message
+    assert "<tool_call>" in message["content"] and session.tool_calls == 0
+
+
+def test_calls_in_a_turn_cut_off_by_length_are_not_counted(tiny_tokenizer):
+    """As the tool loop counts: a turn that hit max_tokens did not finish writing its calls."""
+    _, finish, _, session, _ = _turn(tiny_tokenizer, finish="length")
+    assert finish == "length" and session.tool_calls == 0 and session.parallel_calls == []
+
+
+def test_the_context_left_bounds_max_tokens_and_a_full_context_is_refused(tiny_tokenizer):
+    _, _, (prompt_tokens, _), _, _ = _turn(tiny_tokenizer)
+    *_, sampler = _turn(tiny_tokenizer, max_model_len=prompt_tokens + 1)
+    assert sampler.max_tokens == [1]  # one token of room: asked for one, not 64
+    with pytest.raises(GatewayError, match="Shorten the conversation") as refused:
+        _turn(tiny_tokenizer, max_model_len=prompt_tokens)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
