@@ -174,6 +174,25 @@ def test_command_agent_failures_name_the_problem(code, kind, message, timeout_s)
     assert raised.value.kind == kind
 
 
+@pytest.mark.parametrize("reward", [float("inf"), float("-inf"), float("nan")])
+def test_an_agent_returning_a_non_finite_reward_fails_its_rollout(reward):
+    """inf would poison its group's advantages and NaN would pass for "unscored": either is the
+    agent's error (its rollout is dropped), named with the value, not a reward."""
+    async def non_finite_agent(client, row):
+        return reward
+
+    with pytest.raises(AgentFailure, match=f"returned {reward!r}; an agent returns a finite float") as raised:
+        asyncio.run(run_agent(non_finite_agent, "http://127.0.0.1:9/v1", "k", {}, 5.0))
+    assert raised.value.kind == "error"
+
+
+def test_a_command_agent_printing_nan_fails_its_rollout():
+    """`float("nan")` reads the line fine, so the command's reward needs the same finite check."""
+    with pytest.raises(AgentFailure, match="returned nan; an agent returns a finite float") as raised:
+        asyncio.run(run_agent(_command("print('nan')"), "http://127.0.0.1:9/v1", "k", {}, 60.0))
+    assert raised.value.kind == "error"
+
+
 def test_command_agent_gets_the_gateway_and_row_and_returns_its_last_line():
     code = ("import json, os, sys; row = json.load(sys.stdin); "
             "print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']); print(row['x'] / 2)")

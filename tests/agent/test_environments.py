@@ -148,6 +148,31 @@ def test_slow_reset_runs_in_the_thread_pool_and_does_not_block_other_rollouts(ex
     assert asyncio.run(runner.finish(episodes[0])) == (SlowEnv, 0.5)  # async get_reward
 
 
+class AbstainingEnv:
+    def reset(self, **kwargs) -> str:
+        return "Say anything."
+
+    def get_reward(self) -> None:
+        return None  # this episode is not this env's to score
+
+
+def test_get_reward_returning_none_leaves_the_rollout_unscored(executor):
+    """None from `get_reward` is NaN (unscored: no advantage, outside the group's mean and
+    std), not a reward of 0.0, and the env still goes back to its pool."""
+    import math
+
+    runner = EnvironmentRunner(AbstainingEnv, executor)
+
+    async def one_rollout():
+        episode = await runner.start({})
+        return episode, await runner.finish(episode), await runner.start({})
+
+    episode, reward, again = asyncio.run(one_rollout())
+    env_cls, value = reward
+    assert env_cls is AbstainingEnv and math.isnan(value)
+    assert again.env is episode.env
+
+
 def test_environment_owned_data_requires_max_steps():
     from grpo_agent.train.trainer import _check_dataset  # the one home of the rule
 

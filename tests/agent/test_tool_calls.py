@@ -27,11 +27,18 @@ def test_content_and_calls_are_split_in_order():
         ('<tool_call>["a"]</tool_call>', 'string "name"'),
         ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "must be a JSON object"),
         ('<tool_call>{"name": "a", "arguments": {}}', "not closed"),
+        ('<tool_call>{"name": "a", "arguments": "{x: 1"}</tool_call>', '"arguments" is a string that is not valid JSON'),
     ],
 )
 def test_unreadable_calls_are_kept_with_the_reason(block, problem):
     (call,) = HermesToolCallParser().parse(block).calls
     assert isinstance(call, MalformedCall) and problem in call.error
+
+
+def test_a_call_without_arguments_calls_the_tool_with_none():
+    """A call with no "arguments" key is a call of a tool that takes none, not malformed."""
+    (call,) = HermesToolCallParser().parse('<tool_call>\n{"name": "now"}\n</tool_call>').calls
+    assert call == ToolCall("now", {})
 
 
 def test_text_without_calls_has_no_calls():

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from types import SimpleNamespace
 
+import pytest
 from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.observations import terminated
 from grpo_agent.rollout.reconcile import reconcile_turns
 
 
@@ -142,6 +145,86 @@ def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_
     assert stats.num_forks == 0, stats
     assert len(sequences) == 1
     assert sequences[0].num_trained == len(rollout.completion_ids)
+
+
+RELEASE = threading.Event()  # set when a timeout test ends, so no sleeping tool outlives it
+
+
+def slow_lookup(key: str) -> str:
+    """
+    Looks a key up, slowly.
+
+    Args:
+        key: The key.
+
+    Returns:
+        The value.
+    """
+    RELEASE.wait(5.0)
+    return "late"
+
+
+async def async_slow_lookup(key: str) -> str:
+    """
+    Looks a key up, slowly and asynchronously.
+
+    Args:
+        key: The key.
+
+    Returns:
+        The value.
+    """
+    await asyncio.sleep(5.0)
+    return "late"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tool", [slow_lookup, async_slow_lookup])
+def test_a_tool_past_tool_timeout_s_is_cut_off_and_the_model_told(scripted_loop, tool):
+    """A tool still running after `tool_timeout_s` is abandoned: the rollout goes on at once
+    with a failed call whose tool message says it timed out (the next turn's prompt has it)."""
+    loop = scripted_loop([call(tool.__name__, key="x"), "It timed out."], tool_timeout_s=0.2)
+    RELEASE.clear()
+    try:
+        rollout = run(loop, tools=(tool,))
+    finally:
+        RELEASE.set()
+    assert rollout.metrics["tools/latency_s"][0] < 4.0  # not the tool's 5 s
+    message = f"Tool '{tool.__name__}' timed out after 0.2 s."
+    assert json.loads(rollout.completion[1]["content"]) == {"error": message}
+    assert message in loop.tokenizer.decode(loop.prompts[1])
+    assert rollout.tool_call_count == 1 and rollout.tool_failure_count == 1
+    assert rollout.metrics[f"tools/{tool.__name__}/failure_count"] == [1.0]
+
+
+def test_a_turn_cut_off_by_length_ends_the_loop_without_running_its_calls(scripted_loop):
+    """A turn that hit max_completion_length (finish_reason "length") ends the rollout: its
+    tool call is not run and no turn follows; the rollout counts as clipped, not exhausted."""
+    ran = []
+
+    def record(tag: str) -> str:
+        """
+        Records a tag.
+
+        Args:
+            tag: The tag.
+        """
+        ran.append(tag)
+        return tag
+
+    loop = scripted_loop([call("record", tag="a"), "never sampled"])
+    scripted = loop.generate_one_turn
+
+    async def cut_off(prompt_ids):
+        return dataclasses.replace(await scripted(prompt_ids), finish_reason="length")
+
+    loop.generate_one_turn = cut_off
+    rollout = run(loop, tools=(record,))
+    assert ran == [] and len(rollout.turns) == 1 and len(loop.prompts) == 1
+    assert [m["role"] for m in rollout.completion] == ["assistant"]
+    assert rollout.completion[0]["tool_calls"][0]["function"]["name"] == "record"
+    assert rollout.tool_call_count == 0 and rollout.metrics["tools/loop_exhausted_frac"] == [0.0]
+    assert not terminated(rollout)  # counted in completions/clipped_ratio
 
 
 def _with_context(loop, max_model_len: int):

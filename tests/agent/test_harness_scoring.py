@@ -1,0 +1,109 @@
+"""A harness group's training path without a server: agent runs through the real gateway
+(only the sampler is scripted), then the worker's `build_group` and `score_group`."""
+from __future__ import annotations
+
+import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.rollout.group_scoring import build_group, score_group
+from grpo_agent.rollout.harness import HarnessRolloutLoop
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.rollout.prompts import PromptSlot
+from grpo_agent.rollout.scoring import RewardFailureTracker
+from grpo_agent.types import Rollout, TurnRecord
+
+ROW = {"prompt": [{"role": "user", "content": "What is 3 times 4?"}]}
+
+
+def brevity_reward(completion_ids, **kwargs):
+    """Shorter is better: an empty completion (a failed rollout's) scores best of all."""
+    return [-len(ids) / 100 for ids in completion_ids]
+
+
+def _config(tmp_path):
+    return AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", num_generations=3,
+                           max_completion_length=64, chat_template_kwargs={"enable_thinking": False})
+
+
+async def _score(loop, results):
+    seen = []
+    group = await build_group(loop, PromptSlot(0, 0, 0, ROW), 0, 0, results,
+                              lambda name, value: seen.append(name),
+                              lambda name, numerator, denominator: seen.append(name))
+    return group, await score_group(loop, group, RewardFailureTracker())
+
+
+def test_a_failed_agent_rollout_stays_unscored_though_reward_funcs_scored_it(scripted_loop, tmp_path):
+    """Two agent runs answer, the third calls the model then raises: reward_funcs score all
+    three completions (the failed one's is empty), but the failed rollout's reward is NaN, so
+    the two that answered get advantages +1 and -1 between themselves, as if it never ran."""
+    texts = scripted_loop(["Twelve, which is three times four.", "12", "never read"])
+    calls = []
+
+    async def third_run_fails(client, row):
+        calls.append(row)
+        await client.chat.completions.create(model="m", messages=row["prompt"])
+        if len(calls) == 3:
+            raise RuntimeError("the agent crashed after the model answered")
+        # returns None: reward_funcs score it
+
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=third_run_fails)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+
+    async def main():
+        await loop.setup()
+        try:
+            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
+            return results, *await _score(loop, results)
+        finally:
+            await loop.close()
+
+    results, group, scored = asyncio.run(main())
+    rollouts = [rollout for _, rollout, _ in results]
+    assert [r.metrics["harness/dropped_frac"] for r in rollouts] == [[0.0], [0.0], [1.0]]
+    assert rollouts[2].completion_ids == [] and len(texts.prompts) == 3  # it did call the model
+    assert math.isnan(group.rewards[2])
+    assert group.rewards[0] < group.rewards[1] < 0  # the shorter answer scores better
+    advantages = {s.rollout_id: s.advantage for s in scored.samples}
+    assert advantages == {rollouts[0].rollout_id: pytest.approx(-1.0), rollouts[1].rollout_id: pytest.approx(1.0)}
+    assert sorted(v for name, v in scored.observations if name == "reward") == sorted(group.rewards[:2])
+
+
+class WrongShapeLoop(AsyncRolloutLoop):
+    """A user's `compute_advantages` that returns one advantage for the whole group."""
+
+    def compute_advantages(self, group):
+        return [float(np.nanmean(group.rewards))]
+
+
+def test_compute_advantages_of_the_wrong_shape_is_a_clear_error(tiny_tokenizer, tmp_path):
+    """An override returning fewer advantages than rollouts stops scoring with an error naming
+    the shape and the group size, instead of zipping advantages onto the wrong rollouts."""
+    loop = WrongShapeLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                          reward_funcs=[brevity_reward], processing_class=tiny_tokenizer,
+                          eos_token_ids=[tiny_tokenizer.eos_token_id])
+
+    def rollout(text):
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=ids,
+                       turns=[TurnRecord([1, 2], ids, [-0.1] * len(ids), finish_reason="stop")])
+
+    results = [(ROW["prompt"], rollout(text), None) for text in ("12", "It is 12.", "Twelve, I believe.")]
+
+    async def main():
+        with ThreadPoolExecutor(2) as executor:
+            loop.tool_executor = executor
+            return await _score(loop, results)
+
+    with pytest.raises(ValueError, match=r"compute_advantages returned shape \(1,\) for a group of 3 "
+                       r"rollouts; return one advantage per rollout"):
+        asyncio.run(main())
