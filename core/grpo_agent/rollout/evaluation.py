@@ -220,9 +220,10 @@ class EvalSession:
             model_version=self.loop.model_version_value.value, group_id=index, row_index=index,
             env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts], rollouts=rollouts)
         scores, failure = await run_reward_functions(self.loop.reward_funcs, group, self.loop.tool_executor)
-        if failure is not None:  # the row is unscored: it fails, and is counted
-            scores.by_source.clear()
-        add_rollout_sources(scores, group)
+        if failure is not None:  # the row is unscored (no source, the env's included): it
+            scores.by_source.clear()  # fails, and is counted
+        else:
+            add_rollout_sources(scores, group)
         total = scores.total(size)
         rewards = [None if math.isnan(v) or _dropped(r) else float(v) for v, r in zip(total, rollouts)]
         threshold = self.settings.success_threshold

@@ -1,0 +1,191 @@
+"""Evaluation's numbers without a server: pass@k is the unbiased estimate, unscored rollouts
+stay out of the reward means, a reward function that raises fails its row and is counted, and
+EvalSettings refuses settings it cannot run with."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.rollout import evaluation
+from grpo_agent.rollout.evaluation import (
+    EvalRow,
+    EvalSession,
+    EvalSettings,
+    eval_metrics,
+    pass_at_k,
+    run_evaluation,
+)
+from grpo_agent.rollout.loop import AsyncRolloutLoop
+from grpo_agent.sampler.server_facts import ServerFacts
+from grpo_agent.types import Rollout
+
+# ---------------------------------------------------------------- pass@k
+
+
+@pytest.mark.parametrize(("n", "c", "k", "expected"), [
+    (5, 2, 1, 2 / 5),  # pass@1 is the pass rate
+    (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2); the biased 1 - (3/5)^2 would be 0.64
+    (5, 2, 3, 1 - 1 / 10),  # 1 - C(3,3)/C(5,3); the biased 1 - (3/5)^3 would be 0.784
+    (5, 2, 4, 1.0),  # fewer than k failures: every k-subset holds a pass
+    (5, 1, 2, 1 - 6 / 10),  # 1 - C(4,2)/C(5,2)
+    (5, 0, 1, 0.0), (5, 0, 3, 0.0), (5, 0, 5, 0.0),  # no pass: pass@k is 0 for every k <= n
+    (5, 5, 1, 1.0), (5, 5, 5, 1.0),  # every rollout passes
+])
+def test_pass_at_k_is_the_unbiased_estimate_on_rows_of_partial_success(n, c, k, expected):
+    """pass@k is 1 - C(n-c, k)/C(n, k) (Chen et al. 2021), not the biased 1 - (1 - c/n)^k,
+    which agrees with it only at k = 1, c = 0 and c = n."""
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def _row(index, passed, rewards=None):
+    rewards = [float(p) for p in passed] if rewards is None else rewards
+    return EvalRow(index, [""] * len(passed), rewards, list(passed))
+
+
+def test_eval_metrics_average_the_unbiased_pass_at_k_over_rows():
+    """eval/pass@1 and eval/pass@k average each row's unbiased estimate: a row of 2 passes in
+    5 gives pass@5 = 1 and pass@1 = 0.4, beside rows of no and of all passes."""
+    rows = [_row(0, [True, False, True, False, False]),
+            _row(1, [False] * 5),
+            _row(2, [True] * 5),
+            _row(3, [False, False, False, False, True])]
+    metrics = eval_metrics(rows, [], 5, 0)
+    assert metrics["eval/pass@1"] == pytest.approx((0.4 + 0 + 1 + 0.2) / 4)
+    assert metrics["eval/pass@5"] == pytest.approx((1 + 0 + 1 + 1) / 4)  # biased: 0.63
+    three = eval_metrics(rows, [], 3, 0)
+    assert three["eval/pass@3"] == pytest.approx((0.9 + 0 + 1 + 0.6) / 4)  # biased: 0.62
+    assert "eval/pass@1" in three and "eval/pass@2" not in three
+    assert "eval/pass@2" not in eval_metrics(rows, [], 1, 0)  # k = 1: pass@1 only
+
+
+# ---------------------------------------------------------------- unscored rollouts
+
+
+def test_unscored_rollouts_are_left_out_of_the_reward_means_not_counted_as_zero():
+    """An unscored rollout (None) fails, but its reward is unknown, not 0: eval/reward and each
+    source's mean average the scored rollouts only; all unscored gives NaN, not 0."""
+    rows = [EvalRow(0, ["a", "b", "c"], [0.9, None, 0.3], [False, False, False],
+                    {"judge": [0.9, None, 0.3]}),
+            EvalRow(1, ["d", "e", "f"], [None, 0.6, None], [False, False, False],
+                    {"judge": [None, 0.6, None]})]
+    metrics = eval_metrics(rows, [], 3, 0)
+    assert metrics["eval/reward"] == pytest.approx(0.6)  # counting None as 0: 0.3
+    assert metrics["eval/rewards/judge/mean"] == pytest.approx(0.6)
+    assert metrics["eval/pass@1"] == 0.0 and metrics["eval/pass@3"] == 0.0  # unscored fails
+    assert metrics["eval/num_rows"] == 2.0
+    none = eval_metrics([EvalRow(0, ["a"], [None], [False], {"judge": [None]})], [], 1, 0)
+    assert math.isnan(none["eval/reward"]) and math.isnan(none["eval/rewards/judge/mean"])
+
+
+# ---------------------------------------------------------------- a reward function raises
+
+
+class ScriptedLoop(AsyncRolloutLoop):
+    """The run's loop with its `generate_one` hook scripted (no server): the completion echoes
+    the prompt. Everything else (run_episode, the env, scoring) is the real code."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        return Rollout(completion=[{"role": "assistant", "content": prompt[-1]["content"]}],
+                       completion_ids=[1, 2, 3], turns=[])
+
+
+def row_score(completions, score, **kwargs):
+    """The row's `score` column, for each of its rollouts."""
+    return list(score)
+
+
+def flaky(completions, boom, **kwargs):
+    """Raises on a row with `boom` set; 0.0 otherwise."""
+    if any(boom):
+        raise RuntimeError("judge unreachable")
+    return [0.0] * len(completions)
+
+
+class FullMarksEnv:
+    """An environment whose get_reward gives every rollout full marks."""
+
+    def reset(self, **row):
+        return None  # the row's prompt is the prompt
+
+    def get_reward(self):
+        return 1.0
+
+
+ROWS = [{"prompt": [{"role": "user", "content": "fine"}], "score": 0.25, "boom": False},
+        {"prompt": [{"role": "user", "content": "broken"}], "score": 1.0, "boom": True}]
+
+
+def _evaluate(tmp_path, monkeypatch, rows, environment_factory=None, num_generations=2):
+    """`run_evaluation` through a real EvalSession; only the server probe is faked."""
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=64)
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    settings = EvalSettings(num_generations=num_generations, success_threshold=1.0)
+
+    def session():
+        return EvalSession(ScriptedLoop, config=config, processing_class=None,
+                           reward_funcs=[row_score, flaky], settings=settings,
+                           environment_factory=environment_factory)
+
+    return run_evaluation(session, rows, version=3)
+
+
+def test_a_reward_function_that_raises_fails_its_row_and_is_counted(tmp_path, monkeypatch):
+    """A row whose reward function raised is unscored: its rollouts fail, it is counted in
+    eval/reward_error_count, and none of its sources' scores (here row_score's 1.0, a pass
+    on its own) reach eval/reward, the per-source means or pass@k."""
+    result = _evaluate(tmp_path, monkeypatch, ROWS)
+    fine, broken = result.rows
+    assert fine.rewards == [0.25, 0.25] and fine.passed == [False, False]
+    assert fine.rewards_by_source == {"row_score": [0.25, 0.25], "flaky": [0.0, 0.0]}
+    assert broken.rewards == [None, None] and broken.passed == [False, False]
+    assert broken.rewards_by_source == {}
+    assert broken.completions == ["broken", "broken"]  # it was rolled out, only not scored
+    metrics = result.metrics
+    assert metrics["eval/reward_error_count"] == 1.0
+    assert metrics["eval/reward"] == pytest.approx(0.25)
+    assert metrics["eval/rewards/row_score/mean"] == pytest.approx(0.25)
+    assert metrics["eval/rewards/flaky/mean"] == pytest.approx(0.0)
+    assert metrics["eval/pass@1"] == 0.0 and metrics["eval/pass@2"] == 0.0
+    assert metrics["eval/num_rows"] == 2.0 and metrics["eval/model_version"] == 3.0
+    assert result.model_version == 3
+    # Without the failure both rows are scored and nothing is counted.
+    calm = _evaluate(tmp_path, monkeypatch, [{**row, "boom": False} for row in ROWS])
+    assert calm.metrics["eval/reward_error_count"] == 0.0
+    assert calm.rows[1].rewards == [1.0, 1.0] and calm.metrics["eval/pass@1"] == 0.5
+
+
+def test_an_env_reward_does_not_rescue_a_row_whose_reward_function_raised(tmp_path, monkeypatch):
+    """The environment's get_reward is one more source of the row: when a reward function
+    raised, the row stays unscored and fails, even though the env alone would pass it."""
+    result = _evaluate(tmp_path, monkeypatch, ROWS, environment_factory=FullMarksEnv)
+    fine, broken = result.rows
+    assert fine.rewards == [1.25, 1.25] and fine.passed == [True, True]  # the env is a source
+    assert fine.rewards_by_source["FullMarksEnv"] == [1.0, 1.0]
+    assert broken.rewards == [None, None] and broken.passed == [False, False]
+    assert broken.rewards_by_source == {}
+    metrics = result.metrics
+    assert metrics["eval/reward_error_count"] == 1.0
+    assert metrics["eval/reward"] == pytest.approx(1.25)
+    assert metrics["eval/rewards/FullMarksEnv/mean"] == pytest.approx(1.0)
+    assert metrics["eval/pass@1"] == 0.5
+
+
+# ---------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_generations": 0}, r"eval_num_generations=0: set it to 1 or more"),
+    ({"temperature": -0.1}, r"eval_temperature=-0.1: use 0 \(greedy\) or more"),
+    ({"max_concurrent": 0}, r"per_device_eval_batch_size=0: evaluation needs at least one"),
+])
+def test_eval_settings_refuse_what_cannot_run_and_name_the_setting(kwargs, message):
+    """Each refusal names the config field and the fix; the boundary values themselves
+    (1 generation, temperature 0, 1 rollout in flight) are accepted."""
+    with pytest.raises(ValueError, match=message):
+        EvalSettings(**kwargs)
+    EvalSettings(num_generations=1, temperature=0.0, max_concurrent=1)
