@@ -40,6 +40,37 @@ def test_deadlines_are_derived_from_the_config_or_set_explicitly(tmp_path):
         _config(tmp_path, stall_timeouts={"scoring": 0})
 
 
+def test_each_derived_deadline_follows_the_timeout_its_stage_uses(tmp_path):
+    """Without stall_timeouts each stage's deadline comes from the timeout that bounds it: a
+    stage that enforces a timeout itself (a tool call, a generate request, a weight push) gets
+    OWN_TIMEOUT_MARGIN_S on top, so its own clearer error comes first; an env's reset and
+    reward are bounded by the tool timeout (not the worker's); scoring by the worker's."""
+    server, worker, tool = 100, 20, 7  # distinct, so a stage on the wrong timeout shows
+    config = _config(tmp_path, vllm_server_timeout=server, rollout_worker_timeout=worker,
+                     tool_timeout_s=tool)
+    margin = stall.OWN_TIMEOUT_MARGIN_S
+    expected = {
+        "tool": tool + margin,
+        "env_reset": tool,
+        "env_finish": tool,
+        "scoring": worker,
+        "vllm_generate": server + margin,
+        "queue_pull": server + worker,
+        "weight_sync": server + margin,
+        "weight_sync/transfer": server + margin,  # a family member: the family's rule
+        "checkpoint_save": server,
+        "server_restore": max(server, stall.SERVER_STARTUP_TIMEOUT_S) + margin,
+        "collective": stall.COLLECTIVE_DEADLINE_S,
+    }
+    assert {name: stall.stage_deadline(config, name) for name in expected} == expected
+    # An explicit deadline for one stage leaves the others derived.
+    explicit = _config(tmp_path, tool_timeout_s=tool, stall_timeouts={"tool": 5})
+    assert stall.stage_deadline(explicit, "tool") == 5
+    assert stall.stage_deadline(explicit, "env_reset") == stall.stage_deadline(explicit, "env_finish") == tool
+    with pytest.raises(KeyError, match="Unknown stall stage 'tools'"):
+        stall.stage_deadline(config, "tools")
+
+
 def test_collective_phase_deadlines_and_the_process_group_timeout(tmp_path):
     """A phase waits the collective deadline plus what rank 0 may spend in it; the process
     group (ddp_timeout) outwaits every phase, so the stall report comes first."""

@@ -1,6 +1,5 @@
 """AsyncGRPOConfig carries the spec's defaults and rejects bad combinations with a fix."""
 import pytest
-
 from grpo_agent import AsyncGRPOConfig
 
 
@@ -40,11 +39,28 @@ def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
         ({"remove_unused_columns": True}, "reward functions"),
         ({"dtype": "fp8"}, "choose one of"),
         ({"vllm_importance_sampling_clip_min": 6.0}, "must be below"),
+        ({"top_p": 0.0, "top_k": 50}, r"top_p=0.0 must be in \(0, 1\]"),
+        ({"top_p": -0.5, "top_k": 50}, r"top_p=-0.5 must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"tool_timeout_s": 0}, r"tool_timeout_s=0 must be > 0 \(seconds per tool call\)"),
+        ({"tool_timeout_s": -5.0}, r"tool_timeout_s=-5.0 must be > 0"),
+        ({"cuda_graphs": True, "gradient_checkpointing": True}, "needs gradient_checkpointing=False"),
     ],
 )
 def test_bad_combinations_name_the_rule_and_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         AsyncGRPOConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
+    """The edges of the checks above are valid settings: top_p 1 (no truncation), max_staleness
+    0 (on-policy), a tiny tool timeout, and cuda_graphs once gradient checkpointing is off."""
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), top_p=1.0, max_staleness=0, tool_timeout_s=0.001)
+    assert (c.top_p, c.max_staleness, c.tool_timeout_s) == (1.0, 0, 0.001)
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), top_p=0.5, top_k=50).top_p == 0.5
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), cuda_graphs=True, gradient_checkpointing=False)
+    assert c.cuda_graphs is True and c.gradient_checkpointing is False
 
 
 def test_docs_config_md_is_current():
