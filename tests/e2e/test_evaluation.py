@@ -51,6 +51,7 @@ def _run(server, tmp_path, record_trained, name, **eval_args):
     return trainer, trained
 
 
+@pytest.mark.vllm
 def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alone(server, tmp_path,
                                                                                   record_trained):
     trainer, trained = _run(server, tmp_path, record_trained, "eval", eval_strategy="steps", eval_steps=1,
@@ -136,6 +137,7 @@ def test_eval_without_a_split_says_how_to_get_one(tmp_path):
         check_eval_args(args, [{"prompt": "x"}])
 
 
+@pytest.mark.vllm
 def test_grpo_agent_eval_scores_an_env_eval_split_with_its_threshold(vllm_server, tmp_path):
     """The CLI on the session's server: the env's eval split, its get_reward and its declared
     success threshold (0.5) decide pass@k; a table is printed and the JSON written."""
