@@ -109,9 +109,8 @@ def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
     assert rollout.metrics["tools/failure_frequency"] == [1.0, 1.0, 1.0, 0.0]
 
 
-def test_calls_in_one_turn_run_in_order(scripted_loop):
-    seen = []
-
+def recording_tool(seen: list):
+    """A `record(tag)` tool that appends each tag it is called with to `seen`."""
     def record(tag: str) -> str:
         """
         Records a tag.
@@ -122,6 +121,12 @@ def test_calls_in_one_turn_run_in_order(scripted_loop):
         seen.append(tag)
         return tag
 
+    return record
+
+
+def test_calls_in_one_turn_run_in_order(scripted_loop):
+    seen = []
+    record = recording_tool(seen)
     loop = scripted_loop(["".join(call("record", tag=str(i)) for i in range(5)), "end"])
     run(loop, tools=[record])
     assert seen == ["0", "1", "2", "3", "4"]
@@ -201,17 +206,7 @@ def test_a_turn_cut_off_by_length_ends_the_loop_without_running_its_calls(script
     """A turn that hit max_completion_length (finish_reason "length") ends the rollout: its
     tool call is not run and no turn follows; the rollout counts as clipped, not exhausted."""
     ran = []
-
-    def record(tag: str) -> str:
-        """
-        Records a tag.
-
-        Args:
-            tag: The tag.
-        """
-        ran.append(tag)
-        return tag
-
+    record = recording_tool(ran)
     loop = scripted_loop([call("record", tag="a"), "never sampled"])
     scripted = loop.generate_one_turn
 
