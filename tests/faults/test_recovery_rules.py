@@ -38,6 +38,32 @@ def _serve_after(port: int, delay_s: float) -> ThreadingHTTPServer:
     return holder
 
 
+def test_which_sampler_failures_mean_the_server_is_lost():
+    """Nothing answering means lost (even if it answers again: it may be a new server without
+    our weights); a refused request never does; any other sampler failure does only if
+    /health does not answer either. A non-sampler error is not the server's."""
+    import asyncio
+
+    from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
+
+    healthy = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=healthy.serve_forever, daemon=True).start()
+    up, down = f"http://127.0.0.1:{healthy.server_address[1]}", f"http://127.0.0.1:{find_free_port()}"
+
+    def lost(error, url):
+        return asyncio.run(recovery.means_server_lost(error, url))
+
+    try:
+        assert lost(ServerUnreachableError("refused"), up)
+        assert not lost(RequestRejectedError("bad", status_code=400), down)
+        assert not lost(ValueError("a bug of ours"), down)
+        assert not lost(SamplerError("answer cut short"), up)
+        assert lost(SamplerError("answer cut short"), down)
+    finally:
+        healthy.shutdown()
+        healthy.server_close()
+
+
 def test_an_external_server_that_comes_back_in_time_is_waited_for():
     port = find_free_port()
     holder = _serve_after(port, 2.0)
