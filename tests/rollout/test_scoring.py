@@ -124,6 +124,26 @@ def test_a_raising_reward_costs_its_group_and_stops_only_when_it_keeps_failing(c
         tracker.record(["flaky", "fine"], failure)
 
 
+def test_the_first_raising_reward_is_reported_and_a_cancellation_is_not_swallowed():
+    """Two reward functions raise: the failure names the first in reward_funcs' order (the
+    one the streak counts). A BaseException that is not an Exception (a cancellation) stops
+    scoring as raised instead of becoming the group's reward failure."""
+    def judge(**kwargs):
+        raise ConnectionError("judge unavailable")
+
+    def parser(**kwargs):
+        raise ValueError("no answer tag")
+
+    _scores, failure = _score({"judge": judge, "parser": parser}, _group(2))
+    assert failure.name == "judge" and "ConnectionError" in failure.traceback
+
+    async def cancelled(**kwargs):
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        _score({"judge": judge, "cancelled": cancelled}, _group(2))
+
+
 def test_environment_and_rollout_rewards_are_summed_in_as_their_own_sources():
     group = _group(3)
     group.env_rewards = [(Arena, 1.0), (Arena, 0.0), None]
