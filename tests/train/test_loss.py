@@ -139,17 +139,46 @@ def test_build_loss_config_from_async_grpo_config():
 
 @pytest.mark.parametrize("score_centering", [True, False])
 def test_row_loss_on_a_packed_row(tiny_qwen3, shared_samples, score_centering):
+    """row_loss is the loss the config names (score centering or the clipped surrogate), on
+    log-probs at the config's temperature, divided by the micro-batch's trained tokens (here
+    twice this row's, as when another row shares the micro-batch)."""
+    from grpo_agent.train.forward import forward_row
+
     enable_tree_attention(tiny_qwen3)
     row = pack_row(shared_samples)
-    cfg = LossConfig(score_centering=score_centering)
+    cfg = LossConfig(score_centering=score_centering, temperature=0.7)
     loss, metrics = row_loss(tiny_qwen3, row, cfg, num_trained_tokens_global=2 * row.num_trained)
     loss.backward()
     metrics = metric_floats(metrics)
-    assert torch.isfinite(loss)
+    with torch.no_grad():
+        token = forward_row(tiny_qwen3, row, temperature=0.7).token
+        other = forward_row(tiny_qwen3, row, temperature=1.0).token
+    assert (token.logprobs - other.logprobs).abs().max() > 1e-3  # the temperature matters here
+    inp = LossInputs(logprobs=token.logprobs, sampler_logprobs=row.sampler_logprobs,
+                     advantages=row.advantages, topk_logprobs=token.topk_logprobs,
+                     sampler_topk_logprobs=row.sampler_topk_logprobs)
+    chosen = score_centering_loss if score_centering else clipped_surrogate_loss
+    expected = chosen(inp, cfg) / (2 * row.num_trained)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-7)
     grads = [p.grad for p in tiny_qwen3.parameters()]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
     assert ("sampling/sampler_mass" in metrics) == score_centering
     assert 0 <= metrics["sampling/masked_mean"] <= 1 and metrics["entropy"] > 0
+
+
+def test_the_clipped_surrogate_clips_above_at_epsilon_high():
+    """Ratios between 1 + epsilon and 1 + epsilon_high are not clipped (DAPO's clip-higher),
+    ratios past it are; below, 1 - epsilon applies. Ratios set by hand: the random ones of the
+    formula test rarely land there."""
+    cfg = LossConfig(score_centering=False, clip_min=0.1, clip_max=10.0, epsilon=0.2,
+                     epsilon_high=0.28)
+    ratios = torch.tensor([1.25, 1.4, 0.7, 0.7], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    inp = LossInputs(logprobs=ratios.log(), sampler_logprobs=torch.zeros(4, dtype=torch.float64),
+                     advantages=adv)
+    # min(r A, clip(r) A): 1.25 (inside), 1.28 (clipped high), -0.8 (clipped low), 0.7
+    expected = -(1.25 + 1.28 - 0.8 + 0.7)
+    assert clipped_surrogate_loss(inp, cfg).item() == pytest.approx(expected)
 
 
 def test_empty_row_gives_a_zero_loss_that_still_runs_the_model(tiny_qwen3):
