@@ -116,6 +116,29 @@ def test_metrics_names_and_values():
     assert m["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(5.0))  # ratio 0.2
 
 
+def test_metrics_on_uneven_samples_tell_each_rule_apart():
+    """Numbers chosen so that each rule gives a different value than its near miss: a ratio
+    between 1 + epsilon and 1 + epsilon_high (not high-clipped), samples with different low
+    fractions (min vs max), one token of four masked, rows of different sampler mass."""
+    cfg = LossConfig(epsilon=0.2, epsilon_high=0.28)
+    ratios = torch.tensor([0.7, 1.0, 1.25, 6.0])  # low | inside | inside (clip-higher) | high, masked
+    inp = LossInputs(
+        logprobs=ratios.log(), sampler_logprobs=torch.zeros(4),
+        advantages=torch.tensor([1.0, 1.0, 1.0, 1.0]), token_sample=torch.tensor([0, 0, 1, 1]),
+        topk_logprobs=torch.zeros(4, 2),
+        sampler_topk_logprobs=torch.log(torch.tensor([[0.5, 0.2], [0.5, 0.2], [0.1, 0.1], [0.1, 0.1]])),
+    )
+    m = metric_floats(loss_metrics(inp, cfg, entropy=torch.ones(4)))
+    assert m["clip_ratio/low_mean"] == pytest.approx(0.25)
+    assert m["clip_ratio/high_mean"] == pytest.approx(0.25)  # 1.25 is not above 1.28
+    assert m["clip_ratio/region_mean"] == pytest.approx(0.5)  # low or high
+    assert m["clip_ratio/low_min"] == pytest.approx(0.0)  # sample 1 has no low token
+    assert m["clip_ratio/high_max"] == pytest.approx(0.5)  # sample 1: one of two
+    assert m["sampling/masked_mean"] == pytest.approx(0.25)  # 6.0 is past clip_max 5
+    assert m["sampling/sampler_mass"] == pytest.approx((0.7 + 0.7 + 0.2 + 0.2) / 4)
+    assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(ratios.mean().item())
+
+
 def test_build_loss_config_from_async_grpo_config():
     args = AsyncGRPOConfig(
         output_dir="/tmp/unused",
