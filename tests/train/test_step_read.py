@@ -190,6 +190,15 @@ def test_loss_metrics_are_means_over_the_steps_trained_tokens(tiny_qwen3):
     assert abs(reading.metrics["sampling/sampling_logp_difference/mean"] - row_means) > 0.1
 
 
+def test_the_steps_loss_is_the_sum_of_its_rows_losses():
+    """Each row's loss is already divided by the micro-batch's trained tokens (and the
+    accumulation steps), so the step's logged loss is their sum, not their mean."""
+    step = StepRows()
+    for value in (0.25, 0.5, 1.0):
+        step.add_loss(torch.tensor(value))
+    assert step.read(torch.device("cpu")).loss == pytest.approx(1.75)
+
+
 def test_steps_are_planned_with_the_cyclic_collector_off_and_the_heap_thawed_after(
         tmp_path, monkeypatch):
     """A step's trie (a node per token, built as samples are placed) is built and planned with
