@@ -55,6 +55,21 @@ def test_a_sliding_window_layer_counts_only_the_keys_in_its_window(row):
     assert perf.forward_flops(cfg, row.position_ids, row.num_trained) == by_hand
 
 
+def test_a_moe_layer_counts_the_router_and_only_the_routed_experts(row):
+    """Qwen3-MoE: per token the router (hidden x experts) and the experts it is routed to
+    (gate, up, down each), not all of them."""
+    from transformers import Qwen3MoeConfig
+
+    experts, routed, moe_ffn = 8, 2, 32
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         num_experts=experts, num_experts_per_tok=routed,
+                         moe_intermediate_size=moe_ffn)
+    moe = 2 * (3 * D * moe_ffn * routed + D * experts)
+    by_hand = LAYERS * ((PROJECTIONS + moe) * 8 + PER_PAIR * 27) + LM_HEAD * 4
+    assert perf.forward_flops(cfg, row.position_ids, row.num_trained) == by_hand
+
+
 def test_mfu_is_known_only_for_a_known_device_and_architecture(row):
     flops = perf.training_flops(config(), row.position_ids, row.num_trained)
     peak = perf.peak_flops_per_s("NVIDIA H200", "bf16")
