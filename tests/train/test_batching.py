@@ -82,6 +82,22 @@ def test_new_groups_balance_attention_cost_across_processes(sample_factory):
     assert plan.metrics["batch/row_imbalance"] < 1.2
 
 
+def test_a_group_spills_into_another_process_row_up_to_the_costliest_row(sample_factory):
+    """A sample whose group's row is full goes to the cheapest other row while that row's cost
+    stays within the costliest row's (equal included), else to a new micro-batch."""
+    def add(planner, n, group, first):
+        tokens = list(range(first, first + n))
+        return planner.add(sample_factory(tokens, [0, 0] + [1] * (n - 2), group_id=group))
+
+    # row 1 would cost 15 + 6 = 21 (the costliest row's own cost), or 15 + 15 = 30 (past it)
+    for budget, spill, micro_batches in ((8, 3, 1), (10, 5, 2)):
+        planner = StepPlanner(token_budget=budget, num_processes=2, grad_accum_steps=2)
+        add(planner, 6, 0, 100)  # row 0: cost 21, 6 tokens
+        add(planner, 5, 1, 200)  # row 1: cost 15, 5 tokens
+        add(planner, spill, 0, 300)  # fits row 1's tokens, not row 0's
+        assert len(planner.plan().microbatches) == micro_batches
+
+
 def test_streaming_planner_says_when_full(sample_factory):
     planner = StepPlanner(token_budget=10, num_processes=1, grad_accum_steps=1)
     first = sample_factory(list(range(1, 9)), [0] * 4 + [1] * 4, group_id=0)
