@@ -70,6 +70,7 @@ def test_the_fused_function_gives_the_full_logits_values_and_gradients(monkeypat
 
     monkeypatch.setattr(fused_lm_head, "triton_partials", partials)
     monkeypatch.setattr(fused_lm_head, "triton_softmax_grad", softmax_grad)
+    # restored after the test: the backward turns it off where addmm lacks out_dtype (CPU)
     monkeypatch.setattr(fused_lm_head, "FLOAT32_ADDMM", fused_lm_head.FLOAT32_ADDMM)
     hidden, weight = (t.float() for t in _inputs())
     upstream = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(1))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train.forward import forward_row
 from grpo_agent.train.loss import (
     LossConfig,
     LossInputs,
@@ -165,8 +166,6 @@ def test_row_loss_on_a_packed_row(tiny_qwen3, shared_samples, score_centering):
     """row_loss is the loss the config names (score centering or the clipped surrogate), on
     log-probs at the config's temperature, divided by the micro-batch's trained tokens (here
     twice this row's, as when another row shares the micro-batch)."""
-    from grpo_agent.train.forward import forward_row
-
     enable_tree_attention(tiny_qwen3)
     row = pack_row(shared_samples)
     cfg = LossConfig(score_centering=score_centering, temperature=0.7)
