@@ -1,4 +1,6 @@
 """LoRA adapter sync without a server: reading the server's limits, the start-up check, names."""
+from pathlib import Path
+
 import pytest
 import torch
 from grpo_agent.sampler.client import adapter_name
@@ -142,3 +144,70 @@ def test_each_rollout_samples_the_adapter_of_its_groups_version():
     assert sampler.models == ["run-v2", None, "run-v3", "run-v1", "run-v3"]
     without_lora = _loop_at_version(3, _RecordingSampler(), lora_name=None)
     assert asyncio.run(turn_in_group(without_lora, 2)) is None
+
+
+class _RecordingControl:
+    """Seam fake for `ServerControl`: records adapter calls; `served` is what the server lists."""
+
+    def __init__(self, served=()):
+        self.calls, self.served = [], list(served)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def served_models(self):
+        return list(self.served)
+
+    def load_lora_adapter(self, name, path):
+        assert (Path(path) / "adapter_model.safetensors").is_file(), "loaded before written"
+        self.calls.append(("load", name))
+
+    def unload_lora_adapter(self, name):
+        self.calls.append(("unload", name))
+
+
+def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_sync_late(
+        tiny_path, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    control = _RecordingControl(served=["run-v7", "run2-v1", "other-v1", "run-probe", "base"])
+    monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
+                           vllm_server_base_url="http://server", vllm_server_timeout=5)
+    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    pusher = AdapterPusher(args, model, base_is_stale=False)
+    # An earlier run's adapters of this output_dir are unloaded, others' left; the probe
+    # load checks that the server can serve the adapter before training starts.
+    assert control.calls == [("unload", "run-v7"), ("unload", "run-probe"),
+                             ("load", "run-probe"), ("unload", "run-probe")]
+    folders = lambda: sorted(p.name for p in pusher.cache_dir.iterdir())
+
+    served = []
+    pusher.on_served = served.append
+    control.calls = []
+    for version in (1, 2, 3):
+        pusher.push(model, version)
+    assert served == [1, 2, 3]
+    # max_staleness + 1 = 2 versions registered; the next is loaded before the oldest goes.
+    assert control.calls == [("load", "run-v1"), ("load", "run-v2"),
+                             ("load", "run-v3"), ("unload", "run-v1")]
+    assert folders() == ["run-v1", "run-v2", "run-v3"]  # v1 may still be read by a request
+    control.calls = []
+    pusher.push(model, 4)
+    assert control.calls == [("load", "run-v4"), ("unload", "run-v2")]
+    assert folders() == ["run-v2", "run-v3", "run-v4"]  # v1 went one sync after its unload
+
+    pusher.reopen()  # a restarted server holds none of them: nothing to unload there
+    control.calls = []
+    pusher.push(model, 5)
+    assert control.calls == [("load", "run-v5")]
+    assert folders() == ["run-v5"]
+    control.calls = []
+    pusher.push(model, 6)
+    assert control.calls == [("load", "run-v6")]  # the window restarts with the new server
+    pusher.close()
+    assert control.calls == [("load", "run-v6"), ("unload", "run-v5"), ("unload", "run-v6")]
+    assert folders() == []
