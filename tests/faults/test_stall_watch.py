@@ -119,6 +119,29 @@ def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path, rec
     assert not watch.in_flight()
 
 
+def test_a_cancel_that_lands_after_its_stage_ended_cancels_nothing(tmp_path):
+    """The monitor cancels a late stage's task from its own thread; when the stage ends before
+    the event loop runs that cancel, the task has moved on and must not be cancelled."""
+    watch = stall.StallWatch(_config(tmp_path), "worker")
+
+    async def cancel_lands_late():
+        with watch.stage("scoring", 60, recover=True) as entry:
+            pass
+        entry.cancel()  # what the monitor schedules, run by the loop after the stage ended
+        await asyncio.sleep(0.05)  # the task's next work
+        return "finished"
+
+    async def cancel_lands_in_time():
+        with watch.stage("scoring", 60, recover=True) as entry:
+            entry.cancel()
+            await asyncio.sleep(5)
+
+    assert asyncio.run(cancel_lands_late()) == "finished"
+    with pytest.raises(asyncio.CancelledError):  # not reported stalled: a plain cancel
+        asyncio.run(cancel_lands_in_time())
+    assert not watch.in_flight()
+
+
 def test_a_stage_that_ends_in_time_reports_nothing(tmp_path):
     watch = stall.StallWatch(_config(tmp_path), "trainer").start()
     try:

@@ -211,3 +211,26 @@ def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_
     pusher.close()
     assert control.calls == [("load", "run-v6"), ("unload", "run-v5"), ("unload", "run-v6")]
     assert folders() == []
+
+
+def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from grpo_agent.sampler.errors import SamplerError
+
+    control = _RecordingControl()
+    monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
+                           vllm_server_base_url="http://server", vllm_server_timeout=5)
+    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    pusher = AdapterPusher(args, model, base_is_stale=False)
+    served = []
+    pusher.on_served = served.append
+
+    def refuse(name, path):
+        raise SamplerError(f"could not load {name}")
+
+    control.load_lora_adapter = refuse
+    with pytest.raises(SamplerError, match="could not load run-v1"):
+        pusher.push(model, 1)
+    assert served == []  # the worker keeps labelling groups with the version the server has
