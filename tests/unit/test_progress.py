@@ -1,10 +1,13 @@
 """The run's progress bar: the step total when it is known and the last known reward."""
 from __future__ import annotations
 
+import io
 import math
 from types import SimpleNamespace
 
+from grpo_agent.train import reporting
 from grpo_agent.train.reporting import ProgressCallback, bar_extent, position_text, train_status
+from rich.console import Console
 
 
 def args(max_steps=-1, epochs=3.0):
@@ -31,7 +34,7 @@ def test_a_window_without_a_scored_rollout_shows_the_last_known_reward_not_nan()
 
 
 def test_the_bar_keeps_the_last_reward_and_counts_to_max_steps():
-    bar = ProgressCallback()
+    bar = ProgressCallback(Console(file=io.StringIO(), force_terminal=True))
     run_args = args(max_steps=4)
     bar.on_train_begin(run_args, state(0, 0.0), None)
     try:
@@ -45,3 +48,36 @@ def test_the_bar_keeps_the_last_reward_and_counts_to_max_steps():
         assert "eval@2 pass@1 1.00" in task.fields["status"] and "nan" not in task.fields["status"]
     finally:
         bar.on_train_end(run_args, state(2), None)
+
+
+def test_off_a_terminal_progress_goes_out_as_plain_lines_throttled_but_every_evaluation(monkeypatch):
+    """A log file or batch job sees nothing of a live bar until the end: lines instead."""
+    out = io.StringIO()
+    bar = ProgressCallback(Console(file=out, width=200))
+    run_args = args(max_steps=4)
+    monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 3600.0)
+    bar.on_train_begin(run_args, state(0, 0.0), None)
+    bar.on_log(run_args, state(1, 0.1), None, logs={"loss": 0.1, "reward": 0.5})  # held back
+    bar.on_log(run_args, state(2, 0.2), None, logs={"eval/pass@1": 0.75, "eval/step": 2.0})
+    monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 0.0)
+    bar.on_log(run_args, state(3, 0.3), None, logs={"loss": 0.1, "reward": 0.25})
+    bar.on_log(run_args, state(4, 0.4), None, logs={"loss": 0.1, "reward": 1.0})
+    bar.on_train_end(run_args, state(4), None)  # its line already went out: not repeated
+    lines = out.getvalue().splitlines()
+    assert [line.split("  [")[0] for line in lines] == [
+        "train step 0/4  waiting for rollouts",
+        "train step 2/4  reward 0.500  eval@2 pass@1 0.75",
+        "train step 3/4  reward 0.250  eval@2 pass@1 0.75",
+        "train step 4/4  reward 1.000  eval@2 pass@1 0.75",
+    ]
+    assert all(line.endswith("]") for line in lines)  # the elapsed time, [HH:MM:SS]
+
+
+def test_off_a_terminal_the_final_state_is_printed_when_throttling_held_it_back(monkeypatch):
+    out = io.StringIO()
+    bar = ProgressCallback(Console(file=out, width=200))
+    monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 3600.0)
+    bar.on_train_begin(args(max_steps=2), state(0, 0.0), None)
+    bar.on_log(args(max_steps=2), state(2, 0.2), None, logs={"loss": 0.1, "reward": 0.5})
+    bar.on_train_end(args(max_steps=2), state(2), None)
+    assert out.getvalue().splitlines()[-1].startswith("train step 2/2  reward 0.500  [")

@@ -15,6 +15,8 @@ from transformers import TrainerCallback
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "reward.png"
+# Off a terminal, a step's progress line goes out at most this often (evaluations always).
+PLAIN_LINE_INTERVAL_S = 30.0
 
 
 class JsonlMetricsCallback(TrainerCallback):
@@ -55,11 +57,18 @@ def _jsonable(value):
 
 class ProgressCallback(TrainerCallback):
     """One rich progress bar: steps (of `max_steps`, or the run's prompt epochs), the last known
-    reward, step time, queue state and the last evaluation."""
+    reward, step time, queue state and the last evaluation. When the output is not a terminal
+    (a log file, a batch job) a live bar shows nothing until the end, so the same text goes out
+    as plain lines instead: every evaluation, and a step at most every `PLAIN_LINE_INTERVAL_S`."""
 
-    def __init__(self) -> None:
+    def __init__(self, console=None) -> None:
+        """`console`: a `rich.console.Console` to write to (default: stdout's)."""
+        self._console = console
         self._progress = None
         self._task = None
+        self._plain = False
+        self._line_at: float | None = None  # when the last plain line went out
+        self._line = ""  # the last plain line's text, printed once more at the end if newer
         self._started = time.perf_counter()
         self._train_status = "waiting for rollouts"
         self._eval_status = ""  # the last evaluation, kept beside the training status
@@ -68,11 +77,17 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+        self._console = self._console or Console()
+        if not self._console.is_terminal:
+            self._plain = True
+            self._print_line(args, state)
+            return
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[position]}"),
-            TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=self._console,
         )
         self._progress.start()
         total, completed = bar_extent(args, state)
@@ -81,24 +96,41 @@ class ProgressCallback(TrainerCallback):
             status=self._train_status)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._progress is None or not logs:
+        if (self._progress is None and not self._plain) or not logs:
             return
-        if "eval/pass@1" in logs:
+        evaluated = "eval/pass@1" in logs
+        if evaluated:
             self._eval_status = eval_status(logs)
         if "loss" in logs:
             reward = logs.get("reward")
             if reward is not None and math.isfinite(reward):
                 self._last_reward = reward
             self._train_status = train_status(logs, self._last_reward)
+        if self._plain:
+            if evaluated or time.perf_counter() - self._line_at >= PLAIN_LINE_INTERVAL_S:
+                self._print_line(args, state)
+            return
         total, completed = bar_extent(args, state)
         self._progress.update(self._task, total=total, completed=completed,
                               position=position_text(args, state),
                               status=f"{self._train_status}  {self._eval_status}".rstrip())
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._plain and self._line != self._text(args, state):
+            self._print_line(args, state)  # the final state, if throttling held it back
+        self._plain = False
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def _text(self, args, state) -> str:
+        return f"train {position_text(args, state)}  {self._train_status}  {self._eval_status}".rstrip()
+
+    def _print_line(self, args, state) -> None:
+        elapsed = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - self._started))
+        self._line, self._line_at = self._text(args, state), time.perf_counter()
+        self._console.print(f"{self._line}  [{elapsed}]", highlight=False, markup=False,
+                            soft_wrap=True)
 
 
 def bar_extent(args, state) -> tuple[float | None, float]:
