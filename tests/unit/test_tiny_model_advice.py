@@ -1,0 +1,11 @@
+"""A run of the built-in tiny model at the spec's default rate is told why it will not learn."""
+from grpo_agent.config import AsyncGRPOConfig
+from grpo_agent.train.run import tiny_model_advice
+
+
+def test_the_default_rate_gets_the_settings_that_learn_and_a_demo_rate_gets_none():
+    default_rate = AsyncGRPOConfig.__dataclass_fields__["learning_rate"].default
+    advice = tiny_model_advice(default_rate)
+    assert advice is not None and "learning_rate=1e-06" in advice
+    assert "--set learning_rate=3e-4" in advice and "--model" in advice
+    assert tiny_model_advice(3e-4) is None  # make demo-words' rate
