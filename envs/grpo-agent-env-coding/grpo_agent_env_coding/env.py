@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 
 from grpo_agent import Option, environment
 from grpo_agent.sandbox import SandboxLimits, run_python, run_python_or_raise
@@ -20,16 +21,36 @@ from grpo_agent.sandbox import SandboxLimits, run_python, run_python_or_raise
 from grpo_agent_env_coding.suites import SUITES, load_suite
 
 TOOL_LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512)
+# Grades a program in the sandbox. What it needs arrives on stdin, read before the program runs,
+# so the program cannot read the report's nonce from a file; `exec`, `compile` and the report's
+# stream are bound before it runs, so shadowing or patching them changes nothing; its own
+# prints go to /dev/null, so they can neither forge the report nor push it out of the capped
+# output; `sys.exit` in it ends the program, not the grading. (What this cannot stop: a program
+# that walks the interpreter's frames, or returns objects equal to everything.)
 _HARNESS = """
-import json as _json
-_passed = 0
-for _check in _json.loads({checks!r}):
+import json, os, sys
+
+def grade(run=exec, build=compile):
+    code, setup, checks, nonce = json.loads(sys.stdin.read())
+    report = os.fdopen(os.dup(1), "w")
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    namespace = {"__name__": "__main__"}
     try:
-        exec(_check, globals())
-        _passed += 1
-    except Exception:
+        run(build(code, "<program>", "exec"), namespace)
+    except SystemExit:
         pass
-print("__RESULT__", _passed)
+    run(build(setup, "<setup>", "exec"), namespace)
+    passed = 0
+    for check in checks:
+        try:
+            run(build(check, "<check>", "exec"), namespace)
+            passed += 1
+        except Exception:
+            pass
+    report.write(f"{nonce} {passed}\\n")
+    report.flush()
+
+grade()
 """
 
 
@@ -41,12 +62,15 @@ def load_tasks(suite: str = "small") -> tuple[dict, ...]:
 def score_program(code: str, checks: list[str], setup: str = "", limits: SandboxLimits = TOOL_LIMITS) -> float:
     """Fraction of `checks` that run cleanly after `code` and `setup`, in one sandboxed run.
 
-    A program that crashes, or whose `setup` fails (its function is missing), scores 0."""
-    program = f"{code}\n{setup}\n{_HARNESS.format(checks=json.dumps(checks))}"
-    result = run_python(program, limits=limits)
+    A program that crashes, or whose `setup` fails (its function is missing), scores 0; only
+    the harness's report, marked with a nonce made for this run, counts (see `_HARNESS`)."""
+    nonce = secrets.token_hex(16)
+    payload = json.dumps([code, setup, list(checks), nonce])
+    result = run_python(_HARNESS, stdin=payload, limits=limits)
     for line in reversed(result.stdout.splitlines()):
-        if line.startswith("__RESULT__ "):
-            return min(int(line.split()[1]), len(checks)) / len(checks)
+        mark, _, passed = line.partition(" ")
+        if mark == nonce and passed.isdigit():
+            return min(int(passed), len(checks)) / len(checks)
     return 0.0
 
 

@@ -81,3 +81,38 @@ def test_reset_samples_a_task_and_rejects_unknown_ids():
     assert len(prompts) > 1
     with pytest.raises(KeyError, match="Unknown small task 'nope'; known: add, "):
         env.reset(task_id="nope")
+
+
+def test_a_program_that_prints_the_result_marker_is_still_scored_by_its_tests():
+    add = next(t for t in load_tasks() if t["task_id"] == "add")
+    assert score_program('print("__RESULT__ 3")', add["checks"]) == 0.0
+    assert score_program('print("__RESULT__ 0")\ndef add(a, b):\n    return a + b', add["checks"]) == 1.0
+
+
+@pytest.mark.parametrize("program", [
+    'print("__RESULT__ 3")\nimport sys\nsys.exit(0)',  # stops before the tests run
+    "def exec(*args, **kwargs):\n    pass",  # the harness runs each test with exec()
+    "import builtins\nbuiltins.exec = lambda *args, **kwargs: None",
+    "import builtins\nbuiltins.compile = lambda *args, **kwargs: builtins.__dict__['__build_class__']",
+    # a nonce in the harness's own text could be read and written straight to the output
+    ("import os, re\nfor token in set(re.findall('[0-9a-f]{32}', open('main.py').read())):\n"
+    "    os.write(1, f'{token} 3\\n'.encode())\nos._exit(0)"),
+], ids=["exit-after-printing-the-marker", "shadow-exec", "patch-builtins-exec", "patch-compile",
+        "read-the-harness"])
+def test_a_program_cannot_fake_its_score(program):
+    """The reward is the fraction of the task's tests that pass: a program that defines no
+    `add` passes none of them, whatever it prints or shadows."""
+    add = next(t for t in load_tasks() if t["task_id"] == "add")
+    assert score_program(program, add["checks"]) == 0.0
+
+
+def test_a_correct_program_is_scored_whatever_it_prints_and_if_it_exits():
+    """Its own prints cannot push the report out of the capped output, and `sys.exit` ends the
+    program, not the grading."""
+    add = next(t for t in load_tasks() if t["task_id"] == "add")
+    correct = "def add(a, b):\n    return a + b\n"
+    assert score_program(correct + "print('x' * 200_000)", add["checks"]) == 1.0
+    assert score_program(correct + "import sys\nsys.exit(3)", add["checks"]) == 1.0
+    assert score_program(correct + "raise RuntimeError('crash')", add["checks"]) == 0.0
+    half_right = "def add(a, b):\n    return 3"  # add(1, 2) == 3 passes, the others fail
+    assert 0.0 < score_program(half_right, add["checks"]) < 1.0
