@@ -5,9 +5,18 @@ import json
 import pickle
 
 import pytest
-from grpo_agent import Option, environment, hookimpl, load_environment
+from grpo_agent import (
+    Option,
+    advantage_estimator,
+    environment,
+    hookimpl,
+    load_environment,
+    prompt_filter,
+    reward,
+)
 from grpo_agent.plugins import OptionError, build_registry
 from grpo_agent.plugins.options import bind_options, parse_pairs
+from grpo_agent.rollout.scoring import reward_name
 
 SIZE = Option("size", int, 3, "rows in the dataset")
 OPTIONS = [
@@ -94,6 +103,102 @@ def test_pairs_need_key_equals_value():
     assert parse_pairs(["task=a=b", " size = 3"], "--env-arg") == {"task": "a=b", "size": "3"}
     with pytest.raises(OptionError, match="--env-arg 'task': write it as key=value"):
         parse_pairs(["task"], "--env-arg")
+
+
+def test_a_pair_without_a_key_says_how_to_write_it():
+    with pytest.raises(OptionError, match="--env-arg '=3': write it as key=value"):
+        parse_pairs(["=3"], "--env-arg")
+
+
+@prompt_filter("gate", options=[Option("every", int, 2, "keep every n-th row")])
+def gate_filter(row_index, row, epoch, *, every):
+    return row_index % every == 0
+
+
+@advantage_estimator("gate", options=[Option("scale", float, 1.0, "advantage multiplier")])
+def gate_estimator(group, *, scale):
+    return [scale] * len(group.rewards)
+
+
+class GatePlugin:
+    @staticmethod
+    @hookimpl
+    def register_prompt_filters(register):
+        register(gate_filter)
+
+    @staticmethod
+    @hookimpl
+    def register_advantage_estimators(register):
+        register(gate_estimator)
+
+
+def test_one_plugin_args_entry_gives_each_object_of_the_name_only_the_options_it_declares():
+    from types import SimpleNamespace
+
+    registry = build_registry(GatePlugin)
+    args = {"gate": {"every": "3", "scale": "0.5"}}
+    registry.check_plugin_args(args, {"prompt_filter": ["gate"], "advantage_estimator": ["gate"]})
+    keep = registry.bind_plugin("prompt_filter", "gate", args)
+    estimate = registry.bind_plugin("advantage_estimator", "gate", args)
+    assert [keep(i, {}, 0) for i in range(4)] == [True, False, False, True]
+    assert estimate(SimpleNamespace(rewards=[1.0, 0.0])) == [0.5, 0.5]
+    assert registry.bind_plugin("advantage_estimator", "gate", None)(SimpleNamespace(rewards=[1.0])) == [1.0]
+
+
+@reward("scaled", options=[Option("scale", float, 2.0, "reward multiplier")])
+def scaled_reward(completions, *, scale, **kwargs):
+    return [scale] * len(completions)
+
+
+@environment("scaled-env", rewards=["scaled"])
+class ScaledEnv:
+    """An env scored by a reward that declares an option."""
+
+    def reset(self, **row):
+        return "go"
+
+
+class ScaledPlugin:
+    @staticmethod
+    @hookimpl
+    def register_rewards(register):
+        register(scaled_reward)
+
+    @staticmethod
+    @hookimpl
+    def register_environments(register):
+        register(ScaledEnv)
+
+
+def test_a_reward_gets_the_options_it_declares():
+    """docs/plugins.md: "An env, reward, advantage estimator or prompt filter declares its options
+    ... The values reach ... the plugin function as keyword arguments". A reward's declared
+    default must reach it (and `plugin_args` may set it) like a filter's or an estimator's."""
+    registry = build_registry(ScaledPlugin)
+    completions = [[{"role": "assistant", "content": "a"}]]
+    (scaled,) = registry.environment_spec("scaled-env").reward_funcs()
+    assert scaled(completions=completions) == [2.0]
+    (scaled,) = registry.environment_spec("scaled-env").reward_funcs(plugin_args={"scaled": {"scale": "0.5"}})
+    assert scaled(completions=completions) == [0.5]
+    assert reward_name(scaled) == "scaled_reward"  # its metrics keep the function's name
+    # A reward in use may be configured; an option it does not declare is refused by name.
+    used = {"reward": registry.names_of("reward", [scaled])}
+    registry.check_plugin_args({"scaled": {"scale": 3}}, used)
+    with pytest.raises(OptionError, match="Unknown option 'scal' for plugin 'scaled'. Did you mean: scale"):
+        registry.check_plugin_args({"scaled": {"scal": 3}}, used)
+
+
+def test_the_trainers_rewards_get_their_options_by_name_or_as_decorated_functions(monkeypatch):
+    from grpo_agent.train import inputs
+
+    registry = build_registry(ScaledPlugin)
+    monkeypatch.setattr(inputs, "load_registry", lambda: registry)
+    completions = [[{"role": "assistant", "content": "a"}]] * 2
+    for ref in ("scaled", scaled_reward):
+        (bound,), _, _ = inputs.resolve_plugins([ref], None, None, {"scaled": {"scale": 4.0}})
+        assert bound(completions=completions) == [4.0, 4.0]
+    (bound,), _, _ = inputs.resolve_plugins(scaled_reward, None, None)
+    assert bound(completions=completions) == [2.0, 2.0]  # the declared default
 
 
 def test_plugin_args_are_checked_against_the_plugins_in_use():

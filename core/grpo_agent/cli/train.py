@@ -97,7 +97,7 @@ def train(
         raise CliError("No environment: pass --env NAME or put env = \"NAME\" in the run file.")
     options.update(parse_pairs(env_args or [], "--env-arg"))
     spec = load_registry().environment_spec(env, options)
-    check_plugin_args(config)
+    check_plugin_args(config, spec.reward_funcs())
     if agent:
         from grpo_agent.rollout.agent_programs import resolve_agent
 

@@ -94,9 +94,10 @@ class EnvironmentSpec:
         """The env's evaluation split, or None when it declares none."""
         return None if self.eval_dataset is None else self.eval_dataset(**self.option_values)
 
-    def reward_funcs(self, registry: Registry | None = None) -> list[Callable]:
+    def reward_funcs(self, registry: Registry | None = None,
+                     plugin_args: Mapping[str, Mapping] | None = None) -> list[Callable]:
         """The env's declared rewards, resolved to functions (by default through the registry
-        the spec came from)."""
+        the spec came from), each with the options it declares bound from `plugin_args`."""
         registry = registry if registry is not None else self.registry
         if registry is None:
             names = [ref for ref in self.rewards if isinstance(ref, str)]
@@ -105,8 +106,8 @@ class EnvironmentSpec:
                     f"Environment {self.name!r} names its rewards {names}, but this spec came "
                     "from no registry to look them up in; pass one: "
                     "reward_funcs(grpo_agent.plugins.load_registry()).")
-            return list(self.rewards)
-        return [registry.resolve_reward(ref) for ref in self.rewards]
+            return [with_options("reward", ref, ref, plugin_args) for ref in self.rewards]
+        return [registry.bind_plugin("reward", ref, plugin_args) for ref in self.rewards]
 
 
 @dataclass
@@ -234,18 +235,13 @@ class Registry:
         return self._lookup("agent", ref)
 
     def bind_plugin(self, kind: str, ref: str | Callable, plugin_args: Mapping[str, Mapping] | None) -> Callable:
-        """`kind`'s object for `ref` with its options from `plugin_args[ref]` bound as keywords.
+        """`kind`'s object for `ref` with the options it declares bound (see `with_options`)."""
+        return with_options(kind, self._lookup(kind, ref), ref, plugin_args)
 
-        `plugin_args` maps a registered name to its options; every object of that name gets the
-        options it declares, so one entry configures a plugin's filter and estimator alike.
-        """
-        obj = self._lookup(kind, ref)
-        given = dict((plugin_args or {}).get(ref, {})) if isinstance(ref, str) else {}
-        declared = declared_options(obj)
-        if not declared:
-            return obj
-        mine = {key: value for key, value in given.items() if key in {o.name for o in declared}}
-        return functools.partial(obj, **bind_options(declared, mine, f"{kind.replace('_', ' ')} {ref!r}"))
+    def names_of(self, kind: str, objects: list[Any]) -> list[str]:
+        """The registered names of `objects` (a bound plugin counts as the function it wraps)."""
+        wanted = {id(getattr(obj, "func", obj)) for obj in objects}
+        return [name for name, entry in self.entries[kind].items() if id(entry.obj) in wanted]
 
     def check_plugin_args(self, plugin_args: Mapping[str, Mapping] | None, used: Mapping[str, list]) -> None:
         """Every `plugin_args` entry names a plugin in use and only options it declares.
@@ -306,6 +302,23 @@ def environment_spec_from_class(cls: type, name: str | None, distribution: str, 
         success_threshold=options.get("success_threshold"),
         registry=registry,
     )
+
+
+def with_options(kind: str, obj: Any, ref: Any, plugin_args: Mapping[str, Mapping] | None) -> Any:
+    """`obj` with its declared options bound as keywords: defaults, overlaid with
+    `plugin_args[name]`, where the name is `ref` when it is one, else the decorator's name.
+
+    `plugin_args` maps a registered name to its options; every object of that name gets the
+    options it declares, so one entry configures a plugin's reward, filter and estimator alike.
+    """
+    declared = declared_options(obj)
+    if not declared:
+        return obj
+    marker = get_marker(obj)
+    name = ref if isinstance(ref, str) else ((marker and marker.name) or getattr(obj, "__name__", None))
+    given = dict((plugin_args or {}).get(name, {})) if name else {}
+    mine = {key: value for key, value in given.items() if key in {o.name for o in declared}}
+    return functools.partial(obj, **bind_options(declared, mine, f"{kind.replace('_', ' ')} {name!r}"))
 
 
 def import_object(path: str) -> Any:

@@ -77,7 +77,7 @@ class AsyncRolloutLoop:
         self._warned_images = False
         # Stage deadlines; monitored once the engine starts it (evaluation only tracks stages).
         self.stalls = StallWatch(config, "worker")
-        check_plugin_args(config)
+        check_plugin_args(config, list(self.reward_funcs.values()))
         plugin_args = getattr(config, "plugin_args", None)
         self._advantage_estimator = resolve_advantage_estimator(config.advantage_estimator, plugin_args)
         self._prompt_filters = resolve_prompt_filters(config.prompt_filters, plugin_args)

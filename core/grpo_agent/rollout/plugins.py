@@ -28,11 +28,14 @@ def resolve_prompt_filters(names: list[str], plugin_args: dict | None = None) ->
     return [registry.bind_plugin("prompt_filter", name, plugin_args) for name in names]
 
 
-def check_plugin_args(config) -> None:
-    """Fail before any rollout when `config.plugin_args` names an unused plugin or option."""
+def check_plugin_args(config, reward_funcs=()) -> None:
+    """Fail before any rollout when `config.plugin_args` names an unused plugin or option
+    (`reward_funcs`: the run's reward functions, registered ones counting as in use)."""
     if not getattr(config, "plugin_args", None):
         return
-    load_registry().check_plugin_args(config.plugin_args, {
+    registry = load_registry()
+    registry.check_plugin_args(config.plugin_args, {
         "advantage_estimator": [config.advantage_estimator],
         "prompt_filter": list(config.prompt_filters),
+        "reward": registry.names_of("reward", list(reward_funcs)),
     })

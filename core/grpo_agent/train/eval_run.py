@@ -67,7 +67,7 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
         def session() -> EvalSession:
             return EvalSession(
                 AsyncRolloutLoop, config=config, processing_class=tokenizer,
-                reward_funcs=spec.reward_funcs(registry), settings=settings,
+                reward_funcs=spec.reward_funcs(registry, config.plugin_args), settings=settings,
                 environment_factory=spec.environment_factory, model_name=model_path)
 
         result = run_evaluation(session, rows, version=0)

@@ -69,7 +69,7 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
-    task = resolve_env_task(env, env_args)
+    task = resolve_env_task(env, env_args, config.plugin_args)
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
@@ -193,8 +193,10 @@ def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | b
     return value
 
 
-def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The env's dataset, rewards and environment factory (options bound), via the plugin host."""
+def resolve_env_task(name: str, options: dict[str, Any] | None = None,
+                     plugin_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The env's dataset, rewards (their `plugin_args` bound) and environment factory (options
+    bound), via the plugin host."""
     from grpo_agent.plugins import load_registry
 
     registry = load_registry()
@@ -202,7 +204,7 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None) -> dict[s
     return {
         "id": spec.id,
         "dataset": spec.load_dataset(),
-        "reward_funcs": spec.reward_funcs(registry),
+        "reward_funcs": spec.reward_funcs(registry, plugin_args),
         "environment_factory": spec.environment_factory,
         "eval_dataset": spec.load_eval_dataset,  # called only when the run evaluates
         "success_threshold": spec.success_threshold,

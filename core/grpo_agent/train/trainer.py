@@ -112,7 +112,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
         eval_dataset, eval_threshold = evaluation.resolve_eval_split(eval_dataset, environment_factory, args)
         self.reward_funcs, self.tools, self.environment_factory = resolve_plugins(
-            reward_funcs, tools, environment_factory
+            reward_funcs, tools, environment_factory, getattr(args, "plugin_args", None)
         )
         _check_dataset(train_dataset, environment_factory, args)
         super().__init__(
