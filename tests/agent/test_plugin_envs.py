@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from grpo_agent.plugins import load_registry
+from grpo_agent.plugins import load_environment, load_registry
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRunner
 
@@ -34,6 +34,24 @@ def test_counter_env_tools_run_through_the_tool_loop(scripted_loop):
     assert source.__name__ == "CounterEnv" and reward == 1.0
     assert rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
     assert json.loads(rollout.completion[1]["content"]) == episode.env.target
+
+
+def test_counter_rewards_only_reaching_the_target_exactly():
+    env = load_environment("counter")()
+    env.reset(target=4)
+    env.increment(3)
+    assert env.get_reward() == 0.0
+    env.increment(1)
+    assert env.get_reward() == 1.0
+    env.increment(100)  # overshooting is no solution
+    assert env.get_reward() == 0.0
+
+
+def test_counter_evaluates_every_target_once_and_counts_reward_1_as_solved():
+    spec = load_environment("counter")
+    assert spec.load_dataset() is None  # training samples its targets in reset
+    assert spec.load_eval_dataset()["target"] == list(range(1, 10))
+    assert spec.success_threshold == 1.0
 
 
 def test_coding_env_rewards_the_last_program_and_contains_hostile_code(scripted_loop):

@@ -4,8 +4,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from grpo_agent.plugins import build_registry
-from grpo_agent.rewards import accuracy_reward, format_reward
+from grpo_agent.rewards import accuracy_reward, completion_text, format_reward
 
 
 def _completions(*texts):
@@ -32,6 +33,28 @@ def test_accuracy_reward_scores_the_last_assistant_message_of_a_tool_conversatio
 def test_format_reward_wants_one_leading_think_block():
     assert format_reward(_completions("<think>a</think> b", "b", "<think>a<think></think>")) == [
         1.0, 0.0, 0.0]
+
+
+def test_rewards_score_plain_string_completions_as_trl_does():
+    """A dataset in TRL's standard (non-conversational) format gives completions as strings."""
+    assert accuracy_reward(["so \\boxed{12}", "\\boxed{13}"], solution=["12", "12"]) == [1.0, 0.0]
+    assert format_reward(["<think>a</think> b", "b"]) == [1.0, 0.0]
+
+
+def test_a_message_without_a_role_is_the_assistants_and_missing_content_is_empty_text():
+    """A tool-calling turn may end on an assistant message whose content is None."""
+    assert completion_text([{"role": "user", "content": "q"}, {"content": "<think>a</think>"}]) == (
+        "<think>a</think>")
+    tool_call_only = [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    assert completion_text(tool_call_only) == ""
+    assert format_reward([tool_call_only]) == [0.0]
+    assert completion_text([{"role": "user", "content": "q"}]) == ""
+
+
+def test_accuracy_reward_refuses_completions_and_solutions_of_different_lengths():
+    """Scoring the shorter list only would shift rewards onto the wrong rollouts."""
+    with pytest.raises(ValueError):
+        accuracy_reward(_completions("\\boxed{1}", "\\boxed{2}"), solution=["1"])
 
 
 def test_group_norm_normalises_scored_rewards_and_zeroes_nan_and_flat_groups():

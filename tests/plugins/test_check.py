@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from grpo_agent import environment, hookimpl
 from grpo_agent.plugins import build_registry
-from grpo_agent.plugins.check import check_environment
+from grpo_agent.plugins.check import NoGoldAnswer, check_environment
+from grpo_agent.plugins.registry import environment_spec_from_class
 
 
 def wrong_gold(env, row):
@@ -60,8 +61,114 @@ def test_a_reset_without_prompt_and_no_prompt_column_fails():
             return None
 
     registry = build_registry()
-    from grpo_agent.plugins.registry import environment_spec_from_class
-
     steps = check_environment(environment_spec_from_class(Silent, "silent", "test"), registry, 1)
     (reset,) = [step for step in steps if step.name == "reset row 0"]
     assert not reset.ok and "returned None and the row has no 'prompt' column" in reset.detail
+
+
+SEEN: dict = {}
+
+
+def answered(prompts, completions, completion_ids, **columns):
+    SEEN.update(columns, prompts=prompts)
+    return [1.0]
+
+
+async def awaited(completions, **kwargs):
+    return [0.5]
+
+
+def unscored(completions, **kwargs):
+    return [None]
+
+
+def gold_text(env, row):
+    return "the answer"
+
+
+@environment("scored", rewards=["answered", "awaited", "unscored"], gold=gold_text,
+             dataset=lambda: [{"prompt": "Q?", "level": 3}])
+class ScoredEnv:
+    """An env scored by three rewards and its own async get_reward."""
+
+    def reset(self, **row):
+        return None
+
+    async def get_reward(self) -> float:
+        return 0.25
+
+
+class ScoredPlugin:
+    __name__ = "scored"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(answered)
+        register(awaited)
+        register(unscored)
+
+    @hookimpl
+    def register_environments(self, register):
+        register(ScoredEnv)
+
+
+def test_a_gold_answer_scores_every_reward_plus_get_reward_as_a_run_sums_them():
+    """Async rewards and get_reward are awaited, None counts 0, and rewards see the row's
+    columns except `prompt` (it comes as `prompts`), as in a training run's scoring."""
+    from grpo_agent.plugins.check import score_gold
+
+    registry = build_registry(ScoredPlugin())
+    SEEN.clear()
+    assert score_gold(registry.environment_spec("scored"), registry, {"prompt": "Q?", "level": 3}) == 1.75
+    assert SEEN == {"level": [3], "prompts": ["Q?"]}
+
+
+def no_reference(env, row):
+    raise NoGoldAnswer("many answers are right")
+
+
+def crashing_gold(env, row):
+    raise ValueError("the solver broke")
+
+
+@environment("open", gold=no_reference, dataset=lambda: [{"prompt": "Name a prime."}])
+class OpenQuestionEnv:
+    def reset(self, **row):
+        return None
+
+
+def test_a_row_without_a_reference_answer_is_skipped_and_a_crashing_gold_fails():
+    registry = build_registry()
+    spec = environment_spec_from_class(OpenQuestionEnv, None, "test")
+    (gold,) = [step for step in check_environment(spec, registry, 1) if step.name == "gold answer row 0"]
+    assert gold.ok and gold.detail == "skipped: many answers are right"
+    spec.gold = crashing_gold
+    (gold,) = [step for step in check_environment(spec, registry, 1) if step.name == "gold answer row 0"]
+    assert not gold.ok and gold.detail == "ValueError: the solver broke"
+
+
+def test_a_short_dataset_checks_the_rows_it_has_and_no_gold_means_no_gold_step():
+    class Plain:
+        def reset(self, **row):
+            return "go"
+
+    spec = environment_spec_from_class(Plain, "plain", "test")
+    spec.dataset = lambda: [{"prompt": "only row"}]
+    steps = check_environment(spec, build_registry(), 3)
+    assert [(step.name, step.ok) for step in steps] == [
+        ("dataset", True), ("tool schemas", True), ("rewards", True), ("reset row 0", True)]
+
+
+def test_an_agent_only_env_is_checked_without_a_reset():
+    class Played:
+        agent_only = "player"
+
+        def reset(self, **row):
+            raise RuntimeError("played by its agent")
+
+    spec = environment_spec_from_class(Played, "played", "test")
+    steps = check_environment(spec, build_registry(), 2)
+    assert all(step.ok for step in steps), steps
+    assert [step.name for step in steps] == ["dataset", "tool schemas", "rewards", "episodes"]
+    assert steps[2].detail == "the 'player' agent's own score"
+    assert "--agent player" in steps[-1].detail

@@ -68,3 +68,24 @@ def test_two_distributions_with_one_plugin_name_are_both_named(tmp_path, monkeyp
         "Plugin name 'dup' is used twice: by grpo-agent-first and by grpo-agent-second. "
         "Uninstall one of them."
     )
+
+
+def test_load_plugins_names_may_have_spaces_around_the_commas(tmp_path, monkeypatch):
+    first = _dist_with(tmp_path, "grpo-agent-first", "first = grpo_agent_env_counter")
+    second = _dist_with(tmp_path, "grpo-agent-second", "second = grpo_agent_env_math")
+    monkeypatch.setattr(manager, "entry_points",
+                        lambda group: [*first.entry_points, *second.entry_points])
+    monkeypatch.setenv(manager.LOAD_ENV, " first , grpo-agent-second ,")
+    assert [ep.name for ep in manager.installed_entry_points()] == ["first", "second"]
+
+
+def test_a_plugin_raising_any_error_at_import_names_its_distribution(tmp_path, monkeypatch):
+    """Not only ImportError: a plugin's module may fail with any exception while it loads."""
+    (tmp_path / "grpo_agent_raises_xyz.py").write_text("raise RuntimeError('no config file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dist = _fake_distribution(tmp_path, "grpo_agent_raises_xyz")
+    monkeypatch.setattr(manager, "entry_points", lambda group: list(dist.entry_points))
+    monkeypatch.delenv(manager.LOAD_ENV, raising=False)
+    with pytest.raises(PluginImportError, match="Plugin 'broken' from distribution grpo-agent-broken 9.9 "
+                                                "failed to import .*RuntimeError: no config file"):
+        manager.build_plugin_manager()

@@ -36,3 +36,8 @@ def test_lambdas_closures_and_local_classes_are_named():
     assert "environment_factory['local'] = " in message and "LocalEnv" in message
     assert "reward_funcs[0]" not in message
     assert "define them at module level" in message
+
+
+def test_objects_inside_tuples_are_named_by_position():
+    with pytest.raises(TypeError, match=r"^Cannot pickle reward_funcs\[1\] = make_closure.<locals>.shifted_reward"):
+        check_picklable({"reward_funcs": (accuracy_reward, make_closure())})

@@ -11,6 +11,7 @@ from grpo_agent.plugins import (
     build_registry,
 )
 from grpo_agent.plugins.decorators import get_marker
+from grpo_agent.plugins.registry import Registry, environment_spec_from_class
 
 
 @reward("length")
@@ -212,6 +213,104 @@ def test_misspelled_hook_implementation_is_an_error_with_suggestion():
     message = str(err.value)
     assert "Plugin 'misspelled' from test plugin misspelled implements unknown hooks" in message
     assert "'register_reward' (did you mean 'register_rewards'?)" in message
+
+
+class HalfMisspelledPlugin:
+    __name__ = "halfmisspelled"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(length_reward)
+
+    @hookimpl
+    def register_tool(self, register):
+        register(add)
+
+
+def test_only_the_misspelled_hooks_are_named_unknown():
+    with pytest.raises(PluginError) as err:
+        build_registry(HalfMisspelledPlugin())
+    unknown = str(err.value).split("implements unknown hooks: ")[1].split(". Known hooks:")[0]
+    assert unknown == "'register_tool' (did you mean 'register_tools'?)"
+
+
+def test_an_object_without_a_name_is_refused_naming_the_distribution():
+    import functools
+
+    register = Registry().register_callable("reward", "grpo-agent-nameless")
+    with pytest.raises(PluginError, match="grpo-agent-nameless registered a reward without a name: "
+                                          "functools.partial"):
+        register(functools.partial(length_reward))
+
+
+def test_an_env_alias_is_no_name_of_the_other_kinds():
+    registry = build_registry(SamplePlugin())
+    with pytest.raises(UnknownNameError, match="Unknown reward 'echo'"):
+        registry.resolve_reward("echo")
+
+
+class Resetless:
+    """No reset method."""
+
+
+def test_an_environment_must_be_a_class_with_reset():
+    message = "x registered .* as an environment, but an environment must be a class with a reset"
+    with pytest.raises(PluginError, match=message):
+        environment_spec_from_class(Resetless, None, "x")
+    with pytest.raises(PluginError, match=message):
+        environment_spec_from_class(EchoEnvV2(), None, "x")
+
+
+def test_the_name_given_to_register_wins_over_the_decorators_and_the_docstring_describes():
+    spec = environment_spec_from_class(EchoEnvV2, "shout", "x")
+    assert (spec.name, spec.id) == ("shout", "shout-v2")
+    assert environment_spec_from_class(EchoEnvV2, None, "x").id == "echo-v2"
+    assert spec.description == "Repeat what you are told."  # the docstring's first line
+
+
+def test_a_decorator_given_a_non_string_name_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"@reward\(...\) takes a name string, got 3"):
+        reward(3)
+
+
+def test_env_tools_are_the_public_functions_of_the_class_and_its_bases():
+    class Base:
+        def reset(self, **row):
+            return "go"
+
+        def get_reward(self) -> float:
+            return 0.0
+
+        def base_tool(self, x: int) -> int:
+            """Base.
+
+            Args:
+                x: A number.
+            """
+            return x
+
+    class Env(Base):
+        Helper = dict  # a class attribute, not a method
+        limit = property(lambda self: 3)
+
+        def own_tool(self, y: int) -> int:
+            """Own.
+
+            Args:
+                y: A number.
+            """
+            return y
+
+        def _private(self):
+            return None
+
+        @staticmethod
+        def helper():
+            return None
+
+    spec = environment_spec_from_class(Env, "tools", "x")
+    assert spec.tool_names == ["own_tool", "base_tool"]
+    assert [s["function"]["name"] for s in spec.tool_schemas()] == ["own_tool", "base_tool"]
 
 
 def test_trainer_resolves_reward_tool_and_environment_names(monkeypatch):

@@ -13,6 +13,7 @@ import pickle
 import random
 
 import numpy as np
+import pytest
 import torch
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.top_logprobs import TopLogprobs
@@ -102,6 +103,14 @@ def test_a_row_without_any_top_k_has_none():
         s.sequence.sampler_top_logprobs = None
     row = pack_row(_compact(samples))
     assert row.sampler_topk_ids is None and row.sampler_topk_logprobs is None
+
+
+def test_ids_and_logprobs_of_different_shapes_are_refused():
+    """Packing indexes both arrays by position: a mismatch would pair ids with wrong log-probs."""
+    with pytest.raises(ValueError, match=r"one \[tokens, k\] shape, got \(3, 2\) and \(3, 1\)"):
+        TopLogprobs(np.zeros((3, 2), dtype=np.int32), np.zeros((3, 1)))
+    with pytest.raises(ValueError, match=r"one \[tokens, k\] shape"):
+        TopLogprobs(np.zeros(3, dtype=np.int32), np.zeros(3))
 
 
 def test_planner_packs_the_row_a_fresh_trie_packs():

@@ -83,6 +83,30 @@ def test_mcp_tool_calls_answer_and_the_seed_fixes_the_secret():
     assert env.get_reward() == 1.0
 
 
+def test_running_out_of_guesses_ends_the_episode_unscored():
+    """8 wrong guesses end the game with reward 0: only finding the number is rewarded."""
+    from grpo_agent_env_openenv.guess import MAX_GUESSES
+
+    env = OpenEnvEnv()
+    env.reset(seed=3)
+    game = env.backend.env
+    wrong = next(n for n in range(1, 65) if n != game.secret)
+    replies = [env.step({"type": "call_tool", "tool_name": "guess", "arguments": {"number": wrong}})
+               for _ in range(MAX_GUESSES)]
+    assert env.done and replies[-1].endswith("(episode over, reward 0.0)")
+    assert not any(reply.endswith("(episode over, reward 0.0)") for reply in replies[:-1])
+    assert env.get_reward() == 0.0
+    assert game._guess(game.secret) == "The game is over."  # no 9th guess, even the right one
+
+
+def test_the_model_reads_a_lone_text_field_as_itself_and_other_fields_as_json():
+    from grpo_agent_env_openenv import observation_text
+
+    assert observation_text({"observation": {"task": "Find it."}, "done": False}) == "Find it."
+    assert observation_text({"observation": {"n": 3}, "done": True, "reward": 1.0}) == (
+        '{"n": 3}\n(episode over, reward 1.0)')
+
+
 def test_typed_action_env_gets_its_schema_and_sums_its_rewards(typed_env):
     env = load_environment("openenv", env=typed_env)()
     prompt = env.reset(seed=0)  # reset() without a seed parameter is called without one

@@ -100,6 +100,14 @@ def test_train_and_eval_splits_come_from_different_seeds(registry):
     assert train[0]["prompt"][0]["role"] == "system" and "<answer>" in train[0]["prompt"][0]["content"]
 
 
+def test_an_empty_split_is_refused_naming_the_option(registry):
+    spec = registry.environment_spec("reasoning-gym", {"task": "basic_arithmetic", "size": 0, "eval_size": 0})
+    with pytest.raises(ValueError, match="reasoning-gym split size must be at least 1, got 0"):
+        spec.load_dataset()
+    with pytest.raises(ValueError, match="reasoning-gym split size must be at least 1, got 0"):
+        spec.load_eval_dataset()
+
+
 def test_env_check_passes_through_the_cli(cli):
     code, out, err = cli("env", "check", "reasoning-gym", "--env-arg", "task=countdown")
     assert code == 0, out + err
