@@ -54,7 +54,7 @@ def set_limits(limits):
     cpu = limits["cpu_s"]
     memory = limits["memory_mb"] * 1024 * 1024
     for name, value in (
-        ("RLIMIT_CPU", (cpu, cpu + 1)),
+        ("RLIMIT_CPU", (cpu, cpu)),  # as PID 1 the program ignores SIGXCPU: the hard limit kills
         ("RLIMIT_AS", (memory, memory)),
         ("RLIMIT_NPROC", (limits["max_processes"],) * 2),
         ("RLIMIT_FSIZE", (limits["max_file_bytes"],) * 2),

@@ -136,3 +136,145 @@ def test_hostile_programs_are_failed_tool_calls_in_the_tool_loop(scripted_loop):
         if message["role"] == "tool":
             assert "SandboxError" in json.loads(message["content"])["error"]
     assert not Path("/work/main/PWNED").exists()
+
+
+@pytest.mark.parametrize("name", ["../grpo-escape-{pid}.py", "/tmp/grpo-escape-{pid}.py", "sub/../../grpo-escape-{pid}.py"])
+def test_a_file_name_pointing_outside_the_work_folder_is_refused(name):
+    name = name.format(pid=os.getpid())
+    target = Path("/tmp") / f"grpo-escape-{os.getpid()}.py"
+    try:
+        with pytest.raises(ValueError, match="points outside the work folder"):
+            run_python("print('ran')", files={name: "written by the caller"}, limits=FAST)
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def test_files_sit_beside_main_py_where_the_program_can_import_and_write_them():
+    """`files` are importable (the folder is on sys.path despite `python -I`), owned by the
+    program (it may rewrite them), and never replace the program itself."""
+    files = {"helper.py": "VALUE = 41\n", "data/notes.txt": "a", "main.py": "print('not the program')"}
+    code = (
+        "import helper\n"
+        "open('data/notes.txt', 'a').write('b')\n"
+        "print(helper.VALUE + 1, open('data/notes.txt').read())\n"
+    )
+    result = run_python(code, files=files, limits=FAST)
+    assert result.ok, result.stderr
+    assert result.stdout.split() == ["42", "ab"]
+
+
+def test_the_program_runs_as_nobody_under_exactly_the_limits_it_was_given():
+    """Each SandboxLimits field reaches its rlimit (a wrong mapping would not show in the
+    coarse bomb tests), and no group of the trainer (root) is kept."""
+    limits = SandboxLimits(timeout_s=5.0, cpu_s=3, memory_mb=300, max_processes=17,
+                           max_file_bytes=123 * 1024, max_open_files=29)
+    code = (
+        "import json, os, resource\n"
+        "names = ['CPU', 'AS', 'NPROC', 'FSIZE', 'NOFILE', 'CORE']\n"
+        "print(json.dumps({n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in names}))\n"
+        "print(json.dumps([os.getuid(), os.getgid(), os.getgroups(), os.environ['HOME'] == os.getcwd()]))\n"
+    )
+    result = run_python(code, limits=limits)
+    assert result.ok, result.stderr
+    rlimits, identity = (json.loads(line) for line in result.stdout.splitlines())
+    assert rlimits == {
+        "CPU": [3, 3], "AS": [300 * 1024 * 1024] * 2, "NPROC": [17, 17],
+        "FSIZE": [123 * 1024] * 2, "NOFILE": [29, 29], "CORE": [0, 0],
+    }
+    if os.getuid() == 0:
+        assert identity == [65534, 65534, [], True]
+
+
+def test_the_cpu_limit_kills_a_busy_program_before_the_wall_clock_does():
+    """As PID 1 of its namespace the program ignores SIGXCPU, so the hard limit, equal to
+    `cpu_s`, is what stops it (SIGKILL), and the result names the signal. (With the hard limit a
+    second above, a 1 s limit let the program run about 3 s.)"""
+    result = run_python("while True:\n    pass", limits=SandboxLimits(timeout_s=8.0, cpu_s=1))
+    assert not result.ok and not result.timed_out
+    assert result.duration_s < 6  # the hard limit itself is held by the rlimits test above
+    assert result.describe_failure().startswith("The program was killed by signal SIGKILL")
+
+
+def test_output_of_exactly_the_cap_is_not_marked_truncated():
+    code = f"import sys\nsys.stdout.write('x' * {FAST.max_output_bytes})"
+    result = run_python(code, limits=FAST)
+    assert result.ok and not result.truncated and len(result.stdout) == FAST.max_output_bytes
+    assert run_python_or_raise(code, limits=FAST) == "x" * FAST.max_output_bytes
+
+
+def test_a_flood_is_read_back_at_most_one_byte_past_the_cap(monkeypatch):
+    """The parent reads the output files with a bounded read: a program that writes gigabytes
+    must not make the trainer load them."""
+    import builtins
+
+    from grpo_agent import sandbox
+
+    reads = []
+
+    class CountingFile:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def read(self, size=-1):
+            data = self.handle.read(size)
+            reads.append(len(data))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def counting_open(*args, **kwargs):
+        return CountingFile(builtins.open(*args, **kwargs))
+
+    monkeypatch.setattr(sandbox, "open", counting_open, raising=False)
+    result = run_python("import sys\nsys.stdout.write('x' * 1_000_000)\nsys.stderr.write('e' * 1_000_000)",
+                        limits=FAST)
+    assert result.truncated and len(result.stdout) == len(result.stderr) == FAST.max_output_bytes
+    assert reads and max(reads) <= FAST.max_output_bytes + 1
+
+
+def test_the_work_and_log_folders_are_deleted_even_when_a_file_name_is_refused(monkeypatch):
+    import tempfile
+
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
+    assert run_python("print(1)", limits=FAST).ok
+    with pytest.raises(ValueError):
+        run_python("print(1)", files={"../x": ""}, limits=FAST)
+    assert len(made) == 4 and not [folder for folder in made if Path(folder).exists()]
+
+
+def test_without_namespaces_the_run_is_refused_unless_isolation_is_waived(tmp_path, monkeypatch):
+    """A kernel or container that forbids namespaces must not silently run model code
+    unconfined. Dropping CAP_SYS_ADMIN (setpriv) makes unshare() fail like such a kernel."""
+    import shutil
+
+    from grpo_agent import sandbox
+
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to take the namespace capability away")
+    python = sandbox.sandbox_python()
+    wrapper = tmp_path / "python-without-namespaces"
+    wrapper.write_text(f'#!/bin/sh\nexec setpriv --bounding-set -sys_admin {python} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(sandbox, "sandbox_python", lambda: str(wrapper))
+    with pytest.raises(SandboxError, match=r"cannot create namespaces.*require_isolation=False"):
+        run_python("print('ran unconfined')", limits=FAST)
+    waived = run_python("import os\nprint('ran', os.getuid())", limits=SandboxLimits(require_isolation=False))
+    assert waived.ok and waived.stdout.split() == ["ran", "65534"]
+
+
+def test_a_program_may_start_one_subprocess_after_another():
+    """As root the program itself is PID 1 of its namespace. Were it only the parent of the
+    namespace's first process, every fork after that first child exits would fail (ENOMEM)."""
+    code = "import subprocess\nfor _ in range(3):\n    subprocess.run(['true'], check=True)\nprint('done')"
+    result = run_python(code, limits=FAST)
+    assert result.ok and result.stdout.strip() == "done", result.stderr
