@@ -117,3 +117,44 @@ def test_a_carry_the_push_made_stale_is_noticed_as_consumed_not_trained():
     step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert step == []  # version 0 is stale under version 1: not trained
     assert source.ledger.frontier == 3  # prompt 2 counted consumed, so the epoch ends
+
+
+def test_rollout_state_round_trips_every_field_through_the_checkpoint(tmp_path):
+    """The model version is restored too: a resumed run's samples are versioned after it."""
+    state = RolloutState(first_untrained_prompt_index=5, consumed_after_first=[7, 9], model_version=12)
+    state.save(tmp_path)
+    assert RolloutState.load(tmp_path) == state
+    assert not list(tmp_path.glob("*.partial"))  # written aside, then moved into place
+
+
+def test_resume_orders_checkpoints_by_step_number_not_by_name(tmp_path):
+    from grpo_agent.train.checkpoint import last_complete_checkpoint
+
+    for step in (9, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        RolloutState().save(tmp_path / f"checkpoint-{step}")
+    (tmp_path / "checkpoint-final").mkdir()  # not a step: never picked
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+
+
+def test_the_ledger_line_records_the_steps_prompts_and_the_resume_point(tmp_path):
+    import json
+
+    from grpo_agent.train.checkpoint import LEDGER_NAME, append_ledger_line
+
+    append_ledger_line(tmp_path, step=3, completed=[4, 1], noticed=[6, 2], frontier=5)
+    append_ledger_line(tmp_path, step=4, completed=[], noticed=[], frontier=5)
+    first, second = (json.loads(line) for line in (tmp_path / LEDGER_NAME).read_text().splitlines())
+    assert {k: first[k] for k in ("step", "completed", "noticed", "frontier")} == {
+        "step": 3, "completed": [1, 4], "noticed": [2, 6], "frontier": 5}
+    assert second["step"] == 4 and first["pid"] == second["pid"]
+
+
+def test_frontier_after_moves_past_prompts_already_consumed_ahead():
+    """A step in hand that completes the frontier prompt moves the resume point past every
+    prompt consumed out of order before it (the epoch-end check relies on this)."""
+    ledger = PromptLedger()
+    ledger.record_consumed(PromptConsumed(prompt_index=1, row_index=1, reason="zero_std"))
+    ledger.record_trained([sample(2, 1)])
+    assert ledger.frontier == 0
+    assert ledger.frontier_after([sample(0, 1)]) == 3

@@ -81,3 +81,59 @@ def test_a_full_disk_while_saving_leaves_no_checkpoint_resume_would_take(tmp_pat
         assert is_disk_full(raised.value), raised.value
         assert not (disk / "checkpoint-2" / "rollout_state.json").exists()
         assert last_complete_checkpoint(disk) == complete
+
+
+def test_the_earlier_checkpoint_named_is_the_newest_complete_one_by_step_number(tmp_path):
+    """checkpoint-10 sorts before checkpoint-9 as text; checkpoint-11 (cut short, no
+    rollout_state.json) is no place to resume from."""
+    _checkpoint(tmp_path, 9)
+    ten = _checkpoint(tmp_path, 10)
+    (tmp_path / "checkpoint-11").mkdir()
+    (tmp_path / "checkpoint-11" / "trainer_state.json").write_text("{}")
+    newest = _checkpoint(tmp_path, 12)
+    _cut(newest / "model.safetensors")
+    with pytest.raises(ValueError, match="checkpoint-12 is damaged") as raised:
+        RolloutState.load(newest)
+    assert str(raised.value).endswith(f"resume from an earlier one ({ten}) or delete this folder.")
+
+
+def test_a_damaged_checkpoint_without_an_earlier_one_says_to_train_without_resuming(tmp_path):
+    only = _checkpoint(tmp_path, 3)
+    _cut(only / "optimizer.pt")
+    with pytest.raises(ValueError, match="delete this folder and train without resuming"):
+        check_checkpoint(only)
+
+
+def test_a_cut_short_pytorch_bin_file_is_refused(tmp_path):
+    folder = _checkpoint(tmp_path, 2)
+    torch.save({"w": torch.zeros(4096)}, folder / "pytorch_model.bin")
+    check_checkpoint(folder)
+    _cut(folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin cannot be read"):
+        check_checkpoint(folder)
+
+
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    OSError(122, "Disk quota exceeded"),
+    OSError(27, "File too large"),
+])
+def test_a_full_disk_is_recognised_by_errno_even_when_wrapped(error):
+    """Writers wrap the OSError (a RuntimeError raised from it, or while handling it)."""
+    error.strerror = "x"  # the errno alone must tell: no telling words in the message
+    error.args = (error.errno, "x")
+    try:
+        try:
+            raise error
+        except OSError as cause:
+            raise RuntimeError("saving the checkpoint failed") from cause
+    except RuntimeError as wrapped:
+        assert is_disk_full(wrapped)
+    try:
+        try:
+            raise error
+        except OSError:
+            raise RuntimeError("cleanup after the failed save failed too")  # the OSError is its __context__
+    except RuntimeError as chained:
+        assert is_disk_full(chained)
+    assert not is_disk_full(RuntimeError("boom", OSError(13, "Permission denied")))

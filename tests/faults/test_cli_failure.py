@@ -83,3 +83,42 @@ def test_with_debug_the_traceback_reaches_the_terminal(monkeypatch, capsys, tmp_
     with pytest.raises(RolloutWorkerError):
         main(["--debug", "train", "--env", "words", "--output-dir", str(tmp_path / "out")])
     assert "ConnectionError" in (tmp_path / "out" / "error.log").read_text()
+
+
+def test_without_a_stall_report_no_stall_report_line_is_printed(monkeypatch, capsys, tmp_path):
+    code, err = _train(monkeypatch, capsys, tmp_path, RuntimeError("boom"))
+    assert code == 1 and "stall report" not in err
+    assert err.splitlines()[0] == "Error: the run failed: RuntimeError: boom"
+
+
+def _advice_cases():
+    from grpo_agent.rollout.scoring import RewardFunctionError
+    from grpo_agent.sampler.errors import SamplerError
+
+    return [
+        (StageStalled("STALL in the worker"), "read stall_report.json; raise stall_timeouts"),
+        (RewardFunctionError("reward 'accuracy' returned 3 scores for 4 completions"),
+         "fix the reward function named above"),
+        (SamplerError("the server answered 500"), "check the vLLM server"),
+        (RolloutWorkerError("worker died"), "the rollout worker's traceback is in error.log"),
+        (RuntimeError("anything else"), "read the traceback in error.log (or run with --debug)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_the_advice_names_the_next_step_for_each_kind_of_failure(tmp_path, index):
+    from grpo_agent.cli.failure import report_failure
+
+    error, advice = _advice_cases()[index]
+    message, code = report_failure(error, tmp_path)
+    assert message.splitlines()[-1].startswith(f"  what to do: {advice}"), message
+    assert code == (3 if isinstance(error, StageStalled) else 1)
+
+
+def test_a_long_first_line_is_cut_and_the_log_holds_it_whole(tmp_path):
+    from grpo_agent.cli.failure import report_failure
+
+    message, _ = report_failure(RuntimeError("x" * 1000 + "\nsecond line"), tmp_path)
+    first = message.splitlines()[0]
+    assert first == "Error: the run failed: RuntimeError: " + "x" * (300 - len("RuntimeError: ")) + "..."
+    assert "x" * 1000 in (tmp_path / "error.log").read_text()

@@ -172,3 +172,111 @@ def test_deleting_or_linking_out_of_the_folder_is_blocked(private_file):
 def test_escalation_is_refused(code, error):
     result = run_python(code, limits=FAST)
     assert not result.ok and error in result.stderr
+
+
+def _sleeps_left(tag: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"sleep {tag}"], check=False, capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def test_a_program_killed_at_the_time_limit_leaves_no_process_behind():
+    """On timeout the whole group goes: the program and the children it started, promptly."""
+    tag = f"601.{os.getpid()}"
+    code = f"import subprocess, time\nsubprocess.Popen(['sleep', '{tag}'])\ntime.sleep(30)\n"
+    started = time.perf_counter()
+    result = run_python(code, limits=FAST)
+    assert result.timed_out and time.perf_counter() - started < FAST.timeout_s + 3
+    deadline = time.monotonic() + 5
+    while _sleeps_left(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = _sleeps_left(tag)
+    for pid in survivors:  # a broken sandbox must not leave them running after the test
+        os.kill(int(pid), signal.SIGKILL)
+    assert survivors == []
+
+
+def test_a_file_only_the_trainers_group_may_read_is_refused(private_file):
+    """Dropping to `nobody` drops root's groups too (setgroups and setgid, not only setuid)."""
+    private_file.chmod(0o640)
+    result = run_python(f"print(open({str(private_file)!r}).read())", limits=FAST)
+    assert not result.ok and "PermissionError" in result.stderr
+    assert SECRET not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "open({target!r}, 'w').write('x')",
+        "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
+        "import os\nopen('mine', 'w').write('x')\nos.rename('mine', {target!r})",
+        "import os\nos.mkdir({target!r})",
+        # A shell may make the link (no audit hook there); Python must not write through it.
+        "import subprocess\nsubprocess.run(['ln', '-s', {target!r}, 'link'], check=True)\nopen('link', 'w').write('x')",
+    ],
+    ids=["open", "os-open", "rename-out", "mkdir", "through-a-symlink"],
+)
+def test_python_cannot_write_into_a_world_writable_folder_outside_its_own(code):
+    """/tmp is writable by `nobody`, so file permissions do not stop these: the audit hook must."""
+    target = Path("/tmp") / f"grpo-fault-outside-{os.getpid()}"
+    try:
+        result = run_python(code.format(target=str(target)), limits=FAST)
+        assert not result.ok and "outside the work folder is blocked" in result.stderr, result.stderr
+        assert not target.exists() and not target.is_symlink()
+    finally:
+        if target.is_dir() and not target.is_symlink():
+            target.rmdir()
+        else:
+            target.unlink(missing_ok=True)
+
+
+def test_a_folder_that_merely_starts_with_the_work_folders_name_is_outside_it():
+    """`/tmp/grpo-sandbox-abc-x` is not inside `/tmp/grpo-sandbox-abc`: a prefix test on the
+    path string would let the program write next to its folder."""
+    tag = f"-sibling-{os.getpid()}"
+    result = run_python(f"import os\nopen(os.getcwd() + {tag!r}, 'w').write('x')", limits=FAST)
+    left = list(Path("/tmp").glob(f"grpo-sandbox-*{tag}"))
+    for path in left:
+        path.unlink()
+    assert not result.ok and "outside the work folder is blocked" in result.stderr
+    assert left == []
+
+
+def test_a_unix_socket_of_the_trainer_is_refused_in_the_program():
+    """The network namespace does not cover sockets bound to a path; in the program's own
+    interpreter the audit hook refuses every socket."""
+    import socket
+
+    folder = Path("/tmp") / f"grpo-fault-sock-{os.getpid()}"
+    folder.mkdir(mode=0o755)
+    path = folder / "trainer.sock"
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(path))
+        path.chmod(0o777)
+        server.listen()
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\ns.sendall(b'pwned')"
+        result = run_python(code, limits=FAST)
+        assert not result.ok and "network access is blocked" in result.stderr, result.stderr
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def test_a_trainer_with_supplementary_groups_does_not_pass_them_on():
+    """A root trainer often sits in groups (docker, a data group); the program must hold none."""
+    if os.getuid() != 0:
+        pytest.skip("only root switches the program to nobody")
+    script = (
+        "import os\n"
+        "os.setgroups([0, 4242])\n"
+        "from grpo_agent.sandbox import SandboxLimits, run_python\n"
+        "r = run_python('import os; print(os.getgroups(), os.getgid())', limits=SandboxLimits(timeout_s=10))\n"
+        "print(r.stdout.strip(), r.stderr.strip())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] 65534"

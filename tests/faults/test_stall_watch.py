@@ -217,3 +217,88 @@ def test_no_progress_timeout_zero_only_warns(tmp_path):
         guard.record("stalled")
     guard.last_progress -= 10_000
     guard.check()  # no raise
+
+
+def test_a_trainable_sample_restarts_the_no_progress_clock_and_the_warning(caplog):
+    guard = no_progress.NoProgressGuard(timeout_s=60, watch=None)
+    guard.last_progress -= 10_000  # long idle before the sample below
+    guard.record(None)
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.no_progress"):
+        for streak in range(2):
+            for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+                guard.record("stalled")
+            guard.check()  # no raise: the last trainable sample came just now
+            assert caplog.text.count("No progress") == streak + 1  # each new streak warns once
+            assert "rollouts pass their stage deadlines" in caplog.text
+            guard.record(None)
+
+
+def _watch_with_a_peer(tmp_path, role, peer_role):
+    """This process's watch (not started) and a real peer process whose watch dumps its stacks."""
+    peer_dir = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import sys, time, types
+        from grpo_agent import stall
+        stall.StallWatch(types.SimpleNamespace(output_dir={str(peer_dir)!r}), {peer_role!r}).start()
+        def peer_waits_here():
+            print("ready", flush=True)
+            time.sleep(60)
+        peer_waits_here()
+    """)
+    peer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert peer.stdout.readline() == "ready\n"
+    watch = stall.StallWatch(_config(peer_dir), role, context=lambda: 1 / 0)
+    watch.peer_pid = peer.pid
+    return watch, peer
+
+
+def test_a_report_names_the_peers_stacks_by_role_and_holds_only_the_latest_dump(tmp_path):
+    """The worker's report carries the trainer's stacks under "trainer", read from where this
+    request's dump starts (an earlier dump in the same file is not repeated); a context that
+    fails still leaves a report."""
+    from grpo_agent import stall_report
+
+    watch, peer = _watch_with_a_peer(tmp_path, "worker", "trainer")
+    try:
+        with watch.stage("scoring", 60, report_extra=lambda: {"version": 3}) as entry:
+            first = stall_report.write(watch, entry, {"extra": 1})
+            second = stall_report.write(watch, entry, {})
+    finally:
+        peer.kill()
+        peer.wait()
+    assert set(first["stacks"]) == {"worker", "trainer"}
+    assert "peer_waits_here" in first["stacks"]["trainer"]
+    assert "test_a_report_names_the_peers_stacks" in first["stacks"]["worker"]
+    assert second["stacks"]["trainer"].count("peer_waits_here") == first["stacks"]["trainer"].count("peer_waits_here") == 1
+    assert first["context"]["error"].startswith("context unavailable: ZeroDivisionError")
+    assert (first["version"], first["extra"], first["action"]) == (3, 1, "stopping the run")
+    assert json.loads((watch.output_dir / stall.REPORT_NAME).read_text())["pid"] == second["pid"]
+
+
+def test_a_peer_that_watches_no_stages_is_not_signalled(tmp_path):
+    """SIGUSR2 kills a process without the faulthandler hook: no stack file, no signal."""
+    from grpo_agent import stall_report
+
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        stacks = stall_report.stacks_of(lambda role: tmp_path / f"stacks-{role}.txt", {"worker": bystander.pid})
+        assert stacks == {"worker": "(that process watches no stages: no stack dump)"}
+        time.sleep(0.2)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_recoverable_stage_reports_the_await_chain_of_its_task(tmp_path):
+    from grpo_agent import stall_report
+
+    watch = stall.StallWatch(_config(tmp_path), "worker")
+
+    async def owner_awaiting_the_reward():
+        with watch.stage("scoring", 60, recover=True) as entry:
+            return await asyncio.to_thread(stall_report.write, watch, entry, {})
+
+    report = asyncio.run(owner_awaiting_the_reward())
+    assert "in owner_awaiting_the_reward" in report["stage_stack"]
+    assert report["action"] == "cancelled and counted"

@@ -197,3 +197,118 @@ def test_the_managed_server_fits_the_runs_completions(tiny_model_path, completio
     from grpo_agent.train.run import managed_max_model_len
 
     assert managed_max_model_len(str(tiny_model_path), completion) == expected
+
+
+def test_set_reads_true_and_false_in_any_case_as_booleans_and_other_text_as_text(cli):
+    code, out, err = cli("config", "show", "--set", "gradient_checkpointing=False",
+                         "--set", "log_completions=TRUE", "--set", "run_name=3x")
+    config = json.loads(out)
+    assert code == 0, err
+    assert config["gradient_checkpointing"] is False and config["log_completions"] is True
+    assert config["run_name"] == "3x"  # not JSON: kept as written
+
+
+def test_set_without_a_key_is_one_line(cli):
+    code, _, err = cli("config", "show", "--set", "=3")
+    assert code == 1 and err.startswith("Error: --set '=3': write it as key=value"), err
+
+
+def test_an_explicit_flag_beats_set_and_the_run_file_and_an_absent_one_changes_nothing(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'output_dir = "{tmp_path / "from-file"}"\n')
+
+    def output_dir(*args):
+        code, out, err = cli("train", "--env", "counter", "--config", str(run_file), *args, "--dry-run")
+        assert code == 0, err
+        return json.loads(out.split("\n", 2)[2])["output_dir"]
+
+    assert output_dir() == str(tmp_path / "from-file")
+    assert output_dir("--set", f"output_dir={tmp_path / 'from-set'}") == str(tmp_path / "from-set")
+    assert output_dir("--set", f"output_dir={tmp_path / 'from-set'}",
+                      "--output-dir", str(tmp_path / "from-flag")) == str(tmp_path / "from-flag")
+
+
+def test_a_yml_run_file_is_read_and_an_empty_yaml_sets_nothing(cli, tmp_path):
+    (tmp_path / "run.yml").write_text("max_staleness: 2\n")
+    code, out, _ = cli("config", "show", "--config", str(tmp_path / "run.yml"))
+    assert code == 0 and json.loads(out)["max_staleness"] == 2
+    (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
+    code, out, err = cli("config", "show", "--config", str(tmp_path / "empty.yaml"))
+    assert code == 0, err
+    assert json.loads(out)["max_staleness"] == 4
+
+
+def test_plugin_arg_splits_at_the_last_dot_so_plugin_names_may_hold_dots():
+    from grpo_agent.cli.config_files import parse_plugin_args
+
+    assert parse_plugin_args(["my.plugin.cap=0.8", "curriculum.pass_rate_cap= 0.5"]) == {
+        "my.plugin": {"cap": "0.8"}, "curriculum": {"pass_rate_cap": "0.5"}}
+
+
+def test_the_env_flag_beats_the_run_files_env(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('env = "counter"\n')
+    code, out, err = cli("train", "--config", str(run_file), "--env", "math", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert code == 0, err
+    assert out.startswith("env: math")
+
+
+def test_run_file_env_args_must_be_a_table(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('env = "counter"\nenv_args = "size=3"\n')
+    code, _, err = cli("train", "--config", str(run_file), "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 1 and "env_args must be a table of option = value" in err
+
+
+def test_plugin_arg_flags_add_to_the_run_files_options_of_that_plugin(cli, tmp_path, monkeypatch):
+    """A flag overrides one option; the run file's other options of that plugin stay. (Only
+    the shipped curriculum plugin has options, and just one: the option check is stubbed.)"""
+    import grpo_agent.rollout.plugins as rollout_plugins
+
+    monkeypatch.setattr(rollout_plugins, "check_plugin_args", lambda config, funcs: None)
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('env = "counter"\n[plugin_args.curriculum]\npass_rate_cap = 0.5\nwindow = 4\n')
+    code, out, err = cli("train", "--config", str(run_file), "--plugin-arg", "curriculum.pass_rate_cap=0.7",
+                         "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 0, err
+    assert json.loads(out.split("\n", 2)[2])["plugin_args"] == {"curriculum": {"pass_rate_cap": "0.7", "window": 4}}
+
+
+def test_lora_defaults_to_all_linear_as_one_name_and_an_explicit_alpha_is_kept(cli, tmp_path):
+    """PEFT reads the string "all-linear" as every linear layer; a list ['all-linear'] would
+    name a module that does not exist."""
+    code, out, err = cli("train", "--env", "counter", "--lora-rank", "4", "--lora-alpha", "5",
+                         "--output-dir", str(tmp_path), "--dry-run")
+    assert code == 0, err
+    assert out.splitlines()[2] == "lora: {'r': 4, 'lora_alpha': 5, 'target_modules': 'all-linear'}"
+    code, _, err = cli("train", "--env", "counter", "--lora-rank", "4", "--lora-target-modules", " , ",
+                       "--output-dir", str(tmp_path), "--dry-run")
+    assert code == 1 and "--lora-target-modules is empty" in err
+
+
+def test_env_check_of_a_broken_env_fails_with_exit_1_naming_the_failed_steps(cli, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    code, out, err = cli("env", "check", "test_check:StuckEnv", "--rows", "1")
+    assert code == 1
+    assert "FAIL tool pull({}) row 0: RuntimeError: the rope snapped" in out
+    assert err.startswith("Error: env check test_check:StuckEnv: 2 step(s) failed: ")
+    assert "gold answer row 0" in err
+
+
+def test_eval_hands_its_flags_to_run_eval(cli, tmp_path, monkeypatch):
+    from grpo_agent.train import eval_run
+
+    calls = []
+    monkeypatch.setattr(eval_run, "run_eval", lambda env, config, **kw: calls.append((env, config, kw)) or ({}, kw["out_path"]))
+    monkeypatch.setattr(eval_run, "print_report", lambda report, path: print(f"report at {path}"))
+    code, out, err = cli("eval", "--env", "math", "--model", "/models/m", "--num-generations", "3",
+                         "--temperature", "0.7", "--set", "max_completion_length=64",
+                         "--env-arg", "k=v", "--out", str(tmp_path / "r.json"))
+    assert code == 0, err
+    assert out == f"report at {tmp_path / 'r.json'}\n"
+    ((env, config, kw),) = calls
+    assert env == "math" and kw["model"] == "/models/m" and kw["env_args"] == {"k": "v"}
+    assert (config.eval_num_generations, config.eval_temperature, config.max_completion_length) == (3, 0.7, 64)

@@ -72,3 +72,40 @@ def test_docs_config_md_is_current():
     assert doc.read_text() == config_reference_markdown(), (
         "docs/config.md is stale: run `python -m grpo_agent.config > docs/config.md`"
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "must be below"),
+        ({"weight_sync_steps": 0}, "weight_sync_steps >= 1"),
+        ({"max_concurrent_rollouts": 0}, "max_concurrent_rollouts >= 1"),
+        ({"no_progress_timeout": -1.0}, r"no_progress_timeout=-1.0 must be >= 0 \(0 = never\)"),
+        ({"cuda_graphs": True, "gradient_checkpointing": False, "fp16": True},
+         "cuda_graphs=True does not run with fp16"),
+    ],
+)
+def test_more_bad_settings_name_the_rule_and_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16", "float32"])
+def test_every_documented_dtype_and_the_never_stopping_no_progress_timeout_are_accepted(tmp_path, dtype):
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), dtype=dtype, no_progress_timeout=0, num_generations=2,
+                        weight_sync_steps=1, max_concurrent_rollouts=1)
+    assert (c.dtype, c.no_progress_timeout, c.num_generations) == (dtype, 0, 2)
+
+
+def test_a_multi_process_launch_without_a_gpu_is_detected_for_use_cpu(monkeypatch):
+    """Without use_cpu every torchrun rank on a CPU box would count itself the main process."""
+    import torch
+    from grpo_agent.config import _launched_on_cpu_with_several_processes as launched
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not launched()
