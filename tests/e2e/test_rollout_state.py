@@ -158,3 +158,34 @@ def test_frontier_after_moves_past_prompts_already_consumed_ahead():
     ledger.record_trained([sample(2, 1)])
     assert ledger.frontier == 0
     assert ledger.frontier_after([sample(0, 1)]) == 3
+
+
+def test_resuming_asks_for_a_checkpoint_that_is_there(tmp_path):
+    """True takes the newest complete checkpoint; with none, or a folder that is not there, the
+    run is refused with what to do before anything starts."""
+    import pytest
+    from grpo_agent.train.checkpoint import ResumeError, resume_checkpoint
+
+    assert resume_checkpoint(None, tmp_path) is None and resume_checkpoint(False, tmp_path) is None
+    with pytest.raises(ResumeError, match=rf"{tmp_path} has no complete checkpoint-N folder.*"
+                                          "Train without resume_from_checkpoint the first time"):
+        resume_checkpoint(True, tmp_path)
+    for step in (2, 10, 11):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    RolloutState().save(tmp_path / "checkpoint-2")
+    RolloutState().save(tmp_path / "checkpoint-10")  # checkpoint-11 was cut short
+    assert resume_checkpoint(True, tmp_path) == str(tmp_path / "checkpoint-10")
+    assert resume_checkpoint(str(tmp_path / "checkpoint-2"), tmp_path) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ResumeError, match="checkpoint folder .*checkpoint-3 does not exist"):
+        resume_checkpoint(str(tmp_path / "checkpoint-3"), tmp_path)
+
+
+def test_how_to_go_on_names_a_checkpoint_only_where_one_is_complete(tmp_path):
+    from grpo_agent.train.checkpoint import resume_advice
+
+    assert resume_advice(tmp_path) == "run it again (no checkpoint was written yet to resume from)"
+    assert resume_advice(None).startswith("run it again")
+    (tmp_path / "checkpoint-4").mkdir()
+    assert resume_advice(tmp_path).startswith("run it again")  # cut short: no rollout_state.json
+    RolloutState().save(tmp_path / "checkpoint-4")
+    assert resume_advice(tmp_path, "--set x") == "resume from checkpoint-4 with --set x"

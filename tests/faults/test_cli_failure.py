@@ -115,6 +115,37 @@ def test_the_advice_names_the_next_step_for_each_kind_of_failure(tmp_path, index
     assert code == (3 if isinstance(error, StageStalled) else 1)
 
 
+def test_the_advice_resumes_only_from_a_checkpoint_that_is_there(tmp_path):
+    from grpo_agent.cli.failure import report_failure
+    from grpo_agent.train.checkpoint import RolloutState
+
+    message, _ = report_failure(RuntimeError("boom"), tmp_path)
+    assert message.endswith("then run it again (no checkpoint was written yet to resume from)."), message
+    (tmp_path / "checkpoint-6").mkdir()
+    RolloutState().save(tmp_path / "checkpoint-6")
+    message, _ = report_failure(RuntimeError("boom"), tmp_path)
+    assert message.endswith("then resume from checkpoint-6 with --set resume_from_checkpoint=last.")
+
+
+def test_a_first_run_that_asks_to_resume_is_refused_before_the_server_starts(monkeypatch, capsys,
+                                                                            tmp_path):
+    from grpo_agent.train import run
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the server was started for a run that cannot resume")
+
+    monkeypatch.setattr(run, "_server", no_server)
+    monkeypatch.setattr(run, "_tiny_model_path", no_server)
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--env", "words", "--output-dir", str(tmp_path / "out"),
+              "--set", "resume_from_checkpoint=last"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1
+    assert err.startswith(f"Error: Cannot resume: {tmp_path / 'out'} has no complete checkpoint-N"), err
+    assert "Traceback" not in err and not (tmp_path / "out" / "error.log").exists()
+
+
 def test_a_long_first_line_is_cut_and_the_log_holds_it_whole(tmp_path):
     from grpo_agent.cli.failure import report_failure
 

@@ -52,6 +52,7 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     from grpo_agent.rollout.scoring import RewardFunctionError
     from grpo_agent.rollout.worker import RolloutWorkerError
     from grpo_agent.sampler.errors import SamplerError
+    from grpo_agent.train.checkpoint import resume_advice
 
     if is_disk_full(error):
         return (f"free disk space where {output_dir} lives (or pass another --output-dir); a "
@@ -60,12 +61,13 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
         return "read stall_report.json; raise stall_timeouts for that stage if it is only slow."
     if isinstance(error, RewardFunctionError):
         return "fix the reward function named above; the traceback shows where it failed."
+    go_on = resume_advice(output_dir, "--set resume_from_checkpoint=last")
     if isinstance(error, SamplerError):
-        return "check the vLLM server (its log is named above or in error.log), then resume with --set resume_from_checkpoint=last."
+        return f"check the vLLM server (its log is named above or in error.log), then {go_on}."
     if isinstance(error, RolloutWorkerError):
-        return "the rollout worker's traceback is in error.log; fix the failing reward, tool or environment, then resume with --set resume_from_checkpoint=last."
-    return "read the traceback in error.log (or run with --debug); resume with --set resume_from_checkpoint=last."
-
+        return ("the rollout worker's traceback is in error.log; fix the failing reward, tool or "
+                f"environment, then {go_on}.")
+    return f"read the traceback in error.log (or run with --debug); then {go_on}."
 
 def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple[str, int]:
     """Write the traceback; return the short message and the exit code (3 for a stall)."""

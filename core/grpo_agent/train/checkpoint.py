@@ -97,6 +97,40 @@ def _earlier_checkpoints(folder: Path) -> list[str]:
     return [str(p) for p in sorted(found, key=lambda p: int(p.name.split("-")[-1]))]
 
 
+class ResumeError(ValueError):
+    """A checkpoint to resume from that is not there: refused before anything starts."""
+
+
+def resume_checkpoint(value: str | bool | None, output_dir: str | Path) -> str | None:
+    """The checkpoint folder a run resumes from (True: the newest complete one in `output_dir`),
+    checked before a server starts or a model loads, so a first run that asks to resume fails in
+    a second with what to do, not after the server's start-up."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        last = last_complete_checkpoint(output_dir)
+        if last is None:
+            raise ResumeError(
+                f"Cannot resume: {output_dir} has no complete checkpoint-N folder (one with "
+                f"{ROLLOUT_STATE_NAME}). Train without resume_from_checkpoint the first time "
+                "(a checkpoint is written every save_steps), or pass a checkpoint folder.")
+        return str(last)
+    folder = Path(value)
+    if not folder.is_dir():
+        raise ResumeError(f"Cannot resume: the checkpoint folder {folder} does not exist. Pass a "
+                          f"checkpoint-N folder of an earlier run, or true for the newest in "
+                          f"{output_dir}.")
+    return str(folder)
+
+
+def resume_advice(output_dir: str | Path | None, setting: str = "resume_from_checkpoint=last") -> str:
+    """How to go on after a run stopped: resume only where a checkpoint is there to resume from."""
+    last = last_complete_checkpoint(output_dir) if output_dir is not None else None
+    if last is None:
+        return "run it again (no checkpoint was written yet to resume from)"
+    return f"resume from {last.name} with {setting}"
+
+
 def last_complete_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest checkpoint-N that holds rollout_state.json (one killed mid-save does not)."""
     folders = [p for p in Path(output_dir).glob("checkpoint-*")

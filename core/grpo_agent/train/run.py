@@ -60,6 +60,7 @@ def run_training(
     tool loop: `HarnessAsyncGRPOTrainer` runs it on the env's dataset and rewards."""
     from transformers.trainer_callback import PrinterCallback
 
+    from grpo_agent.train.checkpoint import resume_checkpoint
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -74,8 +75,9 @@ def run_training(
         task = agent_task(task)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
         logger.warning(advice)
-    model_path = model or _tiny_model_path()
     output_dir = Path(config.output_dir)
+    resume = resume_checkpoint(_resume_arg(resume_from_checkpoint, config), output_dir)
+    model_path = model or _tiny_model_path()
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
     with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config) as base_url:
@@ -91,7 +93,7 @@ def run_training(
         else:
             trainer = _harness_trainer(agent, task, common)
         trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
-        trainer.train(resume_from_checkpoint=_resume_arg(resume_from_checkpoint, config))
+        trainer.train(resume_from_checkpoint=resume)
         trainer.save_model(str(output_dir / "final"))
     metrics = output_dir / METRICS_NAME
     if metrics.is_file():
@@ -186,10 +188,13 @@ def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
 
 
 def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | bool | None:
-    """`--set resume_from_checkpoint=last` (or true) resumes from the newest checkpoint."""
+    """`--set resume_from_checkpoint=last` (or true) resumes from the newest checkpoint; false
+    (or none) does not resume."""
     value = explicit if explicit is not None else config.resume_from_checkpoint
     if isinstance(value, str) and value.lower() in ("last", "true"):
         return True
+    if isinstance(value, str) and value.lower() in ("false", "none", ""):
+        return None
     return value
 
 

@@ -33,7 +33,8 @@ from grpo_agent.train.checkpoint import (
     PromptLedger,
     RolloutState,
     append_ledger_line,
-    last_complete_checkpoint,
+    resume_advice,
+    resume_checkpoint,
 )
 from grpo_agent.train.inputs import resolve_plugins
 from grpo_agent.train.loss import build_loss_config, row_loss
@@ -169,15 +170,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
     # ------------------------------------------------------------------ lifecycle
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> Any:
-        if resume_from_checkpoint is True:
-            last = last_complete_checkpoint(self.args.output_dir)
-            if last is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
-                    "checkpoint-N folder (one with rollout_state.json). Pass a checkpoint path "
-                    "or train without resuming."
-                )
-            resume_from_checkpoint = str(last)
+        resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         restored = self._restored_rollout_state(resume_from_checkpoint)
         self.ledger = PromptLedger(restored)
         self.model_version = restored.model_version
@@ -193,8 +186,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (`grpo-agent train`)
             interrupted = True
             logger.warning("The run was interrupted (%s) at step %d: stopping the rollout worker "
-                           "at once. Resume from the last checkpoint with "
-                           "resume_from_checkpoint=last.", _interruption(stop), self.state.global_step)
+                           "at once. To go on, %s.", _interruption(stop), self.state.global_step,
+                           resume_advice(self.args.output_dir))
             raise
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
