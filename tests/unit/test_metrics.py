@@ -157,3 +157,30 @@ def test_the_window_reduces_a_terminated_length_as_a_mean():
     for length in (3, 10, 20):
         w.add("completions/mean_terminated_length", length)
     assert w.summarize()["completions/mean_terminated_length"] == 11.0  # min would give 3
+
+
+def test_only_a_name_ending_in_the_word_per_s_is_a_rate():
+    """`_per_s` is a word of its own: a last part merely ending in "per_s" is a mean."""
+    assert reduction_for("x/stopper_s") == "mean"
+    MetricWindow().add("x/stopper_s", 1.0)  # a plain value, not refused as a rate
+
+
+def test_a_window_holding_only_rates_is_not_empty_and_summarize_starts_its_rates_anew():
+    """Rates count as observations (a window of rates only is logged), and each window's rate
+    is its own amount over its own seconds, not carried over into the next window."""
+    w = MetricWindow()
+    w.add_rate("rollout/generated_tokens_per_s", 100.0, 2.0)
+    assert w
+    assert w.summarize() == {"rollout/generated_tokens_per_s": 50.0}
+    assert not w
+    w.add_rate("rollout/generated_tokens_per_s", 30.0, 1.0)
+    assert w.summarize() == {"rollout/generated_tokens_per_s": 30.0}  # carried over: 43.3
+
+
+def test_a_rate_over_no_time_is_nan_not_zero_and_a_nan_count_is_left_out_of_the_sum():
+    w = MetricWindow()
+    w.add_rate("rollout/generated_tokens_per_s", 0.0, 0.0)
+    w.extend([("sample/dropped_stale_count", 2), ("sample/dropped_stale_count", math.nan)])
+    out = w.summarize()
+    assert math.isnan(out["rollout/generated_tokens_per_s"])  # unknown, not a rate of 0
+    assert out["sample/dropped_stale_count"] == 2.0
