@@ -3,6 +3,7 @@ stay out of the reward means, a reward function that raises fails its row and is
 EvalSettings refuses settings it cannot run with."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -18,7 +19,7 @@ from grpo_agent.rollout.evaluation import (
 )
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.sampler.server_facts import ServerFacts
-from grpo_agent.types import Rollout
+from grpo_agent.types import Rollout, TurnRecord
 
 # ---------------------------------------------------------------- pass@k
 
@@ -189,3 +190,114 @@ def test_eval_settings_refuse_what_cannot_run_and_name_the_setting(kwargs, messa
     with pytest.raises(ValueError, match=message):
         EvalSettings(**kwargs)
     EvalSettings(num_generations=1, temperature=0.0, max_concurrent=1)
+
+
+# ---------------------------------------------------------------- the session's own settings
+
+
+def test_from_config_takes_the_config_threshold_else_the_envs_else_one_and_the_eval_batch():
+    """eval_success_threshold wins; unset, the env's declared threshold; neither, 1.0. The
+    rollouts in flight are per_device_eval_batch_size."""
+    from types import SimpleNamespace
+
+    unset = SimpleNamespace(eval_success_threshold=None, per_device_eval_batch_size=3)
+    assert EvalSettings.from_config(unset, env_threshold=0.5).success_threshold == 0.5
+    assert EvalSettings.from_config(unset).success_threshold == 1.0
+    assert EvalSettings.from_config(unset).max_concurrent == 3
+    given = SimpleNamespace(eval_success_threshold=0.25)
+    assert EvalSettings.from_config(given, env_threshold=0.5).success_threshold == 0.25
+
+
+def recording_loop(log):
+    """A scripted loop that records the rollouts in flight and the temperature each rollout
+    sampled with; its completion is a reply and a tool message, one token per prompt character,
+    stamped with weight version "3"; a prompt "dropped" is a rollout the loop gave up on (its
+    reward NaN, as the harness marks a failed agent run)."""
+    log.update(in_flight=0, max_in_flight=0, temperatures=[], reward_kwargs=[])
+
+    class RecordingLoop(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            log["in_flight"] += 1
+            log["max_in_flight"] = max(log["max_in_flight"], log["in_flight"])
+            log["temperatures"].append(self.sampling_params.temperature)
+            await asyncio.sleep(0.02)
+            log["in_flight"] -= 1
+            text = prompt[-1]["content"]
+            ids = [1] * len(text)
+            return Rollout(completion=[{"role": "assistant", "content": text},
+                                       {"role": "tool", "content": "seen"}],
+                           completion_ids=ids, turns=[TurnRecord([0], ids, weight_versions=["3"] * len(ids))],
+                           reward=math.nan if text == "dropped" else None)
+
+    return RecordingLoop
+
+
+def full_marks(completions, **kwargs):
+    """1.0 for every rollout; records the columns it was given."""
+    full_marks.columns.append(sorted(kwargs))
+    return [1.0] * len(completions)
+
+
+def _evaluate_recorded(tmp_path, monkeypatch, rows, log, share=True, **settings):
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=64)
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    full_marks.columns = []
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             share_first_turn_request=share)
+    loop_cls = recording_loop(log)
+
+    def session():
+        return EvalSession(loop_cls, config=config, processing_class=None,
+                           reward_funcs=[full_marks], settings=EvalSettings(**settings))
+
+    return run_evaluation(session, rows, version=3)
+
+
+def _prompt_rows(*texts):
+    return [{"prompt": [{"role": "user", "content": text}], "tag": i} for i, text in enumerate(texts)]
+
+
+@pytest.mark.parametrize(("settings", "share", "most_in_flight"), [
+    ({"temperature": 1.0, "num_generations": 2, "max_concurrent": 3}, True, 2),  # a row at a time
+    ({"temperature": 1.0, "num_generations": 2, "max_concurrent": 3}, False, 3),  # sharing off
+    ({"temperature": 0.0, "num_generations": 2, "max_concurrent": 3}, True, 3),  # greedy: no n
+    ({"temperature": 1.0, "num_generations": 4, "max_concurrent": 3}, True, 3),  # k above slots
+])
+def test_sampled_pass_at_k_rows_take_their_slots_together_and_the_rest_take_one_each(
+        tmp_path, monkeypatch, settings, share, most_in_flight):
+    """A sampled pass@k row whose first turns share one request holds slots for all its k
+    rollouts (per_device_eval_batch_size // k rows at once); greedy rows, k above the slots or
+    sharing turned off take one slot per rollout, up to per_device_eval_batch_size."""
+    log = {}
+    result = _evaluate_recorded(tmp_path, monkeypatch, _prompt_rows("a", "b", "c", "d"), log,
+                                share=share, **settings)
+    assert log["max_in_flight"] == most_in_flight
+    assert result.metrics["eval/pass@1"] == 1.0
+
+
+def test_evaluation_samples_at_its_own_temperature_and_collects_the_served_versions(
+        tmp_path, monkeypatch):
+    log = {}
+    result = _evaluate_recorded(tmp_path, monkeypatch, _prompt_rows("ab", "abcd"), log,
+                                temperature=0.7, num_generations=2)
+    assert log["temperatures"] == [0.7] * 4
+    assert result.served_versions == {"3"}
+    # The mean length is over every rollout: 2, 2, 4, 4 generated tokens.
+    assert result.metrics["eval/completions/mean_length"] == 3.0
+    # A row's text is every message of its completion, tool results included.
+    assert result.rows[0].completions == ["ab\nseen", "ab\nseen"]
+    # Reward functions get the row's columns but its prompt (that is `prompts`).
+    assert full_marks.columns == [["completion_ids", "prompts", "tag"]] * 2
+
+
+def test_a_rollout_its_loop_dropped_fails_even_when_the_reward_functions_score_it(
+        tmp_path, monkeypatch):
+    """The harness marks a failed agent run with reward NaN: it is unscored and fails, though
+    full_marks gives it 1.0; its siblings of other rows still pass."""
+    result = _evaluate_recorded(tmp_path, monkeypatch, _prompt_rows("dropped", "fine"), {})
+    dropped, fine = result.rows
+    assert dropped.rewards == [None] and dropped.passed == [False]
+    assert fine.rewards == [1.0] and fine.passed == [True]
+    assert result.metrics["eval/pass@1"] == 0.5 and result.metrics["eval/reward"] == 1.0
