@@ -67,7 +67,7 @@ class RecordingPush:
     def close(self): ...
 
 
-def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
+def run_trainer(tmp_path, timeline, steps, eval_dataset=None, callbacks=None, **config):
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.testing import build_tiny_model
     from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
@@ -86,7 +86,7 @@ def run_trainer(tmp_path, timeline, steps, eval_dataset=None, **config):
     args = AsyncGRPOConfig(**{**settings, **config})
     trainer = Trainer(build_tiny_model(), args=args, reward_funcs=[],
                       train_dataset=Dataset.from_dict({"prompt": [[]] * 64}),
-                      eval_dataset=eval_dataset)
+                      eval_dataset=eval_dataset, callbacks=callbacks)
     trainer.samples = [s for g in range(steps + 1) for s in group(g)]
     trainer.train()
     return trainer
@@ -157,3 +157,97 @@ def test_an_eval_dataset_dict_is_refused_with_what_to_pass():
         dataset_rows({"a": EVAL_SPLIT, "b": EVAL_SPLIT})
     with pytest.raises(ValueError, match="eval dataset is empty"):
         dataset_rows([])
+
+
+def test_a_failed_evaluation_stops_the_run_naming_its_step(tmp_path, monkeypatch):
+    class FailingSession:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info): ...
+
+        async def evaluate(self, rows, version):
+            raise ConnectionError("server gone")
+
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: FailingSession())
+    with pytest.raises(RuntimeError, match="The evaluation of step 2 failed: server gone"):
+        run_trainer(tmp_path, Timeline(), steps=4, eval_dataset=EVAL_SPLIT,
+                    eval_strategy="steps", eval_steps=2)
+
+
+def test_the_last_evaluation_is_logged_before_the_report_to_integrations_close(tmp_path,
+                                                                             scripted_eval):
+    """`report_to` integrations close their run in on_train_end, which runs before the
+    evaluation's callback: the evaluation after the last step is logged before that."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Tracker(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(("log", logs.get("eval/step")))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            seen.append(("train_end", None))
+
+    run_trainer(tmp_path, scripted_eval, steps=2, eval_dataset=EVAL_SPLIT,
+                eval_strategy="steps", eval_steps=2, callbacks=[Tracker()])
+    assert ("log", 2.0) in seen
+    assert seen.index(("log", 2.0)) < seen.index(("train_end", None))
+
+
+def test_eval_on_start_alone_wants_a_split_and_best_model_settings_are_refused():
+    from types import SimpleNamespace
+
+    start_only = SimpleNamespace(eval_strategy="no", eval_on_start=True,
+                                 metric_for_best_model=None, load_best_model_at_end=False)
+    with pytest.raises(ValueError, match="no eval split: pass eval_dataset"):
+        evaluation.check_eval_args(start_only, None)
+    evaluation.check_eval_args(SimpleNamespace(**{**vars(start_only), "eval_on_start": False}), None)
+    best = SimpleNamespace(**{**vars(start_only), "load_best_model_at_end": True})
+    with pytest.raises(ValueError, match="load_best_model_at_end are not supported"):
+        evaluation.check_eval_args(best, EVAL_SPLIT)
+
+
+def test_a_broken_pin_is_warned_about_and_a_kept_one_is_not(caplog):
+    row = EvalRow(0, ["x"], [1.0], [True])
+    evaluation._check_pin(EvalResult(3, {}, [row], {"3"}, 0.1))
+    assert "pin" not in caplog.text
+    evaluation._check_pin(EvalResult(3, {}, [row], {"3", "4"}, 0.1))
+    assert "sampled from weight versions ['3', '4']; its pin was broken" in caplog.text
+
+
+def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path, monkeypatch):
+    """`trainer.evaluate(split)` evaluates `split` (not the trainer's own), on the served
+    version, and logs it with `eval/step`; without any split it says what to pass."""
+    from types import SimpleNamespace
+
+    from grpo_agent import AsyncGRPOConfig
+
+    evaluated = []
+
+    class CountingSession:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info): ...
+
+        async def evaluate(self, rows, version):
+            evaluated.append((len(rows), version))
+            row = EvalRow(0, ["x"], [1.0], [True])
+            return EvalResult(version, eval_metrics([row], [], 1, 0), [row], {str(version)}, 0.0)
+
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: CountingSession())
+    logged = []
+    trainer = SimpleNamespace(evaluator=None, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
+                              pusher=None, model_version=5, state=SimpleNamespace(global_step=7),
+                              log=logged.append)
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval split"):
+        evaluation.evaluate_now(trainer)
+    trainer.evaluator = evaluation.TrainingEvaluator(trainer, EVAL_SPLIT, None)  # 2 rows
+    three = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * 3})
+    metrics = evaluation.evaluate_now(trainer, three)
+    assert evaluated == [(3, 5)]
+    assert metrics["eval/step"] == 7.0 and logged == [metrics]
+    evaluation.evaluate_now(trainer)
+    assert evaluated == [(3, 5), (2, 5)]  # the trainer's own split
