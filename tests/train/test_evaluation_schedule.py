@@ -159,6 +159,18 @@ def test_an_eval_dataset_dict_is_refused_with_what_to_pass():
         dataset_rows([])
 
 
+def test_every_evaluation_is_logged_when_they_come_faster_than_the_pushes(tmp_path, scripted_eval):
+    """eval_steps=1 under weight_sync_steps=2: an evaluation still running when the next one
+    starts is awaited and logged, not dropped; the push is held only at push steps (2 and 4),
+    and an evaluation started after a push waits for that push's successor, not the next step."""
+    trainer = run_trainer(tmp_path, scripted_eval, steps=4, eval_dataset=EVAL_SPLIT,
+                          eval_strategy="steps", eval_steps=1, weight_sync_steps=2)
+    evals = [row["eval/step"] for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert evals == [1.0, 2.0, 3.0, 4.0]
+    waits = [log["step"] for log in trainer.state.log_history if "perf/eval_push_wait_s" in log]
+    assert waits == [2, 4]
+
+
 def test_a_failed_evaluation_stops_the_run_naming_its_step(tmp_path, monkeypatch):
     class FailingSession:
         async def __aenter__(self):

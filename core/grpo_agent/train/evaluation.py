@@ -245,6 +245,11 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
     if trainer.evaluator is not None:
         trainer.settle_push()  # every rank: the version evaluated is the one served
     if trainer.evaluator is not None and fsdp.is_main_process():
+        # One at a time: one still running (no push came between, weight_sync_steps > 1) ends
+        # first and is logged now; `start` would drop its result (or its error) otherwise.
+        trainer.evaluator.wait()
+        if (metrics := trainer.evaluator.take_finished()) is not None:
+            trainer.log(metrics)
         trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
         if trainer.control.should_training_stop:
             # The run's last one is awaited and logged now: `report_to` integrations close their
