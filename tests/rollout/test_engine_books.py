@@ -1,0 +1,170 @@
+"""The engine's books without a server: what a scored, dropped or stalled group moves (the
+tokens queued and the mean group size the dispatcher's room rule reads, the groups in flight,
+the notices and counts), what dispatch promises and notices, and which failures cost only
+their group. The engine is real; scoring, the loop and the channels are scripted seams."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from grpo_agent.rollout import engine as engine_module
+from grpo_agent.rollout.concurrency import RolloutSlots
+from grpo_agent.rollout.group_scoring import ScoredGroup
+from grpo_agent.rollout.prompts import PromptSlot
+from grpo_agent.rollout.versions import VersionValue
+from grpo_agent.sampler.errors import RequestRejectedError
+from grpo_agent.types import PromptConsumed
+
+
+def make_engine(num_generations=2, cap=64, **loop):
+    config = SimpleNamespace(max_staleness=1, num_generations=num_generations, seed=0,
+                             share_first_turn_request=False, vllm_server_base_url="http://x")
+    put = []
+    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
+                               token_allowance=SimpleNamespace(value=0.0),
+                               model_version=VersionValue(0), server_down=None)
+    engine = engine_module.RolloutEngine(SimpleNamespace(config=config, server=None, **loop),
+                                         channels)
+    engine.slots = RolloutSlots(SimpleNamespace(value=cap))
+    return engine, put
+
+
+def room_at(engine, value):
+    engine.channels.token_allowance.value = value
+    return engine._allowance_has_room()
+
+
+def scored_as(monkeypatch, samples, reason, observations=()):
+    async def score_group(loop, group, failures):
+        return ScoredGroup(list(samples), reason, list(observations))
+
+    monkeypatch.setattr(engine_module, "score_group", score_group)
+
+
+def group_of(*sequence_lengths):
+    """A finished group whose rollouts built sequences of these token lengths."""
+    return SimpleNamespace(prompt_index=3, row_index=7, completions_sequences=[
+        [SimpleNamespace(token_ids=[0] * n) for n in lengths] for lengths in sequence_lengths])
+
+
+def test_a_scored_group_queues_its_samples_and_sizes_the_groups_still_in_flight(monkeypatch):
+    """The dispatcher commits the tokens queued (the kept samples: 12 + 18) plus, per group in
+    flight, the mean tokens of a finished group (all its sequences: 10 + 20 + 5)."""
+    engine, put = make_engine()
+    samples = [SimpleNamespace(num_tokens=12), SimpleNamespace(num_tokens=18)]
+    scored_as(monkeypatch, samples, None)
+    engine._groups_in_flight = 1  # dispatched
+    asyncio.run(engine._score(group_of([10], [20, 5])))
+    assert put == samples
+    assert engine.stall_context()["groups_in_flight"] == 0
+    assert room_at(engine, 31) and not room_at(engine, 30)  # 30 queued, nothing in flight
+    engine._groups_in_flight = 1  # one more dispatched: 30 + 35 committed
+    assert room_at(engine, 66) and not room_at(engine, 65)
+
+
+def test_a_group_without_signal_is_consumed_untrained_but_still_sizes_the_mean_group(monkeypatch):
+    engine, put = make_engine()
+    scored_as(monkeypatch, [], "zero_std")
+    engine._groups_in_flight = 2
+    asyncio.run(engine._score(group_of([40], [40])))
+    assert put == [PromptConsumed(3, 7, "zero_std")]
+    assert room_at(engine, 81) and not room_at(engine, 80)  # 0 queued + 1 in flight x 80
+
+
+def test_a_stalled_group_is_dropped_counted_and_leaves_the_mean_group_alone(monkeypatch):
+    engine, put = make_engine()
+    scored_as(monkeypatch, [], "stalled", [("rollout/score_s", 1.0)])
+    engine._groups_in_flight = 1
+    asyncio.run(engine._score(group_of([40], [40])))
+    assert put == [PromptConsumed(3, 7, "stalled")]
+    assert ("rollout/stalled_group_count", 1.0) in engine._observations
+    assert ("rollout/score_s", 1.0) in engine._observations
+    context = engine.stall_context()
+    assert context["stalled_groups"] == 1 and context["groups_in_flight"] == 0
+    # No group finished: the dispatcher still starts groups one at a time.
+    assert room_at(engine, 1e9)
+    engine._groups_in_flight = 1
+    assert not room_at(engine, 1e9)
+
+
+def test_dispatch_promises_a_groups_rollouts_and_notices_the_prompts_it_filtered(monkeypatch):
+    rows = [{"prompt": [{"role": "user", "content": str(i)}], "keep": i % 2 == 0} for i in range(4)]
+    engine, put = make_engine(num_generations=3, dataset=rows, dataset_start_index=0,
+                              filter_prompt=lambda index, row, epoch: row["keep"])
+    started, waits = [], []
+
+    async def run_group(slot, group_id):
+        started.append(slot.row_index)
+
+    async def wait_for_room():
+        waits.append(1)
+        if len(waits) == 3:
+            raise asyncio.CancelledError  # the first epoch is dispatched
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(engine, "_run_group", run_group)
+    monkeypatch.setattr(engine, "_wait_for_room", wait_for_room)
+
+    async def main():
+        with pytest.raises(asyncio.CancelledError):
+            await engine._dispatch()
+
+    asyncio.run(main())
+    assert sorted(started) == [0, 2]
+    assert engine.slots.promised == 6 and engine._groups_in_flight == 2
+    assert {p.row_index for p in put} == {1, 3}  # the next epoch may have begun with one
+    assert {p.reason for p in put} == {"filtered"}
+
+
+def test_a_dropped_group_withdraws_only_its_own_promises():
+    """Another group's promised rollouts stay promised when one group is dropped."""
+    async def hang(*args):
+        await asyncio.sleep(3600)
+
+    async def main():
+        engine, _ = make_engine(cap=1, run_episode=hang)
+        engine.slots.promise(2)  # the group dropped below
+        engine.slots.promise(3)  # another group's, still to run
+        took_slot = [0]
+        slot = SimpleNamespace(row={}, row_index=0)
+        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        await engine._cancel_group(rollouts, took_slot)
+        return engine.slots.promised
+
+    assert asyncio.run(main()) == 3
+
+
+def test_a_rejected_request_that_is_no_group_failure_stops_the_run(monkeypatch):
+    """HTTP 400 for a too-long prompt costs its group; any other rejection is a bug to show."""
+    engine, put = make_engine()
+    rejected = RequestRejectedError("POST /generate was rejected with HTTP 401", status_code=401,
+                                    server_message="unauthorised")
+
+    async def rollout(slot, group_id, took_slot, shared):
+        raise rejected
+
+    monkeypatch.setattr(engine, "_run_rollout", rollout)
+    engine._groups_in_flight = 1
+    with pytest.raises(RequestRejectedError):
+        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {}), 0))
+    assert put == []
+
+
+def test_a_failed_group_task_fails_the_engine():
+    async def main():
+        engine, _ = make_engine()
+        engine._fatal = asyncio.get_running_loop().create_future()
+
+        async def boom():
+            raise ValueError("reward bug")
+
+        task = asyncio.create_task(boom())
+        engine._group_tasks.add(task)
+        task.add_done_callback(engine._group_finished)
+        with pytest.raises(ValueError, match="reward bug"):
+            await asyncio.wait_for(engine._fatal, 5)
+        assert not engine._group_tasks
+
+    asyncio.run(main())
