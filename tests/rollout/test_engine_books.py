@@ -168,3 +168,84 @@ def test_a_failed_group_task_fails_the_engine():
         assert not engine._group_tasks
 
     asyncio.run(main())
+
+
+def test_no_group_starts_while_the_server_is_down_and_only_a_closed_allowance_counts_as_backpressure(
+        monkeypatch):
+    import threading
+
+    monkeypatch.setattr(engine_module, "ALLOWANCE_POLL_S", 0.01)
+    engine, _ = make_engine()
+    engine.channels.server_down = threading.Event()
+    engine.channels.token_allowance.value = 1e9
+
+    async def main():
+        engine.channels.server_down.set()
+        waiting = asyncio.create_task(engine._wait_for_room())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # the server is down: nothing dispatches
+        engine.channels.server_down.clear()
+        await asyncio.wait_for(waiting, 5)
+        engine._groups_in_flight = 1  # no group finished yet: one at a time
+        waiting = asyncio.create_task(engine._wait_for_room())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        engine._groups_in_flight = 0
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(main())
+    blocked = [value for name, value in engine._observations if name == "rollout/backpressure_s"]
+    assert blocked[0] == 0.0  # waiting for the server is not backpressure
+    assert blocked[1] >= 0.05
+
+
+def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once(monkeypatch, caplog):
+    import threading
+
+    from grpo_agent.sampler.errors import SamplerError
+
+    engine, put = make_engine()
+    engine.channels.server_down = threading.Event()
+
+    async def lost(error, base_url):
+        return True
+
+    async def rollout(slot, group_id, took_slot, shared):
+        raise SamplerError("connection refused")
+
+    monkeypatch.setattr(engine_module.recovery, "means_server_lost", lost)
+    monkeypatch.setattr(engine, "_run_rollout", rollout)
+    engine._groups_in_flight = 2
+    asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
+    asyncio.run(engine._run_group(PromptSlot(1, 5, 0, {}), 1))
+    assert put == [PromptConsumed(0, 4, "server_lost"), PromptConsumed(1, 5, "server_lost")]
+    assert engine.channels.server_down.is_set() and engine._groups_in_flight == 0
+    assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 2
+    assert caplog.text.count("Lost the vLLM server") == 1
+
+
+def test_preemptions_and_retries_are_logged_as_counts_since_the_last_look(monkeypatch):
+    polls = iter([SimpleNamespace(kv_cache_usage=0.5, running=2, waiting=0, preemptions=5),
+                  SimpleNamespace(kv_cache_usage=0.5, running=2, waiting=0, preemptions=8)])
+
+    async def metrics():
+        try:
+            return next(polls)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+
+    sampler = SimpleNamespace(metrics=metrics, base_url="http://x", retry_count=2)
+    engine, _ = make_engine(sampler=sampler)
+    engine.cap = SimpleNamespace(update=lambda metrics, completed: None, value=4)
+    monkeypatch.setattr(engine_module, "POLL_INTERVAL_S", 0)
+
+    async def main():
+        with pytest.raises(asyncio.CancelledError):
+            await engine._poll_server()
+
+    asyncio.run(main())
+    assert [v for n, v in engine._observations if n == "rollout/vllm_preemption_count"] == [3.0]
+    engine._record_progress()
+    sampler.retry_count = 5
+    engine._record_progress()
+    assert [v for n, v in engine._observations if n == "rollout/vllm_retry_count"] == [2.0, 3.0]
