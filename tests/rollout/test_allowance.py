@@ -130,3 +130,12 @@ def test_before_any_group_finished_groups_start_one_at_a_time():
                     group_tokens_total=0)
     assert not has_room(1e9, max_staleness=1, queued_tokens=0, groups_in_flight=1, groups_done=0,
                         group_tokens_total=0)
+
+
+def test_without_any_token_budget_a_row_holds_one_group_of_full_completions():
+    config = SimpleNamespace(max_staleness=1, token_budget=None, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0, max_completion_length=8,
+                             num_generations=3)
+    worker = RolloutWorker(object, config=config, model_name="unused", dataset=[],
+                           reward_funcs=[], processing_class=None)
+    assert worker.channels.token_allowance.value == 1 * 8 * 3
