@@ -156,7 +156,8 @@ class AsyncGRPOConfig(TrainingArguments):
     # ---- plugins (names resolved through the plugin host) ----
     advantage_estimator: str = _help("Registered advantage estimator name.", default="group_norm")
     prompt_filters: list[str] = _help(
-        "Registered prompt filter names, all of which must accept a prompt.",
+        "Registered prompt filter names, all of which must accept a prompt (a text is read "
+        "as comma-separated names).",
         default_factory=list,
     )
     plugin_args: dict[str, Any] = _help(
@@ -200,6 +201,8 @@ class AsyncGRPOConfig(TrainingArguments):
         super().__post_init__()
 
     def _check(self) -> None:
+        if isinstance(self.prompt_filters, str):  # `--set prompt_filters=a,b` or a run file's "a"
+            self.prompt_filters = [name.strip() for name in self.prompt_filters.split(",") if name.strip()]
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: group-normalised advantages need at "

@@ -109,3 +109,11 @@ def test_a_multi_process_launch_without_a_gpu_is_detected_for_use_cpu(monkeypatc
     assert launched()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not launched()
+
+
+def test_prompt_filters_given_as_text_are_comma_separated_names_not_letters(tmp_path):
+    # `--set prompt_filters=curriculum` reaches the config as text; list("curriculum") would be
+    # letters, each an "Unknown prompt filter 'c'" once the rollout worker resolves them.
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters="curriculum").prompt_filters == ["curriculum"]
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters="a, b").prompt_filters == ["a", "b"]
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters=["a"]).prompt_filters == ["a"]
