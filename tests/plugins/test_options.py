@@ -255,6 +255,30 @@ def test_option_errors_are_one_line(cli, tmp_path, args, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "advantage_estimator=curiculum"],
+         "Error: Unknown advantage estimator 'curiculum'. Did you mean: curriculum?"),
+        (["--set", 'prompt_filters=["curiculum"]'],
+         "Error: Unknown prompt filter 'curiculum'. Did you mean: curriculum?"),
+    ],
+)
+def test_an_unknown_estimator_or_filter_fails_the_dry_run_not_the_rollout_worker(cli, tmp_path, args, message):
+    # Before, the dry run passed and a real run started the server and the model, then failed
+    # in the rollout worker with only "The rollout worker failed:" on the terminal.
+    code, _, err = cli("train", "--env", "counter", *args, "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 1
+    assert err.startswith(message), err
+
+
+def test_a_prompt_filter_given_as_text_is_its_name(cli, tmp_path):
+    code, out, err = cli("train", "--env", "counter", "--set", "prompt_filters=curriculum", "--plugin-arg",
+                         "curriculum.pass_rate_cap=0.5", "--dry-run", "--output-dir", str(tmp_path))
+    assert code == 0, err
+    assert json.loads(out.split("\n", 2)[2])["prompt_filters"] == ["curriculum"]
+
+
 def test_plugins_list_shows_plugin_options(cli):
     code, out, _ = cli("plugins", "list")
     assert code == 0

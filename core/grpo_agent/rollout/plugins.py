@@ -29,11 +29,15 @@ def resolve_prompt_filters(names: list[str], plugin_args: dict | None = None) ->
 
 
 def check_plugin_args(config, reward_funcs=()) -> None:
-    """Fail before any rollout when `config.plugin_args` names an unused plugin or option
-    (`reward_funcs`: the run's reward functions, registered ones counting as in use)."""
+    """Fail before any rollout when the config selects an unknown advantage estimator or prompt
+    filter, or `config.plugin_args` names an unused plugin or option (`reward_funcs`: the run's
+    reward functions, registered ones counting as in use)."""
+    registry = load_registry()
+    registry.resolve_advantage_estimator(config.advantage_estimator)
+    for name in config.prompt_filters:
+        registry.resolve_prompt_filter(name)
     if not getattr(config, "plugin_args", None):
         return
-    registry = load_registry()
     registry.check_plugin_args(config.plugin_args, {
         "advantage_estimator": [config.advantage_estimator],
         "prompt_filter": list(config.prompt_filters),
