@@ -21,7 +21,9 @@ def _worker_failure() -> RolloutWorkerError:
         except ConnectionError as cause:
             raise RuntimeError("generation failed after 3 retries") from cause
     except RuntimeError as inner:
-        error = RolloutWorkerError("The rollout worker failed:\nTraceback (most recent call last): ...")
+        error = RolloutWorkerError("The rollout worker failed:\nTraceback (most recent call last):\n"
+                                   '  File "loop.py", line 1, in generate\n'
+                                   "RuntimeError: generation failed after 3 retries\n")
         error.__cause__ = inner
         return error
 
@@ -43,7 +45,9 @@ def test_a_failed_run_prints_what_where_and_what_to_do(monkeypatch, capsys, tmp_
     code, err = _train(monkeypatch, capsys, tmp_path, _worker_failure())
     assert code == 1
     lines = err.strip().splitlines()
-    assert lines[0] == "Error: the run failed: RolloutWorkerError: The rollout worker failed:"
+    # The worker's traceback is in error.log; its last line, the reason, is on the terminal too.
+    assert lines[0] == ("Error: the run failed: RolloutWorkerError: The rollout worker failed: "
+                        "RuntimeError: generation failed after 3 retries")
     assert f"full traceback: {tmp_path / 'out' / 'error.log'}" in err
     assert "what to do:" in err and len(lines) <= 4
     assert "Traceback" not in err

@@ -72,8 +72,12 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
 def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple[str, int]:
     """Write the traceback; return the short message and the exit code (3 for a stall)."""
     log = write_traceback(error, output_dir)
-    lines = str(error).strip().splitlines() or [""]
-    what = f"{type(error).__name__}: {lines[0]}" if lines[0] else type(error).__name__
+    lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        # "The rollout worker failed:" and the worker's traceback: its last line is the reason.
+        first = f"{first} {lines[-1].strip()}"
+    what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     if len(what) > 300:
         what = what[:300] + "..."
     message = [f"Error: the run failed: {what}", f"  full traceback: {log}"]
