@@ -1,7 +1,7 @@
 """`check_environment` reports each failing step instead of stopping at the first."""
 from __future__ import annotations
 
-from grpo_agent import environment, hookimpl
+from grpo_agent import Option, environment, hookimpl, reward
 from grpo_agent.plugins import build_registry
 from grpo_agent.plugins.check import NoGoldAnswer, check_environment
 from grpo_agent.plugins.registry import environment_spec_from_class
@@ -172,3 +172,37 @@ def test_an_agent_only_env_is_checked_without_a_reset():
     assert [step.name for step in steps] == ["dataset", "tool schemas", "rewards", "episodes"]
     assert steps[2].detail == "the 'player' agent's own score"
     assert "--agent player" in steps[-1].detail
+
+
+@reward("says_hi", options=[Option("bonus", float, 2.0, "reward when the answer says hi")])
+def says_hi(prompts, completions, completion_ids, *, bonus: float, **columns):
+    return [bonus if "hi" in completion[-1]["content"] else 0.0 for completion in completions]
+
+
+@environment("greet", dataset=lambda: [{"prompt": "Greet me."}], rewards=["says_hi"],
+             gold=lambda env, row: "hi")
+class GreetEnv:
+    def reset(self, **row):
+        return None
+
+
+class GreetPlugin:
+    __name__ = "greet"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(says_hi)
+
+    @hookimpl
+    def register_environments(self, register):
+        register(GreetEnv)
+
+
+def test_a_gold_answer_is_scored_by_rewards_with_their_declared_options():
+    # Before: the reward was called without its options, so the gold step failed with
+    # "TypeError: says_hi() missing 1 required keyword-only argument: 'bonus'".
+    registry = build_registry(GreetPlugin())
+    (gold,) = [step for step in check_environment(registry.environment_spec("greet"), registry, 1)
+               if step.name == "gold answer row 0"]
+    assert gold.ok, gold.detail
+    assert gold.detail == "reward 2.0"

@@ -59,8 +59,7 @@ def score_gold(spec: EnvironmentSpec, registry: Registry, row: dict[str, Any]) -
     total = 0.0
     if completion is not None:
         columns = {key: [value] for key, value in row.items() if key != "prompt"}
-        for ref in spec.rewards:
-            fn = registry.resolve_reward(ref)
+        for fn in spec.reward_funcs(registry):  # their declared options bound (defaults)
             scores = _await(fn(prompts=[row.get("prompt")],
                                completions=[[{"role": "assistant", "content": completion}]],
                                completion_ids=[[]], **columns))
