@@ -312,3 +312,11 @@ def test_eval_hands_its_flags_to_run_eval(cli, tmp_path, monkeypatch):
     ((env, config, kw),) = calls
     assert env == "math" and kw["model"] == "/models/m" and kw["env_args"] == {"k": "v"}
     assert (config.eval_num_generations, config.eval_temperature, config.max_completion_length) == (3, 0.7, 64)
+
+
+def test_env_check_refuses_fewer_than_one_row(cli):
+    # Before, --rows 0 reset nothing, called no tool, scored no gold and still said "all 3 steps passed".
+    code, out, err = cli("env", "check", "counter", "--rows", "0")
+    assert code == 2
+    assert "Invalid value for '--rows'" in err
+    assert "passed" not in out

@@ -79,7 +79,7 @@ def show(
 @app.command("check")
 def check(
     name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")],
-    rows: Annotated[int, typer.Option("--rows", help="Sample rows to reset on.")] = 2,
+    rows: Annotated[int, typer.Option("--rows", min=1, help="Sample rows to reset on.")] = 2,
     env_args: EnvArgs = None,
 ) -> None:
     """Instantiate the env, reset it on sample rows, call its tools, score its gold answer.
