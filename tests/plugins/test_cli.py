@@ -85,6 +85,14 @@ def test_yaml_run_file_is_read(cli, tmp_path):
         (["--set", "max_steps"], "Error: --set 'max_steps': write it as key=value"),
         (["--set", "num_generations=1"], "Error: num_generations=1: group-normalised advantages"),
         (["--config", "missing.toml"], "Error: Config file missing.toml does not exist."),
+        # A value of the wrong type was kept as text, shown by `config show` and `--dry-run`,
+        # and only failed (or not) somewhere inside a run.
+        (["--set", "max_steps=ten"], "Error: Config field 'max_steps' takes an integer, got 'ten'."),
+        (["--set", "learning_rate=fast"], "Error: Config field 'learning_rate' takes a number, got 'fast'."),
+        (["--set", "gradient_checkpointing=yes"],
+         "Error: Config field 'gradient_checkpointing' takes true or false, got 'yes'."),
+        (["--set", "token_budget=big"],
+         "Error: Config field 'token_budget' takes an integer (or null), got 'big'."),
     ],
 )
 def test_config_errors_are_one_line(cli, args, message):
@@ -320,3 +328,12 @@ def test_env_check_refuses_fewer_than_one_row(cli):
     assert code == 2
     assert "Invalid value for '--rows'" in err
     assert "passed" not in out
+
+
+def test_set_values_of_the_fields_type_are_kept(cli):
+    code, out, err = cli("config", "show", "--set", "max_steps=3", "--set", "learning_rate=1",
+                         "--set", "token_budget=null", "--set", "gradient_checkpointing=false")
+    assert code == 0, err
+    config = json.loads(out)
+    assert (config["max_steps"], config["learning_rate"]) == (3, 1)
+    assert (config["token_budget"], config["gradient_checkpointing"]) == (None, False)

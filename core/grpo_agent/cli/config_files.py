@@ -2,7 +2,8 @@
 
 Design decision: the config dataclass is the only source of truth; the CLI adds no knobs of
 its own. Values given with `--set` are read as JSON when they parse (`3`, `1e-6`, `true`,
-`["a"]`) and as plain strings otherwise; unknown keys fail with close matches.
+`["a"]`) and as plain strings otherwise; unknown keys fail with close matches, and a bool,
+int or float field given another type (text that did not parse) fails naming the field.
 """
 from __future__ import annotations
 
@@ -99,4 +100,29 @@ def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise CliError(f"Unknown config field {key!r}.{hint} See docs/config.md for all fields.")
+    _check_scalar_types(AsyncGRPOConfig, data)
     return AsyncGRPOConfig(**data)
+
+
+def _check_scalar_types(config_class: type, data: dict[str, Any]) -> None:
+    """A bool, int or float field given a value of another type (`--set max_steps=ten` arrives as
+    the text 'ten') fails here, naming the field, instead of deep inside a run."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(config_class)
+    names = {bool: "true or false", int: "an integer", float: "a number"}
+    for key, value in data.items():
+        hint = hints.get(key)
+        allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+        optional = type(None) in allowed
+        allowed.discard(type(None))
+        if len(allowed) != 1 or next(iter(allowed)) not in names or (value is None and optional):
+            continue
+        kind = next(iter(allowed))
+        fits = (isinstance(value, bool) if kind is bool else
+                isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool))
+        if not fits:
+            raise CliError(f"Config field {key!r} takes {names[kind]}"
+                           f"{' (or null)' if optional else ''}, got {value!r}. "
+                           "See docs/config.md for its meaning.")
