@@ -4,7 +4,7 @@ from __future__ import annotations
 from importlib.metadata import PathDistribution
 
 import pytest
-from grpo_agent.plugins import DuplicateNameError, PluginImportError, manager
+from grpo_agent.plugins import DuplicateNameError, PluginError, PluginImportError, manager
 
 
 def _fake_distribution(tmp_path, module: str):
@@ -89,3 +89,16 @@ def test_a_plugin_raising_any_error_at_import_names_its_distribution(tmp_path, m
     with pytest.raises(PluginImportError, match="Plugin 'broken' from distribution grpo-agent-broken 9.9 "
                                                 "failed to import .*RuntimeError: no config file"):
         manager.build_plugin_manager()
+
+
+def test_a_load_plugins_name_that_no_plugin_has_is_an_error_with_the_close_match(tmp_path, monkeypatch):
+    # Before, a typo loaded nothing: `env check counter` then said "Unknown environment
+    # 'counter' ... Install the plugin that provides it", though it was installed.
+    first = _dist_with(tmp_path, "grpo-agent-first", "first = grpo_agent_env_counter")
+    monkeypatch.setattr(manager, "entry_points", lambda group: list(first.entry_points))
+    monkeypatch.setenv(manager.LOAD_ENV, "frist")
+    with pytest.raises(PluginError) as err:
+        manager.installed_entry_points()
+    assert str(err.value) == (
+        "GRPO_AGENT_LOAD_PLUGINS names 'frist' (did you mean 'first'?), which no installed plugin has. "
+        "Installed plugins (entry-point names and distributions): first, grpo-agent-first.")

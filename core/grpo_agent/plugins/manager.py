@@ -50,6 +50,16 @@ def installed_entry_points() -> list[EntryPoint]:
     found = sorted(entry_points(group=hookspecs.PROJECT_NAME), key=lambda ep: ep.name)
     if allowed is None:
         return found
+    known = {ep.name for ep in found} | {_distribution(ep)[0] for ep in found}
+    unknown = sorted(allowed - known)
+    if unknown:  # a typo would otherwise load nothing and leave "Unknown environment" to explain
+        close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+        detail = ", ".join(f"{name!r} (did you mean {match[0]!r}?)" if match else repr(name)
+                           for name, match in close.items())
+        raise PluginError(
+            f"{LOAD_ENV} names {detail}, which no installed plugin has. Installed plugins "
+            f"(entry-point names and distributions): {', '.join(sorted(known)) or '(none)'}."
+        )
     return [ep for ep in found if ep.name in allowed or _distribution(ep)[0] in allowed]
 
 
