@@ -287,3 +287,95 @@ def test_score_centering_ignores_padded_topk_entries():
     a, b = score_centering_loss(full, cfg), score_centering_loss(padded, cfg)
     assert torch.isfinite(b)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("clip_min,clip_max", [(1.0, 2.0), (0.5, 1.0)])
+def test_a_ratio_on_either_importance_sampling_bound_is_kept(clip_min, clip_max):
+    """The spec keeps tokens with C_min <= r <= C_max: a ratio exactly on a bound trains and is
+    not counted in sampling/masked_mean (ratio exactly 1: trainer and sampler log-probs equal)."""
+    cfg = LossConfig(clip_min=clip_min, clip_max=clip_max)
+    logp = torch.tensor([-0.5, -2.0], dtype=torch.float64, requires_grad=True)
+    inp = LossInputs(logprobs=logp, sampler_logprobs=logp.detach().clone(),
+                     advantages=torch.tensor([1.0, -2.0], dtype=torch.float64),
+                     token_sample=torch.tensor([0, 0]))
+    # f(r) = 1 on both tokens: -(1 * 1 * -0.5 + -2 * 1 * -2.0)
+    assert score_centering_loss(inp, cfg).item() == pytest.approx(-(0.5 * -1 + 4.0))
+    (grad,) = torch.autograd.grad(score_centering_loss(inp, cfg), logp)
+    assert grad.tolist() == pytest.approx([-1.0, 2.0])
+    clipped = LossConfig(score_centering=False, clip_min=clip_min, clip_max=clip_max)
+    assert clipped_surrogate_loss(inp, clipped).item() == pytest.approx(-(1.0 - 2.0))
+    assert metric_floats(loss_metrics(inp, cfg, torch.ones(2)))["sampling/masked_mean"] == 0.0
+
+
+def test_a_ratio_on_the_trust_region_bound_is_not_clipped():
+    """clip_ratio/low counts r < 1 - epsilon and clip_ratio/high r > 1 + epsilon_high, strictly:
+    with both epsilons 0, a ratio of exactly 1 is in neither."""
+    inp = LossInputs(logprobs=torch.tensor([-1.0, -3.0]), sampler_logprobs=torch.tensor([-1.0, -3.0]),
+                     advantages=torch.tensor([1.0, -1.0]), token_sample=torch.tensor([0, 1]))
+    for score_centering in (True, False):
+        cfg = LossConfig(epsilon=0.0, epsilon_high=0.0, score_centering=score_centering)
+        m = metric_floats(loss_metrics(inp, cfg, torch.ones(2)))
+        assert m["clip_ratio/low_mean"] == m["clip_ratio/high_mean"] == 0.0
+        assert m["clip_ratio/region_mean"] == m["clip_ratio/high_max"] == 0.0
+
+
+def test_without_score_centering_clip_metrics_count_only_where_the_clip_binds():
+    """The surrogate's min(r A, clip(r) A) only takes the clipped value for r < 1 - epsilon
+    when A < 0 and for r > 1 + epsilon_high when A > 0 (as GRPO counts them); with score
+    centering nothing is clipped and every token outside the trust region counts."""
+    ratios = torch.tensor([0.5, 0.5, 2.0, 2.0, 0.5, 2.0])
+    inp = LossInputs(logprobs=ratios.log(), sampler_logprobs=torch.zeros(6),
+                     advantages=torch.tensor([-1.0, 1.0, 1.0, -1.0, -1.0, 0.0]),
+                     token_sample=torch.tensor([0, 0, 0, 0, 1, 1]))
+    surrogate = metric_floats(loss_metrics(inp, LossConfig(score_centering=False), torch.ones(6)))
+    assert surrogate["clip_ratio/low_mean"] == pytest.approx(2 / 6)  # tokens 0 and 4
+    assert surrogate["clip_ratio/high_mean"] == pytest.approx(1 / 6)  # token 2
+    assert surrogate["clip_ratio/region_mean"] == pytest.approx(3 / 6)
+    assert surrogate["clip_ratio/low_min"] == pytest.approx(0.25)  # sample 0: 1 of 4
+    assert surrogate["clip_ratio/high_max"] == pytest.approx(0.25)  # sample 1 has none
+    centred = metric_floats(loss_metrics(inp, LossConfig(score_centering=True), torch.ones(6)))
+    assert centred["clip_ratio/low_mean"] == pytest.approx(3 / 6)
+    assert centred["clip_ratio/high_mean"] == pytest.approx(3 / 6)
+    assert centred["clip_ratio/region_mean"] == pytest.approx(1.0)
+
+
+def test_token_samples_are_numbered_densely_over_samples_with_trained_tokens(sample_factory):
+    """A sample without trained tokens takes no number: the per-sample clip metrics index a
+    [trained tokens] table, which three samples with one trained token between them overflow."""
+    from grpo_agent.train.loss import dense_token_samples
+
+    row = pack_row([sample_factory([1, 2, 3], [0, 0, 0], seed=1),
+                    sample_factory([1, 4, 5], [0, 0, 0], seed=2),
+                    sample_factory([1, 6, 7], [0, 0, 1], seed=3),
+                    sample_factory([1, 6, 8, 9], [0, 0, 1, 1], seed=4)])
+    assert row.token_sample.tolist() == [2, 3, 3]
+    assert dense_token_samples(row).tolist() == [0, 1, 1]
+
+
+def test_a_micro_batch_without_trained_tokens_is_refused(tiny_qwen3, shared_samples):
+    enable_tree_attention(tiny_qwen3)
+    with pytest.raises(ValueError, match="must be positive"):
+        row_loss(tiny_qwen3, pack_row(shared_samples), LossConfig(), num_trained_tokens_global=0)
+
+
+def test_a_none_aux_coefficient_takes_the_models_own():
+    """router_aux_loss_coef=None uses the model config's value (0 where it has none)."""
+    from types import SimpleNamespace
+
+    args = AsyncGRPOConfig(output_dir="/tmp/unused", use_cpu=True)
+    assert args.router_aux_loss_coef is None
+    moe = SimpleNamespace(config=SimpleNamespace(router_aux_loss_coef=0.013))
+    assert build_loss_config(args, moe).router_aux_loss_coef == pytest.approx(0.013)
+    assert build_loss_config(args, SimpleNamespace(config=SimpleNamespace())).router_aux_loss_coef == 0.0
+    args.router_aux_loss_coef = 0.0
+    assert build_loss_config(args, moe).router_aux_loss_coef == 0.0
+
+
+def test_the_empty_rows_zero_loss_reaches_every_parameter(tiny_qwen3):
+    """Every parameter, the LM head included, gets a (zero) gradient from an empty row: under
+    FSDP its gathers and gradient reduction run as on the ranks that have tokens."""
+    enable_tree_attention(tiny_qwen3)
+    loss, _ = row_loss(tiny_qwen3, pack_row([]), LossConfig(), num_trained_tokens_global=5)
+    loss.backward()
+    for name, p in tiny_qwen3.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() == 0, name
