@@ -63,6 +63,9 @@ def test_group_norm_normalises_scored_rewards_and_zeroes_nan_and_flat_groups():
     np.testing.assert_allclose(advantages, [1.0, -1.0, 0.0, 1.0, -1.0])
     assert not group_norm(SimpleNamespace(rewards=np.array([1.0, 1.0]))).any()
     assert not group_norm(SimpleNamespace(rewards=np.array([np.nan, 2.0]))).any()
+    # two scored rewards are enough for a spread (the unscored third gets 0)
+    np.testing.assert_allclose(group_norm(SimpleNamespace(rewards=np.array([3.0, np.nan, 1.0]))),
+                               [1.0, 0.0, -1.0])
 
 
 def test_all_prompt_filter_accepts_everything():
