@@ -3,6 +3,7 @@ its own sample's history, and each forwarded position predicts at most one train
 
 from __future__ import annotations
 
+from grpo_agent.train.batching import attention_cost
 from grpo_agent.train.packing import PrefixTrie, pack_row, predicts_trained
 from grpo_agent.train.tree_attention import dense_tree_mask
 from grpo_agent.types import TrainingSample, TrainingSequence
@@ -14,17 +15,18 @@ tokens = st.lists(st.integers(1, 3), min_size=1, max_size=6)
 sample_spec = st.tuples(st.sampled_from([[1, 2], [1, 2, 3], [2]]), tokens, st.lists(st.booleans()))
 
 
-def _sample(stem, tail, flags):
+def _sample(stem, tail, flags, advantage=1.0):
     ids = stem + tail
     mask = [int(flags[i]) if i < len(flags) else 1 for i in range(len(ids))]
-    seq = TrainingSequence(ids, mask, [-1.0] * len(ids))
-    return TrainingSample(seq, advantage=1.0, model_version=0, group_id=0, row_index=0)
+    # a distinct sampler log-prob per position: -(t + 1) / 8 (exact in float32)
+    seq = TrainingSequence(ids, mask, [-(t + 1) / 8 for t in range(len(ids))])
+    return TrainingSample(seq, advantage=advantage, model_version=0, group_id=0, row_index=0)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(sample_spec, min_size=1, max_size=6))
 def test_every_trained_token_sees_exactly_its_history(specs):
-    samples = [_sample(*spec) for spec in specs]
+    samples = [_sample(*spec, advantage=i + 0.5) for i, spec in enumerate(specs)]
     row = pack_row(samples)
     mask = dense_tree_mask(row.segment_ids, row.segment_ancestors)
     ids = row.input_ids.tolist()
@@ -44,6 +46,9 @@ def test_every_trained_token_sees_exactly_its_history(specs):
         assert int(row.position_ids[pred]) == t - 1
         assert int(row.targets[k]) == samples[i].sequence.token_ids[t]
         assert int(row.token_sample[k]) == i
+        # the trained token's own sampler log-prob (position t, not the one before it)
+        assert float(row.sampler_logprobs[k]) == samples[i].sequence.sampler_logprobs[t]
+        assert float(row.advantages[k]) == samples[i].advantage
 
 
 @settings(max_examples=150, deadline=None)
@@ -86,6 +91,9 @@ def test_the_shortcut_along_the_last_prefix_builds_the_same_row(specs):
         slow.insert(s.sequence.token_ids, claims)
     assert (fast.num_nodes, fast.attention_cost) == (slow.num_nodes, slow.attention_cost)
     a, b = pack_row(samples, fast), pack_row(samples, slow)
+    # the planner's budget numbers are the row's: forwarded tokens, keys attended
+    assert fast.num_nodes == a.num_tokens
+    assert fast.attention_cost == attention_cost(a) == int((a.position_ids + 1).sum())
     for name in ("input_ids", "position_ids", "segment_ids", "segment_ancestors", "pred_index",
                  "targets", "token_sample"):
         assert getattr(a, name).equal(getattr(b, name)), name
@@ -100,3 +108,34 @@ def test_token_ids_as_tuples_or_arrays_pack_like_lists():
     for s, kind in zip(samples, (tuple, np.asarray)):
         trie.insert(kind(s.sequence.token_ids), predicts_trained(s))
     assert pack_row(samples, trie).input_ids.equal(pack_row(samples).input_ids)
+
+
+def test_a_preview_of_an_insert_is_what_the_insert_adds():
+    trie = PrefixTrie()
+    for s in [_sample([1, 2], [3, 1], [0, 0, 1, 1]), _sample([1, 2], [3, 2], [0, 0, 1, 1]),
+              _sample([1, 2, 3], [1, 3], [0, 0, 0, 0, 1])]:
+        claims = predicts_trained(s)
+        nodes, cost = trie.added_tokens(s.sequence.token_ids, claims)
+        before = (trie.num_nodes, trie.attention_cost)
+        trie.insert(s.sequence.token_ids, claims)
+        assert (trie.num_nodes - before[0], trie.attention_cost - before[1]) == (nodes, cost)
+
+
+def test_a_trie_that_does_not_hold_the_rows_samples_is_refused():
+    import pytest
+
+    samples = [_sample([1, 2], [3], [0, 0, 1]), _sample([1, 2], [4], [0, 0, 1])]
+    trie = PrefixTrie()
+    trie.insert(samples[0].sequence.token_ids, predicts_trained(samples[0]))
+    with pytest.raises(ValueError, match="the trie holds 1 samples"):
+        pack_row(samples, trie)
+
+
+def test_a_sampling_mask_on_some_trained_tokens_only_is_refused():
+    import pytest
+
+    with_mask, without = _sample([1, 2], [3], [0, 0, 1]), _sample([1, 2], [4], [0, 0, 1])
+    with_mask.sequence.sampling_mask = [None, None, [3, 5]]
+    with pytest.raises(ValueError, match="sampling_mask is set for some trained tokens"):
+        pack_row([with_mask, without])
+    assert pack_row([with_mask]).sampling_mask.tolist() == [[3, 5]]
