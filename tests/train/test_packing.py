@@ -117,3 +117,27 @@ def test_gradient_checkpointing_keeps_packed_gradients(tiny_qwen3, shared_sample
         forward_row(model, row, temperature=1.0).token.logprobs.sum().backward()
     for (name, a), (_, b) in zip(tiny_qwen3.named_parameters(), checkpointed.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_topk_of_samples_with_different_widths_is_padded_to_the_widest(sample_factory):
+    """Each trained token keeps its own sampler top-k, left-aligned and padded (-1 / -inf) to the
+    row's widest; a sample without top-k gives padding rows, not a row without top-k."""
+    import numpy as np
+    from grpo_agent.types import TrainingSample, TrainingSequence
+
+    def sample(ids, mask, top):
+        lps = [-0.5 * (t + 1) if m else 0.0 for t, m in enumerate(mask)]
+        seq = TrainingSequence(list(ids), list(mask), lps, sampler_top_logprobs=top)
+        return TrainingSample(seq, advantage=1.0, model_version=0, group_id=0, row_index=0)
+
+    wide = sample([1, 2, 3, 4], [0, 0, 1, 1], [None, None, {7: -0.25, 8: -1.5, 9: -2.0}, {5: -0.5}])
+    plain = sample([1, 2, 6], [0, 0, 1], None)
+    narrow = sample([1, 2, 9, 9], [0, 0, 1, 1], [None, None, {4: -0.75}, {3: -0.125, 2: -3.0}])
+    row = pack_row([wide, plain, narrow])
+    inf = -np.inf
+    assert row.sampler_topk_ids.tolist() == [[7, 8, 9], [5, -1, -1], [-1, -1, -1], [4, -1, -1],
+                                             [3, 2, -1]]
+    assert row.sampler_topk_logprobs.tolist() == [[-0.25, -1.5, -2.0], [-0.5, inf, inf],
+                                                  [inf, inf, inf], [-0.75, inf, inf],
+                                                  [-0.125, -3.0, inf]]
+    assert row.sampler_logprobs.tolist() == [-1.5, -2.0, -1.5, -1.5, -2.0]
