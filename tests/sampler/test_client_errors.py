@@ -272,3 +272,76 @@ def test_unknown_model_is_an_error_not_a_reason_to_fall_back():
     finally:
         server.close()
     assert server.posts == 1
+
+
+def test_the_request_carries_every_sampling_setting_under_vllms_names():
+    """Each SamplingParams field reaches the server under vLLM's name and meaning: top_k 0
+    (off) is vLLM's -1, k top log-probs are asked as k + 1 (so a full top-k survives a sampled
+    token outside it), optional fields only when set, `n` only above 1."""
+    from grpo_agent.sampler.client import generate_body
+
+    full = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                          repetition_penalty=1.1, num_logprobs=4, seed=3,
+                          stop_token_ids=[2, 9], ignore_eos=True)
+    assert generate_body("m", (1, 2, 3), full, 4) == {
+        "model": "m", "token_ids": [1, 2, 3], "sampling_params": {
+            "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+            "repetition_penalty": 1.1, "logprobs": 5, "n": 4, "min_p": 0.05, "seed": 3,
+            "ignore_eos": True, "stop_token_ids": [2, 9], "detokenize": False}}
+    assert generate_body("m", [4], SamplingParams(max_tokens=7, num_logprobs=0)) == {
+        "model": "m", "token_ids": [4], "sampling_params": {
+            "max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+            "repetition_penalty": 1.0, "logprobs": 0, "detokenize": False}}
+
+
+def test_the_completions_fallback_sends_the_same_settings():
+    server = ScriptedServer([(200, COMPLETION)])
+    params = SamplingParams(max_tokens=3, temperature=0.5, top_k=4, num_logprobs=2, seed=1)
+
+    async def run():
+        async with SamplerClient(server.url, endpoint="completions") as client:
+            return await client.generate([5, 6], params, model="adapter-1")
+    try:
+        asyncio.run(run())
+    finally:
+        server.close()
+    assert server.bodies == [{"model": "adapter-1", "prompt": [5, 6], "return_token_ids": True,
+                              "return_tokens_as_token_ids": True, "max_tokens": 3,
+                              "temperature": 0.5, "top_p": 1.0, "top_k": 4,
+                              "repetition_penalty": 1.0, "logprobs": 3, "seed": 1}]
+
+
+def test_greedy_samples_go_out_as_one_request_each():
+    """vLLM refuses n > 1 under greedy sampling: n greedy samples are n requests of n=1."""
+    server = ScriptedServer([(200, GENERATED)] * 3)
+
+    async def run():
+        async with SamplerClient(server.url) as client:
+            return await client.generate_many(
+                [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), 3)
+    try:
+        turns = asyncio.run(run())
+    finally:
+        server.close()
+    assert [turn.output_ids for turn in turns] == [[7, 8]] * 3 and server.posts == 3
+    assert all("n" not in body["sampling_params"] for body in server.bodies)
+
+
+def test_the_sampling_mask_is_kept_only_when_asked_and_versions_stop_at_the_last_token():
+    answer = json.loads(json.dumps(GENERATED))
+    choice = answer["choices"][0]
+    choice["sampling_mask"] = [[7, 9], [8, 5]]
+    choice["weight_versions"] = [{"version": 4, "start": 0, "end": 1},
+                                 {"version": 5, "start": 1, "end": 6}]  # past the 2 tokens
+    server = ScriptedServer([(200, answer)] * 2)
+
+    async def run(keep):
+        async with SamplerClient(server.url) as client:
+            return await client.generate([1], SamplingParams(max_tokens=2,
+                                                             return_sampling_mask=keep))
+    try:
+        kept, dropped = asyncio.run(run(True)), asyncio.run(run(False))
+    finally:
+        server.close()
+    assert kept.output_sampling_mask == [[7, 9], [8, 5]] and dropped.output_sampling_mask is None
+    assert kept.weight_versions == ["4", "5"]
