@@ -345,3 +345,68 @@ def test_the_sampling_mask_is_kept_only_when_asked_and_versions_stop_at_the_last
         server.close()
     assert kept.output_sampling_mask == [[7, 9], [8, 5]] and dropped.output_sampling_mask is None
     assert kept.weight_versions == ["4", "5"]
+
+
+def test_a_bare_404_falls_back_once_and_the_client_stays_on_completions():
+    """A server without the route answers FastAPI's bare 404 {"detail": "Not Found"}: the client
+    switches to /v1/completions for good (the next request goes there first)."""
+    server = ScriptedServer([(404, {"detail": "Not Found"}), (200, COMPLETION), (200, COMPLETION)])
+
+    async def run():
+        async with SamplerClient(server.url) as client:
+            params = SamplingParams(max_tokens=2, num_logprobs=2)
+            return [await client.generate([1, 2], params) for _ in range(2)]
+    try:
+        turns = asyncio.run(run())
+    finally:
+        server.close()
+    assert [turn.output_ids for turn in turns] == [[7], [7]] and server.posts == 3
+    assert ["token_ids" in body for body in server.bodies] == [True, False, False]
+
+
+def test_endpoint_generate_never_falls_back():
+    disabled = {"error": {"message": "Scale-out endpoints are disabled."}}
+    server = ScriptedServer([(403, disabled), (200, COMPLETION)])
+    try:
+        with pytest.raises(RequestRejectedError, match="Scale-out endpoints are disabled"):
+            _generate(server.url, endpoint="generate")
+    finally:
+        server.close()
+    assert server.posts == 1
+
+
+def test_completions_choices_come_in_index_order_with_the_best_k_top_logprobs():
+    """Record i is choice i whatever the order of the answer; the top-k kept are the k most
+    likely of the (k + 1) sent, whatever their order in the map."""
+    def choice(index, token):
+        return {"index": index, "token_ids": [token], "finish_reason": "stop", "logprobs": {
+            "token_logprobs": [-0.5],
+            "top_logprobs": [{"token_id:4": -3.0, f"token_id:{token}": -0.5, "token_id:9": -0.2}]}}
+    server = ScriptedServer([(200, {"choices": [choice(1, 8), choice(0, 7)]})])
+
+    async def run():
+        async with SamplerClient(server.url, endpoint="completions") as client:
+            return await client.generate_many([1], SamplingParams(max_tokens=1, num_logprobs=2), 2)
+    try:
+        turns = asyncio.run(run())
+    finally:
+        server.close()
+    assert [turn.output_ids for turn in turns] == [[7], [8]]
+    assert turns[0].output_sampler_logprobs == [{9: -0.2, 7: -0.5}]
+    assert turns[1].output_sampler_logprobs == [{9: -0.2, 8: -0.5}]
+
+
+def test_a_server_without_metrics_gives_none():
+    import httpx
+
+    def reply(request):
+        if request.url.path == "/metrics":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, text="vllm:num_requests_running 3\n")
+
+    async def run():
+        async with SamplerClient("http://x") as client:
+            client._http = httpx.AsyncClient(base_url="http://x",
+                                             transport=httpx.MockTransport(reply))
+            return await client.metrics(), await client.metrics_text()
+    assert asyncio.run(run()) == (None, None)
