@@ -304,3 +304,80 @@ def test_a_step_planned_ahead_is_dropped_when_the_run_is_interrupted(tmp_path):
         train(tmp_path, steps=3, setup=setup)
     assert interrupt.ahead is not None  # step 2 had been planned when step 1 was logged
     assert trainer._planned_ahead is None
+
+
+def run_offline(tmp_path, dataset_size, groups, **config):
+    """An offline run over a dataset of `dataset_size` prompts, with `groups` groups scripted."""
+    args = AsyncGRPOConfig(**{
+        "output_dir": str(tmp_path), "token_budget": TOKEN_BUDGET, "gradient_checkpointing": False,
+        "optim": "adamw_torch", "report_to": "none", "save_strategy": "no", "disable_tqdm": True,
+        "use_cpu": True, "logging_steps": 1, **config})
+    from grpo_agent.testing import build_tiny_model
+
+    trainer = OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                             train_dataset=[{"prompt": []}] * dataset_size)
+    trainer.samples = [s for g in range(groups) for s in group(g)]
+    logs = Logs()
+    trainer.add_callback(logs)
+    trainer.train()
+    return trainer, [log for log in logs.logs if "loss" in log]
+
+
+@pytest.mark.parametrize("grad_accum,dataset_size", [(1, 2), (2, 3)])
+def test_a_run_without_max_steps_ends_when_its_prompt_epochs_are_trained(
+        tmp_path, monkeypatch, grad_accum, dataset_size):
+    """num_train_epochs counts prompts: the run stops at the step that trains the last one
+    (one group per row here), its epoch exactly 1, without asking the worker for more; a last
+    step the queue cannot fill is padded with empty rows (grad_accum=2 over 3 prompts: the
+    second step has one group)."""
+    from grpo_agent.testing.offline import ScriptedWorker
+
+    def pull(self, timeout):
+        if not self.batches:
+            raise AssertionError("pulled again after the run's prompt epochs were all in hand")
+        return self.batches.pop(0)
+
+    monkeypatch.setattr(ScriptedWorker, "pull", pull)
+    trainer, logs = run_offline(tmp_path, dataset_size, groups=dataset_size, max_steps=-1,
+                                num_train_epochs=1, gradient_accumulation_steps=grad_accum)
+    assert trainer.state.global_step == 2 and trainer.state.epoch == pytest.approx(1.0)
+    assert trainer.ledger.frontier == dataset_size
+    assert all(math.isfinite(log["loss"]) for log in logs)
+
+
+def test_max_steps_wins_over_the_prompt_epochs(tmp_path):
+    trainer, _ = run_offline(tmp_path, dataset_size=2, groups=4, max_steps=3, num_train_epochs=1)
+    assert trainer.state.global_step == 3
+
+
+def test_without_max_steps_the_step_bound_is_out_of_reach():
+    from types import SimpleNamespace
+
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+    host = SimpleNamespace(get_total_train_batch_size=lambda args: 1)
+    args = SimpleNamespace(max_steps=-1, gradient_accumulation_steps=2)
+    values = AsyncGRPOTrainer.set_initial_training_values(host, args, None)
+    assert values[1] >= 10**9 and values[5] == 2 * values[1]
+    args.max_steps = 7
+    assert AsyncGRPOTrainer.set_initial_training_values(host, args, None)[1] == 7
+
+
+def test_weights_are_pushed_every_weight_sync_steps_and_settled_at_the_last_step(tmp_path):
+    events = []
+
+    def setup(trainer):
+        trainer.push_weights = lambda: events.append(
+            ("push", trainer.state.global_step, trainer.model_version))
+        trainer.settle_push = lambda: events.append(
+            ("settle", trainer.state.global_step, trainer.model_version))
+
+    train(tmp_path, steps=5, setup=setup, weight_sync_steps=2)
+    assert events == [("push", 2, 1), ("push", 4, 2), ("settle", 5, 2)]
+
+
+def test_num_tokens_counts_every_forwarded_token_so_far_shared_prefixes_once(tmp_path):
+    """Each step forwards one group: its 8-token prompt less the last token once (7), then per
+    sample the prompt's last token and 8 completion tokens (3 x 9)."""
+    _, logs, _ = train(tmp_path, steps=3)
+    assert [log["num_tokens"] for log in logs] == [34.0, 68.0, 102.0]
