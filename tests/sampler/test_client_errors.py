@@ -392,6 +392,8 @@ def test_completions_choices_come_in_index_order_with_the_best_k_top_logprobs():
     finally:
         server.close()
     assert [turn.output_ids for turn in turns] == [[7], [8]]
+    assert [turn.output_log_probs for turn in turns] == [[-0.5], [-0.5]]
+    assert [turn.finish_reason for turn in turns] == ["stop", "stop"]
     assert turns[0].output_sampler_logprobs == [{9: -0.2, 7: -0.5}]
     assert turns[1].output_sampler_logprobs == [{9: -0.2, 8: -0.5}]
 

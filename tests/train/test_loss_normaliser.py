@@ -35,6 +35,8 @@ def test_each_rank_gets_its_row_and_the_micro_batchs_trained_tokens_over_all_ran
     batches, _ = AsyncGRPOTrainer.get_batch_samples(host, None, 3, None)
     assert [(b.row, b.num_trained_global) for b in batches[:2]] == [(rows[0][1], 10), (rows[1][1], 6)]
     assert batches[2].row.num_trained == 0  # the accumulation step the queue did not fill
+    # num_tokens (and the step's FLOPs) count every process's rows, not this one's
+    assert host.step_forwarded_tokens == host.forwarded_tokens_total == 4 * 12
 
 
 def test_each_ranks_loss_is_scaled_by_the_number_of_ranks(monkeypatch):
