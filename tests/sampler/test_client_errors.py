@@ -188,6 +188,22 @@ def test_fewer_choices_than_requested_samples_is_an_error_naming_both():
         server.close()
 
 
+def test_the_completions_fallback_also_refuses_fewer_choices_and_n_below_one():
+    server = ScriptedServer([(200, COMPLETION)])
+
+    async def run(n):
+        async with SamplerClient(server.url, endpoint="completions") as client:
+            return await client.generate_many([1, 2, 3], SamplingParams(max_tokens=1), n)
+    try:
+        with pytest.raises(SamplerError, match="answered 1 choices to a request for n=2"):
+            asyncio.run(run(2))
+        with pytest.raises(ValueError, match="n=0: ask for at least one completion"):
+            asyncio.run(run(0))
+    finally:
+        server.close()
+    assert server.posts == 1
+
+
 def test_5xx_is_retried_and_counted_then_succeeds():
     server = ScriptedServer([(503, {"error": "busy"}), (500, {"error": "oops"}), (200, GENERATED)])
     try:
