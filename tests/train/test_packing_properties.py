@@ -139,3 +139,17 @@ def test_a_sampling_mask_on_some_trained_tokens_only_is_refused():
     with pytest.raises(ValueError, match="sampling_mask is set for some trained tokens"):
         pack_row([with_mask, without])
     assert pack_row([with_mask]).sampling_mask.tolist() == [[3, 5]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 2), max_size=12), st.lists(st.integers(1, 2), max_size=12),
+       st.integers(0, 14))
+def test_the_shortcuts_common_prefix_is_the_longest_one(a, b, limit):
+    """The shortcut along the last sample's prefix takes the longest common prefix (at most
+    `limit`): a shorter one would only walk node by node again, a longer one share wrongly."""
+    from grpo_agent.train.packing import _common_prefix
+
+    naive = 0
+    while naive < min(len(a), len(b), limit) and a[naive] == b[naive]:
+        naive += 1
+    assert _common_prefix(a, b, limit) == naive
