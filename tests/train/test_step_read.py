@@ -381,3 +381,15 @@ def test_num_tokens_counts_every_forwarded_token_so_far_shared_prefixes_once(tmp
     sample the prompt's last token and 8 completion tokens (3 x 9)."""
     _, logs, _ = train(tmp_path, steps=3)
     assert [log["num_tokens"] for log in logs] == [34.0, 68.0, 102.0]
+
+
+@pytest.mark.parametrize("max_steps", [0, -1])
+def test_without_a_dataset_max_steps_must_bound_the_run(max_steps):
+    """An environment's prompts have no count: without max_steps > 0 the run would not end."""
+    from types import SimpleNamespace
+
+    from grpo_agent.train.trainer import _check_dataset
+
+    with pytest.raises(ValueError, match="set max_steps > 0"):
+        _check_dataset(None, object(), SimpleNamespace(max_steps=max_steps))
+    _check_dataset(None, object(), SimpleNamespace(max_steps=1))
