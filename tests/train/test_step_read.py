@@ -393,3 +393,14 @@ def test_without_a_dataset_max_steps_must_bound_the_run(max_steps):
     with pytest.raises(ValueError, match="set max_steps > 0"):
         _check_dataset(None, object(), SimpleNamespace(max_steps=max_steps))
     _check_dataset(None, object(), SimpleNamespace(max_steps=1))
+
+
+def test_the_last_step_trains_no_prompt_past_the_run_epochs(tmp_path):
+    """The worker runs ahead of the run's end: here it hands over four groups at once for a
+    dataset of two prompts. A step of three rows takes the epoch's two groups and pads the
+    third row; the third and fourth prompts (the next epoch's) are not trained."""
+    trainer, _ = run_offline(tmp_path, dataset_size=2, groups=4, max_steps=-1,
+                             num_train_epochs=1, gradient_accumulation_steps=3)
+    assert trainer.state.global_step == 1 and trainer.state.epoch == pytest.approx(1.0)
+    assert trainer.ledger.frontier == 2
+    assert sorted({s.prompt_index for s in trainer._step_samples}) == [0, 1]

@@ -68,6 +68,7 @@ class RolloutPipelineMixin:
     def _step_source(self, worker: Any) -> StepSource:
         """Steps from `worker` (a `RolloutWorker`, or a stand-in with its trainer-side methods)."""
         return StepSource(worker, ledger=self.ledger, epochs_done=self.prompt_epochs_done,
+                          prompt_limit=self.prompt_limit(),
                           window=self.window, no_progress_timeout=self.args.no_progress_timeout,
                           restore_server=self._restore_server)
 

@@ -41,17 +41,20 @@ class StepSource:
 
     `ledger` takes the prompt notices, `epochs_done(in_hand)` says whether the run's prompts
     are all consumed counting the samples in hand, `window` takes the worker's metrics.
+    Samples of prompts at or past `prompt_limit` (the end of the run's last epoch; the worker
+    runs ahead of it) are not trained: the last step would train past the epochs otherwise.
     """
 
     def __init__(self, worker: Any, *, ledger: PromptLedger,
                  epochs_done: Callable[[list[TrainingSample]], bool], window: MetricWindow,
-                 no_progress_timeout: float,
+                 no_progress_timeout: float, prompt_limit: int | None = None,
                  restore_server: Callable[[], None] | None = None) -> None:
         """`restore_server` brings the vLLM server back when the worker lost it."""
         self.worker = worker
         self.restore_server = restore_server
         self.ledger = ledger
         self.epochs_done = epochs_done
+        self.prompt_limit = prompt_limit
         self.window = window
         self._carry: list[TrainingSample] = []
         self._last_starved_warning = 0.0
@@ -125,6 +128,8 @@ class StepSource:
             if isinstance(item, PromptConsumed):
                 ledger.record_consumed(item)
                 self.no_progress.record(item.reason)
+            elif self.prompt_limit is not None and item.prompt_index >= self.prompt_limit:
+                continue  # past the run's epochs
             elif not ledger.already_consumed(item.prompt_index):
                 fresh.append(item)
                 self.no_progress.record(None)

@@ -275,13 +275,19 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             state.epoch = self.ledger.frontier / size
         return done
 
+    def prompt_limit(self) -> int | None:
+        """The run's prompts, `num_train_epochs` of the dataset (without `max_steps`): prompt
+        indices from here on belong to no epoch the run trains."""
+        size = _dataset_size(self.train_dataset)
+        if self.args.max_steps > 0 or size is None:
+            return None
+        return math.ceil(self.args.num_train_epochs * size)
+
     def prompt_epochs_done(self, in_hand: list[TrainingSample] = ()) -> bool:
         """`num_train_epochs` counted in prompts (without `max_steps`): all consumed, counting
         the samples `in_hand` (the step being filled) as trained."""
-        size = _dataset_size(self.train_dataset)
-        if self.args.max_steps > 0 or size is None:
-            return False
-        return self.ledger.frontier_after(list(in_hand)) >= self.args.num_train_epochs * size
+        limit = self.prompt_limit()
+        return limit is not None and self.ledger.frontier_after(list(in_hand)) >= limit
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         return inputs  # rows move to the device inside the forward
