@@ -189,3 +189,21 @@ def test_how_to_go_on_names_a_checkpoint_only_where_one_is_complete(tmp_path):
     assert resume_advice(tmp_path).startswith("run it again")  # cut short: no rollout_state.json
     RolloutState().save(tmp_path / "checkpoint-4")
     assert resume_advice(tmp_path, "--set x") == "resume from checkpoint-4 with --set x"
+
+
+def test_a_streaming_dataset_restarts_from_its_first_prompt_keeping_the_weight_version(tmp_path, caplog):
+    """A stream cannot be repositioned: its resume starts from the first prompt (with a warning)
+    but keeps the checkpoint's weight version, which the server is pushed at."""
+    from types import SimpleNamespace
+
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+    RolloutState(first_untrained_prompt_index=5, consumed_after_first=[7], model_version=3).save(tmp_path)
+    stream = SimpleNamespace(train_dataset=iter([{"prompt": "a"}]))
+    with caplog.at_level("WARNING"):
+        state = AsyncGRPOTrainer._restored_rollout_state(stream, str(tmp_path))
+    assert state == RolloutState(model_version=3)
+    assert "restarts from the first prompt (rollout_state.json had 5)" in caplog.text
+    indexed = SimpleNamespace(train_dataset=[{"prompt": "a"}] * 8)
+    assert AsyncGRPOTrainer._restored_rollout_state(indexed, str(tmp_path)) == RolloutState(5, [7], 3)
+    assert AsyncGRPOTrainer._restored_rollout_state(indexed, None) == RolloutState()
