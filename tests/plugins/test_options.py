@@ -73,7 +73,7 @@ def test_defaults_apply_and_the_factory_pickles_with_its_values(registry):
 def test_python_values_must_have_the_type_ints_are_floats_bools_are_not_ints():
     assert bind_options(OPTIONS, {"scale": 2, "size": 4}, "x") == {
         "word": "hi", "size": 4, "scale": 2.0, "shout": False}
-    with pytest.raises(OptionError, match=r"Option 'size' of x takes a int, got True"):
+    with pytest.raises(OptionError, match=r"Option 'size' of x takes an int, got True"):
         bind_options(OPTIONS, {"size": True}, "x")
 
 
@@ -82,7 +82,7 @@ def test_python_values_must_have_the_type_ints_are_floats_bools_are_not_ints():
     [
         ({"sise": "2"}, ("Unknown option 'sise' for environment 'repeat'. Did you mean: size? Valid options: "
                         "word (str, default 'hi'): what to repeat; size (int, default 3): rows in the dataset")),
-        ({"size": "two"}, "Option 'size' of environment 'repeat' takes a int, got 'two'. Valid options: word"),
+        ({"size": "two"}, "Option 'size' of environment 'repeat' takes an int, got 'two'. Valid options: word"),
         ({"shout": "maybe"}, "Option 'shout' of environment 'repeat' takes a bool, got 'maybe'."),
         ({"word": "yoo"}, ("Option 'word' of environment 'repeat' has no choice 'yoo' (did you mean: yo?); "
                           "choices: hi, yo.")),

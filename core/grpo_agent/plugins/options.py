@@ -46,7 +46,8 @@ class Option:
         """The typed value of `value` (text is parsed by the declared type); ValueError if bad."""
         typed = self._convert(value)
         if typed is None:
-            raise ValueError(f"takes a {self.type.__name__}, got {value!r}")
+            name = self.type.__name__
+            raise ValueError(f"takes {'an' if name[0] in 'aeiou' else 'a'} {name}, got {value!r}")
         allowed = self.allowed()
         if allowed is not None and typed not in allowed:
             close = difflib.get_close_matches(str(typed), [str(a) for a in allowed], n=3)
