@@ -249,3 +249,54 @@ def test_preemptions_and_retries_are_logged_as_counts_since_the_last_look(monkey
     sampler.retry_count = 5
     engine._record_progress()
     assert [v for n, v in engine._observations if n == "rollout/vllm_retry_count"] == [2.0, 3.0]
+
+
+def test_stopping_the_pipeline_cancels_the_groups_still_running(monkeypatch):
+    """When the trainer stops the worker, every group task still generating is cancelled and
+    awaited before the pipeline returns (none is left running on the loop)."""
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(4)]
+    engine, _ = make_engine(num_generations=2, dataset=rows, dataset_start_index=0,
+                            filter_prompt=lambda index, row, epoch: True)
+    started, cancelled = [], []
+    stop = None
+
+    async def run_group(slot, group_id):
+        started.append(group_id)
+        if len(started) == 2:
+            stop.set()  # the trainer stops while both groups generate
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(group_id)
+            raise
+
+    async def forever():
+        await asyncio.Event().wait()
+
+    rooms = []
+
+    async def wait_for_room():
+        rooms.append(1)
+        if len(rooms) > 2:
+            await forever()  # no room for a third group
+        await asyncio.sleep(0)
+
+    async def wait_for_stop():
+        await stop.wait()
+
+    for name in ("_score_forever", "_poll_server", "_heartbeat", "_flush_metrics"):
+        monkeypatch.setattr(engine, name, forever)
+    monkeypatch.setattr(engine, "_run_group", run_group)
+    monkeypatch.setattr(engine, "_wait_for_room", wait_for_room)
+    monkeypatch.setattr(engine, "_wait_for_stop", wait_for_stop)
+    monkeypatch.setattr(engine, "_send_observations", lambda: None)
+
+    async def main():
+        nonlocal stop
+        stop = asyncio.Event()
+        engine._fatal = asyncio.get_running_loop().create_future()
+        await asyncio.wait_for(engine._run_pipeline(), timeout=10)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == []
+    assert started == [0, 1] and sorted(cancelled) == [0, 1]
