@@ -9,7 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 from grpo_agent.rollout.allowance import (
-    HELD, WINDOW_GROW, WINDOW_SHRINK, TokenAllowance, has_room, holds_before_push)
+    HELD,
+    WINDOW_GROW,
+    WINDOW_SHRINK,
+    TokenAllowance,
+    has_room,
+    holds_before_push,
+)
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.types import PromptConsumed, TrainingSample, TrainingSequence
 
