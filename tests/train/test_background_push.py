@@ -128,3 +128,75 @@ def test_a_model_above_the_snapshot_limit_pushes_inside_the_step(pusher, monkeyp
     sync.release.set()
     metrics = made.push(torch.nn.Linear(2, 2), 6)  # 24 bytes of weights
     assert served == [6] and metrics["perf/weight_sync_transfer_s"] == 0.01
+
+
+def test_a_failed_push_inside_the_step_raises_and_announces_nothing(pusher, monkeypatch):
+    made, sync = pusher
+    monkeypatch.setattr("grpo_agent.weight_sync.full.BACKGROUND_MAX_BYTES", 8)
+    served = []
+    made.on_served = served.append
+    sync.failing = True
+    sync.release.set()
+    with pytest.raises(WeightSyncError, match="connection reset"):
+        made.push(torch.nn.Linear(2, 2), 6)
+    assert served == [] and sync.sent == {}
+
+
+def test_a_model_of_exactly_the_snapshot_limit_overlaps_the_next_step(pusher, monkeypatch):
+    made, sync = pusher
+    monkeypatch.setattr("grpo_agent.weight_sync.full.BACKGROUND_MAX_BYTES", 24)
+    made.push(torch.nn.Linear(2, 2), 6)  # 24 bytes of weights: snapshotted, sent later
+    assert made._sending is not None and sync.sent == {}
+    sync.release.set()
+    made.wait()
+    assert list(sync.sent) == [6]
+
+
+def test_the_next_push_reports_the_landed_pushs_timings_and_bytes(pusher):
+    made, sync = pusher
+    sync.release.set()
+    model = torch.nn.Linear(2, 2)
+    made.push(model, 1)
+    assert sync.ended.wait(30)
+    metrics = made.push(model, 2)
+    assert metrics["perf/weight_sync_transfer_s"] == 0.01 and "perf/weight_sync_pause_s" in metrics
+    assert made.last_num_bytes == 4
+    made.wait()
+
+
+def test_reopen_forgets_a_failed_background_push_and_reopens_the_transport(pusher):
+    made, sync = pusher
+    reopened = []
+    sync.reopen = lambda: reopened.append(True)
+    sync.failing = True
+    sync.release.set()
+    made.push(torch.nn.Linear(2, 2), 1)
+    made.reopen()  # the failure is not raised: the restore pushes again
+    assert reopened == [True] and made.wait() == {}
+
+
+def test_close_logs_a_last_push_that_did_not_land_and_closes_the_transport(pusher, caplog):
+    made, sync = pusher
+    closed = []
+    sync.close = lambda: closed.append(True)
+    sync.failing = True
+    made.push(torch.nn.Linear(2, 2), 1)
+    threading.Timer(0.2, sync.release.set).start()
+    with caplog.at_level("WARNING", logger="grpo_agent.weight_sync.full"):
+        made.close()
+    assert "did not land" in caplog.text and closed == [True]
+
+
+def test_only_a_server_an_earlier_run_pushed_into_needs_the_initial_push(pusher):
+    made, _ = pusher
+    model = torch.nn.Linear(2, 2)
+    assert made.needs_initial_push(model, holds_pushed_weights=True)
+    assert not made.needs_initial_push(model, holds_pushed_weights=False)
+
+
+def test_a_wrapped_model_is_pushed_under_its_own_parameter_names(pusher):
+    made, sync = pusher
+    sync.release.set()
+    made.push(SimpleNamespace(module=torch.nn.Linear(2, 2)), 1)  # a DDP-style wrapper
+    made.wait()
+    assert set(sync.sent[1]) == {"weight", "bias"}
