@@ -20,6 +20,8 @@ def test_chunks_fill_up_to_the_byte_limit_and_a_big_tensor_goes_alone():
     assert [[s.name for s in chunk] for chunk in chunks] == [
         ["model.embed_tokens.weight", "model.norm.weight"], ["lm_head.weight", "counts"]]
     assert [len(chunk) for chunk in plan_chunks(specs, chunk_bytes=1)] == [1, 1, 1, 1]
+    # a chunk filled to exactly the limit still takes its last tensor
+    assert [len(chunk) for chunk in plan_chunks(specs, chunk_bytes=4096 + 32)] == [2, 1, 1]
 
 
 def test_pack_then_unpack_returns_identical_tensors_of_every_dtype():
