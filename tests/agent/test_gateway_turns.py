@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
+from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits, template_messages
 from grpo_agent.rollout.gateway_errors import GatewayError
 from grpo_agent.types import TurnRecord
 
@@ -69,3 +69,50 @@ def test_the_context_left_bounds_max_tokens_and_a_full_context_is_refused(tiny_t
     with pytest.raises(GatewayError, match="Shorten the conversation") as refused:
         _turn(tiny_tokenizer, max_model_len=prompt_tokens)
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+
+
+def test_each_call_is_recorded_under_the_sessions_version_and_the_history_kept(tiny_tokenizer):
+    """The rollout's sample is built from its first rendered messages and every turn, sampled
+    at the session's version; the agent's parts-list content and developer role render as the
+    tool loop's text and system turns, and empty tool arguments as {}."""
+    from grpo_agent.rollout.versions import rollout_version
+
+    versions = []
+    sampler = Sampler(tiny_tokenizer, "Done.", "stop")
+
+    async def generate(prompt_ids, max_tokens):
+        versions.append(rollout_version())
+        return await sampler(prompt_ids, max_tokens)
+
+    loop = SimpleNamespace(tokenizer=tiny_tokenizer, tool_executor=None, generate_one_turn=generate,
+                           server=SimpleNamespace(max_model_len=4096),
+                           config=SimpleNamespace(chat_template_kwargs=None))
+    gateway = Gateway(loop, HarnessLimits())
+    session = AgentSession(version=7)
+    first = [{"role": "user", "content": [{"type": "text", "text": "Increment "},
+                                          {"type": "text", "text": "the counter."}]}]
+    reply, _, _ = asyncio.run(gateway._sample(session, first, TOOLS, None, 64))
+    call = {"id": "c1", "type": "function", "function": {"name": "increment", "arguments": ""}}
+    second = [*first, {"role": "assistant", "content": None, "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    asyncio.run(gateway._sample(session, second, TOOLS, None, 64))
+    assert versions == [7, 7]
+    assert session.first_messages == [{"role": "user", "content": "Increment the counter."}]
+    assert len(session.turns) == 2
+    assert session.generated_tokens == sum(len(t.output_ids) for t in session.turns) > 0
+    assert session.last_messages[:-1] == second
+    assert session.last_messages[-1] == {"role": "assistant", "content": "Done."}
+    assert reply == {"role": "assistant", "content": "Done."}
+    rendered = tiny_tokenizer.decode(session.turns[1].prompt_ids)
+    assert '"arguments": {}' in rendered and "Increment the counter." in rendered
+
+
+def test_an_empty_reply_is_null_content(tiny_tokenizer):
+    message, finish, _, _, _ = _turn(tiny_tokenizer, text="")
+    assert message == {"role": "assistant", "content": None} and finish == "stop"
+
+
+def test_a_message_without_a_string_role_is_a_400(tiny_tokenizer):
+    with pytest.raises(GatewayError) as raised:
+        template_messages([{"content": "hi"}])
+    assert raised.value.status == 400 and "messages[0]" in str(raised.value)
