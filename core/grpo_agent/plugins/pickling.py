@@ -5,6 +5,7 @@ minutes later inside a child process.
 """
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 from typing import Any
 
@@ -13,6 +14,23 @@ FIX = (
     "module level (lambdas, closures and classes defined inside functions cannot be pickled), "
     "or pass a registered name such as 'accuracy'."
 )
+
+
+def refuse_trainer_in_spawned_import(what: str = "A trainer") -> None:
+    """Refuse to build a trainer while a spawned process re-imports the script that started it.
+
+    The rollout worker is spawned: Python runs the parent's main script again in it (as
+    `__mp_main__`) before the worker starts, so a script that builds and trains at its top level
+    builds a second trainer there. Python would only stop it at the worker's own spawn, and an
+    agent check stops it sooner with a misleading "Cannot pickle ... define them at module
+    level" (the script's functions are not defined yet while it is being re-run)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            f"{what} is being built while a spawned process re-imports your main script: the "
+            "rollout worker is a spawned process, and Python runs the script that started it "
+            "again there, so the script's top level must not build or train. Put the trainer's "
+            "construction and train() under `if __name__ == \"__main__\":` (keep rewards, tools "
+            "and agents at module level).")
 
 
 def _flatten(name: str, obj: Any) -> list[tuple[str, Any]]:

@@ -320,8 +320,9 @@ class RolloutWorker:
             reason = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                       else f"exited with code {code}")
             raise RolloutWorkerError(
-                f"The rollout worker {reason} without reporting an error (out of memory, or "
-                "killed from outside?).")
+                f"The rollout worker {reason} without reporting an error: it failed while "
+                "starting (importing your main script or the objects passed to it; its traceback "
+                "is on stderr above), ran out of memory, or was killed from outside.")
 
     def _child_traceback(self) -> str:
         try:

@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 from grpo_agent.plugins import check_picklable
+from grpo_agent.plugins.pickling import refuse_trainer_in_spawned_import
 from grpo_agent.rollout.agent_programs import AgentCommand, resolve_agent
 from grpo_agent.rollout.gateway import HarnessLimits
 from grpo_agent.rollout.harness import HarnessRolloutLoop
@@ -38,6 +39,7 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
                  agent_max_calls: int | None = 64, agent_max_tokens: int | None = None,
                  agent_max_commands: int | None = None,
                  gateway_host: str = "127.0.0.1", gateway_port: int = 0, **kwargs: Any) -> None:
+        refuse_trainer_in_spawned_import(type(self).__name__)  # before the agent's pickling check
         if kwargs.get("tools") or kwargs.get("environment_factory"):
             raise ValueError("HarnessAsyncGRPOTrainer runs your agent program, which owns its tools "
                              "and environment: drop tools=/environment_factory=, or use "

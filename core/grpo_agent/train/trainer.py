@@ -95,6 +95,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         environment_factory: Any = None,
         eval_dataset: Any = None,
     ) -> None:
+        from grpo_agent.plugins.pickling import refuse_trainer_in_spawned_import
+
+        refuse_trainer_in_spawned_import(type(self).__name__)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
