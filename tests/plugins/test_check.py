@@ -174,6 +174,28 @@ def test_an_agent_only_env_is_checked_without_a_reset():
     assert "--agent player" in steps[-1].detail
 
 
+@environment("taskset-played", options=[Option("id", str, "", "taskset id (required)"),
+                                          Option("size", int, 100, "tasks taken")])
+class PlayedTaskset:
+    agent_only = "player"
+
+    def __init__(self, id: str = "", size: int = 100):
+        self.id = id
+
+    def reset(self, **row):
+        raise RuntimeError("played by its agent")
+
+
+def test_an_agent_only_envs_suggested_run_keeps_the_env_args_it_was_checked_with():
+    """`grpo-agent env check verifiers --env-arg id=TASKSET` suggested a run without `--env-arg
+    id=...`, which fails at once ("verifiers needs a taskset: --env-arg id=TASKSET")."""
+    spec = environment_spec_from_class(PlayedTaskset, None, "test").bind({"id": "my words", "size": "100"})
+    steps = check_environment(spec, build_registry(), 2)
+    assert ("grpo-agent train --env taskset-played --env-arg 'id=my words' --agent player "
+            "--set max_steps=1") in steps[-1].detail, steps[-1].detail
+    assert "size=" not in steps[-1].detail  # a default needs no flag
+
+
 @reward("says_hi", options=[Option("bonus", float, 2.0, "reward when the answer says hi")])
 def says_hi(prompts, completions, completion_ids, *, bonus: float, **columns):
     return [bonus if "hi" in completion[-1]["content"] else 0.0 for completion in completions]

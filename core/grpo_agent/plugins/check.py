@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +89,7 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
         steps.append(CheckStep("episodes", True, (
             f"not checked here: {spec.name!r} is agent-only (the {agent!r} agent plays each row "
             f"against a model); check its episodes with a short run: grpo-agent train --env "
-            f"{spec.name} --agent {agent} --set max_steps=1 --vllm-url URL")))
+            f"{spec.name}{_env_args(spec)} --agent {agent} --set max_steps=1 --vllm-url URL")))
         return steps
     for i, row in enumerate(rows):
         _run_step(steps, f"reset row {i}", lambda row=row: _check_reset(spec, row))
@@ -98,6 +99,15 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
         if spec.gold is not None:
             _run_step(steps, f"gold answer row {i}", lambda row=row: _check_gold(spec, registry, row))
     return steps
+
+
+def _env_args(spec: EnvironmentSpec) -> str:
+    """The `--env-arg` flags that rebuild this spec's options (those set away from their default),
+    so a suggested command runs the env as it was checked."""
+    defaults = {option.name: option.default for option in spec.options}
+    given = {name: value for name, value in spec.option_values.items()
+             if name not in defaults or value != defaults[name]}
+    return "".join(f" --env-arg {shlex.quote(f'{name}={value}')}" for name, value in given.items())
 
 
 def _schema_names(spec: EnvironmentSpec) -> str:
