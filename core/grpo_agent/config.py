@@ -90,7 +90,10 @@ class AsyncGRPOConfig(TrainingArguments):
     num_generations: int = _help("Rollouts sampled per prompt (the group size G).", default=8)
     max_completion_length: int = _help("Max tokens generated per vLLM request (per turn).", default=2048)
     temperature: float = _help("Sampling temperature.", default=1.0)
-    top_p: float = _help("Nucleus sampling; < 1 requires top_k and --return-sampling-mask.", default=1.0)
+    top_p: float = _help(
+        "Nucleus sampling; < 1 requires top_k. Any of top_k/top_p/min_p wants a server started with "
+        "--return-sampling-mask (not possible on CPU): without it the run warns and trains with "
+        "full-vocabulary log-probs, so importance ratios are biased.", default=1.0)
     top_k: int = _help("Top-k sampling; 0 disables.", default=0)
     min_p: float | None = _help("Min-p sampling threshold (requires top_k).", default=None)
     repetition_penalty: float = _help("vLLM repetition penalty (1.0 = off).", default=1.0)
