@@ -85,3 +85,42 @@ def test_an_agent_only_env_keeps_its_rows_for_its_own_agent():
     task = {"id": "agent-only-v1", "dataset": rows, "environment_factory": AgentOnlyEnv,
             "eval_dataset": lambda: None}
     assert agent_task(task) is task
+
+
+def test_an_agent_only_env_without_its_agent_is_refused_before_a_server_starts(tmp_path, capsys):
+    """`grpo-agent train --env verifiers --env-arg id=...` without `--agent verifiers` used to start
+    the server and the trainer, then stop after 10 groups whose reset() refused (20 s against a
+    running server, plus a managed server's start). Refused before the taskset loads, so no
+    verifiers venv or taskset is needed here."""
+    from grpo_agent import environment
+    from grpo_agent.train.run import AgentEnvError, refuse_agent_only_env
+
+    @environment("agent-only", options=[])
+    class AgentOnlyEnv:
+        agent_only = "its-agent"
+
+        def __init__(self, id: str = ""):
+            pass
+
+        def reset(self, **row):
+            raise RuntimeError("played by its agent only")
+
+    import functools
+
+    for factory in (AgentOnlyEnv, functools.partial(AgentOnlyEnv, id="tasks")):
+        with pytest.raises(AgentEnvError, match="add --agent its-agent"):
+            refuse_agent_only_env("agent-only-v1", factory)
+    refuse_agent_only_env("words-v1", None)
+    refuse_agent_only_env("routed", {"a": AgentOnlyEnv})
+
+    from grpo_agent.cli.main import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "verifiers", "--env-arg", "id=no_such_taskset",
+              "--output-dir", str(out)])
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert "The env 'verifiers-v1' is played by its own agent program" in message, message
+    assert "--agent verifiers" in message and "Traceback" not in message, message
+    assert not (out / "config.json").exists()  # refused before the server and the trainer

@@ -70,6 +70,11 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
+    if agent is None:  # before its dataset loads and the server starts
+        from grpo_agent.plugins import load_registry
+
+        spec = load_registry().environment_spec(env, env_args)
+        refuse_agent_only_env(spec.id, spec.environment_factory)
     task = resolve_env_task(env, env_args, config.plugin_args)
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
@@ -157,6 +162,19 @@ def agent_task(task: dict[str, Any]) -> dict[str, Any]:
     load_eval = task["eval_dataset"]
     task["eval_dataset"] = lambda: _with_reset_prompts(load_eval(), env)
     return task
+
+
+def refuse_agent_only_env(name: str, factory: Any) -> None:
+    """An `agent_only` env (verifiers) trained without its agent: refused before the server
+    starts, naming the flag (its reset() would refuse every group, and the run would stop only
+    after 10 failed groups)."""
+    if isinstance(factory, dict):
+        return
+    agent = getattr(getattr(factory, "func", factory), "agent_only", None)
+    if agent:
+        raise AgentEnvError(
+            f"The env {name!r} is played by its own agent program, not the built-in tool "
+            f"loop: add --agent {agent} (Python: HarnessAsyncGRPOTrainer(agent={agent!r})).")
 
 
 def _env_owned_scoring(env: Any) -> list[str]:
