@@ -60,7 +60,7 @@ def train(
     agent_cmd: Annotated[
         str | None,
         typer.Option("--agent-cmd", help="Command run per rollout with OPENAI_BASE_URL/OPENAI_API_KEY, "
-                     "the row as JSON on stdin and its reward on stdout (docs/agents.md, Gateway)."),
+                     "the row as JSON on stdin and its reward on stdout (docs/harness.md, As a command)."),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Resolve env and config, print them, do not train.")
