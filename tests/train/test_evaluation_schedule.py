@@ -140,6 +140,40 @@ def test_a_trainer_with_eval_on_but_no_split_says_what_to_pass(tmp_path):
         run_trainer(tmp_path, Timeline(), steps=1, eval_strategy="steps", eval_steps=1)
 
 
+def test_the_no_split_refusal_names_both_settings_that_turn_evaluation_off():
+    """It said "eval_strategy=IntervalStrategy.STEPS ... or set eval_strategy='no'", but with
+    eval_on_start=True a run with eval_strategy='no' still evaluates, and is refused again."""
+    from grpo_agent import AsyncGRPOConfig
+
+    args = AsyncGRPOConfig(output_dir="unused", eval_strategy="no", eval_on_start=True)
+    with pytest.raises(ValueError) as refused:
+        evaluation.check_eval_args(args, None)
+    message = str(refused.value)
+    assert message.startswith("eval_strategy='no', eval_on_start=True but there is no eval split")
+    assert "eval_strategy='no' and eval_on_start=False" in message
+    args = AsyncGRPOConfig(output_dir="unused", eval_strategy="steps", eval_steps=1)
+    with pytest.raises(ValueError, match=r"^eval_strategy='steps', eval_on_start=False but"):
+        evaluation.check_eval_args(args, None)
+
+
+def test_the_cli_refuses_an_env_without_an_eval_split_before_a_server_starts(tmp_path, capsys):
+    """`grpo-agent train --env words --set eval_on_start=true` (words declares no eval split)
+    started the managed server (or probed --vllm-url) and built the trainer before failing as
+    "the run failed ... error.log" with advice for the Python API (pass eval_dataset=...)."""
+    from grpo_agent.cli.main import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "words", "--set", "eval_on_start=true", "--output-dir", str(out),
+              "--vllm-url", "http://127.0.0.1:9"])  # never contacted
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert ("The env 'words-v1' declares no eval split, but the run evaluates (eval_strategy='no', "
+            "eval_on_start=True)") in message, message
+    assert "--set eval_strategy=no --set eval_on_start=false" in message, message
+    assert "the run failed" not in message and not (out / "config.json").exists(), message
+
+
 EVAL_SPLIT = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * 2})
 
 

@@ -117,7 +117,7 @@ def train(
         typer.echo(config.to_json_string())
         return
     from grpo_agent.train.checkpoint import ResumeError
-    from grpo_agent.train.run import AgentEnvError, run_training
+    from grpo_agent.train.run import RunRefused, run_training
     program = agent
     if agent_cmd:
         from grpo_agent.rollout.agent_programs import AgentCommand
@@ -126,7 +126,7 @@ def train(
     try:
         out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
                            env_args=spec.option_values, agent=program)
-    except (AgentEnvError, ResumeError) as err:  # refused before anything started
+    except (RunRefused, ResumeError) as err:  # refused before anything started
         raise CliError(str(err)) from None
     except Exception as err:
         from grpo_agent.cli.failure import report_failure

@@ -55,6 +55,12 @@ def wants_evaluation(args: Any) -> bool:
     return str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or bool(args.eval_on_start)
 
 
+def evaluation_settings(args: Any) -> str:
+    """The settings that ask for evaluation, as the user writes them."""
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    return f"eval_strategy={strategy!r}, eval_on_start={bool(args.eval_on_start)}"
+
+
 def eval_split_of(environment_factory: Any) -> tuple[Any, float | None]:
     """A registered env's eval split and success threshold (a name or `load_environment` spec)."""
     from grpo_agent.plugins.registry import EnvironmentSpec
@@ -75,9 +81,9 @@ def check_eval_args(args: Any, eval_dataset: Any) -> None:
         return
     if eval_dataset is None:
         raise ValueError(
-            f"eval_strategy={args.eval_strategy!s}, eval_on_start={args.eval_on_start} but there is "
-            "no eval split: pass eval_dataset=... to AsyncGRPOTrainer, use an environment that "
-            "declares one (@environment(eval_dataset=...)), or set eval_strategy='no'.")
+            f"{evaluation_settings(args)} but there is no eval split: pass eval_dataset=... to "
+            "AsyncGRPOTrainer, use an environment that declares one (@environment(eval_dataset="
+            "...)), or turn evaluation off: eval_strategy='no' and eval_on_start=False.")
     if args.metric_for_best_model is not None or args.load_best_model_at_end:
         raise ValueError(
             "metric_for_best_model / load_best_model_at_end are not supported: evaluations run "

@@ -37,7 +37,11 @@ MANAGED_MAX_MODEL_LEN = 1024
 PROMPT_ROOM = 512
 
 
-class AgentEnvError(ValueError):
+class RunRefused(ValueError):
+    """A run refused before its server and trainer start: the CLI prints it as a usage error."""
+
+
+class AgentEnvError(RunRefused):
     """An env that an agent program cannot run (`agent_task`): a start-up refusal, not a failed run."""
 
 
@@ -80,6 +84,7 @@ def run_training(
         task = agent_task(task)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
         logger.warning(advice)
+    eval_dataset = _eval_split(task, config)  # before the server: a run without one is refused
     output_dir = Path(config.output_dir)
     resume = resume_checkpoint(_resume_arg(resume_from_checkpoint, config), output_dir)
     model_path = model or _tiny_model_path()
@@ -90,7 +95,7 @@ def run_training(
         config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
         (output_dir / "config.json").write_text(config.to_json_string())
         common = {"model": model_path, "reward_funcs": task["reward_funcs"], "args": config,
-                  "train_dataset": task["dataset"], "eval_dataset": _eval_split(task, config),
+                  "train_dataset": task["dataset"], "eval_dataset": eval_dataset,
                   "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
                   "peft_config": peft_config}
         if agent is None:
@@ -202,7 +207,16 @@ def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
         return None
     if config.eval_success_threshold is None:
         config.eval_success_threshold = task["success_threshold"]
-    return task["eval_dataset"]()
+    dataset = task["eval_dataset"]()
+    if dataset is None:
+        from grpo_agent.train.evaluation import evaluation_settings
+
+        raise RunRefused(
+            f"The env {task['id']!r} declares no eval split, but the run evaluates "
+            f"({evaluation_settings(config)}). Train without evaluation (--set eval_strategy=no "
+            "--set eval_on_start=false), or evaluate an env that declares one (counter, "
+            "reasoning-gym: `grpo-agent env show NAME`).")
+    return dataset
 
 
 def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | bool | None:
