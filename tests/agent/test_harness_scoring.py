@@ -78,6 +78,43 @@ def test_a_failed_agent_rollout_stays_unscored_though_reward_funcs_scored_it(scr
     assert sorted(v for name, v in scored.observations if name == "reward") == sorted(group.rewards[:2])
 
 
+def test_an_agent_groups_tool_metrics_hold_its_calls_but_no_failure_rate(scripted_loop, tmp_path):
+    """docs/harness.md and docs/metrics.md: with an agent, `tools/call_frequency` comes from the
+    calls parsed out of its turns, and there are no failures to log (the agent runs its tools).
+    `tools/failure_frequency` was logged anyway: 0.0 in windows with calls, as if every call had
+    succeeded, NaN in the others."""
+    call = '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call>'
+    texts = scripted_loop([call, "Done.", call])
+
+    increment = {"type": "function", "function": {"name": "increment", "parameters": {
+        "type": "object", "properties": {"step": {"type": "integer"}}, "required": ["step"]}}}
+
+    async def agent_run(client, row):
+        await client.chat.completions.create(model="m", messages=row["prompt"], tools=[increment])
+        return float(len(row["prompt"]))
+
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=agent_run)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+
+    async def main():
+        await loop.setup()
+        try:
+            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
+            return await _score(loop, results)
+        finally:
+            await loop.close()
+
+    _, scored = asyncio.run(main())
+    names = [name for name, _ in scored.observations]
+    calls = [value for name, value in scored.observations if name == "tools/call_frequency"]
+    assert sorted(calls) == [0, 1, 1], scored.observations
+    assert "tools/failure_frequency" not in names, scored.observations
+
+
 class WrongShapeLoop(AsyncRolloutLoop):
     """A user's `compute_advantages` that returns one advantage for the whole group."""
 

@@ -82,7 +82,8 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
         return ScoredGroup([], "stalled")
     failures.record(list(loop.reward_funcs), failure)
     seen = observations.completion_observations(
-        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools))
+        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
+        with_tool_failures=loop.runs_tools)
     if failure is not None:
         return ScoredGroup([], "reward_error", [*seen, ("rollout/reward_error_count", 1.0)])
     add_rollout_sources(scores, group)

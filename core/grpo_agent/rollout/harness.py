@@ -38,6 +38,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     agent reference and limits travel to the spawned worker)."""
 
     reports_tools = True
+    runs_tools = False  # the agent runs its tools: calls are parsed here, their outcomes are not
 
     def __init__(self, *args, agent, limits: HarnessLimits | None = None, **kwargs):
         super().__init__(*args, **kwargs)

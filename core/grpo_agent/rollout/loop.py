@@ -50,6 +50,7 @@ class AsyncRolloutLoop:
     """
 
     reports_tools = False  # True: log `tools/*` even without `tools` (the harness gateway)
+    runs_tools = True  # False: the tools run elsewhere (an agent program), so no failures to log
 
     def __init__(self, config, model_name, dataset, reward_funcs, processing_class, eos_token_ids,
                  channels=None, tools=None, environment_factory=None, score_queue_maxsize=16,

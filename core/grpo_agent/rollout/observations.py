@@ -42,9 +42,12 @@ def duplicate_flags(rollouts: list[Rollout]) -> list[bool]:
     return flags
 
 
-def completion_observations(rollouts: list[Rollout], with_tools: bool) -> list[Observation]:
+def completion_observations(rollouts: list[Rollout], with_tools: bool,
+                            with_tool_failures: bool = True) -> list[Observation]:
     """`completions/*`, `rollout/turns_*`, the rollouts' own metrics and, only when the
-    trainer has tools, `tools/*` for one group (the tool loop counts calls either way)."""
+    trainer has tools, `tools/*` for one group (the tool loop counts calls either way).
+    `with_tool_failures=False` (an agent program runs its own tools): no
+    `tools/failure_frequency`, whose 0 would claim calls that nobody here saw fail or succeed."""
     obs: list[Observation] = []
     for rollout, duplicate in zip(rollouts, duplicate_flags(rollouts)):
         length = generated_length(rollout)
@@ -58,9 +61,10 @@ def completion_observations(rollouts: list[Rollout], with_tools: bool) -> list[O
                     ("completions/min_terminated_length", length),
                     ("completions/max_terminated_length", length)]
         if with_tools:
-            obs += [("tools/call_frequency", rollout.tool_call_count),
-                    ("tools/failure_frequency",
-                     (float(rollout.tool_failure_count), float(rollout.tool_call_count)))]
+            obs.append(("tools/call_frequency", rollout.tool_call_count))
+        if with_tools and with_tool_failures:
+            obs.append(("tools/failure_frequency",
+                        (float(rollout.tool_failure_count), float(rollout.tool_call_count))))
         for name, values in rollout.metrics.items():
             if with_tools or not name.startswith("tools/"):  # the spec: only with tools
                 obs += [(name, value) for value in values]
