@@ -144,3 +144,50 @@ def test_compute_advantages_of_the_wrong_shape_is_a_clear_error(tiny_tokenizer, 
     with pytest.raises(ValueError, match=r"compute_advantages returned shape \(1,\) for a group of 3 "
                        r"rollouts; return one advantage per rollout"):
         asyncio.run(main())
+
+
+def test_groups_whose_agent_runs_all_fail_are_blamed_on_the_agent(scripted_loop, tmp_path, caplog):
+    """An agent command that cannot start (`CommandLimits(user="nobody")` with a Python under
+    /root: exit 127 on every rollout) dropped 517 groups in 60 s as "zero_std", and the trainer's
+    no-progress message blamed the model's reward variance. Such groups are now "agent_error"
+    and the message points at the agent; a group with two scored, equal rewards stays zero_std."""
+    from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS, NoProgressGuard
+
+    texts = scripted_loop(["12", "12"])
+    runs = []
+
+    async def fails_after_two(client, row):
+        runs.append(row)
+        if len(runs) > 2:
+            raise RuntimeError("cannot run 'python': [Errno 13] Permission denied")
+        await client.chat.completions.create(model="m", messages=row["prompt"])
+
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=fails_after_two)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+
+    async def main():
+        await loop.setup()
+        try:
+            groups = []
+            for _ in range(2):  # two answers of equal reward and a failure; three failures
+                results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
+                groups.append((await _score(loop, results))[1])
+            return groups
+        finally:
+            await loop.close()
+
+    equal, failed = asyncio.run(main())
+    assert (equal.samples, equal.reason) == ([], "zero_std")
+    assert (failed.samples, failed.reason) == ([], "agent_error")
+
+    guard = NoProgressGuard(timeout_s=0, watch=None)
+    for _ in range(NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("agent_error")
+    with caplog.at_level("WARNING"):
+        guard.check()
+    assert "(8 agent_error)" in caplog.text and "the agent program fails" in caplog.text, caplog.text
+    assert "reward variance" not in caplog.text, caplog.text

@@ -34,7 +34,7 @@ from grpo_agent.types import RolloutGroup, TrainingSample, TurnRecord
 @dataclass
 class ScoredGroup:
     """What scoring made of a group: samples to queue, or `reason` (a `PromptConsumed`
-    reason: "zero_std", "reward_error", "stalled") when it gives none."""
+    reason: "zero_std", "agent_error", "reward_error", "stalled") when it gives none."""
 
     samples: list[TrainingSample]
     reason: str | None
@@ -98,7 +98,16 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
     per_rollout = [sum(s.rollout_id == r.rollout_id for s in samples) for r in group.rollouts]
     seen += observations.reward_observations(scores, group.rewards, per_rollout, kept)
     seen += observations.sample_observations(samples)
-    return ScoredGroup(samples, None if samples else "zero_std", seen)
+    return ScoredGroup(samples, None if samples else _why_untrained(group), seen)
+
+
+def _why_untrained(group: RolloutGroup) -> str:
+    """A group without samples: "agent_error" when failed agent runs (harness/dropped_frac)
+    left fewer than two scored rollouts, else "zero_std" (equal rewards). Kept apart so the
+    trainer's no-progress message blames the agent program, not the model's reward variance."""
+    scored = int(np.sum(~np.isnan(group.rewards)))
+    failed = sum(bool(r.metrics.get("harness/dropped_frac", [0.0])[0]) for r in group.rollouts)
+    return "agent_error" if scored < 2 and failed else "zero_std"
 
 
 def _samples(group: RolloutGroup, advantages: np.ndarray) -> list[TrainingSample]:

@@ -15,7 +15,7 @@ from grpo_agent.stall import REPORT_NAME, StageStalled, StallWatch
 logger = logging.getLogger(__name__)
 
 NO_PROGRESS_WINDOW_GROUPS = 8
-DROPPED_REASONS = ("zero_std", "reward_error", "stalled")
+DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error")
 
 
 class NoProgressGuard:
@@ -67,6 +67,11 @@ class NoProgressGuard:
             likely.append("every rollout of a group gets the same reward: the model never produces "
                           "reward variance (check the reward functions and the tools, use easier or "
                           "harder prompts, or warm the model up)")
+        if self.dropped.get("agent_error"):
+            likely.append("the agent program fails on (nearly) every rollout, so no group has two "
+                          "scored rollouts (see harness/errors_count and the 'Rollout dropped' "
+                          "warnings, which say why: a command that cannot start, an exception, a "
+                          "reply that is not a number)")
         if self.dropped.get("reward_error"):
             likely.append("the reward functions fail (see rollout/reward_error_count and the worker log)")
         if self.dropped.get("stalled"):
