@@ -124,3 +124,25 @@ def test_an_agent_only_env_without_its_agent_is_refused_before_a_server_starts(t
     assert "The env 'verifiers-v1' is played by its own agent program" in message, message
     assert "--agent verifiers" in message and "Traceback" not in message, message
     assert not (out / "config.json").exists()  # refused before the server and the trainer
+
+
+def test_the_python_trainer_refuses_an_agent_only_env_before_loading_the_model():
+    """`AsyncGRPOTrainer(environment_factory=<verifiers' env>)` ran until 10 groups' reset()
+    refused; it is refused at construction, naming HarnessAsyncGRPOTrainer and the agent."""
+    import functools
+
+    from grpo_agent import AsyncGRPOTrainer
+    from grpo_agent.plugins import load_registry
+
+    class AgentOnlyEnv:
+        agent_only = "its-agent"
+
+        def reset(self, **row):
+            raise RuntimeError("played by its agent only")
+
+    for factory in (AgentOnlyEnv, functools.partial(AgentOnlyEnv), {"a": AgentOnlyEnv}):
+        with pytest.raises(ValueError, match=r"HarnessAsyncGRPOTrainer\(agent='its-agent'"):
+            AsyncGRPOTrainer(model="/no/such/model", environment_factory=factory)
+    for factory in ("verifiers", load_registry().environment_spec("verifiers")):
+        with pytest.raises(ValueError, match="--agent verifiers"):
+            AsyncGRPOTrainer(model="/no/such/model", environment_factory=factory)

@@ -83,6 +83,15 @@ def build_prompt(row: dict[str, Any], reset_text: str | None) -> list[dict[str, 
     return messages
 
 
+def agent_only_name(factory: Any) -> str | None:
+    """The agent an `agent_only` env (verifiers) is played by, whether `factory` is its class,
+    a `functools.partial` of it (options bound) or its `EnvironmentSpec`; None otherwise."""
+    for candidate in (factory, getattr(factory, "func", None), getattr(factory, "factory", None)):
+        if isinstance(name := getattr(candidate, "agent_only", None), str) and name:
+            return name
+    return None
+
+
 class EnvironmentRunner:
     """Hands out pooled environment instances per rollout and collects their rewards."""
 

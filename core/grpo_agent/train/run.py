@@ -173,9 +173,11 @@ def refuse_agent_only_env(name: str, factory: Any) -> None:
     """An `agent_only` env (verifiers) trained without its agent: refused before the server
     starts, naming the flag (its reset() would refuse every group, and the run would stop only
     after 10 failed groups)."""
+    from grpo_agent.rollout.environments import agent_only_name
+
     if isinstance(factory, dict):
         return
-    agent = getattr(getattr(factory, "func", factory), "agent_only", None)
+    agent = agent_only_name(factory)
     if agent:
         raise AgentEnvError(
             f"The env {name!r} is played by its own agent program, not the built-in tool "

@@ -98,6 +98,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         from grpo_agent.plugins.pickling import refuse_trainer_in_spawned_import
 
         refuse_trainer_in_spawned_import(type(self).__name__)
+        _refuse_agent_only_envs(environment_factory)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
@@ -403,6 +404,29 @@ def _dataset_size(dataset: Any) -> int | None:
 
 def _is_streaming(dataset: Any) -> bool:
     return dataset is not None and not hasattr(dataset, "__len__")
+
+
+def _refuse_agent_only_envs(environment_factory: Any) -> None:
+    """An `agent_only` env (verifiers) has no episode for the built-in tool loop: its reset()
+    refuses every group, and the run would stop only after 10 of them."""
+    from grpo_agent.rollout.environments import agent_only_name
+
+    factories = (environment_factory.values() if isinstance(environment_factory, dict)
+                 else [environment_factory])
+    for factory in factories:
+        if isinstance(factory, str):
+            from grpo_agent.plugins import load_registry
+
+            try:
+                factory = load_registry().environment_spec(factory)
+            except Exception:  # noqa: BLE001, S112 -- resolve_plugins reports an unknown name
+                continue
+        if agent := agent_only_name(factory):
+            raise ValueError(
+                f"environment_factory {getattr(factory, '__name__', factory)!r} is played by its "
+                f"own agent program ({agent!r}), not the built-in tool loop: use "
+                f"HarnessAsyncGRPOTrainer(agent={agent!r}, train_dataset=<the env's rows>) "
+                f"(CLI: --agent {agent}).")
 
 
 def _check_dataset(dataset: Any, environment_factory: Any, args: AsyncGRPOConfig) -> None:
