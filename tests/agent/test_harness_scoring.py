@@ -191,3 +191,38 @@ def test_groups_whose_agent_runs_all_fail_are_blamed_on_the_agent(scripted_loop,
         guard.check()
     assert "(8 agent_error)" in caplog.text and "the agent program fails" in caplog.text, caplog.text
     assert "reward variance" not in caplog.text, caplog.text
+
+
+def test_a_failure_that_repeats_is_warned_at_its_1st_10th_and_100th_time(scripted_loop, tmp_path, caplog):
+    """An agent command that cannot start fails every rollout: 1050 identical "Rollout dropped"
+    lines in a minute. Now one line, then the 10th and 100th time with the count; a different
+    failure gets its own first line."""
+    texts = scripted_loop([])
+
+    async def cannot_start(client, row):
+        if row.get("other"):
+            raise ValueError("a different failure")
+        raise RuntimeError("cannot run 'python': [Errno 13] Permission denied")
+
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=cannot_start)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+
+    async def main():
+        await loop.setup()
+        try:
+            for _ in range(120):
+                await loop.run_episode(dict(ROW), 0, 0)
+            await loop.run_episode({**ROW, "other": True}, 0, 0)
+        finally:
+            await loop.close()
+
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.harness"):
+        asyncio.run(main())
+    dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Rollout dropped")]
+    assert len(dropped) == 4, dropped
+    assert "Permission denied" in dropped[0] and "times so far" not in dropped[0]
+    assert "the same failure 10 times so far" in dropped[1] and "100 times so far" in dropped[2]
+    assert "a different failure" in dropped[3] and "times so far" not in dropped[3]

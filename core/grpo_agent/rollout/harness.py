@@ -47,6 +47,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self.gateway: Gateway | None = None
         self.command_slots: asyncio.Semaphore | None = None
         self.http_client = None  # async agents' shared connection pool
+        self._failures_seen: dict[str, int] = {}  # message -> times, for `_warn_dropped`
 
     async def setup(self) -> None:
         self.agent = resolve_agent(self.agent_ref)
@@ -88,6 +89,20 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 group.rewards[index] = math.nan
         return super().compute_advantages(group)
 
+    def _warn_dropped(self, message: str) -> None:
+        """Warn about a dropped rollout; the same failure again only at its 10th, 100th, ...
+        time (an agent that fails every rollout, e.g. a command that cannot start, failed
+        about 1000 times a minute on a 2-core box: one line each buried everything else)."""
+        if len(self._failures_seen) >= 1000 and message not in self._failures_seen:
+            self._failures_seen.clear()  # messages that differ every time: keep memory bounded
+        seen = self._failures_seen[message] = self._failures_seen.get(message, 0) + 1
+        if seen == 1:
+            logger.warning("Rollout dropped: %s", message)
+        elif seen >= 10 and str(seen).rstrip("0") == "1":  # 10, 100, 1000, ...
+            logger.warning("Rollout dropped (the same failure %d times so far; warned at the "
+                           "1st, 10th, 100th, ...; harness/errors_count counts them all): %s",
+                           seen, message)
+
     async def run_agent_rollout(self, row: dict) -> tuple[list[dict], Rollout]:
         """Run the agent once with its own gateway session; failures become a dropped rollout.
 
@@ -121,7 +136,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             "tools/parallel_calls_mean": [float(n) for n in session.parallel_calls],
         }
         if failure is not None:
-            logger.warning("Rollout dropped: %s", failure)
+            self._warn_dropped(str(failure))
             rollout = Rollout(completion=[], completion_ids=[], turns=[], reward=math.nan, metrics=metrics)
         else:
             completion = session.last_messages[len(session.first_messages or []):]
