@@ -226,3 +226,44 @@ def test_a_failure_that_repeats_is_warned_at_its_1st_10th_and_100th_time(scripte
     assert "Permission denied" in dropped[0] and "times so far" not in dropped[0]
     assert "the same failure 10 times so far" in dropped[1] and "100 times so far" in dropped[2]
     assert "a different failure" in dropped[3] and "times so far" not in dropped[3]
+
+
+def test_a_group_nothing_scores_is_unscored_and_the_message_says_so(scripted_loop, tmp_path, caplog):
+    """docs/harness.md's agent returning None ("score with reward_funcs") on a trainer without
+    reward_funcs: nothing scores any rollout. 781 such groups in 30 s were dropped as "zero_std"
+    and the stop blamed the model's reward variance; now they are "unscored" and it says what
+    scores nothing."""
+    from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS, NoProgressGuard
+
+    texts = scripted_loop(["12", "It is 12.", "twelve"])
+
+    async def leaves_scoring_to_reward_funcs(client, row):
+        await client.chat.completions.create(model="m", messages=row["prompt"])  # returns None
+
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[], processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id],
+                              agent=leaves_scoring_to_reward_funcs)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+
+    async def main():
+        await loop.setup()
+        try:
+            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
+            return (await _score(loop, results))[1]
+        finally:
+            await loop.close()
+
+    scored = asyncio.run(main())
+    assert (scored.samples, scored.reason) == ([], "unscored")
+
+    guard = NoProgressGuard(timeout_s=0, watch=None)
+    for _ in range(NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("unscored")
+    with caplog.at_level("WARNING"):
+        guard.check()
+    assert "(8 unscored)" in caplog.text and "nothing scores the rollouts" in caplog.text, caplog.text
+    assert "the agent returns None and there are no reward_funcs" in caplog.text
+    assert "reward variance" not in caplog.text, caplog.text

@@ -34,7 +34,8 @@ from grpo_agent.types import RolloutGroup, TrainingSample, TurnRecord
 @dataclass
 class ScoredGroup:
     """What scoring made of a group: samples to queue, or `reason` (a `PromptConsumed`
-    reason: "zero_std", "agent_error", "reward_error", "stalled") when it gives none."""
+    reason: "zero_std", "agent_error", "unscored", "reward_error", "stalled") when it gives
+    none."""
 
     samples: list[TrainingSample]
     reason: str | None
@@ -103,11 +104,15 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
 
 def _why_untrained(group: RolloutGroup) -> str:
     """A group without samples: "agent_error" when failed agent runs (harness/dropped_frac)
-    left fewer than two scored rollouts, else "zero_std" (equal rewards). Kept apart so the
-    trainer's no-progress message blames the agent program, not the model's reward variance."""
+    left fewer than two scored rollouts; "unscored" when no reward source scored any rollout
+    (every reward function returned None, or an agent returned None with no reward_funcs);
+    else "zero_std" (equal rewards). Kept apart so the trainer's no-progress message names
+    the cause instead of blaming the model's reward variance."""
     scored = int(np.sum(~np.isnan(group.rewards)))
     failed = sum(bool(r.metrics.get("harness/dropped_frac", [0.0])[0]) for r in group.rollouts)
-    return "agent_error" if scored < 2 and failed else "zero_std"
+    if scored < 2 and failed:
+        return "agent_error"
+    return "unscored" if scored == 0 else "zero_std"
 
 
 def _samples(group: RolloutGroup, advantages: np.ndarray) -> list[TrainingSample]:

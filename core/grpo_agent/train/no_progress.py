@@ -15,7 +15,7 @@ from grpo_agent.stall import REPORT_NAME, StageStalled, StallWatch
 logger = logging.getLogger(__name__)
 
 NO_PROGRESS_WINDOW_GROUPS = 8
-DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error")
+DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored")
 
 
 class NoProgressGuard:
@@ -72,6 +72,10 @@ class NoProgressGuard:
                           "scored rollouts (see harness/errors_count and the 'Rollout dropped' "
                           "warnings, which say why: a command that cannot start, an exception, a "
                           "reply that is not a number)")
+        if self.dropped.get("unscored"):
+            likely.append("nothing scores the rollouts: every reward function returned None for "
+                          "them, or the agent returns None and there are no reward_funcs (return "
+                          "a float from the agent, or pass reward_funcs that score the completion)")
         if self.dropped.get("reward_error"):
             likely.append("the reward functions fail (see rollout/reward_error_count and the worker log)")
         if self.dropped.get("stalled"):
