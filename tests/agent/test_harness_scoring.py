@@ -267,3 +267,29 @@ def test_a_group_nothing_scores_is_unscored_and_the_message_says_so(scripted_loo
     assert "(8 unscored)" in caplog.text and "nothing scores the rollouts" in caplog.text, caplog.text
     assert "the agent returns None and there are no reward_funcs" in caplog.text
     assert "reward variance" not in caplog.text, caplog.text
+
+
+def test_the_starved_step_warning_names_a_cause_other_than_reward_variance(caplog):
+    """The trainer's minute-by-minute "No trainable sample for N s" said "If
+    frac_reward_zero_std is near 1, ... check the reward functions" while every group was
+    dropped for failed agent runs; with such drops it now gives the no-progress guard's cause."""
+    from grpo_agent.train.no_progress import NoProgressGuard
+    from grpo_agent.train.step_source import StepSource
+
+    guard = NoProgressGuard(timeout_s=0, watch=None)
+    for _ in range(9):
+        guard.record("agent_error")
+    source = SimpleNamespace(_last_starved_warning=0.0, no_progress=guard)
+    with caplog.at_level("WARNING"):
+        StepSource._warn_if_starved(source, 61.0, 0)
+    assert "No trainable sample for 61 s (this step holds 0): the last 9 groups were all dropped " \
+           "(9 agent_error)" in caplog.text, caplog.text
+    assert "the agent program fails" in caplog.text and "frac_reward_zero_std" not in caplog.text
+
+    caplog.clear()
+    guard = NoProgressGuard(timeout_s=0, watch=None)
+    guard.record("zero_std")
+    source = SimpleNamespace(_last_starved_warning=0.0, no_progress=guard)
+    with caplog.at_level("WARNING"):
+        StepSource._warn_if_starved(source, 61.0, 0)
+    assert "If frac_reward_zero_std is near 1" in caplog.text, caplog.text

@@ -50,9 +50,9 @@ class NoProgressGuard:
         idle = time.monotonic() - self.last_progress
         if not self._warned:
             self._warned = True
-            logger.warning("No progress: %s", self._cause(idle))
+            logger.warning("No progress: %s", self.cause(idle))
         if self.timeout_s > 0 and idle > self.timeout_s:
-            message = (f"{self._cause(idle)} Stopping after no_progress_timeout={self.timeout_s:g} s "
+            message = (f"{self.cause(idle)} Stopping after no_progress_timeout={self.timeout_s:g} s "
                        "(raise it, or 0 to wait without bound).")
             if self.watch is not None:
                 self.watch.report_stall("no_progress", {"dropped_groups": dict(self.dropped)},
@@ -60,7 +60,8 @@ class NoProgressGuard:
                 message += f" See {self.watch.output_dir / REPORT_NAME}."
             raise StageStalled(message)
 
-    def _cause(self, idle: float) -> str:
+    def cause(self, idle: float) -> str:
+        """What was dropped since the last trainable sample, and the likely causes."""
         counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
         likely = []
         if self.dropped.get("zero_std"):

@@ -114,6 +114,11 @@ class StepSource:
         if idle - self._last_starved_warning < STARVED_WARNING_S:
             return
         self._last_starved_warning = idle
+        other = {reason for reason, n in self.no_progress.dropped.items() if n and reason != "zero_std"}
+        if other:  # failing agents, nothing scoring, failing rewards, stalls: not reward variance
+            logger.warning("No trainable sample for %.0f s (this step holds %d): %s", idle, num_taken,
+                           self.no_progress.cause(idle))
+            return
         logger.warning(
             "No trainable sample for %.0f s (this step holds %d). If frac_reward_zero_std is "
             "near 1, every group gets equal rewards (all solved or all failed): check the reward "
