@@ -116,3 +116,15 @@ def test_a_message_without_a_string_role_is_a_400(tiny_tokenizer):
     with pytest.raises(GatewayError) as raised:
         template_messages([{"content": "hi"}])
     assert raised.value.status == 400 and "messages[0]" in str(raised.value)
+
+
+def test_non_text_parts_are_skipped_and_unreadable_arguments_kept_verbatim():
+    """A parts list keeps only its dict parts' text; a call's arguments that are not JSON stay
+    the string the model wrote (rendered verbatim), and every call is a function entry."""
+    bad = {"id": "c1", "function": {"name": "f", "arguments": "{not json"}}
+    messages = template_messages([
+        {"role": "user", "content": ["stray", {"type": "text", "text": "go"}, {"type": "image_url"}]},
+        {"role": "assistant", "content": "", "tool_calls": [bad]}])
+    assert messages[0] == {"role": "user", "content": "go"}
+    assert messages[1]["tool_calls"] == [{"type": "function",
+                                         "function": {"name": "f", "arguments": "{not json"}}]

@@ -1,0 +1,218 @@
+"""The gateway over HTTP without a server: its routes, key check, request errors, reply and
+stream shapes. The real template, tokenizer and tool-call parser; a scripted sampler at the
+`generate_one_turn` seam (the real-vLLM paths are test_gateway_vllm.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from grpo_agent.rollout.gateway import SAMPLING_HEADER, Gateway, HarnessLimits
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.types import TurnRecord
+
+TOOL = {"type": "function", "function": {
+    "name": "increment", "description": "Increment the counter.",
+    "parameters": {"type": "object", "properties": {"step": {"type": "integer"}}}}}
+CALL = "<tool_call>\n" + json.dumps({"name": "increment", "arguments": {"step": 3}}) + "\n</tool_call>"
+USER = [{"role": "user", "content": "Increment the counter by 3."}]
+
+
+class Sampler:
+    """generate_one_turn answering each call with the next scripted text (or raising it)."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.max_tokens, self.prompts = tokenizer, list(texts), [], []
+
+    async def __call__(self, prompt_ids, max_tokens):
+        self.max_tokens.append(max_tokens)
+        self.prompts.append(list(prompt_ids))
+        text = self.texts.pop(0)
+        if isinstance(text, Exception):
+            raise text
+        output = self.tokenizer.encode(text, add_special_tokens=False)
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+
+
+def serve(tokenizer, texts=(), requests=None, chat_template_kwargs=None):
+    """Start a gateway on a scripted loop, open a session, run `requests(http, gateway,
+    session)` with an httpx client carrying the session's key, stop; returns its result,
+    the session and the sampler."""
+    sampler = Sampler(tokenizer, texts)
+    loop = SimpleNamespace(tokenizer=tokenizer, tool_executor=None, generate_one_turn=sampler,
+                           model_name="m", server=SimpleNamespace(max_model_len=4096, model_id="served-m"),
+                           config=SimpleNamespace(chat_template_kwargs=chat_template_kwargs,
+                                                  max_completion_length=64))
+
+    async def main():
+        gateway = Gateway(loop, HarnessLimits())
+        await gateway.start()
+        session = gateway.open_session(0)
+        try:
+            async with httpx.AsyncClient(base_url=gateway.base_url,
+                                         headers={"Authorization": f"Bearer {session.key}"}) as http:
+                return await requests(http, gateway, session), session
+        finally:
+            await gateway.stop()
+
+    result, session = asyncio.run(main())
+    return result, session, sampler
+
+
+def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tokenizer):
+    """The scheme is case-insensitive and spaces around the key do not matter; an unknown key,
+    or a closed session's, is a 401 naming OPENAI_API_KEY with OpenAI's type and code."""
+    async def requests(http, gateway, session):
+        auth = {"lower": f"bearer {session.key}", "spaced": f"Bearer   {session.key}"}
+        listed = {name: await http.get("/models", headers={"Authorization": value})
+                  for name, value in auth.items()}
+        wrong = await http.get("/models", headers={"Authorization": "Bearer grpo-nope"})
+        gateway.close_session(session)
+        closed = await http.post("/chat/completions", json={"model": "m", "messages": USER})
+        return listed, wrong, closed
+
+    (listed, wrong, closed), session, sampler = serve(tiny_tokenizer, requests=requests)
+    for reply in listed.values():
+        assert reply.status_code == 200
+        assert reply.json()["data"] == [
+            {"id": name, "object": "model", "owned_by": "grpo-agent", "max_model_len": 4096}
+            for name in ("m", "served-m")]
+    for reply in (wrong, closed):
+        assert reply.status_code == 401
+        error = reply.json()["error"]
+        assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+        assert "OPENAI_API_KEY" in error["message"]
+    assert sampler.prompts == [] and session.rejected_calls == 0  # a stranger's call is not its
+
+
+@pytest.mark.parametrize("body, status, param, says", [
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "must be a JSON object"),
+    ({"model": "other", "messages": USER}, 404, "model", "'other' does not exist here"),
+    ({"model": "m", "messages": USER, "n": 2}, 400, "n", "Only n=1"),
+    ({"model": "m", "messages": USER, "tools": "increment"}, 400, "tools", "must be a list"),
+    ({"model": "m", "messages": "hi"}, 400, "messages", "non-empty list"),
+    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, 400, "messages", "got int"),
+    ({"model": "m", "messages": [{"role": "system", "content": None}, *USER]}, 400, "messages",
+     "could not render these messages: TypeError"),
+])
+def test_a_bad_request_is_an_openai_error_counted_against_the_rollout(tiny_tokenizer, body, status,
+                                                                      param, says):
+    async def requests(http, gateway, session):
+        sent = {"json": body} if isinstance(body, dict) else {"content": body}
+        return await http.post("/chat/completions", **sent)
+
+    reply, session, sampler = serve(tiny_tokenizer, requests=requests)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert says in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found" and "['m', 'served-m']" in error["message"]
+    assert session.rejected_calls == 1 and session.in_flight == 0 and sampler.prompts == []
+
+
+def test_a_sampler_failure_is_a_502_server_error(tiny_tokenizer):
+    async def requests(http, gateway, session):
+        return await http.post("/chat/completions", json={"model": "m", "messages": USER})
+
+    reply, session, _ = serve(tiny_tokenizer, [SamplerError("engine died")], requests)
+    assert reply.status_code == 502
+    error = reply.json()["error"]
+    assert error["type"] == "server_error" and "The sampler failed: engine died" in error["message"]
+    assert session.rejected_calls == 1 and session.in_flight == 0
+
+
+def test_a_reply_carries_the_sampling_note_usage_and_either_model_name(tiny_tokenizer):
+    """max_completion_tokens wins over max_tokens; the served id is a name the gateway answers
+    to; n=None is n=1."""
+    async def requests(http, gateway, session):
+        first = await http.post("/chat/completions", json={
+            "model": "served-m", "messages": USER, "max_tokens": 9, "max_completion_tokens": 3, "n": None})
+        second = await http.post("/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 5})
+        return first, second
+
+    (first, second), session, sampler = serve(tiny_tokenizer, ["Done.", "Done."], requests)
+    assert first.status_code == second.status_code == 200
+    assert first.headers[SAMPLING_HEADER] == "config (request temperature/top_p ignored)"
+    body = first.json()
+    assert body["object"] == "chat.completion" and body["model"] == "served-m"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Done."}
+    prompt, completion = len(session.turns[0].prompt_ids), len(session.turns[0].output_ids)
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    assert sampler.max_tokens == [3, 5]
+    assert session.rejected_calls == 0 and session.in_flight == 0 and len(session.turns) == 2
+
+
+def test_chat_template_kwargs_given_as_json_text_render_as_the_dict(tiny_tokenizer):
+    """The config may carry chat_template_kwargs as a JSON string (the CLI's form)."""
+    async def requests(http, gateway, session):
+        return await http.post("/chat/completions", json={"model": "m", "messages": USER})
+
+    _, _, as_text = serve(tiny_tokenizer, ["Done."], requests,
+                          chat_template_kwargs='{"enable_thinking": false}')
+    _, _, as_dict = serve(tiny_tokenizer, ["Done."], requests,
+                          chat_template_kwargs={"enable_thinking": False})
+    assert as_text.prompts == as_dict.prompts
+    assert tiny_tokenizer.decode(as_text.prompts[0]).endswith("<think>\n\n</think>\n\n")
+
+
+def _events(text: str) -> list[tuple[str | None, str]]:
+    """Server-sent events as (event name or None, data)."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((lines.get("event"), lines["data"]))
+    return out
+
+
+def test_a_streamed_chat_reply_is_role_and_text_then_each_call_then_finish_and_done(tiny_tokenizer):
+    async def requests(http, gateway, session):
+        return await http.post("/chat/completions", json={
+            "model": "m", "messages": USER, "tools": [TOOL], "stream": True})
+
+    reply, session, _ = serve(tiny_tokenizer, ["On it.\n" + CALL], requests)
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert reply.headers[SAMPLING_HEADER].startswith("config")
+    events = _events(reply.text)
+    assert [name for name, _ in events] == [None] * 4 and events[-1][1] == "[DONE]"
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "On it."}
+    assert deltas[1]["tool_calls"][0]["index"] == 0
+    assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"step": 3}
+    assert deltas[2] == {} and chunks[2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:2]] == [None, None]
+    prompt, completion = len(session.turns[0].prompt_ids), len(session.turns[0].output_ids)
+    assert chunks[2]["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
+                                  "total_tokens": prompt + completion}
+
+
+def test_responses_route_samples_as_a_chat_call_and_chains_and_streams(tiny_tokenizer):
+    """`/v1/responses`: max_output_tokens bounds the turn, previous_response_id continues the
+    rollout's own conversation, and a streamed response is named events ending with the
+    response's status (no `[DONE]`)."""
+    async def requests(http, gateway, session):
+        first = await http.post("/responses", json={"model": "m", "input": "Count.", "max_output_tokens": 2})
+        second = await http.post("/responses", json={
+            "model": "m", "input": "Again.", "previous_response_id": first.json()["id"], "stream": True})
+        return first, second
+
+    (first, second), session, sampler = serve(tiny_tokenizer, ["One.", "Two."], requests)
+    assert first.status_code == second.status_code == 200
+    assert first.headers[SAMPLING_HEADER].startswith("config")
+    assert first.json()["object"] == "response" and first.json()["status"] == "completed"
+    assert first.json()["output"][0]["content"][0]["text"] == "One."
+    assert sampler.max_tokens == [2, 64]
+    rendered = tiny_tokenizer.decode(sampler.prompts[1])
+    assert rendered.index("Count.") < rendered.index("One.") < rendered.index("Again.")
+    events = _events(second.text)
+    assert all(name is not None for name, _ in events) and "[DONE]" not in second.text
+    payloads = [json.loads(data) for _, data in events]
+    assert [name for name, _ in events] == [p["type"] for p in payloads]
+    assert payloads[-1]["type"] == "response.completed"
+    assert payloads[-1]["response"]["output"][0]["content"][0]["text"] == "Two."
+    assert len(session.responses) == 2 and session.rejected_calls == 0
