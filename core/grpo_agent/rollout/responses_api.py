@@ -33,7 +33,10 @@ def chat_request(body: dict, history: dict[str, list[dict]]) -> tuple[list[dict]
             raise GatewayError(404, f"No response {previous!r} in this rollout: previous_response_id "
                                "must name a response this rollout's key received.",
                                code="response_not_found", param="previous_response_id")
-        conversation = [dict(m) for m in history[previous]]
+        # each message and its tool_calls list copied: a function_call item joins the last
+        # model turn's list, which must not change the remembered response
+        conversation = [{**m, "tool_calls": list(m["tool_calls"])} if m.get("tool_calls") else dict(m)
+                        for m in history[previous]]
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
