@@ -262,3 +262,97 @@ def test_cli_resolves_the_agent_before_training(cli):
     assert code != 0 and "Unknown agent 'nope'" in err
     code, _, err = cli("train", "--env", "counter", "--agent", "x", "--agent-cmd", "y", "--dry-run")
     assert code != 0 and "not both" in err
+
+
+def test_an_agent_that_is_neither_a_function_nor_a_name_is_refused():
+    with pytest.raises(TypeError, match="agent must be an async function, an AgentCommand"):
+        resolve_agent(42)
+
+
+@pytest.mark.parametrize("returned", [True, "1.0", [1.0]])
+def test_an_agent_returning_a_non_number_fails_its_rollout(returned):
+    async def agent_returning(client, row):
+        return returned
+
+    import re
+
+    with pytest.raises(AgentFailure, match=re.escape(f"returned {returned!r}; an agent returns a finite")) as raised:
+        asyncio.run(run_agent(agent_returning, "http://127.0.0.1:9/v1", "k", {}, 5.0))
+    assert raised.value.kind == "error"
+
+
+def test_an_async_agent_gets_a_copy_of_its_row_and_a_client_closed_after_it():
+    """Its int reward comes back a float; what it does to its row stays its own."""
+    clients = []
+
+    async def meddling_agent(client, row):
+        clients.append(client)
+        row["target"] = 0
+        return 1
+
+    row = {"target": 3}
+    reward = asyncio.run(run_agent(meddling_agent, "http://127.0.0.1:9/v1", "k", row, 5.0))
+    assert reward == 1.0 and type(reward) is float
+    assert row == {"target": 3} and clients[0].is_closed()
+
+
+async def hanging(client, row):
+    await asyncio.sleep(60)
+
+
+async def raising(client, row):
+    raise ValueError("no counter")
+
+
+@pytest.mark.parametrize("agent_fn, kind, message", [
+    (hanging, "timeout", "The agent 'hanging' ran past its 0.2 s (agent_timeout_s)."),
+    (raising, "error", "The agent 'raising' raised ValueError: no counter"),
+])
+def test_an_async_agent_that_hangs_or_raises_fails_only_its_rollout(agent_fn, kind, message):
+    with pytest.raises(AgentFailure) as raised:
+        asyncio.run(run_agent(agent_fn, "http://127.0.0.1:9/v1", "k", {}, 0.2))
+    assert raised.value.kind == kind and str(raised.value) == message
+
+
+@pytest.mark.parametrize("printed, reward", [("null", None), ("None", None), ("0.5\\n\\n  \\n", 0.5)])
+def test_a_commands_last_non_blank_line_is_its_reward(printed, reward):
+    assert asyncio.run(run_agent(_command(f"print('{printed}')"), "http://h/v1", "key", {}, 60.0)) == reward
+
+
+def test_a_failing_command_is_named_with_the_end_of_its_stderr():
+    code = "import sys; sys.stderr.write('start ' + 'x' * 5000 + ' the end'); sys.exit(1)"
+    with pytest.raises(AgentFailure, match="exited with code 1. Its stderr ends with:") as raised:
+        asyncio.run(run_agent(_command(code), "http://h/v1", "key", {}, 60.0))
+    stderr = "start " + "x" * 5000 + " the end"
+    assert str(raised.value).split("Its stderr ends with:\n")[1] == stderr[-2000:]
+
+
+def test_output_is_read_back_by_its_tail():
+    import tempfile
+
+    from grpo_agent.rollout.agent_programs import _tail
+
+    with tempfile.TemporaryFile() as handle:
+        handle.write(b"a" * 100 + b"0123456789")
+        assert _tail(handle, limit=10) == b"0123456789"
+        assert _tail(handle, limit=1000) == b"a" * 100 + b"0123456789"
+
+
+def test_a_command_gets_its_row_as_json_with_other_values_as_text():
+    from pathlib import Path
+
+    code = "import json, sys; row = json.load(sys.stdin); print(float(row['path'] == '/data/x' and row['n'] == 2))"
+    assert asyncio.run(run_agent(_command(code), "http://h/v1", "key", {"path": Path("/data/x"), "n": 2},
+                                 60.0)) == 1.0
+
+
+@pytest.mark.parametrize("network, base_url, seen", [
+    ("gateway", "http://gateway.host:8123/v1", "http://127.0.0.1:8123/v1"),  # its relay's address
+    ("any", "http://gateway.host:8123/v1", "http://gateway.host:8123/v1"),
+])
+def test_a_command_confined_to_the_gateway_reaches_it_through_its_loopback_relay(network, base_url, seen):
+    from grpo_agent.rollout.command_sandbox import CommandLimits
+
+    code = f"import os; print(float(os.environ['OPENAI_BASE_URL'] == {seen!r}))"
+    agent = AgentCommand(f"{sys.executable} -c {code!r}", limits=CommandLimits(network=network))
+    assert asyncio.run(run_agent(agent, base_url, "key", {}, 60.0)) == 1.0
