@@ -348,6 +348,7 @@ def test_a_command_gets_its_row_as_json_with_other_values_as_text():
 
 @pytest.mark.parametrize("network, base_url, seen", [
     ("gateway", "http://gateway.host:8123/v1", "http://127.0.0.1:8123/v1"),  # its relay's address
+    ("gateway", "http://gateway.host/v1", "http://127.0.0.1:80/v1"),  # the relay's port 80
     ("any", "http://gateway.host:8123/v1", "http://gateway.host:8123/v1"),
 ])
 def test_a_command_confined_to_the_gateway_reaches_it_through_its_loopback_relay(network, base_url, seen):

@@ -134,7 +134,7 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
                        gateway_socket: str | None, home: str) -> float | None:
     url = urlsplit(base_url)
     if agent.limits.network == "gateway":  # the relay listens on loopback inside the namespace
-        base_url = url._replace(netloc=f"127.0.0.1:{url.port}").geturl()
+        base_url = url._replace(netloc=f"127.0.0.1:{url.port or 80}").geturl()  # the relay's port
     argv = sandboxed_argv(agent.limits, shlex.split(agent.command), gateway_port=url.port or 80,
                           gateway_socket=gateway_socket, home=home, timeout_s=timeout_s)
     payload = json.dumps(row, ensure_ascii=False, default=str).encode()
