@@ -184,3 +184,31 @@ def test_trained_tokens_without_sampler_log_probs_are_refused():
         reconcile_turns([turn])
     context_only = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_mask=[0, 0])
     assert reconcile_turns([context_only])[0] == []  # nothing trained: no log-probs needed
+
+
+def test_optional_columns_keep_one_entry_per_token_when_turns_carry_them_or_not():
+    """A sampling mask on the first turn only, top log-probs on the second only, and a third
+    turn of context-only tokens without log-probs: every column has one entry per token,
+    with placeholders where a turn carried nothing."""
+    first = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.3, -0.4],
+                       output_sampling_mask=[[3], [4]])
+    second = TurnRecord(prompt_ids=[1, 2, 3, 4, 5], output_ids=[6], output_log_probs=[-0.6],
+                        output_sampler_logprobs=[{6: -0.6}])
+    third = TurnRecord(prompt_ids=[1, 2, 3, 4, 5, 6, 7], output_ids=[8, 9], output_mask=[0, 0])
+    [sequence], _ = reconcile_turns([first, second, third])
+    assert sequence.token_ids == list(range(1, 10))
+    assert sequence.trained_mask == [0, 0, 1, 1, 0, 1, 0, 0, 0]
+    assert sequence.sampler_logprobs == [0.0, 0.0, -0.3, -0.4, 0.0, -0.6, 0.0, 0.0, 0.0]
+    assert sequence.sampling_mask == [None, None, [3], [4], None, None, None, None, None]
+    assert [sequence.sampler_top_logprobs[t] for t in range(9)] == [None] * 5 + [{6: -0.6}] + [None] * 3
+
+
+@pytest.mark.parametrize("column, values", [
+    ("output_mask", [1]),
+    ("output_sampler_logprobs", [{2: -1.0}]),
+    ("output_sampling_mask", [[2], [3], [4]]),
+])
+def test_every_misaligned_column_is_named(column, values):
+    turn = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[-1.0, -1.0], **{column: values})
+    with pytest.raises(ValueError, match=f"turn 0: {column} has {len(values)} entries but output_ids has 2"):
+        reconcile_turns([turn])
