@@ -59,6 +59,8 @@ def _token(content, **flags):
     ([_token("<|im_start|>"), _token("<|im_end|>")], "<|im_start|>"),
     ([_token("<|im_start|>", lstrip=True)], None),  # would eat the text before the cut
     ([_token("<|im_start|>", normalized=True)], None),
+    ([_token("<|im_start|>", rstrip=True)], None),  # would eat the text after the cut
+    ([_token("<|im_start|>", single_word=True)], None),  # matched depending on its neighbours
     ([_token("<|im_start|>", special=False)], None),
     ([_token("<|im_start|>"), _token("\n<|im")], None),  # could match across the cut
     ([_token("<|im_start|>"), _token("<|im_start|>user")], None),  # longer, at the cut
@@ -69,3 +71,14 @@ def test_the_text_is_cut_only_where_the_tokenizer_flags_guarantee_it(tokens, exp
     assert turn_marker(tokenizer) == expected
     tokenizer.split_special_tokens = True
     assert turn_marker(tokenizer) is None
+
+
+def test_a_full_piece_cache_is_cleared_and_still_encodes_exactly(tiny_tokenizer, monkeypatch):
+    from grpo_agent.rollout import gateway_render
+
+    monkeypatch.setattr(gateway_render, "MAX_PIECES", 2)
+    encoder = PromptEncoder(tiny_tokenizer)
+    for n in range(4):
+        text = "".join(f"<|im_start|>user\nturn {n}.{k}<|im_end|>\n" for k in range(3))
+        assert encoder.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
+        assert len(encoder._pieces) <= 2
