@@ -58,3 +58,44 @@ def test_the_swap_is_logged_once(tiny_tokenizer, caplog):
     assert first is second
     messages = [r.getMessage() for r in caplog.records]
     assert sum("patched qwen3 training template" in m for m in messages) == 1
+
+
+# The qwen3 construct without the family's markers, and a template whose history is
+# rewritten by something no patch edits (the message count at its end).
+PATTERN_ONLY = "{%- for m in messages %}{%- if (loop.last or reasoning) %}[{{ m.content }}]{%- endif %}{%- endfor %}"
+UNPATCHABLE = "{{ '<|im_start|><think>' }}" + PATTERN_ONLY + "{{ messages | length }}"
+
+
+def _with_template(tiny_tokenizer, template):
+    tokenizer = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_template_is_patched_only_when_it_is_the_family_and_the_patch_preserves(tiny_tokenizer, caplog):
+    """Without the family's markers the construct is not patched; with them, a patch that
+    leaves the template rewriting history is not used: the model's template stays, with a
+    warning."""
+    for template in (PATTERN_ONLY, UNPATCHABLE):
+        tokenizer = _with_template(tiny_tokenizer, template)
+        assert not check_prefix_preserving(tokenizer).preserving
+        chosen = choose_training_template(tokenizer)
+        assert (chosen.template, chosen.family) == (None, None), template
+        assert chosen.note.startswith("no patched template for this family")
+    with caplog.at_level(logging.INFO, logger="grpo_agent.rollout.chat_template"):
+        training_template_for(tokenizer)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_a_render_that_shortens_the_previous_one_diverges_where_it_ends(tiny_tokenizer):
+    tokenizer = _with_template(tiny_tokenizer, "{{ 'x' * (10 - messages | length) }}")
+    report = check_prefix_preserving(tokenizer)
+    assert (report.preserving, report.step, report.position) == (False, 2, 8)
+    assert (report.before, report.after) == ("x" * 9, "x" * 8)
+
+
+def test_the_choice_is_remembered_per_template_kwargs(tiny_tokenizer):
+    thinking = training_template_for(tiny_tokenizer, {"enable_thinking": True})
+    plain = training_template_for(tiny_tokenizer, {"enable_thinking": False})
+    assert plain is not thinking
+    assert plain is training_template_for(tiny_tokenizer, {"enable_thinking": False})
