@@ -197,3 +197,73 @@ def test_outside_a_group_nothing_is_claimed():
         return first_turns.claim()
 
     assert asyncio.run(main()) is None
+
+
+def test_equal_prompts_with_other_sampling_settings_or_model_are_not_merged():
+    shared, recorder = SharedFirstTurns(4), Recorder()
+    asks = [(PARAMS, None), (PARAMS, None), (SamplingParams(max_tokens=8), None), (PARAMS, "adapter-1")]
+    seen = []
+
+    async def send(prompt_ids, params, model, n):
+        seen.append((params.max_tokens, model, n))
+        return await recorder.send(prompt_ids, params, model, n)
+
+    async def asker(params, model):
+        with shared.ticket():
+            return await first_turns.claim().sample([1], params, model, send)
+
+    run_group(*(asker(params, model) for params, model in asks))
+    assert sorted(seen, key=str) == sorted([(4, None, 2), (8, None, 1), (4, "adapter-1", 1)], key=str)
+
+
+def test_an_asker_cancelled_before_the_request_is_not_sampled_for():
+    """Its sibling's request asks for one choice; a group whose every asker was cancelled
+    sends nothing."""
+    shared, recorder = SharedFirstTurns(3), Recorder()
+    alone, alone_recorder = SharedFirstTurns(2), Recorder()
+
+    async def main():
+        asking = [asyncio.ensure_future(rollout(shared, recorder, [[6]])) for _ in range(2)]
+        gone = asyncio.ensure_future(rollout(alone, alone_recorder, [[6]]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        asking[0].cancel()
+        gone.cancel()
+        await asyncio.gather(asking[0], gone, return_exceptions=True)
+        with alone.ticket():  # the other rollout ends without asking: the group sends
+            pass
+        return await asyncio.wait_for(asyncio.gather(asking[1], rollout(shared, recorder, [[6]])),
+                                      HANG_GUARD_S)
+
+    assert len(asyncio.run(main())) == 2
+    assert recorder.requests == [([6], 2)] and shared.requests_sent == [2]
+    assert alone_recorder.requests == [] and alone.requests_sent == []
+
+
+@pytest.mark.parametrize("sent", [False, True], ids=["waiting", "in-flight"])
+def test_close_cancels_askers_whether_their_request_went_out_or_not(sent):
+    """Closing the group ends its askers (cancelled), also when nothing cancelled them first."""
+    shared = SharedFirstTurns(3 if not sent else 1)
+    started = asyncio.Event()
+
+    async def slow_send(prompt_ids, params, model, n):
+        started.set()
+        await asyncio.sleep(3600)
+
+    async def asker():
+        with shared.ticket():
+            await first_turns.claim().sample([1], PARAMS, None, slow_send)
+
+    async def main():
+        task = asyncio.ensure_future(asker())
+        if sent:
+            await asyncio.wait_for(started.wait(), HANG_GUARD_S)
+        else:
+            for _ in range(5):
+                await asyncio.sleep(0)
+        await shared.close()
+        done, _ = await asyncio.wait([task], timeout=5.0)
+        return task, done
+
+    task, done = asyncio.run(main())
+    assert task in done and task.cancelled()
