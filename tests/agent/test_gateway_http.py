@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from types import SimpleNamespace
 
 import httpx
@@ -36,7 +37,7 @@ class Sampler:
         return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
 
 
-def serve(tokenizer, texts=(), requests=None, chat_template_kwargs=None):
+def serve(tokenizer, texts=(), requests=None, chat_template_kwargs=None, limits=None):
     """Start a gateway on a scripted loop, open a session, run `requests(http, gateway,
     session)` with an httpx client carrying the session's key, stop; returns its result,
     the session and the sampler."""
@@ -47,7 +48,7 @@ def serve(tokenizer, texts=(), requests=None, chat_template_kwargs=None):
                                                   max_completion_length=64))
 
     async def main():
-        gateway = Gateway(loop, HarnessLimits())
+        gateway = Gateway(loop, limits or HarnessLimits())
         await gateway.start()
         session = gateway.open_session(0)
         try:
@@ -216,3 +217,57 @@ def test_responses_route_samples_as_a_chat_call_and_chains_and_streams(tiny_toke
     assert payloads[-1]["type"] == "response.completed"
     assert payloads[-1]["response"]["output"][0]["content"][0]["text"] == "Two."
     assert len(session.responses) == 2 and session.rejected_calls == 0
+
+
+def test_both_routes_refuse_a_call_past_the_rollouts_budget(tiny_tokenizer):
+    async def requests(http, gateway, session):
+        chat = await http.post("/chat/completions", json={"model": "m", "messages": USER})
+        over = [await http.post("/chat/completions", json={"model": "m", "messages": USER}),
+                await http.post("/responses", json={"model": "m", "input": "Count."})]
+        return chat, over
+
+    (chat, over), session, sampler = serve(tiny_tokenizer, ["Done."], requests, limits=HarnessLimits(max_calls=1))
+    assert chat.status_code == 200 and len(sampler.prompts) == 1
+    for reply in over:
+        assert reply.status_code == 429 and reply.json()["error"]["code"] == "rollout_call_budget"
+    assert session.rejected_calls == 2
+
+
+def test_the_agents_tools_and_tool_choice_decide_whether_a_reply_is_a_call(tiny_tokenizer):
+    """A call-shaped reply is a call with tools offered (chat and Responses, whose response
+    echoes them), and text with an empty tools list or tool_choice "none"."""
+    flat = {"type": "function", **TOOL["function"]}
+
+    async def requests(http, gateway, session):
+        chat = {"model": "m", "messages": USER}
+        return [await http.post("/chat/completions", json={**chat, "tools": [TOOL]}),
+                await http.post("/chat/completions", json={**chat, "tools": []}),
+                await http.post("/chat/completions", json={**chat, "tools": [TOOL], "tool_choice": "none"}),
+                await http.post("/responses", json={"model": "m", "input": "Count.", "tools": [flat]})]
+
+    replies, session, _ = serve(tiny_tokenizer, [CALL] * 4, requests)
+    called, no_tools, told_not_to, responded = (reply.json() for reply in replies)
+    assert called["choices"][0]["finish_reason"] == "tool_calls"
+    for body in (no_tools, told_not_to):
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert "<tool_call>" in body["choices"][0]["message"]["content"]
+    assert [item["type"] for item in responded["output"]] == ["function_call"]
+    assert responded["output"][0]["name"] == "increment" and responded["tools"] == [flat]
+    assert session.tool_calls == 2
+
+
+def test_the_unix_socket_serves_the_same_app_and_a_big_body_is_read(tiny_tokenizer):
+    """Sandboxed command agents reach the gateway through its Unix socket; a request body
+    over aiohttp's 1 MiB default (a long history) is read; stopping removes the socket."""
+    async def requests(http, gateway, session):
+        transport = httpx.AsyncHTTPTransport(uds=gateway.unix_path)
+        async with httpx.AsyncClient(transport=transport, headers=http.headers) as local:
+            listed = await local.get("http://gateway/v1/models")
+        big = await http.post("/chat/completions", json={"model": "m", "messages": USER,
+                                                          "metadata": {"note": "x" * (2 << 20)}})
+        return listed, big, gateway.unix_path
+
+    (listed, big, unix_path), _, _ = serve(tiny_tokenizer, ["Done."], requests)
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["m", "served-m"]
+    assert big.status_code == 200
+    assert not os.path.exists(os.path.dirname(unix_path))
