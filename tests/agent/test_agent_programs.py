@@ -357,3 +357,18 @@ def test_a_command_confined_to_the_gateway_reaches_it_through_its_loopback_relay
     code = f"import os; print(float(os.environ['OPENAI_BASE_URL'] == {seen!r}))"
     agent = AgentCommand(f"{sys.executable} -c {code!r}", limits=CommandLimits(network=network))
     assert asyncio.run(run_agent(agent, base_url, "key", {}, 60.0)) == 1.0
+
+
+@pytest.mark.parametrize("stderr, message", [
+    ("agent sandbox: cannot create a network namespace (EPERM)",
+     "agent sandbox: cannot create a network namespace (EPERM)"),
+    ("no namespace for you", "exited with code 97. Its stderr ends with:\nno namespace for you"),
+])
+def test_a_sandbox_that_could_not_isolate_fails_in_its_own_words(stderr, message):
+    """Exit 97 with the sandbox's "agent sandbox:" line is the isolation failing: its message
+    alone (not "exited with code 97"); the same code without the line is the agent's exit."""
+    code = f"import sys; sys.stderr.write({stderr!r}); sys.exit(97)"
+    with pytest.raises(AgentFailure) as raised:
+        asyncio.run(run_agent(_command(code), "http://127.0.0.1:9/v1", "k", {}, 60.0))
+    assert raised.value.kind == "error"
+    assert str(raised.value) == message if stderr.startswith("agent") else str(raised.value).endswith(message)

@@ -41,6 +41,7 @@ def test_prefix_preserving_template_is_kept_as_is(tiny_tokenizer):
     tokenizer.chat_template = choose_training_template(tiny_tokenizer).template
     chosen = choose_training_template(tokenizer)
     assert chosen.template is None and chosen.report.preserving
+    assert chosen.report.describe() == "prefix-preserving: every render extends the previous one"
 
 
 def test_known_family_patches_recognise_the_official_constructs():
