@@ -34,6 +34,16 @@ def test_a_row_that_did_not_finish_is_left_out():
     assert 0.01 <= clock.read()["fwd_bwd"] < 0.5
 
 
+def test_a_row_whose_backward_did_not_finish_is_left_out():
+    clock = RowClock("cpu")
+    clock.start_row()
+    time.sleep(0.05)
+    clock.forward_done()  # its backward raised: no end_row
+    _row(clock, 0.0, 0.0)
+    got = clock.read()
+    assert got["fwd"] < 0.04 and got["fwd_bwd"] < 0.04
+
+
 def test_a_replayed_row_counts_in_fwd_bwd_only():
     clock = RowClock("cpu")
     clock.start_row()

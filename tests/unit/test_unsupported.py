@@ -63,6 +63,19 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_path, tmp_p
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 is set but .* has no router"
                                          ".*Leave router_aux_loss_coef unset"):
         _trainer(str(tiny_model_path), tmp_path, router_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.0 is set but"):  # docs: refused
+        _trainer(str(tiny_model_path), tmp_path, router_aux_loss_coef=0.0)
+
+
+def test_router_aux_loss_coef_on_a_moe_model_is_accepted(tiny_model_path, tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    trainer = _trainer(Qwen3MoeForCausalLM(cfg), tmp_path, tokenizer_path=tiny_model_path,
+                       router_aux_loss_coef=0.01)
+    assert trainer.args.router_aux_loss_coef == 0.01
 
 
 def _tiny_gemma2(**config):
