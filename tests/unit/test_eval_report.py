@@ -56,3 +56,16 @@ def test_coinciding_eval_series_stay_visible(tmp_path):
     plt.close("all")
     assert set(styles) == {"reward", "pass@1"}
     assert styles["reward"] != styles["pass@1"]
+
+
+def test_an_eval_row_without_eval_step_is_drawn_at_its_logged_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    reporting.plot_eval_panel(ax, [{"step": 5, "eval/pass@1": 0.5}])
+    lines = {line.get_label(): list(zip(*line.get_data())) for line in ax.get_lines()}
+    plt.close("all")
+    assert lines == {"pass@1": [(5, 0.5)]}

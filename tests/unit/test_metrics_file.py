@@ -33,3 +33,40 @@ def test_a_resume_keeps_the_rows_up_to_its_checkpoint(tmp_path):
 def test_a_truncated_line_is_skipped_when_reading(tmp_path):
     _previous_run(tmp_path, steps=2)
     assert [row["step"] for row in read_metrics(tmp_path / METRICS_NAME)] == [1, 2]
+
+
+def test_only_the_main_process_rewrites_or_appends(tmp_path):
+    _previous_run(tmp_path, steps=3)
+    before = (tmp_path / METRICS_NAME).read_text()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    other_rank = SimpleNamespace(is_world_process_zero=False, global_step=0)
+    callback = JsonlMetricsCallback()
+    callback.on_train_begin(args, other_rank, None)
+    callback.on_log(args, other_rank, None, logs={"loss": 0.5})
+    assert (tmp_path / METRICS_NAME).read_text() == before
+
+
+def test_an_empty_window_writes_no_row_and_non_finite_values_are_null(tmp_path):
+    import json
+
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3)
+    callback = JsonlMetricsCallback()
+    callback.on_log(args, state, None, logs={})
+    callback.on_log(args, state, None, logs={"loss": float("nan"), "reward": float("inf"), "n": 2})
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (tmp_path / METRICS_NAME).read_text().splitlines()
+    assert [json.loads(line, parse_constant=refuse) for line in lines] == [
+        {"step": 3, "loss": None, "reward": None, "n": 2}]
+
+
+def test_a_given_path_is_used_instead_of_the_output_dir(tmp_path):
+    path = tmp_path / "elsewhere" / "m.jsonl"
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=1)
+    JsonlMetricsCallback(path).on_log(args, state, None, logs={"loss": 0.5})
+    assert read_metrics(path) == [{"step": 1, "loss": 0.5}]
+    assert not (tmp_path / "out" / METRICS_NAME).exists()

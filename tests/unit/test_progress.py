@@ -81,3 +81,25 @@ def test_off_a_terminal_the_final_state_is_printed_when_throttling_held_it_back(
     bar.on_log(args(max_steps=2), state(2, 0.2), None, logs={"loss": 0.1, "reward": 0.5})
     bar.on_train_end(args(max_steps=2), state(2), None)
     assert out.getvalue().splitlines()[-1].startswith("train step 2/2  reward 0.500  [")
+
+
+def test_other_processes_show_nothing():
+    out = io.StringIO()
+    bar = ProgressCallback(Console(file=out, width=200))
+    other_rank = SimpleNamespace(global_step=1, epoch=0.1, is_world_process_zero=False)
+    bar.on_train_begin(args(max_steps=4), other_rank, None)
+    bar.on_log(args(max_steps=4), other_rank, None, logs={"loss": 0.1, "reward": 0.5})
+    bar.on_train_end(args(max_steps=4), other_rank, None)
+    assert out.getvalue() == ""
+
+
+def test_the_epoch_bar_stops_at_its_total_and_needs_a_positive_epoch_count():
+    assert bar_extent(args(epochs=2), state(9, 2.0004)) == (2.0, 2.0)
+    assert bar_extent(args(epochs=0), state(9, 0.5)) == (None, 9.0)
+
+
+def test_the_status_shows_queue_and_wait_and_an_unscored_eval_omits_its_reward():
+    logs = {"perf/step_s": 1.5, "rollout/queue_size": 7.0, "perf/rollout_wait_s": 0.25}
+    assert train_status(logs, 0.5) == "reward 0.500  step 1.50s  queue 7  wait 0.25s"
+    assert reporting.eval_status({"eval/step": 4.0, "eval/pass@1": 0.5, "eval/reward": math.nan}) == (
+        "eval@4 pass@1 0.50")
