@@ -175,6 +175,23 @@ def test_grpo_agent_eval_refuses_an_env_without_an_eval_split_and_an_adapter_fol
         check_model_folder(str(tmp_path))
 
 
+def test_grpo_agent_eval_model_folder_checks(tmp_path, monkeypatch):
+    """A hub id passes through, a folder is resolved, a file or a folder without config.json
+    is refused (naming the fix), and only an adapter folder gets the merge hint."""
+    from grpo_agent.train.eval_run import check_model_folder
+
+    assert check_model_folder("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert check_model_folder("model") == str(model.resolve())
+    with pytest.raises(ValueError, match="is a file: pass the model's folder"):
+        check_model_folder(str(model / "config.json"))
+    with pytest.raises(ValueError, match=r"has no config.json, so it is not a model folder.$"):
+        check_model_folder(str(tmp_path))
+
+
 def test_an_env_eval_split_and_threshold_reach_train_and_the_trainer(tmp_path, monkeypatch):
     """`grpo-agent train --env NAME --set eval_strategy=steps` and `environment_factory=
     load_environment(...)` both evaluate on the env's declared split with its threshold."""

@@ -202,13 +202,23 @@ def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
         for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
             guard.record("reward_error")
         time.sleep(1.1)
-        with pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s"):
+        with pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s") as raised:
             guard.check()
+        assert str(raised.value).endswith(f"See {tmp_path / stall.REPORT_NAME}.")
     finally:
         watch.stop()
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "no_progress" and report["dropped_groups"] == {"reward_error": 8}
     assert "reward functions fail" in report["cause"]
+
+
+def test_no_progress_without_a_stall_watch_still_stops():
+    guard = no_progress.NoProgressGuard(timeout_s=5, watch=None)
+    for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("stalled")
+    guard.last_progress -= 10
+    with pytest.raises(stall.StageStalled, match=r"8 stalled\) .*no_progress_timeout=5 s.*without bound\)\.$"):
+        guard.check()
 
 
 def test_no_progress_timeout_zero_only_warns(tmp_path):
