@@ -1,0 +1,166 @@
+"""`grpo-agent train`'s own rules before and around the run (train/run.py): which checkpoint a
+resume names, the server it uses or starts, SIGTERM as an exit, the eval split's threshold and
+the rows an agent program gets. No server starts: `ManagedVLLMServer` is the faked seam."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import ClassVar
+
+import pytest
+from datasets import Dataset
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.train import run
+
+
+@pytest.mark.parametrize(("explicit", "configured", "expected"), [
+    (None, "last", True), (None, "TRUE", True), (None, "False", None), (None, "none", None),
+    (None, "", None), (None, "out/checkpoint-4", "out/checkpoint-4"), (True, None, True),
+    ("out/checkpoint-2", "last", "out/checkpoint-2"), (False, "last", False),
+])
+def test_the_resume_argument(tmp_path, explicit, configured, expected):
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=configured)
+    assert run._resume_arg(explicit, config) == expected
+
+
+class _Recorded:
+    started: ClassVar[list[dict]] = []
+
+    def __init__(self, model, **kwargs):
+        self.started.append(kwargs)
+        self.base_url, self.pid = "http://127.0.0.1:1", 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.fixture
+def servers(monkeypatch):
+    from grpo_agent.sampler import server as server_module
+
+    _Recorded.started = []
+    monkeypatch.setattr(server_module, "ManagedVLLMServer", _Recorded)
+    monkeypatch.setattr(run, "managed_max_model_len", lambda *args: 64)
+    monkeypatch.setattr(run, "_core_split", lambda: None)
+    return _Recorded.started
+
+
+def test_a_given_server_url_is_used_and_none_is_started(tmp_path, servers):
+    config = AsyncGRPOConfig(output_dir=str(tmp_path))
+    with run._server(str(tmp_path), "http://gpu-box:8000", {"r": 8}, config) as url:
+        assert url == "http://gpu-box:8000"
+    assert servers == []
+
+
+def test_a_lora_run_starts_its_server_with_room_for_every_live_adapter(tmp_path, servers):
+    from grpo_agent.weight_sync.adapter import server_lora_rank
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=3)
+    with run._server(str(tmp_path), None, {"r": 8}, config) as url:
+        assert url == "http://127.0.0.1:1"
+    assert servers[0]["enable_lora"] is True and servers[0]["max_loras"] == 3 + 2
+    assert servers[0]["max_lora_rank"] == server_lora_rank(8)
+    assert servers[0]["dtype"] == "float32" and servers[0]["max_model_len"] == 64
+    with run._server(str(tmp_path), None, None, config):
+        pass
+    assert "enable_lora" not in servers[1]
+
+
+def test_cores_are_split_only_for_a_cpu_server_without_the_users_binding(monkeypatch):
+    import torch
+    from grpo_agent.sampler.cpu_cores import OMP_BIND_ENV
+
+    monkeypatch.setattr(run, "split_cores", lambda: "split")
+    monkeypatch.delenv(OMP_BIND_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run._core_split() == "split"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run._core_split() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(OMP_BIND_ENV, "0-3")
+    assert run._core_split() is None
+
+
+def test_sigterm_exits_like_ctrl_c_inside_the_run_and_is_restored_after():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited, run._exit_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode: it ends this sleep
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_off_the_main_thread_sigterm_is_left_alone():
+    seen = []
+
+    def in_thread():
+        with run._exit_on_sigterm():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert seen == [before]
+
+
+def test_a_threshold_set_in_the_config_beats_the_envs(tmp_path):
+    task = {"success_threshold": 0.5, "eval_dataset": lambda: ["row"]}
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=2,
+                             eval_success_threshold=0.9)
+    assert run._eval_split(task, config) == ["row"] and config.eval_success_threshold == 0.9
+
+
+class _PromptOnlyEnv:
+    """reset() writes the question; no tools, no get_reward: an agent can play it."""
+
+    def reset(self, **row):
+        return f"What is {row['n']} + 1?"
+
+
+class _ScoredEnv(_PromptOnlyEnv):
+    def answer(self, text: str) -> str:
+        return text
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def _task(factory, dataset, eval_rows=None):
+    return {"id": "probe-v1", "dataset": dataset, "environment_factory": factory,
+            "eval_dataset": lambda: eval_rows}
+
+
+def test_an_agent_gets_rows_with_the_prompt_reset_writes():
+    rows = Dataset.from_dict({"prompt": [[{"role": "system", "content": "Be brief."}]], "n": [2]})
+    evals = Dataset.from_dict({"n": [7]})
+    task = run.agent_task(_task(_PromptOnlyEnv, rows, evals))
+    assert task["dataset"][0]["prompt"] == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "What is 2 + 1?"}]
+    assert task["eval_dataset"]()[0]["prompt"] == [{"role": "user", "content": "What is 7 + 1?"}]
+    assert run.agent_task(_task(_PromptOnlyEnv, rows))["eval_dataset"]() is None
+    bare = run.agent_task(_task(_PromptOnlyEnv, Dataset.from_dict({"n": [3]})))  # no 'prompt' column
+    assert bare["dataset"][0]["prompt"] == [{"role": "user", "content": "What is 3 + 1?"}]
+
+
+def test_an_env_without_a_factory_passes_rows_with_a_prompt_and_refuses_rows_without():
+    rows = Dataset.from_dict({"prompt": ["2+2?"]})
+    task = _task(None, rows)
+    assert run.agent_task(task) is task
+    with pytest.raises(run.AgentEnvError, match=r"has rows with columns \['question'\], no 'prompt'"
+                                                r" column\. An agent program"):
+        run.agent_task(_task(None, Dataset.from_dict({"question": ["2+2?"]})))
+
+
+def test_an_env_whose_tools_or_routing_score_it_is_refused_naming_them():
+    rows = Dataset.from_dict({"prompt": ["2+2?"], "n": [1]})
+    with pytest.raises(run.AgentEnvError, match=r"reward comes from its own answer\(\) tool and "
+                                                r"get_reward\(\)\..*Train 'probe-v1' without --agent"):
+        run.agent_task(_task(_ScoredEnv, rows))
+    with pytest.raises(run.AgentEnvError, match=r"its own environments \(a dict routing rows"):
+        run.agent_task(_task({"a": _PromptOnlyEnv}, rows))
