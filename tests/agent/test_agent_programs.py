@@ -372,3 +372,35 @@ def test_a_sandbox_that_could_not_isolate_fails_in_its_own_words(stderr, message
         asyncio.run(run_agent(_command(code), "http://127.0.0.1:9/v1", "k", {}, 60.0))
     assert raised.value.kind == "error"
     assert str(raised.value) == message if stderr.startswith("agent") else str(raised.value).endswith(message)
+def test_the_harness_trainer_refuses_before_building_and_hands_its_limits_to_the_loop(
+        tiny_model_path, tmp_path):
+    """Checked in this process, before any worker: tools/environment_factory (the agent owns
+    them), an agent that is not async or does not pickle; the limits reach every rollout loop."""
+    from grpo_agent import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from grpo_agent.rollout.gateway import HarnessLimits
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    common = {"model": str(tiny_model_path), "args": args, "train_dataset": [{"prompt": "go"}]}
+    for extra in ({"tools": [len]}, {"environment_factory": dict}):
+        with pytest.raises(ValueError, match="owns its tools and environment: drop tools="):
+            HarnessAsyncGRPOTrainer(agent="harness_agents:counter_agent", **extra, **common)
+
+    async def local_agent(client, row):
+        return 1.0
+
+    with pytest.raises(TypeError, match="Cannot pickle agent = .*local_agent"):
+        HarnessAsyncGRPOTrainer(agent=local_agent, **common)
+    with pytest.raises(TypeError, match="is not an async function"):
+        HarnessAsyncGRPOTrainer(agent=len, **common)
+    trainer = HarnessAsyncGRPOTrainer(
+        agent="harness_agents:counter_agent", agent_timeout_s=30.0, agent_max_calls=5,
+        agent_max_tokens=700, agent_max_commands=2, gateway_host="0.0.0.0", gateway_port=8123,
+        **common)
+    assert trainer.loop_cls.func is HarnessRolloutLoop
+    assert trainer.loop_cls.keywords == {
+        "agent": "harness_agents:counter_agent",
+        "limits": HarnessLimits(timeout_s=30.0, max_calls=5, max_generated_tokens=700,
+                                max_commands=2, host="0.0.0.0", port=8123)}
+    defaults = HarnessAsyncGRPOTrainer(agent="harness_agents:counter_agent", **common)
+    assert defaults.loop_cls.keywords["limits"] == HarnessLimits()  # 600 s, 64 calls, loopback
