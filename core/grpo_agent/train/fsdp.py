@@ -94,9 +94,12 @@ def load_full_model_state(model: nn.Module, state: dict) -> None:
     """Load an unsharded state dict (every rank holds it) into the sharded model."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    result = set_model_state_dict(model, state, options=_full_options(strict=False))
+    # Missing keys are found before loading: with full_state_dict, set_model_state_dict fills a
+    # key the checkpoint lacks with the model's current tensor (in `state` itself), so its
+    # result never reports one.
     tied = _tied_parameter_names(model)
-    missing = [k for k in result.missing_keys if k not in tied]
+    missing = [k for k in model.state_dict() if k not in state and k not in tied]
+    result = set_model_state_dict(model, state, options=_full_options(strict=False))
     if missing or result.unexpected_keys:
         raise ValueError(
             f"The checkpoint does not fit the model: missing {missing[:5]}, unexpected "
