@@ -69,3 +69,32 @@ def test_an_eval_row_without_eval_step_is_drawn_at_its_logged_step():
     lines = {line.get_label(): list(zip(*line.get_data())) for line in ax.get_lines()}
     plt.close("all")
     assert lines == {"pass@1": [(5, 0.5)]}
+
+
+def test_log_completions_prints_up_to_the_limit_split_at_the_first_trained_token(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from grpo_agent.types import TrainingSample, TrainingSequence
+
+    monkeypatch.setenv("COLUMNS", "2000")  # one table row a line: no wrapping
+    tokenizer = SimpleNamespace(decode=lambda ids: "".join(f"<{i}>" for i in ids))
+
+    def sample(ids, mask, advantage):
+        return TrainingSample(TrainingSequence(ids, mask, [0.0] * len(ids)), advantage=advantage,
+                              model_version=0, group_id=0, row_index=0)
+
+    long_prompt = list(range(100, 170))  # 350 characters decoded
+    samples = [sample([1, 2, 3, 4], [0, 0, 1, 1], 0.5), sample(long_prompt + [9], [0] * 70 + [1], -1.25),
+               sample([7, 8], [0, 0], 2.0)]
+    reporting.print_completions(samples, tokenizer, 2, step=6)
+    out = capsys.readouterr().out
+    assert "completions at step 6" in out
+    assert "<1><2>" in out and "<3><4>" in out and "<2><3>" not in out  # split at the first 1
+    assert "+0.500" in out and "-1.250" in out and "+2.000" not in out  # at most `limit` rows
+    assert "<169>" in out and "<130>" in out and "<129>" not in out  # the prompt's last 200 chars
+    reporting.print_completions(samples, tokenizer, None, step=7)
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if "+2.000" in line]  # no limit: every sample
+    assert [cell.strip() for cell in row.split("│")[1:4]] == ["<7><8>", "", "+2.000"]  # untrained
+    reporting.print_completions(samples, tokenizer, 0, step=8)
+    assert "+0.500" not in capsys.readouterr().out  # a limit of 0 prints no row
