@@ -29,3 +29,8 @@ class ProbeEnv:
 
     def get_reward(self) -> float:
         return 0.75 if self.n % 2 == 0 else 0.25
+
+
+@environment("no-eval-probe", dataset=train_rows)
+class NoEvalProbeEnv(ProbeEnv):
+    """The same task without an eval split."""

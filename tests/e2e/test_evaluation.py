@@ -175,6 +175,45 @@ def test_grpo_agent_eval_refuses_an_env_without_an_eval_split_and_an_adapter_fol
         check_model_folder(str(tmp_path))
 
 
+def test_grpo_agent_eval_of_an_env_without_an_eval_split_says_how_to_declare_one(tmp_path,
+                                                                                 monkeypatch):
+    from pathlib import Path
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.train import run
+    from grpo_agent.train.eval_run import run_eval
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a server was started for an env without an eval split")
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setattr(run, "_server", no_server)
+    monkeypatch.setattr(run, "_tiny_model_path", no_server)
+    with pytest.raises(ValueError, match=r"Environment '.*no-eval-probe.*' declares no eval split\. "
+                                         r"Declare one with @environment\(\.\.\., eval_dataset=\.\.\.\)"):
+        run_eval("eval_probe_env:NoEvalProbeEnv", AsyncGRPOConfig(output_dir=str(tmp_path)),
+                 out_path=tmp_path / "eval.json")
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_grpo_agent_eval_prints_the_metrics_and_the_first_rows(tmp_path, capsys, monkeypatch):
+    from grpo_agent.train.eval_run import print_report
+
+    monkeypatch.setenv("COLUMNS", "400")
+    report = {"env": "probe-v1", "model": "m", "metrics": {"eval/pass@1": 0.123456, "eval/num_rows": 12345},
+              "rows": [{"row_index": i, "rewards": [0.5], "passed": [True],
+                        "completions": [f"line one\nrow {i} " + "x" * 200]} for i in range(3)]}
+    report["rows"][1]["completions"] = []
+    print_report(report, tmp_path / "eval.json", examples=2)
+    out = capsys.readouterr().out
+    table = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines()
+             if line.startswith("│")]
+    assert "probe-v1 on m" in out and table == [["eval/pass@1", "0.1235"], ["eval/num_rows", "12345"]]
+    assert "row 0: rewards [0.5] passed [True]: 'line one row 0 " + "x" * 145 + "'" in out
+    assert "row 1: rewards [0.5] passed [True]: ''" in out and "row 2:" not in out
+    assert out.rstrip().endswith(f"Wrote {tmp_path / 'eval.json'}")
+
+
 def test_grpo_agent_eval_model_folder_checks(tmp_path, monkeypatch):
     """A hub id passes through, a folder is resolved, a file or a folder without config.json
     is refused (naming the fix), and only an adapter folder gets the merge hint."""
