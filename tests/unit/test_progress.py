@@ -103,3 +103,19 @@ def test_the_status_shows_queue_and_wait_and_an_unscored_eval_omits_its_reward()
     assert train_status(logs, 0.5) == "reward 0.500  step 1.50s  queue 7  wait 0.25s"
     assert reporting.eval_status({"eval/step": 4.0, "eval/pass@1": 0.5, "eval/reward": math.nan}) == (
         "eval@4 pass@1 0.50")
+
+
+def test_an_evaluation_keeps_the_train_status_and_logs_after_the_run_print_nothing(monkeypatch):
+    out = io.StringIO()
+    bar = ProgressCallback(Console(file=out, width=200))
+    run_args = args(max_steps=4)
+    monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 0.0)
+    bar.on_train_begin(run_args, state(0, 0.0), None)
+    bar.on_log(run_args, state(1, 0.1), None, logs={"loss": 0.1, "reward": 0.5, "perf/step_s": 1.5})
+    bar.on_log(run_args, state(1, 0.1), None, logs={"eval/pass@1": 0.75, "eval/step": 1.0})
+    bar.on_train_end(run_args, state(1), None)
+    printed = out.getvalue()
+    bar.on_log(run_args, state(1), None, logs={"eval/pass@1": 0.5, "eval/step": 1.0})  # evaluate()
+    assert out.getvalue() == printed
+    assert printed.splitlines()[-1].split("  [")[0] == (
+        "train step 1/4  reward 0.500  step 1.50s  eval@1 pass@1 0.75")
