@@ -9,3 +9,10 @@ def test_the_default_rate_gets_the_settings_that_learn_and_a_demo_rate_gets_none
     assert advice is not None and "learning_rate=1e-06" in advice
     assert "--set learning_rate=3e-4" in advice and "--model" in advice
     assert tiny_model_advice(3e-4) is None  # make demo-words' rate
+
+
+def test_the_advice_starts_below_the_minimum_rate():
+    from grpo_agent.train.run import TINY_MODEL_MIN_LEARNING_RATE
+
+    assert tiny_model_advice(TINY_MODEL_MIN_LEARNING_RATE) is None
+    assert tiny_model_advice(TINY_MODEL_MIN_LEARNING_RATE * 0.99) is not None

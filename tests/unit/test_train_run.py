@@ -164,3 +164,12 @@ def test_an_env_whose_tools_or_routing_score_it_is_refused_naming_them():
         run.agent_task(_task(_ScoredEnv, rows))
     with pytest.raises(run.AgentEnvError, match=r"its own environments \(a dict routing rows"):
         run.agent_task(_task({"a": _PromptOnlyEnv}, rows))
+
+
+def test_a_model_without_a_stated_context_gets_the_wanted_server_length(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda path: transformers.PretrainedConfig())
+    assert run.managed_max_model_len("org/model", 16) == run.MANAGED_MAX_MODEL_LEN
+    assert run.managed_max_model_len("org/model", 2048) == 2048 + run.PROMPT_ROOM
