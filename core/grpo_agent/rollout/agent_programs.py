@@ -133,9 +133,10 @@ async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row
 async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, timeout_s: float,
                        gateway_socket: str | None, home: str) -> float | None:
     url = urlsplit(base_url)
+    port = url.port or 80  # the gateway's, which the relay listens on
     if agent.limits.network == "gateway":  # the relay listens on loopback inside the namespace
-        base_url = url._replace(netloc=f"127.0.0.1:{url.port or 80}").geturl()  # the relay's port
-    argv = sandboxed_argv(agent.limits, shlex.split(agent.command), gateway_port=url.port or 80,
+        base_url = url._replace(netloc=f"127.0.0.1:{port}").geturl()
+    argv = sandboxed_argv(agent.limits, shlex.split(agent.command), gateway_port=port,
                           gateway_socket=gateway_socket, home=home, timeout_s=timeout_s)
     payload = json.dumps(row, ensure_ascii=False, default=str).encode()
     # Output goes to unnamed files (capped by the file-size limit), so a flood cannot grow
