@@ -129,7 +129,7 @@ def is_local_server(base_url: str) -> bool:
 
 
 def set_trainer_threads(args: AsyncGRPOConfig) -> int | None:
-    """On CPU beside a local server, leave the server its core (DESIGN.md 6: 5x slower if not)."""
+    """On CPU beside a local server, leave the server its core (docs/vllm.md, CPU server: 5x slower if not)."""
     if torch.cuda.is_available() and not args.use_cpu:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
