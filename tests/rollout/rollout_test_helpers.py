@@ -173,3 +173,17 @@ class BoxedAnswerLoop(AsyncRolloutLoop):
         if abs(time.monotonic() - group.queued_at) > 600:
             raise ValueError(f"queued_at={group.queued_at} is not a time.monotonic() reading")
         return super().compute_advantages(group)
+
+
+class HangsAfterFirstBeatLoop:
+    """A worker that beats once and then hangs in blocking code (as a reward or tool that never
+    returns would), ignoring the stop event: only the heartbeat deadline can catch it."""
+
+    def __init__(self, *, channels, **kwargs):
+        self.channels = channels
+
+    def run(self):
+        import time
+
+        self.channels.heartbeat.value = time.time()
+        time.sleep(3600)

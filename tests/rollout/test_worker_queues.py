@@ -57,3 +57,23 @@ def test_the_observations_sent_as_the_worker_stops_reach_the_trainer():
     assert _finishes_within(60, worker.stop)
     assert ("test/last", 7.0) in worker.drain_metrics()
     assert worker._process.exitcode == 0  # it exited by itself, not by stop()'s SIGTERM
+
+
+def test_a_worker_that_stops_beating_is_called_hung_and_killed():
+    """rollout_worker_timeout: a worker alive but silent past it fails the trainer's next pull
+    with the advice, and is killed (it ignores the stop event), instead of a silent wait."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=1.5, seed=0)
+    worker = RolloutWorker(helpers.HangsAfterFirstBeatLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match=r"sent no heartbeat for \d+ s "
+                           r"\(rollout_worker_timeout=1.5 s\): it is hung.*raise rollout_worker_timeout"):
+            worker.pull(timeout=60.0)
+        assert time.monotonic() - started < 30  # the deadline, not the pull's own timeout
+        worker._process.join(5)
+        assert not worker._process.is_alive()  # killed: it would never have stopped itself
+    finally:
+        assert _finishes_within(30, worker.stop)
