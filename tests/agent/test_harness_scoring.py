@@ -38,6 +38,30 @@ async def _score(loop, results):
     return group, await score_group(loop, group, RewardFailureTracker())
 
 
+def _harness_loop(texts, tmp_path, agent, reward_funcs=(brevity_reward,)) -> HarnessRolloutLoop:
+    """A harness loop whose sampler is the scripted `texts` (the gateway and agent are real)."""
+    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=list(reward_funcs), processing_class=texts.tokenizer,
+                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=agent)
+    loop.tool_executor = texts.tool_executor
+    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+    return loop
+
+
+def _three_episodes_scored(loop):
+    """(results, group, scored) of three agent runs of ROW scored as one group."""
+    async def main():
+        await loop.setup()
+        try:
+            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
+            return results, *await _score(loop, results)
+        finally:
+            await loop.close()
+
+    return asyncio.run(main())
+
+
 def test_a_failed_agent_rollout_stays_unscored_though_reward_funcs_scored_it(scripted_loop, tmp_path):
     """Two agent runs answer, the third calls the model then raises: reward_funcs score all
     three completions (the failed one's is empty), but the failed rollout's reward is NaN, so
@@ -52,22 +76,7 @@ def test_a_failed_agent_rollout_stays_unscored_though_reward_funcs_scored_it(scr
             raise RuntimeError("the agent crashed after the model answered")
         # returns None: reward_funcs score it
 
-    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
-                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
-                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=third_run_fails)
-    loop.tool_executor = texts.tool_executor
-    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
-    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
-
-    async def main():
-        await loop.setup()
-        try:
-            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
-            return results, *await _score(loop, results)
-        finally:
-            await loop.close()
-
-    results, group, scored = asyncio.run(main())
+    results, group, scored = _three_episodes_scored(_harness_loop(texts, tmp_path, third_run_fails))
     rollouts = [rollout for _, rollout, _ in results]
     assert [r.metrics["harness/dropped_frac"] for r in rollouts] == [[0.0], [0.0], [1.0]]
     assert rollouts[2].completion_ids == [] and len(texts.prompts) == 3  # it did call the model
@@ -93,22 +102,7 @@ def test_an_agent_groups_tool_metrics_hold_its_calls_but_no_failure_rate(scripte
         await client.chat.completions.create(model="m", messages=row["prompt"], tools=[increment])
         return float(len(row["prompt"]))
 
-    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
-                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
-                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=agent_run)
-    loop.tool_executor = texts.tool_executor
-    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
-    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
-
-    async def main():
-        await loop.setup()
-        try:
-            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
-            return await _score(loop, results)
-        finally:
-            await loop.close()
-
-    _, scored = asyncio.run(main())
+    _, _, scored = _three_episodes_scored(_harness_loop(texts, tmp_path, agent_run))
     names = [name for name, _ in scored.observations]
     calls = [value for name, value in scored.observations if name == "tools/call_frequency"]
     assert sorted(calls) == [0, 1, 1], scored.observations
@@ -162,12 +156,7 @@ def test_groups_whose_agent_runs_all_fail_are_blamed_on_the_agent(scripted_loop,
             raise RuntimeError("cannot run 'python': [Errno 13] Permission denied")
         await client.chat.completions.create(model="m", messages=row["prompt"])
 
-    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
-                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
-                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=fails_after_two)
-    loop.tool_executor = texts.tool_executor
-    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
-    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
+    loop = _harness_loop(texts, tmp_path, fails_after_two)
 
     async def main():
         await loop.setup()
@@ -204,11 +193,7 @@ def test_a_failure_that_repeats_is_warned_at_its_1st_10th_and_100th_time(scripte
             raise ValueError("a different failure")
         raise RuntimeError("cannot run 'python': [Errno 13] Permission denied")
 
-    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
-                              reward_funcs=[brevity_reward], processing_class=texts.tokenizer,
-                              eos_token_ids=[texts.tokenizer.eos_token_id], agent=cannot_start)
-    loop.tool_executor = texts.tool_executor
-    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
+    loop = _harness_loop(texts, tmp_path, cannot_start)
 
     async def main():
         await loop.setup()
@@ -240,23 +225,8 @@ def test_a_group_nothing_scores_is_unscored_and_the_message_says_so(scripted_loo
     async def leaves_scoring_to_reward_funcs(client, row):
         await client.chat.completions.create(model="m", messages=row["prompt"])  # returns None
 
-    loop = HarnessRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
-                              reward_funcs=[], processing_class=texts.tokenizer,
-                              eos_token_ids=[texts.tokenizer.eos_token_id],
-                              agent=leaves_scoring_to_reward_funcs)
-    loop.tool_executor = texts.tool_executor
-    loop.server = SimpleNamespace(max_model_len=4096, model_id="m")
-    loop.generate_one_turn = lambda prompt_ids, max_tokens=None: texts.generate_one_turn(prompt_ids)
-
-    async def main():
-        await loop.setup()
-        try:
-            results = [await loop.run_episode(dict(ROW), 0, 0) for _ in range(3)]
-            return (await _score(loop, results))[1]
-        finally:
-            await loop.close()
-
-    scored = asyncio.run(main())
+    _, _, scored = _three_episodes_scored(
+        _harness_loop(texts, tmp_path, leaves_scoring_to_reward_funcs, reward_funcs=()))
     assert (scored.samples, scored.reason) == ([], "unscored")
 
     guard = NoProgressGuard(timeout_s=0, watch=None)
