@@ -263,3 +263,93 @@ def test_the_starved_step_warning_names_a_cause_other_than_reward_variance(caplo
     with caplog.at_level("WARNING"):
         StepSource._warn_if_starved(source, 61.0, 0)
     assert "If frac_reward_zero_std is near 1" in caplog.text, caplog.text
+
+
+class FixedAdvantageLoop(AsyncRolloutLoop):
+    """A user's `compute_advantages` that gives every rollout, unscored ones too, a fixed value."""
+
+    advantages = (1.0, 0.0, -1.0, 5.0)
+
+    def compute_advantages(self, group):
+        return list(self.advantages)
+
+
+def _plain_rollout(tokenizer, text, **fields):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=ids,
+                   turns=[TurnRecord([1, 2], ids, [-0.1] * len(ids), finish_reason="stop")], **fields)
+
+
+def _score_plain(loop, results, version=0):
+    async def main():
+        with ThreadPoolExecutor(2) as executor:
+            loop.tool_executor = executor
+            group = await build_group(loop, PromptSlot(0, 0, 0, ROW), 3, version, results,
+                                      lambda name, value: None, lambda name, num, den: None)
+            return group, await score_group(loop, group, RewardFailureTracker())
+    return asyncio.run(main())
+
+
+def test_a_kept_group_trains_only_scored_rollouts_with_a_nonzero_advantage(tiny_tokenizer, tmp_path):
+    """Rewards 1, 0.5, 0, unscored with advantages 1, 0, -1, 5: the zero-advantage rollout and
+    the unscored one (whatever advantage an override gave it) add no sample; the two samples
+    carry the group's version and know their group gave two, and `reward_kept` is one
+    observation per sample, never the unscored rollout's NaN."""
+    table = {"a": 1.0, "b": 0.5, "c": 0.0, "d": None}
+
+    def by_text(completions, **kwargs):
+        return [table[c[-1]["content"]] for c in completions]
+
+    loop = FixedAdvantageLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                              reward_funcs=[by_text], processing_class=tiny_tokenizer,
+                              eos_token_ids=[tiny_tokenizer.eos_token_id])
+    rollouts = [_plain_rollout(tiny_tokenizer, text) for text in "abcd"]
+    _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in rollouts], version=7)
+    assert scored.reason is None
+    assert [(s.rollout_id, s.advantage) for s in scored.samples] == [
+        (rollouts[0].rollout_id, 1.0), (rollouts[2].rollout_id, -1.0)]
+    assert [(s.model_version, s.group_id, s.group_num_samples) for s in scored.samples] == [(7, 3, 2)] * 2
+    kept = [value for name, value in scored.observations if name == "reward_kept"]
+    assert kept == [1.0, 0.0], scored.observations
+
+
+def test_one_scored_rollout_beside_a_failed_agent_run_is_an_agent_error(tiny_tokenizer, tmp_path):
+    """Fewer than two scored rollouts because an agent run failed (harness/dropped_frac) is
+    "agent_error" even when one rollout did score; two equal scores beside a failure stay
+    "zero_std"."""
+    def first_only(completions, **kwargs):
+        return [1.0 if c[-1]["content"] != "x" else None for c in completions]
+
+    loop = AsyncRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                            reward_funcs=[first_only], processing_class=tiny_tokenizer,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+    failed = {"metrics": {"harness/dropped_frac": [1.0]}}
+    one_scored = [_plain_rollout(tiny_tokenizer, "a"), _plain_rollout(tiny_tokenizer, "x", **failed)]
+    _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in one_scored])
+    assert (scored.samples, scored.reason) == ([], "agent_error")
+    two_equal = [*one_scored, _plain_rollout(tiny_tokenizer, "b")]
+    _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in two_equal])
+    assert (scored.samples, scored.reason) == ([], "zero_std")
+
+
+def test_a_group_whose_scoring_stalls_is_dropped_as_stalled(tiny_tokenizer, tmp_path):
+    """A reward that passes the "scoring" stage deadline leaves the group unscored as
+    "stalled" (not "reward_error": no reward function failed, and none is blamed)."""
+    from contextlib import contextmanager
+
+    from grpo_agent.stall import StageStalled
+
+    loop = AsyncRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                            reward_funcs=[brevity_reward], processing_class=tiny_tokenizer,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+
+    @contextmanager
+    def stalled_stage(name, **detail):
+        assert name == "scoring"
+        raise StageStalled("scoring passed its deadline")
+        yield
+
+    loop.stalls = SimpleNamespace(stage=stalled_stage)
+    rollouts = [_plain_rollout(tiny_tokenizer, text) for text in ("12", "It is 12.")]
+    _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in rollouts])
+    assert (scored.samples, scored.reason, scored.observations) == ([], "stalled", [])
