@@ -15,6 +15,7 @@ from grpo_agent.rollout.allowance import (
     TokenAllowance,
     has_room,
     holds_before_push,
+    initial_step_tokens,
 )
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.types import PromptConsumed, TrainingSample, TrainingSequence
@@ -145,3 +146,10 @@ def test_without_any_token_budget_a_row_holds_one_group_of_full_completions():
     worker = RolloutWorker(object, config=config, model_name="unused", dataset=[],
                            reward_funcs=[], processing_class=None)
     assert worker.channels.token_allowance.value == 1 * 8 * 3
+
+
+def test_before_the_first_step_a_step_is_full_rows_on_every_rank():
+    """Until the trainer reports a step, one step is `token_budget` tokens per micro-batch, per
+    accumulation step, per rank (a world size of 0, no process group, counts as one rank)."""
+    assert initial_step_tokens(256, grad_accum_steps=3, world_size=2) == 256 * 3 * 2
+    assert initial_step_tokens(256, grad_accum_steps=3, world_size=0) == 256 * 3
