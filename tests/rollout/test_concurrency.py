@@ -92,3 +92,36 @@ def test_dispatched_rollouts_count_against_the_cap_before_they_take_a_slot():
         await slots.release()
 
     asyncio.run(scenario())
+
+
+def test_a_small_cap_still_grows_by_at_least_one():
+    """25 % of a cap under 4 rounds down to nothing; it grows by one instead, so a cap that
+    started at 1 (a KV cache smaller than one full-length rollout) is not stuck there."""
+    cap = ConcurrencyCap(512, kv_tokens=100, max_model_len=1000)
+    assert [cap.update(_metrics(0.10), completed_rollouts=n) for n in (1, 3, 6, 10)] == [2, 3, 4, 5]
+
+
+def test_exactly_at_the_usage_thresholds_the_cap_holds():
+    """The spec's thresholds are strict: growth below 60 % usage, shrinking above 80 %."""
+    cap = ConcurrencyCap(512, kv_tokens=40_000, max_model_len=1000)
+    assert cap.update(_metrics(0.60), completed_rollouts=1000) == 40
+    assert cap.update(_metrics(0.80), completed_rollouts=1000) == 40
+
+
+def test_polls_at_the_limit_do_not_count_as_growth():
+    """A cap sitting at max_concurrent_rollouts does not grow, so polls there do not restart the
+    cap's-worth-of-rollouts wait: after a shrink it grows back at the next quiet poll."""
+    cap = ConcurrencyCap(40, kv_tokens=40_000, max_model_len=1000)
+    assert cap.update(_metrics(0.10), completed_rollouts=100) == 40  # at the limit already
+    assert cap.update(_metrics(0.90), completed_rollouts=100) == 28
+    assert cap.update(_metrics(0.10), completed_rollouts=100) == 35
+
+
+def test_withdrawing_more_than_was_promised_leaves_no_negative_promise():
+    """A dropped group whose rollouts had already taken their slots withdraws promises that are
+    gone; the count stops at zero instead of going negative and admitting extra work."""
+    slots = RolloutSlots(ConcurrencyCap(2, kv_tokens=None, max_model_len=1000))
+    slots.promise(1)
+    slots.withdraw(3)
+    slots.promise(2)
+    assert not slots.can_dispatch()
