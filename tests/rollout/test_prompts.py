@@ -62,3 +62,42 @@ def test_without_a_dataset_the_environment_gets_empty_rows_from_the_start_index(
 def test_an_empty_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="empty"):
         next(iterate_prompts(_dataset(0), seed=0, start_index=0, accept=_accept_all))
+
+
+def test_a_resumed_epoch_whose_remaining_prompts_are_all_rejected_does_not_raise():
+    """Resuming mid-epoch, the prompts before the resume point were accepted earlier; only a
+    whole epoch of rejections raises (here the next one)."""
+    def reject_all(row_index, row, epoch):
+        return False
+
+    stream = iterate_prompts(_dataset(3), seed=0, start_index=2, accept=reject_all)
+    slots = list(itertools.islice(stream, 4))  # the resumed epoch's last prompt, then epoch 1
+    assert [(s.prompt_index, s.accepted) for s in slots] == [(2, False), (3, False), (4, False), (5, False)]
+    with pytest.raises(AllPromptsFilteredError, match="epoch 1"):
+        next(stream)
+
+
+class _Streamed:
+    """An iterable dataset with `set_epoch`, like `datasets.IterableDataset`."""
+
+    def __init__(self, rows):
+        self.rows, self.epochs = rows, []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([{"i": (row, self.epochs[-1])} for row in self.rows])
+
+
+def test_a_streamed_dataset_is_told_each_epoch_before_it_streams():
+    """`set_epoch` reshuffles a streamed dataset (its shuffle buffer seeds from the epoch)."""
+    dataset = _Streamed([0, 1])
+    slots = list(itertools.islice(iterate_prompts(dataset, seed=0, start_index=0, accept=_accept_all), 4))
+    assert dataset.epochs == [0, 1]
+    assert [s.row["i"] for s in slots] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_a_streamed_dataset_without_rows_says_so_and_blames_no_filter():
+    with pytest.raises(ValueError, match="streamed training dataset yielded no rows"):
+        next(iterate_prompts(iter(()), seed=0, start_index=0, accept=_accept_all))
