@@ -23,6 +23,8 @@ def test_kv_cache_tokens_come_from_cache_config_info():
     assert kv_cache_tokens(OLD_CACHE_INFO) == 16000
     assert kv_cache_tokens(CACHE_INFO + CACHE_INFO.replace('engine="0"', 'engine="1"')) == 2 * 1048576
     assert kv_cache_tokens("vllm:num_requests_running 0.0\n") is None
+    # vLLM 0.32's token count wins over blocks x block size (which can disagree with it)
+    assert kv_cache_tokens(CACHE_INFO.replace('num_gpu_blocks="8192"', 'num_gpu_blocks="9000"')) == 1048576
 
 
 def test_the_cap_starts_at_what_the_kv_cache_holds_at_full_length():

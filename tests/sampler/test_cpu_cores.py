@@ -22,6 +22,8 @@ def test_split_gives_the_server_the_first_half_and_the_trainer_the_rest():
     assert (split.server, split.trainer) == ([0, 1], [2, 3, 4])
     assert split.server_env() == {OMP_BIND_ENV: "0,1"}
     assert split_cores({5}) is None  # one core: nothing to split
+    # in core order, whatever order the affinity set iterates in ({64, 1, 2, 3} starts at 64)
+    assert split_cores({64, 1, 2, 3}) == CoreSplit(server=[1, 2], trainer=[3, 64])
 
 
 def test_trainer_on_pins_this_process_and_restores_it():

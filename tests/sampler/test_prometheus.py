@@ -23,3 +23,15 @@ def test_metrics_are_summed_over_engines_and_kv_usage_is_the_fullest():
 
 def test_text_without_vllm_scheduler_metrics_gives_none():
     assert parse_server_metrics("process_open_fds 42\n") is None
+
+
+def test_waiting_requests_and_preemptions_are_summed_over_engines():
+    text = VLLM_METRICS + ('vllm:num_requests_waiting{engine="1",model_name="m"} 6.0\n'
+                           'vllm:num_preemptions_total{engine="1",model_name="m"} 5.0\n')
+    metrics = parse_server_metrics(text)
+    assert (metrics.waiting, metrics.preemptions) == (10, 17)
+
+
+def test_a_label_value_holding_a_brace_does_not_hide_the_sample_value():
+    text = 'vllm:num_requests_running{engine="0",model_name="odd}name"} 7.0\n'
+    assert parse_server_metrics(text).running == 7
