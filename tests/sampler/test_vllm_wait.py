@@ -70,3 +70,20 @@ def test_a_managed_cpu_server_does_not_spin_between_requests(vllm_server):
     # Spinning, the worker alone takes most of a core for the whole 0.8 s (0.6-0.8 s measured
     # with the sleep off); with it, its 100 us polls took 0.07-0.09 s.
     assert used < 0.25, f"the idle server used {used:.2f} CPU s in 0.8 s: is {vllm_wait.__name__} loaded?"
+
+
+def test_a_whole_second_is_no_poll_interval_and_spaces_around_the_value_are_fine():
+    with pytest.raises(ValueError, match=r"seconds in \[0, 1\)"):
+        sleep_seconds({WAIT_SLEEP_ENV: "1"})
+    assert sleep_seconds({WAIT_SLEEP_ENV: " 0.0001\n"}) == 0.0001
+    assert sleep_seconds({WAIT_SLEEP_ENV: "  "}) == 0
+
+
+def test_a_vllm_without_the_queue_yield_is_left_alone_with_a_warning(monkeypatch, caplog):
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.delattr(shm_broadcast, "sched_yield")
+    with caplog.at_level("WARNING", logger="vllm.grpo_agent"):
+        assert not install({WAIT_SLEEP_ENV: "0.005"})
+    assert not hasattr(shm_broadcast, "sched_yield")
+    assert "no sched_yield to replace" in caplog.text
