@@ -428,3 +428,14 @@ def test_a_server_without_metrics_gives_none():
                                              transport=httpx.MockTransport(reply))
             return await client.metrics(), await client.metrics_text()
     assert asyncio.run(run()) == (None, None)
+
+
+def test_a_position_without_top_logprobs_or_a_candidate_without_rank_still_decodes():
+    """vLLM omits `top_logprobs` when none were asked for and `rank` in some versions; neither
+    is a malformed answer."""
+    from grpo_agent.sampler.generate_wire import decode_generate
+
+    body = json.dumps({"choices": [{"token_ids": [5, 6], "logprobs": {"content": [
+        {"logprob": -0.5}, {"logprob": -0.25, "top_logprobs": [{"token_id": 6, "logprob": -0.25}]}]}}]})
+    positions = decode_generate(body.encode(), "http://x").choices[0].logprobs.content
+    assert positions[0].top_logprobs == [] and positions[1].top_logprobs[0].rank is None
