@@ -58,6 +58,32 @@ def test_failed_groups_warn_once_and_stop_the_run_only_after_a_window_in_a_row(c
         tracker.failed(PROMPT_TOO_LONG, TOO_LONG, prompt_index=11, row_index=9)
 
 
+
+def test_a_too_long_prompt_is_recognised_in_any_of_the_servers_wordings():
+    """vLLM's generate route says "maximum model length", its OpenAI routes "maximum context
+    length"; case aside, and from the error's own text when the server sent no message."""
+    for message in ("This model's maximum context length is 1024 tokens.",
+                    "Prompt length exceeds the Maximum Model Length (1024)."):
+        error = RequestRejectedError("rejected", status_code=400, server_message=message)
+        assert failure_reason(error) == PROMPT_TOO_LONG, message
+    bare = RequestRejectedError("HTTP 400: prompt over max_model_len", status_code=400)
+    assert failure_reason(bare) == PROMPT_TOO_LONG
+
+
+def test_an_environment_failure_warns_with_its_traceback_and_a_too_long_prompt_without(caplog):
+    """A raising reset/get_reward is a bug to find in the user's code: its warning carries the
+    traceback; a too-long prompt is the data's, and its traceback would be noise."""
+    tracker = GroupFailureTracker(window=10)
+    with caplog.at_level(logging.WARNING):
+        for reason, error in ((ENV_ERROR, EnvironmentResetError("Env.reset() raised KeyError")),
+                              (PROMPT_TOO_LONG, TOO_LONG)):
+            try:  # as the engine calls it: while handling the error
+                raise error
+            except (EnvironmentResetError, RequestRejectedError):
+                tracker.failed(reason, error, prompt_index=1, row_index=1)
+    assert [bool(record.exc_info) for record in caplog.records] == [True, False]
+
+
 def _worker(server, tmp_path, texts, **kwargs) -> RolloutWorker:
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path), num_generations=2, max_completion_length=8,
