@@ -140,6 +140,47 @@ def test_a_server_answering_5xx_is_not_ready():
         httpd.server_close()
 
 
+
+def _answering(status):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_a_4xx_answer_is_a_ready_server_left_to_the_callers_request():
+    """A server asking for an API key (401) is up: the caller's own request reports the 4xx
+    with the server's message, instead of a half-hour wait for a server that is there."""
+    httpd = _answering(401)
+    try:
+        began = time.monotonic()
+        asyncio.run(wait_until_ready(f"http://127.0.0.1:{httpd.server_address[1]}", 30.0))
+        assert time.monotonic() - began < 5
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_timeout_shorter_than_a_poll_is_not_overslept():
+    httpd = _answering(503)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ServerUnreachableError, match="HTTP 503"):
+            asyncio.run(wait_until_ready(f"http://127.0.0.1:{httpd.server_address[1]}", 0.2))
+        assert time.monotonic() - began < 0.95  # one poll sleeps 1 s
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_host_that_does_not_resolve_fails_at_once():
     began = time.monotonic()
     with pytest.raises(ServerUnreachableError, match="does not resolve.*vllm_server_base_url"):
