@@ -127,6 +127,19 @@ def test_reset_text_is_appended_to_the_last_user_message_or_becomes_the_prompt()
         build_prompt({}, None)
 
 
+
+def test_reset_text_goes_to_the_last_user_turn_of_a_conversation():
+    """After an assistant turn it still joins the last *user* message; an empty user message
+    becomes the reset text alone; a prompt without a user turn gets one appended."""
+    row = {"prompt": [{"role": "user", "content": "First."}, {"role": "user", "content": "Then."},
+                      {"role": "assistant", "content": "Ok."}]}
+    assert [m["content"] for m in build_prompt(row, "Task.")] == ["First.", "Then.\n\nTask.", "Ok."]
+    assert build_prompt({"prompt": [{"role": "user", "content": ""}]}, "Task.") == [
+        {"role": "user", "content": "Task."}]
+    assert build_prompt({"prompt": [{"role": "system", "content": "s"}]}, "Task.") == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "Task."}]
+
+
 def test_slow_reset_runs_in_the_thread_pool_and_does_not_block_other_rollouts(executor):
     runner = EnvironmentRunner(SlowEnv, executor)
 
