@@ -80,7 +80,7 @@ def test_slots_never_exceed_the_cap_and_follow_it_when_it_changes():
         await asyncio.gather(*(rollout() for _ in range(10)))
         assert peak == 5
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 10))  # a release that wakes no waiter hangs: fail
 
 
 def test_dispatched_rollouts_count_against_the_cap_before_they_take_a_slot():
