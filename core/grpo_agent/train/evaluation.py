@@ -52,13 +52,17 @@ logger = logging.getLogger(__name__)
 
 
 def wants_evaluation(args: Any) -> bool:
-    return str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or bool(args.eval_on_start)
+    return _strategy(args) != "no" or bool(args.eval_on_start)
+
+
+def _strategy(args: Any) -> str:
+    """eval_strategy as the user writes it (transformers may hold it as an enum)."""
+    return str(getattr(args.eval_strategy, "value", args.eval_strategy))
 
 
 def evaluation_settings(args: Any) -> str:
     """The settings that ask for evaluation, as the user writes them."""
-    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-    return f"eval_strategy={strategy!r}, eval_on_start={bool(args.eval_on_start)}"
+    return f"eval_strategy={_strategy(args)!r}, eval_on_start={bool(args.eval_on_start)}"
 
 
 def eval_split_of(environment_factory: Any) -> tuple[Any, float | None]:
