@@ -74,12 +74,7 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
-    if agent is None:  # before its dataset loads and the server starts
-        from grpo_agent.plugins import load_registry
-
-        spec = load_registry().environment_spec(env, env_args)
-        refuse_agent_only_env(spec.id, spec.environment_factory)
-    task = resolve_env_task(env, env_args, config.plugin_args)
+    task = resolve_env_task(env, env_args, config.plugin_args, agent_played=agent is not None)
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
@@ -233,13 +228,17 @@ def _resume_arg(explicit: str | bool | None, config: AsyncGRPOConfig) -> str | b
 
 
 def resolve_env_task(name: str, options: dict[str, Any] | None = None,
-                     plugin_args: dict[str, Any] | None = None) -> dict[str, Any]:
+                     plugin_args: dict[str, Any] | None = None, *,
+                     agent_played: bool = False) -> dict[str, Any]:
     """The env's dataset, rewards (their `plugin_args` bound) and environment factory (options
-    bound), via the plugin host."""
+    bound), via the plugin host; an agent-only env not `agent_played` is refused before its
+    dataset loads."""
     from grpo_agent.plugins import load_registry
 
     registry = load_registry()
     spec = registry.environment_spec(name, options)
+    if not agent_played:
+        refuse_agent_only_env(spec.id, spec.environment_factory)
     return {
         "id": spec.id,
         "dataset": spec.load_dataset(),
