@@ -17,6 +17,7 @@ the largest log-prob difference to the first variant; the summary line last.
     python bench/mfu.py --merges float32,rows --profile out/   # level merge, old vs new
     python bench/mfu.py --backends levels --fuse off,on        # level merge unfused vs fused
     python bench/mfu.py --swiglu off,on --passes 2   # inductor's SwiGLU vs the op, alternating
+    python bench/mfu.py --compile-modes default,max-autotune-no-cudagraphs --passes 2
 """
 
 from __future__ import annotations
@@ -39,12 +40,20 @@ from grpo_agent.train import (
 )
 from grpo_agent.train.forward import attention_head_dim, forward_row
 from grpo_agent.train.packing import pack_row
-from grpo_agent.train.regional_compile import compile_decoder_layers
+from grpo_agent.train.regional_compile import compile_decoder_layers, decoder_layers
 from grpo_agent.train.tree_attention import choose_backend, enable_tree_attention
 from packing import SHAPES, build_model, make_samples, peak_memory_gib
 
 GATHER_DTYPES = {"fp32": torch.float32, "compute": None}
 SWIGLU_DEVICES = {"on": ("cuda",), "off": ()}
+
+
+def recompile_layers(model, mode: str) -> None:
+    """The decoder layers compiled (again) in `mode`: "default" is torch.compile's own."""
+    torch._dynamo.reset()
+    for layer in decoder_layers(model):
+        layer._compiled_call_impl = None
+    compile_decoder_layers(model, mode=None if mode == "default" else mode)
 
 
 def steps_seconds(step, repeats: int) -> float:
@@ -138,9 +147,10 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=1,
                         help="time every variant this many times, alternating")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode of the decoder layers (the trainer's "
-                        "torch_compile_mode), e.g. max-autotune-no-cudagraphs")
+    parser.add_argument("--compile-modes", default="default",
+                        help="torch.compile modes of the decoder layers (the trainer's "
+                        "torch_compile_mode), alternated like the other variants, e.g. "
+                        "default,max-autotune-no-cudagraphs (a switch compiles them again)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py measures a GPU: run it on one.")
@@ -148,8 +158,8 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64
     model = build_model(args.model, "cuda")
     enable_tree_attention(model)
-    if not args.no_compile:
-        compile_decoder_layers(model, mode=args.compile_mode)
+    modes = ["eager"] if args.no_compile else args.compile_modes.split(",")
+    compiled_mode = None
     _, dtype, prompt_len, completion_len, _ = SHAPES[args.model]
     peak = perf.peak_flops_per_s(torch.cuda.get_device_name(), "bf16")
     results = []
@@ -167,13 +177,16 @@ def main() -> None:
                     for d in args.dense.split(",") for m in args.merges.split(",")
                     for f in args.fuse.split(",") for i in impls
                     for c in range(len(args.lm_head_configs))
-                    for sw in args.swiglu.split(",")]
+                    for sw in args.swiglu.split(",") for cm in modes]
         profiled = set()
-        for backend, gather, lm_head, dense, merge, fuse, impl, head, sw in (
+        for backend, gather, lm_head, dense, merge, fuse, impl, head, sw, mode in (
                 variants * args.passes):
             if swiglu.REWRITE_DEVICES != SWIGLU_DEVICES[sw]:
                 swiglu.REWRITE_DEVICES = SWIGLU_DEVICES[sw]
                 torch._dynamo.reset()  # the layers compile again, with or without the op
+            if mode != "eager" and mode != compiled_mode:
+                recompile_layers(model, mode)
+                compiled_mode = mode
             flash_impl.use(impl)
             fused_lm_head.CONFIG = {**default_head, **args.lm_head_configs[head]}
             logprobs.LM_HEAD, level_attention.DENSE = lm_head, dense
@@ -189,7 +202,7 @@ def main() -> None:
                 lambda rows=rows: [row_step(r) for r in rows], args.repeats)
             memory = peak_memory_gib(lambda rows=rows: row_step(rows[0]))
             name = (f"G{group_size}-{backend}-{lm_head}-{gather}-{dense}-{merge}-fuse-{fuse}"
-                    f"-{impl}-head{head}-swiglu-{sw}")
+                    f"-{impl}-head{head}-swiglu-{sw}-{mode}")
             if args.profile and name not in profiled:
                 profiled.add(name)
                 profile_step(lambda rows=rows: [row_step(r) for r in rows], args.profile, name)
@@ -207,7 +220,7 @@ def main() -> None:
                 "dense": dense if chosen == "levels" else "-",
                 "merge": merge if chosen == "levels" else "-", "fuse": fuse, "flash_impl": impl,
                 "lm_head_config": args.lm_head_configs[head], "swiglu": sw,
-                "compiled": args.compile_mode or not args.no_compile,
+                "compiled": mode,
                 "tokens_per_row": statistics.mean(r.num_tokens for r in rows),
                 "packing_ratio": round(sum(r.unpacked_tokens for r in rows)
                                        / sum(r.num_tokens for r in rows), 3),
