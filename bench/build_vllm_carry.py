@@ -16,7 +16,7 @@ from torch's own `libnccl.so.2` through ctypes. So this script
    venv has) of the closure's third-party imports the GPU image lacks (pydantic, pyzmq, ...).
 
 On the GPU box: `PYTHONPATH=.vllm_carry/src:.vllm_carry/deps:core python3 bench/nccl_two_gpu.py`, with
-`carry=[".vllm_carry"]` (ignored by git through `.git/info/exclude`).
+`carry=[".vllm_carry"]` (ignored by git through `.gitignore`).
 
 Usage: .venv/bin/python bench/build_vllm_carry.py [--out .vllm_carry] [--check]
 """

@@ -11,7 +11,6 @@
 # cutlass wheel's .pth is not read from a --target folder, so its path is added by hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.fa4a/' .git/info/exclude 2>/dev/null || printf '/.fa4a/\n/.fa4b/\n' >> .git/info/exclude
 rm -rf .fa4a .fa4b && mkdir -p .fa4a .fa4b/wheels
 platforms=""
 for n in 17 24 27 28 31 34 35; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
