@@ -23,6 +23,7 @@ number of bytes over the same communicator (the baseline). The last line is JSON
 GPU box (no vLLM installed): build the carry here with `bench/build_vllm_carry.py`, then
     PYTHONPATH=.vllm_carry/src:.vllm_carry/deps:core python3 bench/nccl_two_gpu.py
     PYTHONPATH=... torchrun --nproc_per_node 2 bench/nccl_two_gpu.py   # 3+ GPUs
+    PYTHONPATH=... python3 bench/nccl_two_gpu.py --same-gpu   # one GPU: how far the setup gets
 """
 from __future__ import annotations
 
@@ -236,12 +237,29 @@ def point_vllm_at_torchs_nccl() -> None:
             return
 
 
+def probe_first_push(pusher, model) -> None:
+    """One push where both NCCL ranks share a GPU: the stage reached and the error, as JSON."""
+    print(json.dumps({"probe": "same_gpu", "reached": "pusher made",
+                      "world_size": pusher._sync.control.call("GET", "/get_world_size")}),
+          flush=True)
+    try:
+        pusher.push(model, version=1)
+        print(json.dumps({"probe": "same_gpu", "reached": "push done"}), flush=True)
+    except Exception as error:  # noqa: BLE001 (the probe reports where the setup stops)
+        print(json.dumps({"probe": "same_gpu", "reached": "push raised",
+                          "error": repr(error)[:2000]}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=("trainer", "receiver"), default="trainer")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--pushes", type=int, default=4)
     parser.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B has 28")
+    parser.add_argument("--same-gpu", action="store_true",
+                        help="one-GPU probe: the receiver shares the trainer's GPU, so every "
+                        "step up to NCCL's group is real and NCCL then refuses (or hangs on) "
+                        "two ranks on one device; prints how far it got")
     args = parser.parse_args()
     point_vllm_at_torchs_nccl()
     if args.role == "receiver":
@@ -259,7 +277,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.device_count() < world + 1:
+    if torch.cuda.device_count() < world + (0 if args.same_gpu else 1):
         raise SystemExit(f"needs {world + 1} GPUs ({world} trainer, 1 receiver); "
                          f"{torch.cuda.device_count()} visible")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -269,7 +287,8 @@ def main() -> None:
     receiver = None
     if rank == 0:  # the receiver takes the first GPU after the trainers
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpu = visible.split(",")[world] if visible else str(world)
+        index = 0 if args.same_gpu else world
+        gpu = visible.split(",")[index] if visible else str(index)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
@@ -284,6 +303,9 @@ def main() -> None:
         pusher = WeightPusher(config, backend="nccl")
         if pusher._sync is not None:  # one host: the rendezvous address is loopback
             pusher._sync.master_address = "127.0.0.1"
+        if args.same_gpu:
+            probe_first_push(pusher, model)
+            return
         rounds = []
         for step in range(args.pushes):
             perturb(model, step)
