@@ -139,6 +139,28 @@ def test_without_the_tree_path_the_rows_would_disagree(tiny_hybrid, packed_hybri
     assert (got - ref).abs().max() > 1e-3
 
 
+@pytest.mark.slow
+def test_compiled_layers_keep_each_rows_tree(tiny_hybrid):
+    """`torch_compile=True` on a hybrid: dynamo traces the Gated DeltaNet layers with the tree
+    path inside, and rows of other shapes and trees through the same graphs still equal the
+    unpacked model (a plan baked into the first row's graph would fail the later rows)."""
+    from grpo_agent.train.regional_compile import compile_decoder_layers
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(tiny_hybrid)
+    enable_tree_attention(compiled)
+    counter = CompileCounter()  # traces with dynamo, runs the captured graphs eagerly
+    compile_decoder_layers(compiled, backend=counter)
+    cases = _row_cases()
+    try:
+        for case in ("group_sharing_a_prompt", "multi_turn_history", "short_segments"):
+            _assert_packed_matches(tiny_hybrid, compiled, cases[case])
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count > 0
+
+
 def test_qwen3_next_layers_pack_too():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
