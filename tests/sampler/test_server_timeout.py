@@ -11,6 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from grpo_agent.sampler import ServerUnreachableError
 from grpo_agent.sampler.readiness import port_state, wait_until_ready
@@ -224,3 +225,54 @@ def test_weight_sync_calls_take_vllm_server_timeout(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def _scripted_server(monkeypatch, answer):
+    """`wait_until_ready` against `answer(request)` (an `httpx.Response`, or an error to raise)
+    instead of the network."""
+    from grpo_agent.sampler import readiness
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kwargs: real_client(transport=httpx.MockTransport(answer), **kwargs))
+    monkeypatch.setattr(readiness, "POLL_S", 0.02)
+
+
+def _refused(request):
+    raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+
+@pytest.mark.parametrize("between", ["held port", "HTTP 503", "read timeout"])
+def test_the_grace_for_a_free_port_counts_one_unbroken_stretch_of_refusals(monkeypatch, between):
+    """Refused on a free port for 0.9 s, then a sign of a server coming up (its port held, a
+    503, a slow answer), then refused for 0.9 s again: each stretch is within the 1.5 s grace,
+    so the wait goes on to the ready server instead of adding the stretches up."""
+    from grpo_agent.sampler import readiness
+
+    stretch_s, stage = 0.9, {"began": time.monotonic(), "held": False}
+
+    def answer(request):
+        elapsed = time.monotonic() - stage["began"]
+        if "between_at" not in stage:
+            if elapsed < stretch_s:
+                return _refused(request)
+            stage["between_at"] = time.monotonic()
+            if between == "HTTP 503":
+                return httpx.Response(503)
+            if between == "read timeout":
+                raise httpx.ReadTimeout("timed out", request=request)
+            stage["held"] = True
+            return _refused(request)
+        if time.monotonic() - stage["between_at"] < stretch_s:
+            return _refused(request)
+        return httpx.Response(200, json={"data": []})
+
+    def port_state(host, port):
+        held, stage["held"] = stage["held"], False
+        return "held" if held else "free"
+
+    _scripted_server(monkeypatch, answer)
+    monkeypatch.setattr(readiness, "port_state", port_state)
+    waited = asyncio.run(wait_until_ready("http://127.0.0.1:8000", 30.0, refused_grace_s=1.5))
+    assert waited >= 2 * stretch_s
+
