@@ -276,3 +276,13 @@ def test_the_grace_for_a_free_port_counts_one_unbroken_stretch_of_refusals(monke
     waited = asyncio.run(wait_until_ready("http://127.0.0.1:8000", 30.0, refused_grace_s=1.5))
     assert waited >= 2 * stretch_s
 
+
+def test_an_https_url_without_a_port_is_probed_on_443(monkeypatch):
+    from grpo_agent.sampler import readiness
+
+    probed = []
+    _scripted_server(monkeypatch, _refused)
+    monkeypatch.setattr(readiness, "port_state", lambda host, port: probed.append(port) or "free")
+    with pytest.raises(ServerUnreachableError, match="holds port 443"):
+        asyncio.run(wait_until_ready("https://127.0.0.1", 30.0, refused_grace_s=0))
+    assert set(probed) == {443}
