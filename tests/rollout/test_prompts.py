@@ -101,3 +101,30 @@ def test_a_streamed_dataset_is_told_each_epoch_before_it_streams():
 def test_a_streamed_dataset_without_rows_says_so_and_blames_no_filter():
     with pytest.raises(ValueError, match="streamed training dataset yielded no rows"):
         next(iterate_prompts(iter(()), seed=0, start_index=0, accept=_accept_all))
+
+
+class _StreamedOwnRows:
+    """A streamed dataset that hands out the same row dicts every epoch (a generator over a list)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["indexed", "streamed"])
+def test_what_a_filter_writes_into_its_row_stays_out_of_the_dataset_and_later_epochs(streamed):
+    """Each prompt comes in a dict of its own: a list of dicts is a dataset too, and a filter (or
+    a hook after it) that writes into the row it is shown must not change the user's rows or the
+    row of the next epoch."""
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}]
+    dataset = _StreamedOwnRows(rows) if streamed else rows
+
+    def tag_row(row_index, row, epoch):
+        row.setdefault("tagged_in_epochs", []).append(epoch)
+        return True
+
+    slots = list(itertools.islice(iterate_prompts(dataset, seed=0, start_index=0, accept=tag_row), 2))
+    assert [s.row["tagged_in_epochs"] for s in slots] == [[0], [1]]
+    assert rows == [{"prompt": [{"role": "user", "content": "hi"}]}]
