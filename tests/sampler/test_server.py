@@ -1,8 +1,8 @@
 """ManagedVLLMServer: the command it runs, and clear errors when the server cannot start."""
 import os
+import sys
 
 import pytest
-
 from grpo_agent.sampler import ServerStartupError
 from grpo_agent.sampler.server import ManagedVLLMServer, read_log_tail
 
@@ -51,3 +51,69 @@ def test_server_that_dies_during_startup_raises_with_its_log(tiny_model_path, tm
     assert not server.is_running()
     with pytest.raises(ProcessLookupError):
         os.kill(server.pid, 0)
+
+
+def test_optional_flags_and_variables_appear_only_when_asked_for(tmp_path):
+    plain = ManagedVLLMServer(tmp_path, weight_transfer_backend=None)
+    command, env = plain.command(), plain.environment()
+    for flag in ("--enforce-eager", "--enable-lora", "--weight-transfer-config", "--dtype"):
+        assert flag not in command
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert "--enforce-eager" in ManagedVLLMServer(tmp_path, enforce_eager=True).command()
+
+
+@pytest.mark.parametrize(("kv_cache_gib", "space"), [(1.5, "2"), (0.25, "1"), (0.0, "1")])
+def test_the_cpu_kv_cache_is_whole_gib_rounded_up_and_never_none(tmp_path, kv_cache_gib, space):
+    """vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB: rounding down would shrink the cache
+    asked for, and a space of 0 GiB leaves no room for a single request."""
+    env = ManagedVLLMServer(tmp_path, kv_cache_gib=kv_cache_gib).environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == space
+
+
+def test_the_callers_env_wins_as_given_at_construction(tmp_path):
+    """Restarts reuse it: a dict the caller changes later must not change the server's."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "7"}
+    server = ManagedVLLMServer(tmp_path, env=env)
+    env["LATE_VARIABLE"] = "1"
+    assert server.environment()["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    assert "LATE_VARIABLE" not in server.environment()
+
+
+def test_log_tail_names_only_the_first_error_above_the_tail(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(["Exception: engine core failed", "RuntimeError: later"]
+                             + [f"line {i}" for i in range(10)] + ["ValueError: in the tail"]))
+    assert read_log_tail(log, lines=3).splitlines() == [
+        "first error: Exception: engine core failed", "...", "line 8", "line 9",
+        "ValueError: in the tail"]
+    assert read_log_tail(log, lines=100) == log.read_text()  # all shown: nothing named twice
+
+
+def test_log_tail_of_a_log_never_written(tmp_path):
+    assert read_log_tail(tmp_path / "server.log") == "(no log written)"
+
+
+@pytest.mark.parametrize("model", ["/no/such/model", "./no-such-model", "~/no-such-model",
+                                   "models/no/such"])
+def test_any_path_like_model_that_is_missing_fails_before_starting(tmp_path, monkeypatch, model):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    server = ManagedVLLMServer(model, log_path=tmp_path / "server.log")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        server.start()
+    assert server.pid is None and not server.is_running()
+
+
+@pytest.mark.parametrize("model", ["~/model", "some-org/some-model"])
+def test_a_home_folder_or_a_hugging_face_id_is_started(tmp_path, monkeypatch, model):
+    """"~" is the user's home; "org/name" may be a Hugging Face id, for vLLM to download."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(ManagedVLLMServer, "command",
+                        lambda self: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(ManagedVLLMServer, "_wait_until_healthy", lambda self: None)  # no vLLM
+    server = ManagedVLLMServer(model, log_path=tmp_path / "server.log")
+    try:
+        server.start()
+        assert server.is_running()
+    finally:
+        server.stop()
