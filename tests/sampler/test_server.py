@@ -1,10 +1,16 @@
-"""ManagedVLLMServer: the command it runs, and clear errors when the server cannot start."""
+"""ManagedVLLMServer: the command it runs, and clear errors when the server cannot start.
+
+Its lifecycle (health wait, registry, stop, restart) runs against `FAKE_SERVE`, a stand-in for
+`vllm serve`: an API process answering /health plus an "engine" child in its process group
+that ignores SIGTERM, as vLLM's engine core may outlive its API process."""
 import os
+import signal
 import sys
 
 import pytest
 from grpo_agent.sampler import ServerStartupError
-from grpo_agent.sampler.server import ManagedVLLMServer, read_log_tail
+from grpo_agent.sampler.server import ManagedVLLMServer, managed_server_at, read_log_tail
+from grpo_agent.testing.processes import gone_within, is_running, kill_quietly
 
 
 def test_command_carries_the_spec_flags(tiny_model_path):
@@ -117,3 +123,99 @@ def test_a_home_folder_or_a_hugging_face_id_is_started(tmp_path, monkeypatch, mo
         assert server.is_running()
     finally:
         server.stop()
+
+
+FAKE_SERVE = """
+import http.server, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, lambda *args: (print("shutting down", flush=True), sys.exit(0)))
+time.sleep(float(sys.argv[2]))  # imports, model load
+engine = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("engine", engine.pid, flush=True)
+if sys.argv[3] == "exit":
+    print("ValueError: no such flag", flush=True)
+    sys.exit(3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" and sys.argv[3] == "ok" else 503)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """`fake_server(health="ok" | "503" | "exit", load_s=0.3, **kwargs)`: a ManagedVLLMServer
+    running FAKE_SERVE; whatever it left running is killed after the test."""
+    started = []
+
+    def make(health="ok", load_s=0.3, **kwargs):
+        monkeypatch.setattr(ManagedVLLMServer, "command", lambda self: [
+            sys.executable, "-c", FAKE_SERVE, str(self.port), str(load_s), health])
+        server = ManagedVLLMServer(tmp_path, log_path=tmp_path / "logs" / "server.log", **kwargs)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        for pid in [server.pid, *_engine_pids(server)]:
+            if pid is not None:
+                kill_quietly(pid, signal.SIGKILL)
+
+
+def _engine_pids(server) -> list[int]:
+    text = server.log_path.read_text() if server.log_path.exists() else ""
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("engine ")]
+
+
+def test_a_started_server_answers_is_registered_and_stops_with_its_engine(fake_server):
+    server = fake_server()
+    server.start()  # the API process binds only after its "load": refused connections are waited out
+    [engine] = _engine_pids(server)
+    assert server.is_running() and is_running(engine)
+    assert managed_server_at(server.base_url + "/") is server
+    server.stop()
+    assert gone_within(server.pid, 5) and gone_within(engine, 5)  # the engine ignored SIGTERM
+    assert not server.is_running() and managed_server_at(server.base_url) is None
+    assert "shutting down" in server.log_path.read_text()  # SIGTERM first: vLLM cleans up
+
+
+def test_a_restart_keeps_the_port_and_the_log(fake_server):
+    server = fake_server()
+    server.start()
+    url, first_pid = server.base_url, server.pid
+    with pytest.raises(RuntimeError, match="already started"):
+        server.start()
+    server.restart()
+    assert server.base_url == url and server.pid != first_pid
+    assert managed_server_at(url) is server
+    assert len(_engine_pids(server)) == 2  # the first run's lines are still in the log
+    server.stop()
+
+
+def test_stop_kills_the_engine_left_behind_by_a_killed_api_process(fake_server):
+    server = fake_server()
+    server.start()
+    [engine] = _engine_pids(server)
+    os.kill(server.pid, signal.SIGKILL)
+    assert gone_within(server.pid, 5) and is_running(engine)
+    server.stop()
+    assert gone_within(engine, 5)
+
+
+def test_a_server_that_exits_while_starting_raises_with_its_code_and_log(fake_server):
+    server = fake_server(health="exit", startup_timeout=60)
+    with pytest.raises(ServerStartupError, match="(?s)exited with code 3.*ValueError: no such flag"):
+        server.start()
+    [engine] = _engine_pids(server)
+    assert gone_within(engine, 5) and managed_server_at(server.base_url) is None
+
+
+def test_a_server_that_never_turns_healthy_is_stopped_after_the_startup_timeout(fake_server):
+    server = fake_server(health="503", load_s=0.0, startup_timeout=2)
+    with pytest.raises(ServerStartupError, match="not healthy after 2 s"):
+        server.start()
+    [engine] = _engine_pids(server)
+    assert gone_within(server.pid, 5) and gone_within(engine, 5)
