@@ -18,7 +18,8 @@ from grpo_agent.sampler.server import find_free_port
 
 class _Health(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        sent = self.requestline.split()[1]  # `path` folds a leading "//"; vLLM's router does not
+        self.send_response(200 if sent == "/health" else 404)
         self.end_headers()
 
     def log_message(self, *args):
@@ -187,3 +188,32 @@ def test_under_fsdp_a_second_failure_stops_every_rank(monkeypatch):
     results, _ = _two_ranks([_Pusher(failures=2), _Pusher(failures=0)])
     assert isinstance(results[0], WeightSyncError) and "connection reset" in str(results[0])
     assert isinstance(results[1], WeightSyncError) and "Rank(s) [0] failed" in str(results[1])
+
+
+class _Slow(_Health):
+    def do_GET(self):
+        time.sleep(1.0)
+        super().do_GET()
+
+
+def test_health_takes_a_trailing_slash_and_a_health_check_that_times_out_is_no_answer(monkeypatch):
+    """A /health slower than HEALTH_TIMEOUT_S is a server not answering (a wedged one), not an
+    error out of the check; a base URL ending in "/" still asks /health."""
+    import asyncio
+
+    from grpo_agent.sampler.errors import SamplerError
+
+    monkeypatch.setattr(recovery, "HEALTH_TIMEOUT_S", 0.2)
+    healthy, slow = (ThreadingHTTPServer(("127.0.0.1", 0), handler) for handler in (_Health, _Slow))
+    for server in (healthy, slow):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    up, wedged = (f"http://127.0.0.1:{server.server_address[1]}/" for server in (healthy, slow))
+    try:
+        assert recovery.server_answers(up)
+        assert not asyncio.run(recovery.means_server_lost(SamplerError("cut short"), up))
+        assert not recovery.server_answers(wedged)
+        assert asyncio.run(recovery.means_server_lost(SamplerError("cut short"), wedged))
+    finally:
+        for server in (healthy, slow):
+            server.shutdown()
+            server.server_close()
