@@ -10,9 +10,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from grpo_agent.sampler import recovery
-from grpo_agent.sampler.errors import ServerUnreachableError, WeightSyncError
+from grpo_agent.sampler.errors import ServerStartupError, ServerUnreachableError, WeightSyncError
 from grpo_agent.sampler.server import find_free_port
 
 
@@ -83,8 +84,8 @@ def test_an_external_server_that_stays_away_ends_the_wait_with_what_to_do():
 
 
 class _Pusher:
-    def __init__(self, failures: int):
-        self.failures, self.pushed, self.reopened = failures, [], 0
+    def __init__(self, failures: int, error: type[Exception] = WeightSyncError):
+        self.failures, self.error, self.pushed, self.reopened = failures, error, [], 0
 
     def reopen(self):
         self.reopened += 1
@@ -92,7 +93,7 @@ class _Pusher:
     def push(self, model, version):
         if self.failures:
             self.failures -= 1
-            raise WeightSyncError("gloo transfer: connection reset by peer")
+            raise self.error("gloo transfer: connection reset by peer")
         self.pushed.append(version)
         return {"perf/weight_sync_s": 0.1}
 
@@ -217,3 +218,82 @@ def test_health_takes_a_trailing_slash_and_a_health_check_that_times_out_is_no_a
         for server in (healthy, slow):
             server.shutdown()
             server.server_close()
+
+
+class _Managed:
+    """Stand-in for the `ManagedVLLMServer` this process started at the URL."""
+
+    def __init__(self, running: bool):
+        self.running, self.restarts, self.pid = running, 0, 4242
+
+    def is_running(self):
+        return self.running
+
+    def restart(self):
+        self.restarts += 1
+
+
+@pytest.mark.parametrize(("running", "answers", "restarted"), [
+    (False, False, True),  # its process died: restarted at once, no grace
+    (True, True, False),   # alive and answering within the grace: left as it is
+    (True, False, True),   # alive but silent past the grace: restarted
+])
+def test_a_managed_server_is_restarted_unless_its_live_process_answers_within_the_grace(
+        monkeypatch, running, answers, restarted):
+    server = _Managed(running)
+    monkeypatch.setattr(recovery, "managed_server_at", lambda url: server)
+    monkeypatch.setattr(recovery, "ALIVE_GRACE_S", 3.0)
+    monkeypatch.setattr(recovery, "POLL_S", 0.1)
+    healthy = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=healthy.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{healthy.server_address[1] if answers else find_free_port()}"
+    began = time.monotonic()
+    try:
+        what = recovery.restore_server(url, timeout_s=1)  # never the external server's wait
+    finally:
+        healthy.shutdown()
+        healthy.server_close()
+    assert server.restarts == int(restarted)
+    assert what.startswith("was restarted (pid 4242" if restarted else "answered again")
+    if not running:
+        assert time.monotonic() - began < 2.0  # a dead process gets no grace
+
+
+@pytest.mark.parametrize("error", [httpx.ConnectError, RuntimeError], ids=["http", "torch"])
+def test_a_push_failing_in_http_or_in_the_transfer_group_is_retried(monkeypatch, error):
+    """A control call to a dead server raises httpx's errors, torch.distributed's transfer
+    RuntimeError: either may be the server lost, so either gets the restore and the retry."""
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    pusher = _Pusher(failures=1, error=error)
+    metrics = recovery.ServerRecovery("http://127.0.0.1:1", 5).push(pusher, None, 3)
+    assert pusher.pushed == [3] and metrics[recovery.RESTARTS_METRIC] == 1
+
+
+def test_a_push_past_its_stall_deadline_stops_the_run_without_a_restore(monkeypatch):
+    """A stalled push already wrote its report and aborted; a restore and a retry would only hide
+    it behind another wait."""
+    from grpo_agent.stall import StageStalled
+
+    monkeypatch.setattr(recovery, "restore_server", lambda *a: pytest.fail("restored a stall"))
+    with pytest.raises(StageStalled):
+        recovery.ServerRecovery("http://127.0.0.1:1", 5).push(_Pusher(failures=1, error=StageStalled),
+                                                               None, 3)
+
+
+def test_under_fsdp_rank_0s_failed_restart_stops_it_with_its_own_error_and_the_others_with_its_name(
+        monkeypatch):
+    def restart_fails(url, timeout):
+        raise ServerStartupError("vLLM server (pid 7) exited with code 1 before becoming ready")
+
+    monkeypatch.setattr(recovery, "restore_server", restart_fails)
+    results, _ = _two_ranks([_Pusher(failures=1), _Pusher(failures=0)])
+    assert type(results[0]) is ServerStartupError
+    assert isinstance(results[1], ServerUnreachableError) and "exited with code 1" in str(results[1])
+    assert "Rank 0 could not bring the vLLM server" in str(results[1])
+
+
+def test_under_fsdp_the_failing_rank_raises_its_own_error(monkeypatch):
+    monkeypatch.setattr(recovery, "restore_server", lambda *a: pytest.fail("restored for rank 1"))
+    results, _ = _two_ranks([_Pusher(failures=0), _Pusher(failures=1, error=RuntimeError)])
+    assert type(results[1]) is RuntimeError and "connection reset" in str(results[1])
+    assert isinstance(results[0], WeightSyncError) and "Rank(s) [1] failed" in str(results[0])
