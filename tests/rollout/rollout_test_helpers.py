@@ -187,3 +187,23 @@ class HangsAfterFirstBeatLoop:
 
         self.channels.heartbeat.value = time.time()
         time.sleep(3600)
+
+
+class LosesTheServerLoop:
+    """A worker that loses the server at once, as the engine does: it raises `server_down`, waits
+    for the trainer to clear it, then observes that it dispatches again and beats until stopped."""
+
+    def __init__(self, *, channels, **kwargs):
+        self.channels = channels
+
+    def run(self):
+        import time
+
+        self.channels.server_down.set()
+        while self.channels.server_down.is_set() and not self.channels.stop.is_set():
+            self.channels.heartbeat.value = time.time()
+            time.sleep(0.05)
+        self.channels.metrics.put([("test/dispatched_again", 1.0)])
+        while not self.channels.stop.is_set():
+            self.channels.heartbeat.value = time.time()
+            time.sleep(0.05)

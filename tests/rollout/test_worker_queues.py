@@ -77,3 +77,29 @@ def test_a_worker_that_stops_beating_is_called_hung_and_killed():
         assert not worker._process.is_alive()  # killed: it would never have stopped itself
     finally:
         assert _finishes_within(30, worker.stop)
+
+
+def test_the_server_down_flag_goes_from_the_worker_to_the_trainer_and_back():
+    """The child's engine raises `server_down` when it loses the server; the trainer's pull loop
+    asks `worker.server_down` (through getattr with a default, so a worker without the flag
+    would never have its server restored) and clears it once the server is back."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.LosesTheServerLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    assert worker.server_down is False
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not worker.server_down and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.server_down
+        worker.server_restored()
+        deadline = time.monotonic() + 30
+        observations = []
+        while ("test/dispatched_again", 1.0) not in observations and time.monotonic() < deadline:
+            observations += worker.drain_metrics()
+            time.sleep(0.05)
+        assert ("test/dispatched_again", 1.0) in observations
+    finally:
+        assert _finishes_within(30, worker.stop)
