@@ -76,6 +76,8 @@ class DiesMidMessageLoop:
     """A worker that starts, then dies halfway through writing a metrics message (as a child
     whose queue feeder is cut off at exit, or that is killed, would)."""
 
+    queue, dies_after_s = "metrics", 0.5
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
 
@@ -85,10 +87,16 @@ class DiesMidMessageLoop:
         import time
 
         self.kwargs["channels"].heartbeat.value = time.time()
-        writer = self.kwargs["channels"].metrics._writer
+        writer = getattr(self.kwargs["channels"], self.queue)._writer
         writer._send(struct.pack("!i", 1_000_000) + b"\0" * 100)  # a header promising 1 MB
-        time.sleep(0.5)
+        time.sleep(self.dies_after_s)
         os._exit(0)
+
+
+class DiesMidSampleLoop(DiesMidMessageLoop):
+    """The same on the sample queue, dying only once the trainer's pull is reading the message."""
+
+    queue, dies_after_s = "samples", 2.0
 
 
 class SlowToPickle(float):

@@ -103,3 +103,26 @@ def test_the_server_down_flag_goes_from_the_worker_to_the_trainer_and_back():
         assert ("test/dispatched_again", 1.0) in observations
     finally:
         assert _finishes_within(30, worker.stop)
+
+
+def test_a_sample_cut_off_by_the_workers_death_breaks_the_pull_instead_of_hanging_it():
+    """The trainer closes its copy of every queue's write end, the sample queue's too: a
+    worker dying mid-message then leaves the pull reading it an EOF, not a read that never ends."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.DiesMidSampleLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    errors = []
+
+    def pull():
+        try:
+            worker.pull(timeout=60.0)
+        except RolloutWorkerError as error:
+            errors.append(error)
+
+    try:
+        assert _finishes_within(30, pull)
+        assert errors
+    finally:
+        assert _finishes_within(30, worker.stop)
