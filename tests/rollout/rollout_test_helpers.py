@@ -215,3 +215,13 @@ class LosesTheServerLoop:
         while not self.channels.stop.is_set():
             self.channels.heartbeat.value = time.time()
             time.sleep(0.05)
+
+
+class DiesMidTracebackLoop(DiesMidMessageLoop):
+    """The same on the error queue: killed while its traceback is being written, `failed` set."""
+
+    queue, dies_after_s = "error", 2.0
+
+    def run(self):
+        self.kwargs["channels"].failed.set()
+        super().run()

@@ -126,3 +126,27 @@ def test_a_sample_cut_off_by_the_workers_death_breaks_the_pull_instead_of_hangin
         assert errors
     finally:
         assert _finishes_within(30, worker.stop)
+
+
+def test_a_traceback_cut_off_by_the_workers_death_still_fails_the_pull_with_the_workers_error():
+    """A worker killed while writing its traceback (after setting `failed`): the pull reports the
+    worker failed, its traceback lost, instead of hanging on the message forever."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.DiesMidTracebackLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    errors = []
+
+    def pull():
+        try:
+            worker.pull(timeout=60.0)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            errors.append(error)
+
+    try:
+        assert _finishes_within(30, pull)
+        assert len(errors) == 1 and isinstance(errors[0], RolloutWorkerError), errors
+        assert "traceback was lost" in str(errors[0])
+    finally:
+        assert _finishes_within(30, worker.stop)
