@@ -234,6 +234,68 @@ def test_only_the_misspelled_hooks_are_named_unknown():
     assert unknown == "'register_tool' (did you mean 'register_tools'?)"
 
 
+class WrongArgumentPlugin:
+    __name__ = "wrongarg"
+
+    @hookimpl
+    def register_rewards(self, reg):
+        reg(length_reward)
+
+
+def test_a_hook_with_a_wrongly_named_argument_says_which_argument_the_hook_passes():
+    """It was pluggy's PluginValidationError as a traceback from every command (`env list`
+    included), naming neither the distribution nor the argument to take."""
+    with pytest.raises(PluginError) as err:
+        build_registry(WrongArgumentPlugin())
+    message = str(err.value)
+    assert message.startswith("Plugin 'wrongarg' from test plugin wrongarg implements a hook with "
+                              "arguments it is not called with: register_rewards(reg) should be "
+                              "register_rewards(register)."), message
+
+
+class MissingArgumentPlugin:
+    __name__ = "noarg"
+
+    @hookimpl
+    def register_rewards(self):
+        register(length_reward)  # noqa: F821 -- the mistake: the argument was left out
+
+
+class RaisingHookPlugin:
+    __name__ = "raising"
+
+    @hookimpl
+    def register_environments(self, register):
+        raise RuntimeError("dataset server down")
+
+
+def test_a_hook_that_raises_names_its_plugin_hook_and_error():
+    """A hook raising (here a NameError: the hook left out its `register` argument) was a bare
+    traceback from every command, naming neither the plugin nor its distribution."""
+    with pytest.raises(PluginError) as err:
+        build_registry(MissingArgumentPlugin())
+    assert str(err.value) == (
+        "Plugin 'noarg' from test plugin noarg raised in its register_rewards hook: NameError: "
+        "name 'register' is not defined. Define it as register_rewards(register): the hook passes "
+        "'register'. Fix it.")
+    with pytest.raises(PluginError, match=r"^Plugin 'raising' from test plugin raising raised in "
+                                          r"its register_environments hook: RuntimeError: dataset "
+                                          r"server down\. Fix it\.$"):
+        build_registry(RaisingHookPlugin())
+
+
+def test_an_installed_plugin_with_a_broken_hook_says_how_to_skip_it(monkeypatch):
+    from grpo_agent.plugins import manager
+
+    pm = manager.PluginManager()
+    pm.add_hookspecs(manager.hookspecs)
+    with pytest.raises(PluginError) as err:
+        manager._register(pm, WrongArgumentPlugin(), "wrongarg", "grpo-agent-wrong", "1.0")
+    assert "Plugin 'wrongarg' from distribution grpo-agent-wrong 1.0 implements" in str(err.value)
+    assert str(err.value).endswith("Fix or uninstall it (pip uninstall grpo-agent-wrong), or skip it "
+                                   "with GRPO_AGENT_LOAD_PLUGINS.")
+
+
 def test_an_object_without_a_name_is_refused_naming_the_distribution():
     import functools
 

@@ -10,6 +10,7 @@ those entry points or distributions (empty = none); `GRPO_AGENT_TRACE_PLUGINS=1`
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
@@ -90,8 +91,52 @@ def _register(pm: PluginManager, plugin: Any, name: str, dist: str, version: str
             f"Plugin name {name!r} is used twice: by {_plugin_dist(pm, other)} and by {dist}. "
             "Uninstall one of them."
         )
-    pm.register(plugin, name=name)
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as err:  # pluggy's own text names neither the fix nor the dist
+        raise PluginError(_bad_arguments_message(pm, plugin, name, dist, version)) from err
     pm.distributions[name] = (dist, version)
+
+
+def _origin(name: str, dist: str, version: str) -> str:
+    """"Plugin 'x' from distribution d 1.0", as the import failure names it."""
+    return f"Plugin {name!r} from " + (f"distribution {dist} {version}" if version else dist)
+
+
+def _missing_arguments(impl: Any, wanted: list[str]) -> str:
+    """' Define it as hook(register): ...' when the implementation leaves out its argument."""
+    given = set(inspect.signature(impl).parameters)
+    if set(wanted) <= given:
+        return ""
+    name = getattr(impl, "__name__", "hook")
+    return (f" Define it as {name}({', '.join(wanted)}): the hook passes "
+            f"{', '.join(repr(arg) for arg in wanted)}.")
+
+
+def _fix_hint(dist: str, version: str) -> str:
+    """How to get past a broken installed plugin (test plugins have no version to uninstall)."""
+    if not version:
+        return "Fix it."
+    return f"Fix or uninstall it (pip uninstall {dist}), or skip it with {LOAD_ENV}."
+
+
+def _bad_arguments_message(pm: PluginManager, plugin: Any, name: str, dist: str, version: str) -> str:
+    """Which hook implementations take arguments their hook does not pass, and the right ones."""
+    bad = []
+    for hook_name in dir(pm.hook):
+        caller = getattr(pm.hook, hook_name)
+        impl = getattr(plugin, hook_name, None)
+        if hook_name.startswith("_") or caller.spec is None or not callable(impl):
+            continue
+        if pm.parse_hookimpl_opts(plugin, hook_name) is None:
+            continue
+        given = list(inspect.signature(impl).parameters)
+        wanted = list(caller.spec.argnames)
+        if set(given) - set(wanted):
+            bad.append(f"{hook_name}({', '.join(given)}) should be {hook_name}({', '.join(wanted)})")
+    return (f"{_origin(name, dist, version)} implements a hook with arguments it is not called "
+            f"with: {'; '.join(bad) or 'see the traceback (--debug)'}. Every hook receives its "
+            f"one argument by that name. {_fix_hint(dist, version)}")
 
 
 def _plugin_dist(pm: PluginManager, plugin: Any) -> str:
@@ -181,7 +226,18 @@ def resolve_hooks(pm: PluginManager) -> Registry:
                 register = registry.register_environment_callable(dist)
             else:
                 register = registry.register_callable(kind, dist)
-            pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
+            try:
+                pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
+            except PluginError:  # register's own refusals already name the problem and the fix
+                raise
+            except Exception as err:  # the plugin's code raised: say whose, not just a traceback
+                impl = getattr(plugin, hook_name, None)
+                wanted = list(getattr(pm.hook, hook_name).spec.argnames)
+                missing = _missing_arguments(impl, wanted) if callable(impl) else ""
+                raise PluginError(
+                    f"{_origin(plugin_name, dist, version)} raised in its {hook_name} hook: "
+                    f"{type(err).__name__}: {err}.{missing} {_fix_hint(dist, version)}"
+                ) from err
         registry.plugins.append(
             {
                 "name": plugin_name,
