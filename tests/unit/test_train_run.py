@@ -173,3 +173,23 @@ def test_a_model_without_a_stated_context_gets_the_wanted_server_length(monkeypa
                         lambda path: transformers.PretrainedConfig())
     assert run.managed_max_model_len("org/model", 16) == run.MANAGED_MAX_MODEL_LEN
     assert run.managed_max_model_len("org/model", 2048) == 2048 + run.PROMPT_ROOM
+
+
+def test_an_env_without_a_dataset_and_without_max_steps_is_refused_before_a_server_starts(
+        tmp_path, capsys, monkeypatch):
+    """`grpo-agent train --env counter` (reset samples its own tasks) without max_steps started the
+    managed server and loaded the model (2 minutes on a loaded 2-core box) before failing as "the
+    run failed: ValueError: ... set max_steps > 0", with advice to read error.log."""
+    from grpo_agent.cli.main import main
+    from grpo_agent.plugins import manager
+
+    monkeypatch.setenv(manager.LOAD_ENV, "counter")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "counter", "--output-dir", str(out),
+              "--vllm-url", "http://127.0.0.1:9"])  # never contacted
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert ("The env 'counter-v1' has no dataset (its reset() samples its own tasks), so the run "
+            "length is unknown: pass --set max_steps=N") in message, message
+    assert "the run failed" not in message and not (out / "config.json").exists(), message

@@ -77,6 +77,7 @@ def run_training(
     task = resolve_env_task(env, env_args, config.plugin_args, agent_played=agent is not None)
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
+    _check_run_length(task, config)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
         logger.warning(advice)
     eval_dataset = _eval_split(task, config)  # before the server: a run without one is refused
@@ -194,6 +195,15 @@ def _with_reset_prompts(dataset: Any, env: Any) -> Any:
     if dataset is None:
         return None
     return dataset.map(lambda row: {"prompt": build_prompt(row, env.reset(**row))})
+
+
+def _check_run_length(task: dict[str, Any], config: AsyncGRPOConfig) -> None:
+    """An env without a dataset has no epochs, so `max_steps` is the run's only length: refused
+    here, before the server starts (the trainer refused it only once the server and model were up)."""
+    if task["dataset"] is None and config.max_steps <= 0:
+        raise RunRefused(
+            f"The env {task['id']!r} has no dataset (its reset() samples its own tasks), so the "
+            "run length is unknown: pass --set max_steps=N (for example --set max_steps=20).")
 
 
 def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
