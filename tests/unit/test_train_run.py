@@ -193,3 +193,18 @@ def test_an_env_without_a_dataset_and_without_max_steps_is_refused_before_a_serv
     assert ("The env 'counter-v1' has no dataset (its reset() samples its own tasks), so the run "
             "length is unknown: pass --set max_steps=N") in message, message
     assert "the run failed" not in message and not (out / "config.json").exists(), message
+
+
+def test_a_model_folder_that_does_not_exist_is_refused_before_the_run_starts(tmp_path, capsys):
+    """`train --model runs/x/final` failed as "the run failed: OSError: Repo id must be in the
+    form 'repo_name' or 'namespace/repo_name'" after writing the run's config."""
+    from grpo_agent.cli.main import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "words", "--model", str(tmp_path / "x" / "final"), "--set",
+              "max_steps=1", "--output-dir", str(out), "--vllm-url", "http://127.0.0.1:9"])
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert f"--model {tmp_path / 'x' / 'final'}: no such folder." in message, message
+    assert "the run failed" not in message and not (out / "config.json").exists(), message

@@ -20,8 +20,11 @@ logger = logging.getLogger(__name__)
 
 def check_model_folder(model: str) -> str:
     """A local folder must hold a full model; an adapter-only checkpoint cannot be served."""
+    from grpo_agent.train.run import refuse_missing_folder
+
     folder = Path(model)
     if not folder.exists():
+        refuse_missing_folder(model)
         return model  # a hub id: the server and the tokenizer resolve it
     if not folder.is_dir():
         raise ValueError(f"--model {model} is a file: pass the model's folder (config.json, "

@@ -78,6 +78,8 @@ def run_training(
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
     _check_run_length(task, config)
+    if model:
+        refuse_missing_folder(model)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
         logger.warning(advice)
     eval_dataset = _eval_split(task, config)  # before the server: a run without one is refused
@@ -195,6 +197,17 @@ def _with_reset_prompts(dataset: Any, env: Any) -> Any:
     if dataset is None:
         return None
     return dataset.map(lambda row: {"prompt": build_prompt(row, env.reset(**row))})
+
+
+def refuse_missing_folder(model: str) -> None:
+    """A --model that is no folder here and cannot be a hub id (`name` or `namespace/name`) is a
+    mistyped or not yet written folder: say so, not the hub's "Repo id must be in the form"."""
+    if Path(model).exists():
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+        raise RunRefused(
+            f"--model {model}: no such folder. Pass a model folder (a run's OUTPUT_DIR/final or "
+            "OUTPUT_DIR/checkpoint-N) or a hub id (name or namespace/name).")
 
 
 def _check_run_length(task: dict[str, Any], config: AsyncGRPOConfig) -> None:
