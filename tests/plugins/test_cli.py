@@ -93,6 +93,16 @@ def test_yaml_run_file_is_read(cli, tmp_path):
          "Error: Config field 'gradient_checkpointing' takes true or false, got 'yes'."),
         (["--set", "token_budget=big"],
          "Error: Config field 'token_budget' takes an integer (or null), got 'big'."),
+        # A dict field's JSON with a lost brace was kept as text and failed only in the rollouts
+        # (json.loads of chat_template_kwargs); a number failed as an AttributeError traceback.
+        (["--set", 'chat_template_kwargs={"enable_thinking": false'],
+         ("Error: Config field 'chat_template_kwargs' takes a JSON object, got "
+          "'{\"enable_thinking\": false' (not valid JSON: Expecting ',' delimiter")),
+        (["--set", "model_init_kwargs=dtype=float32"],
+         "Error: Config field 'model_init_kwargs' takes a JSON object, got 'dtype=float32'"),
+        (["--set", "stall_timeouts=5"],
+         ("Error: Config field 'stall_timeouts' takes a JSON object, got 5 (int). Quote the whole "
+          "pair for the shell, e.g. --set 'stall_timeouts={\"name\": value}'.")),
     ],
 )
 def test_config_errors_are_one_line(cli, args, message):
@@ -328,6 +338,18 @@ def test_env_check_refuses_fewer_than_one_row(cli):
     assert code == 2
     assert "Invalid value for '--rows'" in err
     assert "passed" not in out
+
+
+def test_dict_fields_take_json_objects_and_path_fields_keep_their_paths(cli, tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("chat_template_kwargs = '{\"enable_thinking\": false}'\n")
+    code, out, err = cli("config", "show", "--config", str(run_file), "--set", "fsdp_config=fsdp.json",
+                         "--set", 'lr_scheduler_kwargs={"num_decay_steps": 10}')
+    assert code == 0, err
+    config = json.loads(out)
+    assert config["fsdp_config"] == "fsdp.json"  # a path to a JSON file, as in transformers
+    assert config["lr_scheduler_kwargs"] == {"num_decay_steps": 10}
+    assert config["chat_template_kwargs"] in ({"enable_thinking": False}, '{"enable_thinking": false}')
 
 
 def test_set_values_of_the_fields_type_are_kept(cli):

@@ -104,6 +104,36 @@ def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
     return AsyncGRPOConfig(**data)
 
 
+# Dict fields whose text may also be a path to a JSON file (as in transformers).
+PATH_OR_DICT_FIELDS = ("accelerator_config", "deepspeed", "fsdp_config")
+
+
+def _check_json_object(key: str, value: Any, allowed: set) -> None:
+    """A dict field given text that is no JSON object (`--set 'chat_template_kwargs={"a": 1'`
+    with its brace lost) was kept as a string and failed only inside the run's rollouts; a
+    number (`--set stall_timeouts=5`) failed as an AttributeError traceback."""
+    import typing
+
+    if value is None or isinstance(value, dict):
+        return
+    if not any(kind is dict or typing.get_origin(kind) is dict for kind in allowed):
+        return
+    problem = type(value).__name__
+    if isinstance(value, str):
+        if key in PATH_OR_DICT_FIELDS and not value.lstrip().startswith("{"):
+            return
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as err:
+            problem = f"not valid JSON: {err}"
+        else:
+            if isinstance(parsed, dict):  # a run file's string holding a JSON object
+                return
+            problem = f"JSON, but a {type(parsed).__name__}"
+    raise CliError(f"Config field {key!r} takes a JSON object, got {value!r} ({problem}). Quote the "
+                   f"whole pair for the shell, e.g. --set '{key}={{\"name\": value}}'.")
+
+
 def _check_scalar_types(config_class: type, data: dict[str, Any]) -> None:
     """A bool, int or float field given a value of another type (`--set max_steps=ten` arrives as
     the text 'ten') fails here, naming the field, instead of deep inside a run."""
@@ -115,6 +145,7 @@ def _check_scalar_types(config_class: type, data: dict[str, Any]) -> None:
     for key, value in data.items():
         hint = hints.get(key)
         allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+        _check_json_object(key, value, allowed)
         optional = type(None) in allowed
         allowed.discard(type(None))
         if len(allowed) != 1 or next(iter(allowed)) not in names or (value is None and optional):
