@@ -14,7 +14,7 @@ from grpo_agent import (
     prompt_filter,
     reward,
 )
-from grpo_agent.plugins import OptionError, build_registry
+from grpo_agent.plugins import OptionError, PluginError, build_registry
 from grpo_agent.plugins.options import bind_options, parse_pairs
 from grpo_agent.rollout.scoring import reward_name
 
@@ -270,6 +270,29 @@ def test_an_unknown_estimator_or_filter_fails_the_dry_run_not_the_rollout_worker
     code, _, err = cli("train", "--env", "counter", *args, "--dry-run", "--output-dir", str(tmp_path))
     assert code == 1
     assert err.startswith(message), err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"advantage_estimator": "curiculum"}, "Unknown advantage estimator 'curiculum'. Did you mean"),
+        ({"prompt_filters": ["curiculum"]}, "Unknown prompt filter 'curiculum'. Did you mean"),
+        ({"prompt_filters": ["curriculum"], "plugin_args": {"curriculum": {"pass_rate": 0.8}}},
+         "Unknown option 'pass_rate' for plugin 'curriculum'. Did you mean: pass_rate_cap?"),
+    ],
+)
+def test_the_python_trainer_checks_estimator_filters_and_plugin_args_at_construction(
+        tiny_model_path, tmp_path, config, message):
+    """The docs' `AsyncGRPOConfig(advantage_estimator=..., prompt_filters=..., plugin_args=...)`:
+    a typo was accepted by AsyncGRPOTrainer(...) and failed only in the spawned rollout worker,
+    after the server probe (the CLI checked it; the Python API did not)."""
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                           vllm_server_base_url="http://127.0.0.1:9", **config)  # never contacted
+    with pytest.raises(PluginError, match=message):
+        AsyncGRPOTrainer(str(tiny_model_path), reward_funcs=["accuracy"], args=args,
+                         train_dataset=[{"prompt": [{"role": "user", "content": "2+2?"}]}])
 
 
 def test_a_prompt_filter_given_as_text_is_its_name(cli, tmp_path):

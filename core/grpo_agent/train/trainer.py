@@ -120,6 +120,11 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             reward_funcs, tools, environment_factory, getattr(args, "plugin_args", None)
         )
         _check_dataset(train_dataset, environment_factory, args)
+        from grpo_agent.rollout.plugins import check_plugin_args
+
+        # Here, not only in the spawned worker: a misspelled advantage_estimator, prompt filter
+        # or plugin_args option fails at construction, before a server is probed.
+        check_plugin_args(args, self.reward_funcs)
         super().__init__(
             model=model,
             args=args,
