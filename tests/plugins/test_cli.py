@@ -332,6 +332,21 @@ def test_eval_hands_its_flags_to_run_eval(cli, tmp_path, monkeypatch):
     assert (config.eval_num_generations, config.eval_temperature, config.max_completion_length) == (3, 0.7, 64)
 
 
+def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_path, monkeypatch):
+    """`eval --set eval_num_generations=4 --set eval_temperature=0.7` evaluated greedily with one
+    rollout per row: the flags' defaults (1 and 0.0) overwrote the --set values silently."""
+    from grpo_agent.train import eval_run
+
+    calls = []
+    monkeypatch.setattr(eval_run, "run_eval", lambda env, config, **kw: calls.append(config) or ({}, kw["out_path"]))
+    monkeypatch.setattr(eval_run, "print_report", lambda report, path: None)
+    sets = ["--set", "eval_num_generations=4", "--set", "eval_temperature=0.7"]
+    assert cli("eval", "--env", "math", *sets)[0] == 0
+    assert cli("eval", "--env", "math", "--num-generations", "2", "--temperature", "0", *sets)[0] == 0
+    assert cli("eval", "--env", "math")[0] == 0
+    assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
+
+
 def test_env_check_refuses_fewer_than_one_row(cli):
     # Before, --rows 0 reset nothing, called no tool, scored no gold and still said "all 3 steps passed".
     code, out, err = cli("env", "check", "counter", "--rows", "0")

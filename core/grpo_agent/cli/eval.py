@@ -24,11 +24,15 @@ def evaluate(
         typer.Option("--vllm-url", help="Running vLLM server serving --model (default: start one here)."),
     ] = None,
     num_generations: Annotated[
-        int, typer.Option("--num-generations", min=1, help="Rollouts per row: pass@1 and pass@K.")
-    ] = 1,
+        int | None,
+        typer.Option("--num-generations", min=1,
+                     help="Rollouts per row: pass@1 and pass@K (default: --set eval_num_generations, else 1)."),
+    ] = None,
     temperature: Annotated[
-        float, typer.Option("--temperature", min=0.0, help="Sampling temperature (0 = greedy).")
-    ] = 0.0,
+        float | None,
+        typer.Option("--temperature", min=0.0,
+                     help="Sampling temperature, 0 = greedy (default: --set eval_temperature, else 0)."),
+    ] = None,
     env_args: Annotated[
         list[str] | None,
         typer.Option("--env-arg", help="Env option key=value (repeatable; `env show NAME` lists them)."),
