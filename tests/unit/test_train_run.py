@@ -208,3 +208,27 @@ def test_a_model_folder_that_does_not_exist_is_refused_before_the_run_starts(tmp
     assert done.value.code == 1, message[-3000:]
     assert f"--model {tmp_path / 'x' / 'final'}: no such folder." in message, message
     assert "the run failed" not in message and not (out / "config.json").exists(), message
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("eval_num_generations=0", "eval_num_generations=0: set it to 1 or more."),
+    ("per_device_eval_batch_size=0", "per_device_eval_batch_size=0: evaluation needs at least one"),
+    ("eval_temperature=-1", "eval_temperature=-1: use 0 (greedy) or more."),
+    ("metric_for_best_model=eval/pass@1", "metric_for_best_model / load_best_model_at_end are not"),
+])
+def test_eval_settings_that_cannot_work_are_refused_before_a_server_starts(
+        tmp_path, capsys, monkeypatch, setting, message):
+    """With the managed server these failed only after it started and the model loaded (minutes
+    on a 2-core box), as "the run failed: ValueError ... read the traceback in error.log"."""
+    from grpo_agent.cli.main import main
+    from grpo_agent.plugins import manager
+
+    monkeypatch.setenv(manager.LOAD_ENV, "counter")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "counter", "--set", "max_steps=1", "--set", "eval_on_start=true",
+              "--set", setting, "--output-dir", str(out), "--vllm-url", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert done.value.code == 1, err[-3000:]
+    assert f"Error: {message}" in err, err
+    assert "the run failed" not in err and not (out / "config.json").exists(), err

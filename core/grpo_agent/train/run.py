@@ -220,7 +220,8 @@ def _check_run_length(task: dict[str, Any], config: AsyncGRPOConfig) -> None:
 
 
 def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
-    """The env's eval split when the run evaluates (its success threshold unless one is set)."""
+    """The env's eval split when the run evaluates (its success threshold unless one is set);
+    eval settings that cannot work are refused here, before the server starts."""
     from grpo_agent.train.evaluation import wants_evaluation
 
     if not wants_evaluation(config):
@@ -236,6 +237,14 @@ def _eval_split(task: dict[str, Any], config: AsyncGRPOConfig) -> Any:
             f"({evaluation_settings(config)}). Train without evaluation (--set eval_strategy=no "
             "--set eval_on_start=false), or evaluate an env that declares one (counter, "
             "reasoning-gym: `grpo-agent env show NAME`).")
+    from grpo_agent.rollout.evaluation import EvalSettings
+    from grpo_agent.train.evaluation import check_eval_args
+
+    try:  # the trainer checks these too, but only once the server is up and the model loaded
+        EvalSettings.from_config(config)
+        check_eval_args(config, dataset)
+    except ValueError as err:
+        raise RunRefused(str(err)) from None
     return dataset
 
 
