@@ -185,6 +185,41 @@ def test_register_commands_hook_adds_a_command_to_the_app():
     assert result.exit_code == 0 and result.output == "hello plugins\n"
 
 
+class RaisingCommandPlugin:
+    __name__ = "badcommands"
+
+    @staticmethod
+    @hookimpl
+    def register_commands(app):
+        raise RuntimeError("typo in my command set-up")
+
+
+def test_a_raising_register_commands_hook_costs_only_its_own_commands(cli, monkeypatch):
+    """It ended every command (`env list`, `plugins list`, `--help`) in its traceback."""
+    from grpo_agent.cli import main as main_module
+    from grpo_agent.plugins import manager
+
+    pm = manager.build_plugin_manager(load_entry_points=False,
+                                      plugins=[RaisingCommandPlugin(), CommandPlugin()])
+    monkeypatch.setattr(manager, "plugin_manager", lambda **_: pm)
+    app = typer.Typer()  # not the real app: the test's `hello` command must not outlive it
+
+    @app.callback()
+    def root() -> None:
+        """Root."""
+
+    monkeypatch.setattr(main_module, "app", app)
+    main_module._add_optional_commands.cache_clear()
+    try:
+        code, out, err = cli("hello", "--name", "still")
+    finally:
+        main_module._add_optional_commands.cache_clear()
+    assert code == 0 and out == "hello still\n", err
+    assert err == ("Warning: plugin commands not loaded: Plugin 'badcommands' from test plugin "
+                   "badcommands raised in its register_commands hook: RuntimeError: typo in my "
+                   "command set-up. Fix it.\n")
+
+
 def test_train_hands_the_parsed_config_to_run_training(cli, tmp_path, monkeypatch):
     import grpo_agent.train.run as run_module
 

@@ -81,12 +81,15 @@ def _add_optional_commands() -> None:
 
         app.add_typer(doctor.app, name="doctor")
     from grpo_agent.plugins.errors import PluginError
-    from grpo_agent.plugins.manager import plugin_manager
+    from grpo_agent.plugins.manager import add_plugin_commands, plugin_manager
 
     try:
-        plugin_manager().hook.register_commands(app=app)
+        pm = plugin_manager()
     except PluginError as err:  # the CLI must still start so `plugins list` can report it
         typer.echo(f"Warning: plugin commands not loaded: {err}", err=True)
+        return
+    for problem in add_plugin_commands(pm, app):  # a raising hook costs only its own commands
+        typer.echo(f"Warning: plugin commands not loaded: {problem}", err=True)
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

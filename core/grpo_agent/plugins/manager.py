@@ -201,6 +201,24 @@ def _check_pending(pm: PluginManager) -> None:
         ) from err
 
 
+def add_plugin_commands(pm: PluginManager, app: Any) -> list[str]:
+    """Call each plugin's `register_commands` hook on the CLI's app; returns what went wrong.
+
+    One plugin at a time, so a hook that raises is named and skipped: it used to end every
+    command, `--help` and `plugins list` included, in its traceback."""
+    problems = []
+    plugins = pm.get_plugins()
+    for name, plugin in pm.list_name_plugin():
+        others = [other for other in plugins if other is not plugin]
+        try:
+            pm.subset_hook_caller("register_commands", remove_plugins=others)(app=app)
+        except Exception as err:  # noqa: BLE001 -- third-party code; the other commands still work
+            dist, version = pm.distribution_of(plugin)
+            problems.append(f"{_origin(name, dist, version)} raised in its register_commands hook: "
+                            f"{type(err).__name__}: {err}. {_fix_hint(dist, version)}")
+    return problems
+
+
 def plugin_manager(*, load_entry_points: bool = True) -> PluginManager:
     """The process-wide manager (cached per GRPO_AGENT_LOAD_PLUGINS value)."""
     key = (load_entry_points, os.environ.get(LOAD_ENV))
