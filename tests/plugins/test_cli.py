@@ -382,6 +382,22 @@ def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_
     assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
 
 
+def test_an_eval_that_fails_is_one_line_naming_the_error(cli, monkeypatch):
+    """`eval --vllm-url http://127.0.0.1:9` (nothing listening) printed a 70-line traceback before
+    the sampler's own one-line explanation."""
+    from grpo_agent.sampler.errors import ServerUnreachableError
+    from grpo_agent.train import eval_run
+
+    def unreachable(*args, **kwargs):
+        raise ServerUnreachableError("No vLLM server answered at http://127.0.0.1:9. Start one.")
+
+    monkeypatch.setattr(eval_run, "run_eval", unreachable)
+    code, out, err = cli("eval", "--env", "math", "--vllm-url", "http://127.0.0.1:9")
+    assert code == 1 and out == ""
+    assert err == ("Error: The evaluation failed: ServerUnreachableError: No vLLM server answered at "
+                   "http://127.0.0.1:9. Start one. (run with --debug for the traceback)\n"), err
+
+
 def test_env_check_refuses_fewer_than_one_row(cli):
     # Before, --rows 0 reset nothing, called no tool, scored no gold and still said "all 3 steps passed".
     code, out, err = cli("env", "check", "counter", "--rows", "0")

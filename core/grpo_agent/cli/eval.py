@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_agent.cli.errors import CliError
+from grpo_agent.cli.errors import CLI_ERRORS, CliError
 
 
 def evaluate(
@@ -61,6 +61,11 @@ def evaluate(
         from grpo_agent.train.eval_run import print_report, run_eval
     except ImportError as err:
         raise CliError(f"Evaluation is not available in this install ({err}).") from err
-    report, path = run_eval(env, config, model=model, vllm_url=vllm_url,
-                            env_args=parse_pairs(env_args or [], "--env-arg"), out_path=out)
+    try:
+        report, path = run_eval(env, config, model=model, vllm_url=vllm_url,
+                                env_args=parse_pairs(env_args or [], "--env-arg"), out_path=out)
+    except CLI_ERRORS:
+        raise
+    except Exception as err:  # an unreachable --vllm-url or a server that failed to start: one line
+        raise CliError(f"The evaluation failed: {type(err).__name__}: {err}") from err
     print_report(report, path)
