@@ -220,6 +220,40 @@ def test_a_raising_register_commands_hook_costs_only_its_own_commands(cli, monke
                    "command set-up. Fix it.\n")
 
 
+def test_a_plugin_host_that_cannot_load_is_reported_once(cli, monkeypatch):
+    """`GRPO_AGENT_LOAD_PLUGINS=countr grpo-agent env list` printed the same 500-character
+    message twice, as a start-up warning and as the command's error."""
+    from grpo_agent.cli import main as main_module
+    from grpo_agent.plugins import manager
+
+    app = typer.Typer()  # a fresh app: the doctor group is added to it again
+
+    @app.callback()
+    def root() -> None:
+        """Root."""
+
+    @app.command("needs-plugins")
+    def needs_plugins() -> None:
+        manager.load_registry()
+
+    @app.command("no-plugins")
+    def no_plugins() -> None:
+        typer.echo("done")
+
+    monkeypatch.setattr(main_module, "app", app)
+    monkeypatch.setenv(manager.LOAD_ENV, "no-such-plugin-xyz")
+    main_module._add_optional_commands.cache_clear()
+    try:
+        code, _, err = cli("needs-plugins")
+        assert code == 1 and err.count("GRPO_AGENT_LOAD_PLUGINS names 'no-such-plugin-xyz'") == 1, err
+        assert err.startswith("Error: GRPO_AGENT_LOAD_PLUGINS names"), err
+        code, out, err = cli("no-plugins")  # still warned where the command itself cannot say it
+        assert code == 0 and out == "done\n", err
+        assert err.startswith("Warning: plugin commands not loaded: GRPO_AGENT_LOAD_PLUGINS names"), err
+    finally:
+        main_module._add_optional_commands.cache_clear()
+
+
 def test_train_hands_the_parsed_config_to_run_training(cli, tmp_path, monkeypatch):
     import grpo_agent.train.run as run_module
 

@@ -74,8 +74,9 @@ def tiny_model(
 
 
 @functools.cache
-def _add_optional_commands() -> None:
-    """The doctor group (if present) and commands contributed by installed plugins."""
+def _add_optional_commands() -> str | None:
+    """The doctor group (if present) and commands contributed by installed plugins; returns
+    why no plugin could load (the plugin host's error), which `main` reports once."""
     if importlib.util.find_spec("grpo_agent.cli.doctor") is not None:
         from grpo_agent.cli import doctor
 
@@ -86,10 +87,10 @@ def _add_optional_commands() -> None:
     try:
         pm = plugin_manager()
     except PluginError as err:  # the CLI must still start so `plugins list` can report it
-        typer.echo(f"Warning: plugin commands not loaded: {err}", err=True)
-        return
+        return str(err)
     for problem in add_plugin_commands(pm, app):  # a raising hook costs only its own commands
         typer.echo(f"Warning: plugin commands not loaded: {problem}", err=True)
+    return None
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -99,17 +100,28 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; known errors become one line on stderr and exit code 1."""
-    _add_optional_commands()
+    """Run the CLI; known errors become one line on stderr and exit code 1.
+
+    A plugin host that cannot load is a warning after commands that do not need it (`--help`,
+    `config show`); a command that fails with that same error prints it once, as its error."""
+    broken = _add_optional_commands()
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
+    warned = broken is None
     try:
         app(args=args, prog_name="grpo-agent")  # typer reports usage errors and exits itself
     except _known_errors() as err:
+        warned = warned or str(err) == broken
         if debug:
             raise
+        if not warned:
+            typer.echo(f"Warning: plugin commands not loaded: {broken}", err=True)
+            warned = True
         typer.echo(f"Error: {err} (run with --debug for the traceback)", err=True)
         sys.exit(1)
+    finally:
+        if not warned:
+            typer.echo(f"Warning: plugin commands not loaded: {broken}", err=True)
 
 
 if __name__ == "__main__":
