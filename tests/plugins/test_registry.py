@@ -234,6 +234,24 @@ def test_only_the_misspelled_hooks_are_named_unknown():
     assert unknown == "'register_tool' (did you mean 'register_tools'?)"
 
 
+class UnmarkedPlugin:
+    __name__ = "unmarked"
+
+    def register_rewards(self, register):  # the mistake: no @hookimpl
+        register(length_reward)
+
+
+def test_a_hook_without_hookimpl_is_an_error_saying_to_decorate_it():
+    """pluggy never calls it, so its names were "Unknown reward 'length' ... Install the plugin
+    that provides it" although the plugin was installed."""
+    with pytest.raises(PluginError) as err:
+        build_registry(UnmarkedPlugin())
+    assert str(err.value) == (
+        "Plugin 'unmarked' from test plugin unmarked defines register_rewards without @hookimpl, "
+        "so it is never called. Decorate it: `from grpo_agent import hookimpl`, then `@hookimpl` "
+        "above `def register_rewards(...)`.")
+
+
 class WrongArgumentPlugin:
     __name__ = "wrongarg"
 

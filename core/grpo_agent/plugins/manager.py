@@ -162,6 +162,7 @@ def build_plugin_manager(
         name = getattr(plugin, "__name__", None) or type(plugin).__name__
         _register(pm, plugin, name, f"test plugin {name}", "")
     _check_pending(pm)
+    _check_unmarked(pm)
     return pm
 
 
@@ -174,6 +175,21 @@ def _load(ep: EntryPoint, dist: str, version: str) -> ModuleType:
             f"({ep.value}): {type(err).__name__}: {err}. Fix or uninstall it "
             f"(pip uninstall {dist}), or skip it with {LOAD_ENV}."
         ) from err
+
+
+def _check_unmarked(pm: PluginManager) -> None:
+    """Fail on a hook function without `@hookimpl`: pluggy never calls it, so everything it
+    registers was reported as "Unknown reward 'x' ... Install the plugin that provides it"."""
+    hooks = [name for name in dir(pm.hook) if not name.startswith("_")]
+    for name, plugin in pm.list_name_plugin():
+        unmarked = [hook for hook in hooks if callable(getattr(plugin, hook, None))
+                    and pm.parse_hookimpl_opts(plugin, hook) is None]
+        if unmarked:
+            dist, version = pm.distribution_of(plugin)
+            raise PluginError(
+                f"{_origin(name, dist, version)} defines {', '.join(unmarked)} without @hookimpl, "
+                "so it is never called. Decorate it: `from grpo_agent import hookimpl`, then "
+                f"`@hookimpl` above `def {unmarked[0]}(...)`.")
 
 
 def _check_pending(pm: PluginManager) -> None:
