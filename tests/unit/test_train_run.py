@@ -232,3 +232,37 @@ def test_eval_settings_that_cannot_work_are_refused_before_a_server_starts(
     assert done.value.code == 1, err[-3000:]
     assert f"Error: {message}" in err, err
     assert "the run failed" not in err and not (out / "config.json").exists(), err
+
+
+class _Unscored:
+    """An env with no declared rewards and no get_reward."""
+
+    def reset(self, **row):
+        return "say hi"
+
+
+class _SelfScored(_Unscored):
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_an_env_without_any_reward_source_is_refused_before_a_server_starts(tmp_path, capsys):
+    """`train --env` on an env with neither rewards=[...] nor get_reward() ran with every group
+    dropped as unscored until no_progress_timeout (30 min) stopped it."""
+    from grpo_agent.cli.main import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "tests.unit.test_train_run:_Unscored", "--set", "max_steps=1",
+              "--output-dir", str(out), "--vllm-url", "http://127.0.0.1:9"])  # never contacted
+    err = capsys.readouterr().err
+    assert done.value.code == 1, err[-3000:]
+    assert ("Error: The env '_Unscored' has no reward source: no "
+            "rewards=[...] in its @environment(...) and no get_reward() method") in err, err
+    assert "the run failed" not in err and not (out / "config.json").exists(), err
+    import functools
+
+    task = {"id": "unscored", "reward_funcs": [], "environment_factory": _Unscored}
+    for factory in (_SelfScored, functools.partial(_SelfScored), {"a": _Unscored, "b": _SelfScored}):
+        run._check_reward_source({**task, "environment_factory": factory})
+    run._check_reward_source({**task, "reward_funcs": [len]})

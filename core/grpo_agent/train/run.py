@@ -77,6 +77,8 @@ def run_training(
     task = resolve_env_task(env, env_args, config.plugin_args, agent_played=agent is not None)
     if agent is not None:  # before the server starts: an env an agent cannot run is refused now
         task = agent_task(task)
+    else:
+        _check_reward_source(task)
     _check_run_length(task, config)
     if model:
         refuse_missing_folder(model)
@@ -208,6 +210,21 @@ def refuse_missing_folder(model: str) -> None:
         raise RunRefused(
             f"--model {model}: no such folder. Pass a model folder (a run's OUTPUT_DIR/final or "
             "OUTPUT_DIR/checkpoint-N) or a hub id (name or namespace/name).")
+
+
+def _check_reward_source(task: dict[str, Any]) -> None:
+    """An env with no declared rewards and no `get_reward` scores nothing: every group would be
+    dropped as unscored until no_progress_timeout (30 min) stops the run."""
+    factory = task["environment_factory"]
+    classes = list(factory.values()) if isinstance(factory, dict) else [factory]
+    if task["reward_funcs"] or any(
+            callable(getattr(getattr(cls, "func", cls), "get_reward", None)) for cls in classes):
+        return
+    raise RunRefused(
+        f"The env {task['id']!r} has no reward source: no rewards=[...] in its @environment(...) "
+        "and no get_reward() method, so every rollout would be unscored and no step could train. "
+        "Declare one of them in the env's package (`grpo-agent env show NAME` lists its reward "
+        "sources).")
 
 
 def _check_run_length(task: dict[str, Any], config: AsyncGRPOConfig) -> None:
