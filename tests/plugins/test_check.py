@@ -152,6 +152,9 @@ def test_a_short_dataset_checks_the_rows_it_has_and_no_gold_means_no_gold_step()
         def reset(self, **row):
             return "go"
 
+        def get_reward(self) -> float:
+            return 0.0
+
     spec = environment_spec_from_class(Plain, "plain", "test")
     spec.dataset = lambda: [{"prompt": "only row"}]
     steps = check_environment(spec, build_registry(), 3)
@@ -228,3 +231,25 @@ def test_a_gold_answer_is_scored_by_rewards_with_their_declared_options():
                if step.name == "gold answer row 0"]
     assert gold.ok, gold.detail
     assert gold.detail == "reward 2.0"
+
+
+def test_an_env_without_any_reward_source_fails_its_rewards_step():
+    """It passed as "rewards: get_reward only" though the env had no get_reward; `train --env`
+    then dropped every group as unscored."""
+    class Unscored:
+        def reset(self, **row):
+            return "go"
+
+    class SelfScored(Unscored):
+        def get_reward(self) -> float:
+            return 1.0
+
+    registry = build_registry()
+    (rewards,) = [step for step in check_environment(environment_spec_from_class(
+        Unscored, "unscored", "test"), registry, 1) if step.name == "rewards"]
+    assert not rewards.ok and rewards.detail.startswith(
+        "ValueError: no reward source: declare rewards=[...] in @environment(...) or define "
+        "get_reward()"), rewards.detail
+    (rewards,) = [step for step in check_environment(environment_spec_from_class(
+        SelfScored, "scored", "test"), registry, 1) if step.name == "rewards"]
+    assert rewards.ok and rewards.detail == "get_reward only"

@@ -82,9 +82,7 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
     _run_step(steps, "dataset", load)
     _run_step(steps, "tool schemas", lambda: _schema_names(spec))
     agent = getattr(spec.factory, "agent_only", None)
-    without_rewards = f"the {agent!r} agent's own score" if agent else "get_reward only"
-    _run_step(steps, "rewards", lambda: ", ".join(
-        getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards) or without_rewards)
+    _run_step(steps, "rewards", lambda: _reward_sources(spec, registry, agent))
     if agent:  # its episodes need a model: nothing to reset, call or score here
         steps.append(CheckStep("episodes", True, (
             f"not checked here: {spec.name!r} is agent-only (the {agent!r} agent plays each row "
@@ -99,6 +97,20 @@ def check_environment(spec: EnvironmentSpec, registry: Registry, num_rows: int =
         if spec.gold is not None:
             _run_step(steps, f"gold answer row {i}", lambda row=row: _check_gold(spec, registry, row))
     return steps
+
+
+def _reward_sources(spec: EnvironmentSpec, registry: Registry, agent: str | None) -> str:
+    """What scores the env's rollouts; none at all fails (it said "get_reward only" for an env
+    without get_reward, whose `train --env` run then dropped every group as unscored)."""
+    names = ", ".join(getattr(registry.resolve_reward(r), "__name__", str(r)) for r in spec.rewards)
+    if names:
+        return names
+    if agent:
+        return f"the {agent!r} agent's own score"
+    if callable(getattr(spec.factory, "get_reward", None)):
+        return "get_reward only"
+    raise ValueError("no reward source: declare rewards=[...] in @environment(...) or define "
+                     "get_reward(); `grpo-agent train --env` would score no rollout.")
 
 
 def _env_args(spec: EnvironmentSpec) -> str:
