@@ -105,36 +105,13 @@ def test_the_server_down_flag_goes_from_the_worker_to_the_trainer_and_back():
         assert _finishes_within(30, worker.stop)
 
 
-def test_a_sample_cut_off_by_the_workers_death_breaks_the_pull_instead_of_hanging_it():
-    """The trainer closes its copy of every queue's write end, the sample queue's too: a
-    worker dying mid-message then leaves the pull reading it an EOF, not a read that never ends."""
+def _errors_of_one_pull(loop) -> list[Exception]:
+    """A worker on `loop` pulled once: the pull must end within 30 s (not hang), and so must
+    the stop; returns what the pull raised."""
     config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
                              rollout_worker_timeout=60.0, seed=0)
-    worker = RolloutWorker(helpers.DiesMidSampleLoop, config=config, model_name="unused",
-                           dataset=[], reward_funcs=[], processing_class=None)
-    worker.start()
-    errors = []
-
-    def pull():
-        try:
-            worker.pull(timeout=60.0)
-        except RolloutWorkerError as error:
-            errors.append(error)
-
-    try:
-        assert _finishes_within(30, pull)
-        assert errors
-    finally:
-        assert _finishes_within(30, worker.stop)
-
-
-def test_a_traceback_cut_off_by_the_workers_death_still_fails_the_pull_with_the_workers_error():
-    """A worker killed while writing its traceback (after setting `failed`): the pull reports the
-    worker failed, its traceback lost, instead of hanging on the message forever."""
-    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
-                             rollout_worker_timeout=60.0, seed=0)
-    worker = RolloutWorker(helpers.DiesMidTracebackLoop, config=config, model_name="unused",
-                           dataset=[], reward_funcs=[], processing_class=None)
+    worker = RolloutWorker(loop, config=config, model_name="unused", dataset=[], reward_funcs=[],
+                           processing_class=None)
     worker.start()
     errors = []
 
@@ -146,7 +123,21 @@ def test_a_traceback_cut_off_by_the_workers_death_still_fails_the_pull_with_the_
 
     try:
         assert _finishes_within(30, pull)
-        assert len(errors) == 1 and isinstance(errors[0], RolloutWorkerError), errors
-        assert "traceback was lost" in str(errors[0])
     finally:
         assert _finishes_within(30, worker.stop)
+    return errors
+
+
+def test_a_sample_cut_off_by_the_workers_death_breaks_the_pull_instead_of_hanging_it():
+    """The trainer closes its copy of every queue's write end, the sample queue's too: a
+    worker dying mid-message then leaves the pull reading it an EOF, not a read that never ends."""
+    errors = _errors_of_one_pull(helpers.DiesMidSampleLoop)
+    assert errors and all(isinstance(error, RolloutWorkerError) for error in errors), errors
+
+
+def test_a_traceback_cut_off_by_the_workers_death_still_fails_the_pull_with_the_workers_error():
+    """A worker killed while writing its traceback (after setting `failed`): the pull reports the
+    worker failed, its traceback lost, instead of hanging on the message forever."""
+    errors = _errors_of_one_pull(helpers.DiesMidTracebackLoop)
+    assert len(errors) == 1 and isinstance(errors[0], RolloutWorkerError), errors
+    assert "traceback was lost" in str(errors[0])
