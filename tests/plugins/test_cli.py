@@ -125,8 +125,8 @@ def test_train_dry_run_resolves_env_and_config(cli, tmp_path):
 
 def test_train_dry_run_shows_the_lora_adapter(cli, tmp_path):
     code, out, _ = cli(
-        "train", "--env", "counter", "--lora-rank", "8", "--lora-target-modules",
-        "q_proj, v_proj", "--output-dir", str(tmp_path / "run"), "--dry-run",
+        "train", "--env", "counter", "--set", "max_steps=1", "--lora-rank", "8",
+        "--lora-target-modules", "q_proj, v_proj", "--output-dir", str(tmp_path / "run"), "--dry-run",
     )
     assert code == 0
     lora_line = out.splitlines()[2]
@@ -305,7 +305,8 @@ def test_an_explicit_flag_beats_set_and_the_run_file_and_an_absent_one_changes_n
     run_file.write_text(f'output_dir = "{tmp_path / "from-file"}"\n')
 
     def output_dir(*args):
-        code, out, err = cli("train", "--env", "counter", "--config", str(run_file), *args, "--dry-run")
+        code, out, err = cli("train", "--env", "counter", "--config", str(run_file), *args,
+                             "--set", "max_steps=1", "--dry-run")
         assert code == 0, err
         return json.loads(out.split("\n", 2)[2])["output_dir"]
 
@@ -355,7 +356,8 @@ def test_plugin_arg_flags_add_to_the_run_files_options_of_that_plugin(cli, tmp_p
 
     monkeypatch.setattr(rollout_plugins, "check_plugin_args", lambda config, funcs: None)
     run_file = tmp_path / "run.toml"
-    run_file.write_text('env = "counter"\n[plugin_args.curriculum]\npass_rate_cap = 0.5\nwindow = 4\n')
+    run_file.write_text('env = "counter"\nmax_steps = 1\n[plugin_args.curriculum]\npass_rate_cap = 0.5\n'
+                        'window = 4\n')
     code, out, err = cli("train", "--config", str(run_file), "--plugin-arg", "curriculum.pass_rate_cap=0.7",
                          "--dry-run", "--output-dir", str(tmp_path))
     assert code == 0, err
@@ -365,8 +367,8 @@ def test_plugin_arg_flags_add_to_the_run_files_options_of_that_plugin(cli, tmp_p
 def test_lora_defaults_to_all_linear_as_one_name_and_an_explicit_alpha_is_kept(cli, tmp_path):
     """PEFT reads the string "all-linear" as every linear layer; a list ['all-linear'] would
     name a module that does not exist."""
-    code, out, err = cli("train", "--env", "counter", "--lora-rank", "4", "--lora-alpha", "5",
-                         "--output-dir", str(tmp_path), "--dry-run")
+    code, out, err = cli("train", "--env", "counter", "--set", "max_steps=1", "--lora-rank", "4",
+                         "--lora-alpha", "5", "--output-dir", str(tmp_path), "--dry-run")
     assert code == 0, err
     assert out.splitlines()[2] == "lora: {'r': 4, 'lora_alpha': 5, 'target_modules': 'all-linear'}"
     code, _, err = cli("train", "--env", "counter", "--lora-rank", "4", "--lora-target-modules", " , ",

@@ -296,8 +296,9 @@ def test_the_python_trainer_checks_estimator_filters_and_plugin_args_at_construc
 
 
 def test_a_prompt_filter_given_as_text_is_its_name(cli, tmp_path):
-    code, out, err = cli("train", "--env", "counter", "--set", "prompt_filters=curriculum", "--plugin-arg",
-                         "curriculum.pass_rate_cap=0.5", "--dry-run", "--output-dir", str(tmp_path))
+    code, out, err = cli("train", "--env", "counter", "--set", "max_steps=1", "--set",
+                         "prompt_filters=curriculum", "--plugin-arg", "curriculum.pass_rate_cap=0.5",
+                         "--dry-run", "--output-dir", str(tmp_path))
     assert code == 0, err
     assert json.loads(out.split("\n", 2)[2])["prompt_filters"] == ["curriculum"]
 

@@ -266,3 +266,39 @@ def test_an_env_without_any_reward_source_is_refused_before_a_server_starts(tmp_
     for factory in (_SelfScored, functools.partial(_SelfScored), {"a": _Unscored, "b": _SelfScored}):
         run._check_reward_source({**task, "environment_factory": factory})
     run._check_reward_source({**task, "reward_funcs": [len]})
+
+
+class _AgentOnly(_SelfScored):
+    """An env played by its own agent program (as verifiers' is)."""
+
+    agent_only = "its-agent"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--env", "counter"], ("The env 'counter-v1' has no dataset (its reset() samples its own "
+                            "tasks), so the run length is unknown: pass --set max_steps=N")),
+    (["--env", "words", "--set", "max_steps=1", "--model", "{tmp}/x/final"],
+     "--model {tmp}/x/final: no such folder."),
+    (["--env", "words", "--set", "max_steps=1", "--set", "eval_on_start=true"],
+     "The env 'words-v1' declares no eval split, but the run evaluates"),
+    (["--env", "counter", "--set", "max_steps=1", "--agent-cmd", "python agent.py"],
+     ("The env 'counter-v1' has no dataset (its reset() draws each task) and its reward comes "
+      "from its own increment() tool and get_reward().")),
+    (["--env", "tests.unit.test_train_run:_AgentOnly", "--set", "max_steps=1"],
+     ("The env '_AgentOnly' is played by its own agent program, not the built-in tool loop: add "
+      "--agent its-agent")),
+    (["--env", "words", "--set", "max_steps=1", "--set", "resume_from_checkpoint=last"],
+     "Cannot resume: {tmp}/run has no complete checkpoint-N folder"),
+])
+def test_a_dry_run_is_refused_where_the_real_run_is(tmp_path, capsys, args, message):
+    """`train --dry-run` printed the config and exited 0 for runs that `train` refuses within
+    seconds (counter without max_steps, a mistyped --model folder): it skipped those checks."""
+    from grpo_agent.cli.main import main
+
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    with pytest.raises(SystemExit) as done:
+        main(["train", *args, "--output-dir", str(tmp_path / "run"), "--dry-run"])
+    captured = capsys.readouterr()
+    assert done.value.code == 1, captured.err[-3000:]
+    assert f"Error: {message.replace('{tmp}', str(tmp_path))}" in captured.err, captured.err
+    assert captured.out == "" and not (tmp_path / "run").exists()

@@ -63,7 +63,8 @@ def train(
                      "the row as JSON on stdin and its reward on stdout (docs/harness.md, As a command)."),
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Resolve env and config, print them, do not train.")
+        bool, typer.Option("--dry-run", help="Make the run's start-up checks, print the "
+                                "env and config, do not train.")
     ] = False,
 ) -> None:
     """Train on a registered environment.
@@ -106,7 +107,14 @@ def train(
     if lora_rank is not None:
         lora = {"r": lora_rank, "lora_alpha": lora_alpha or 2 * lora_rank,
                 "target_modules": _target_modules(lora_target_modules)}
+    from grpo_agent.train.checkpoint import ResumeError
+    from grpo_agent.train.run import RunRefused, check_run, run_training
     if dry_run:
+        try:  # the real run's refusals: a dry run that passes is not refused when it trains
+            check_run(env, config, model, env_args=spec.option_values,
+                      agent_played=bool(agent or agent_cmd))
+        except (RunRefused, ResumeError) as err:
+            raise CliError(str(err)) from None
         options = f"  options: {spec.option_values}" if spec.options else ""
         typer.echo(f"env: {spec.id} [{spec.distribution}]{options}")
         typer.echo(f"model: {model or '(tiny test model)'}  vllm: {vllm_url or '(managed here)'}")
@@ -116,8 +124,6 @@ def train(
             typer.echo(f"lora: {lora}")
         typer.echo(config.to_json_string())
         return
-    from grpo_agent.train.checkpoint import ResumeError
-    from grpo_agent.train.run import RunRefused, run_training
     program = agent
     if agent_cmd:
         from grpo_agent.rollout.agent_programs import AgentCommand

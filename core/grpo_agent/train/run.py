@@ -64,7 +64,6 @@ def run_training(
     tool loop: `HarnessAsyncGRPOTrainer` runs it on the env's dataset and rewards."""
     from transformers.trainer_callback import PrinterCallback
 
-    from grpo_agent.train.checkpoint import resume_checkpoint
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -74,19 +73,9 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
-    task = resolve_env_task(env, env_args, config.plugin_args, agent_played=agent is not None)
-    if agent is not None:  # before the server starts: an env an agent cannot run is refused now
-        task = agent_task(task)
-    else:
-        _check_reward_source(task)
-    _check_run_length(task, config)
-    if model:
-        refuse_missing_folder(model)
-    if model is None and (advice := tiny_model_advice(config.learning_rate)):
-        logger.warning(advice)
-    eval_dataset = _eval_split(task, config)  # before the server: a run without one is refused
+    task, eval_dataset, resume = check_run(env, config, model, resume_from_checkpoint, env_args,
+                                           agent_played=agent is not None)
     output_dir = Path(config.output_dir)
-    resume = resume_checkpoint(_resume_arg(resume_from_checkpoint, config), output_dir)
     model_path = model or _tiny_model_path()
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
@@ -110,6 +99,30 @@ def run_training(
         plot_reward_and_length(metrics, output_dir / PLOT_NAME)
     _leave_process_group()
     return output_dir
+
+
+def check_run(env: str, config: AsyncGRPOConfig, model: str | None = None,
+              resume_from_checkpoint: str | bool | None = None,
+              env_args: dict[str, Any] | None = None, *,
+              agent_played: bool = False) -> tuple[dict[str, Any], Any, str | None]:
+    """Every refusal a run makes before its server starts; returns the run's task, eval split and
+    checkpoint to resume from. `run_training` and `train --dry-run` both call it, so a dry run
+    that passes is not refused seconds into the real run. Raises `RunRefused` or `ResumeError`."""
+    from grpo_agent.train.checkpoint import resume_checkpoint
+
+    task = resolve_env_task(env, env_args, config.plugin_args, agent_played=agent_played)
+    if agent_played:  # an env an agent cannot run is refused here
+        task = agent_task(task)
+    else:
+        _check_reward_source(task)
+    _check_run_length(task, config)
+    if model:
+        refuse_missing_folder(model)
+    if model is None and (advice := tiny_model_advice(config.learning_rate)):
+        logger.warning(advice)
+    eval_dataset = _eval_split(task, config)  # a run that evaluates without a split is refused
+    resume = resume_checkpoint(_resume_arg(resume_from_checkpoint, config), config.output_dir)
+    return task, eval_dataset, resume
 
 
 def _leave_process_group() -> None:
