@@ -199,6 +199,29 @@ def test_env_tool_method_without_schema_is_reported_by_class_and_method():
         build_registry(BadEnvPlugin())
 
 
+def test_a_tool_without_a_schema_names_the_plugin_and_distribution_that_registered_it():
+    """The error named only the tool ('undocumented', 'UndocumentedEnv.move'): with several
+    plugins installed, nothing said which one to fix or skip."""
+    from grpo_agent.plugins import manager
+
+    with pytest.raises(ToolSchemaError, match=r"^Plugin 'noschema' from test plugin noschema, in its "
+                                              r"register_tools hook: Tool 'undocumented' has no"):
+        build_registry(NoSchemaPlugin())
+    with pytest.raises(ToolSchemaError, match=r"^Plugin 'badenv' from test plugin badenv, in its "
+                                              r"register_environments hook: Tool 'UndocumentedEnv"):
+        build_registry(BadEnvPlugin())
+    pm = manager.PluginManager()
+    pm.add_hookspecs(manager.hookspecs)
+    manager._register(pm, NoSchemaPlugin(), "noschema", "grpo-agent-noschema", "1.0")
+    with pytest.raises(ToolSchemaError) as err:
+        manager.resolve_hooks(pm)
+    message = str(err.value)
+    assert message.startswith("Plugin 'noschema' from distribution grpo-agent-noschema 1.0, in its "
+                              "register_tools hook: Tool 'undocumented'"), message
+    assert message.endswith("Fix or uninstall it (pip uninstall grpo-agent-noschema), or skip it "
+                            "with GRPO_AGENT_LOAD_PLUGINS."), message
+
+
 class MisspelledPlugin:
     __name__ = "misspelled"
 

@@ -20,7 +20,12 @@ from typing import Any
 import pluggy
 
 from grpo_agent.plugins import hookspecs
-from grpo_agent.plugins.errors import DuplicateNameError, PluginError, PluginImportError
+from grpo_agent.plugins.errors import (
+    DuplicateNameError,
+    PluginError,
+    PluginImportError,
+    ToolSchemaError,
+)
 from grpo_agent.plugins.registry import EnvironmentSpec, Registry
 
 BUILTIN_DISTRIBUTION = "grpo-agent (built-in)"
@@ -262,6 +267,11 @@ def resolve_hooks(pm: PluginManager) -> Registry:
                 register = registry.register_callable(kind, dist)
             try:
                 pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
+            except ToolSchemaError as err:  # it names the tool, not the plugin that registered it
+                fix = f"\n{_fix_hint(dist, version)}" if version else ""  # one installed, not yours
+                raise ToolSchemaError(
+                    f"{_origin(plugin_name, dist, version)}, in its {hook_name} hook: {err}{fix}"
+                ) from err
             except PluginError:  # register's own refusals already name the problem and the fix
                 raise
             except Exception as err:  # the plugin's code raised: say whose, not just a traceback
