@@ -172,7 +172,7 @@ def main() -> None:
                 for seed in range(args.rows)]
         flops = perf.packed_training_flops(model.config, rows)
         reference = None
-        variants = [(b, g, h, d, m, f, i, c, sw) for b in args.backends.split(",")
+        variants = [(b, g, h, d, m, f, i, c, sw, cm) for b in args.backends.split(",")
                     for g in args.gather_dtypes.split(",") for h in args.lm_heads.split(",")
                     for d in args.dense.split(",") for m in args.merges.split(",")
                     for f in args.fuse.split(",") for i in impls
