@@ -230,17 +230,35 @@ def test_no_progress_timeout_zero_only_warns(tmp_path):
 
 
 def test_a_trainable_sample_restarts_the_no_progress_clock_and_the_warning(caplog):
-    guard = no_progress.NoProgressGuard(timeout_s=60, watch=None)
+    guard = no_progress.NoProgressGuard(timeout_s=600, watch=None)
     guard.last_progress -= 10_000  # long idle before the sample below
     guard.record(None)
     with caplog.at_level(logging.WARNING, logger="grpo_agent.train.no_progress"):
-        for streak in range(2):
+        for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+            guard.record("stalled")
+        guard.check()  # no raise: the last trainable sample came just now
+        assert caplog.text.count("No progress") == 1  # the run's first streak warns at once
+        assert "rollouts pass their stage deadlines" in caplog.text
+        guard.record(None)
+        for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+            guard.record("stalled")
+        guard.check()  # no raise either, and no new warning yet
+        guard.last_progress -= no_progress.REWARN_IDLE_S
+        guard.check()
+        assert caplog.text.count("No progress") == 2  # a later streak warns once idle long enough
+
+
+def test_a_run_that_trains_between_dropped_windows_warns_once(caplog):
+    """make demo-words nearing saturation: a trainable sample every few dropped groups, steps
+    going on. It logged 'No progress ... for 0 s' 12 times in 45 s; one warning is the cause."""
+    guard = no_progress.NoProgressGuard(timeout_s=1800, watch=None)
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.no_progress"):
+        for _ in range(12):
             for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
-                guard.record("stalled")
-            guard.check()  # no raise: the last trainable sample came just now
-            assert caplog.text.count("No progress") == streak + 1  # each new streak warns once
-            assert "rollouts pass their stage deadlines" in caplog.text
+                guard.record("zero_std")
+            guard.check()
             guard.record(None)
+    assert caplog.text.count("No progress") == 1
 
 
 def _watch_with_a_peer(tmp_path, role, peer_role):

@@ -15,6 +15,10 @@ from grpo_agent.stall import REPORT_NAME, StageStalled, StallWatch
 logger = logging.getLogger(__name__)
 
 NO_PROGRESS_WINDOW_GROUPS = 8
+# After the run's first warning, a later all-dropped window warns again only once this long has
+# passed without a trainable sample: a run that trains while most groups are dropped (a demo
+# nearing saturation) otherwise logged it every few groups, each "for 0 s".
+REWARN_IDLE_S = 60.0
 DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored")
 
 
@@ -32,6 +36,7 @@ class NoProgressGuard:
         self.last_progress = time.monotonic()
         self.dropped: dict[str, int] = {}
         self._warned = False
+        self._warned_before = False  # any warning this run: later ones wait REWARN_IDLE_S
 
     @property
     def dropped_in_a_row(self) -> int:
@@ -48,8 +53,8 @@ class NoProgressGuard:
         if self.dropped_in_a_row < NO_PROGRESS_WINDOW_GROUPS:
             return
         idle = time.monotonic() - self.last_progress
-        if not self._warned:
-            self._warned = True
+        if not self._warned and (not self._warned_before or idle >= REWARN_IDLE_S):
+            self._warned = self._warned_before = True
             logger.warning("No progress: %s", self.cause(idle))
         if self.timeout_s > 0 and idle > self.timeout_s:
             message = (f"{self.cause(idle)} Stopping after no_progress_timeout={self.timeout_s:g} s "
