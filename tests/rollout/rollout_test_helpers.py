@@ -225,3 +225,20 @@ class DiesMidTracebackLoop(DiesMidMessageLoop):
     def run(self):
         self.kwargs["channels"].failed.set()
         super().run()
+
+
+class WatchedThenHangsLoop:
+    """A worker whose stall watch is running (its stacks-worker.txt written), that beats once and
+    then hangs ignoring the stop event, so only stop()'s SIGTERM ends it, as on a run's SIGTERM."""
+
+    def __init__(self, *, channels, config, **kwargs):
+        self.channels, self.config = channels, config
+
+    def run(self):
+        import time
+
+        from grpo_agent.stall import StallWatch
+
+        StallWatch(self.config, "worker").start()
+        self.channels.heartbeat.value = time.time()
+        time.sleep(3600)

@@ -79,6 +79,20 @@ def test_a_worker_that_stops_beating_is_called_hung_and_killed():
         assert _finishes_within(30, worker.stop)
 
 
+def test_a_terminated_worker_leaves_no_stack_file_in_the_output_dir(tmp_path):
+    """A SIGTERMed `grpo-agent train` left stacks-worker.txt beside its checkpoints: the worker
+    is terminated, so its stall watch never deletes the file; stop() now does."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60, seed=0, output_dir=str(tmp_path))
+    worker = RolloutWorker(helpers.WatchedThenHangsLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    assert (tmp_path / "stacks-worker.txt").exists()
+    assert _finishes_within(30, lambda: worker.stop(grace_s=0.0))
+    assert worker._process.exitcode == -15  # ended by stop()'s SIGTERM, not by itself
+    assert not (tmp_path / "stacks-worker.txt").exists()
+
+
 def test_the_server_down_flag_goes_from_the_worker_to_the_trainer_and_back():
     """The child's engine raises `server_down` when it loses the server; the trainer's pull loop
     asks `worker.server_down` (through getattr with a default, so a worker without the flag

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from typing_extensions import Self
@@ -154,6 +155,11 @@ class RolloutWorker:
         if process.is_alive():
             process.kill()
             process.join(5.0)
+        if not process.is_alive():
+            # A terminated worker (SIGTERM to the run, a hung one) never ran its watch's stop, so
+            # its faulthandler file, stacks-worker.txt, stayed in the output dir of a finished run.
+            with contextlib.suppress(OSError):
+                (Path(getattr(self.config, "output_dir", None) or ".") / "stacks-worker.txt").unlink()
         self._trainer_observations += self._read_metrics_queue()  # keep them for drain_metrics
         for channel in self.channels.queues:
             channel.cancel_join_thread()
