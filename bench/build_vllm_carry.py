@@ -45,8 +45,9 @@ ROOTS = (
 # ContextVar switch, and its package's __init__ pulls every model loader (fastapi, xgrammar...).
 EXTRA_FILES = ("vllm/model_executor/model_loader/mtp_validation.py",)
 # Third-party packages the closure imports that the GPU image (KINDS.md's list) lacks, or has
-# in a version too old for pydantic (typing-extensions), with their own needs.
-WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+# in a version too old for pydantic (typing-extensions), with their own needs; msgspec is our
+# sampler client's (the trainer side imports it through the weight pusher).
+WHEELS = ("msgspec", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
           "typing-extensions", "pybase64", "cbor2", "pyzmq", "openai", "oss-harmony",
           "jiter", "sniffio", "httpx2", "httpcore2")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
