@@ -184,6 +184,16 @@ class _Stage:
                 "deadline_s": self.deadline_s, "stalled": self.reported}
 
 
+def watch_folder(config: Any, output_dir: str | os.PathLike | None = None) -> Path:
+    """Where a watch writes its stack file and report: the run's output_dir, else here."""
+    return Path(output_dir or getattr(config, "output_dir", None) or ".")
+
+
+def stack_file(folder: Path, role: str) -> Path:
+    """The faulthandler file a watch of `role` keeps open (its presence lets a peer signal it)."""
+    return folder / f"stacks-{role}.txt"
+
+
 class StallWatch:
     """The registry of in-flight stages of one process, its monitor thread and report writer."""
 
@@ -193,7 +203,7 @@ class StallWatch:
         self.config = config
         self.role = role
         self.report_name = report_name
-        self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or ".")
+        self.output_dir = watch_folder(config, output_dir)
         self.context = context or dict
         self.peer_pid: int | None = None
         self.stalls: list[dict[str, Any]] = []
@@ -231,7 +241,7 @@ class StallWatch:
                 self.stack_path(self.role).unlink()
 
     def stack_path(self, role: str) -> Path:
-        return self.output_dir / f"stacks-{role}.txt"
+        return stack_file(self.output_dir, role)
 
     # ------------------------------------------------------------------ stages
 

@@ -19,11 +19,11 @@ import signal
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from typing_extensions import Self
 
+from grpo_agent import stall
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout.allowance import TokenAllowance, initial_step_tokens
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
@@ -159,7 +159,7 @@ class RolloutWorker:
             # A terminated worker (SIGTERM to the run, a hung one) never ran its watch's stop, so
             # its faulthandler file, stacks-worker.txt, stayed in the output dir of a finished run.
             with contextlib.suppress(OSError):
-                (Path(getattr(self.config, "output_dir", None) or ".") / "stacks-worker.txt").unlink()
+                stall.stack_file(stall.watch_folder(self.config), "worker").unlink()
         self._trainer_observations += self._read_metrics_queue()  # keep them for drain_metrics
         for channel in self.channels.queues:
             channel.cancel_join_thread()
