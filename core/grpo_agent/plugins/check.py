@@ -107,7 +107,9 @@ def _reward_sources(spec: EnvironmentSpec, registry: Registry, agent: str | None
         return names
     if agent:
         return f"the {agent!r} agent's own score"
-    if callable(getattr(spec.factory, "get_reward", None)):
+    from grpo_agent.rollout.environments import scores_itself
+
+    if scores_itself(spec.factory):
         return "get_reward only"
     raise ValueError("no reward source: declare rewards=[...] in @environment(...) or define "
                      "get_reward(); `grpo-agent train --env` would score no rollout.")

@@ -230,8 +230,9 @@ def _check_reward_source(task: dict[str, Any]) -> None:
     dropped as unscored until no_progress_timeout (30 min) stops the run."""
     factory = task["environment_factory"]
     classes = list(factory.values()) if isinstance(factory, dict) else [factory]
-    if task["reward_funcs"] or any(
-            callable(getattr(getattr(cls, "func", cls), "get_reward", None)) for cls in classes):
+    from grpo_agent.rollout.environments import scores_itself
+
+    if task["reward_funcs"] or any(scores_itself(cls) for cls in classes):
         return
     raise RunRefused(
         f"The env {task['id']!r} has no reward source: no rewards=[...] in its @environment(...) "
