@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_agent.plugins.registry import EnvironmentSpec, Registry
+from grpo_agent.plugins.registry import EnvironmentSpec, Registry, scores_itself
 
 
 class NoGoldAnswer(Exception):
@@ -107,8 +107,6 @@ def _reward_sources(spec: EnvironmentSpec, registry: Registry, agent: str | None
         return names
     if agent:
         return f"the {agent!r} agent's own score"
-    from grpo_agent.rollout.environments import scores_itself
-
     if scores_itself(spec.factory):
         return "get_reward only"
     raise ValueError("no reward source: declare rewards=[...] in @environment(...) or define "

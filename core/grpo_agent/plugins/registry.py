@@ -29,6 +29,11 @@ from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, to
 KINDS = tuple(HOOK_KINDS.values())
 
 
+def scores_itself(factory: Any) -> bool:
+    """Whether the env class (or a `functools.partial` of it) defines `get_reward()`."""
+    return callable(getattr(getattr(factory, "func", factory), "get_reward", None))
+
+
 @dataclass
 class EnvironmentSpec:
     """A registered environment: the class plus the data and rewards it declares.

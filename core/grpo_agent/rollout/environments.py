@@ -92,11 +92,6 @@ def agent_only_name(factory: Any) -> str | None:
     return None
 
 
-def scores_itself(factory: Any) -> bool:
-    """Whether the env class (or a `functools.partial` of it) defines `get_reward()`."""
-    return callable(getattr(getattr(factory, "func", factory), "get_reward", None))
-
-
 class EnvironmentRunner:
     """Hands out pooled environment instances per rollout and collects their rewards."""
 

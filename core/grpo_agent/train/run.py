@@ -230,7 +230,7 @@ def _check_reward_source(task: dict[str, Any]) -> None:
     dropped as unscored until no_progress_timeout (30 min) stops the run."""
     factory = task["environment_factory"]
     classes = list(factory.values()) if isinstance(factory, dict) else [factory]
-    from grpo_agent.rollout.environments import scores_itself
+    from grpo_agent.plugins.registry import scores_itself
 
     if task["reward_funcs"] or any(scores_itself(cls) for cls in classes):
         return
