@@ -215,7 +215,7 @@ def test_grpo_agent_eval_of_an_env_without_an_eval_split_says_how_to_declare_one
 def test_grpo_agent_eval_prints_the_metrics_and_the_first_rows(tmp_path, capsys, monkeypatch):
     from grpo_agent.train.eval_run import print_report
 
-    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv("COLUMNS", "80")  # what rich assumes when piped: rows must not wrap
     report = {"env": "probe-v1", "model": "m", "metrics": {"eval/pass@1": 0.123456, "eval/num_rows": 12345},
               "rows": [{"row_index": i, "rewards": [0.5], "passed": [True],
                         "completions": [f"line one\nrow {i} " + "x" * 200]} for i in range(3)]}

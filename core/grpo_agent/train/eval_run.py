@@ -83,7 +83,8 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
 
 
 def print_report(report: dict[str, Any], path: Path, examples: int = 3) -> None:
-    """The metrics as a table, then a few rows (completion and reward)."""
+    """The metrics as a table, then a few rows (completion and reward), one line each even when
+    piped (rich would wrap them at 80 columns off a terminal)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -96,5 +97,6 @@ def print_report(report: dict[str, Any], path: Path, examples: int = 3) -> None:
     console.print(table)
     for row in report["rows"][:examples]:
         text = row["completions"][0].replace("\n", " ")[:160] if row["completions"] else ""
-        console.print(f"row {row['row_index']}: rewards {row['rewards']} passed {row['passed']}: {text!r}")
-    console.print(f"Wrote {path}")
+        console.print(f"row {row['row_index']}: rewards {row['rewards']} passed {row['passed']}: "
+                      f"{text!r}", soft_wrap=True)
+    console.print(f"Wrote {path}", soft_wrap=True)
