@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from grpo_agent import stall
+from grpo_agent.metrics import Observation
 from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
@@ -176,10 +177,12 @@ class RolloutPipelineMixin:
         if self.source is not None:
             self.source.worker.stop(grace_s=0.0)
 
-    def _stop_pipeline(self, *, at_once: bool = False) -> None:
+    def _stop_pipeline(self, *, at_once: bool = False) -> list[Observation]:
         """Stop the worker (`at_once`: without waiting for it to flush, the run was
         interrupted and nothing it still sends would be trained), then the pusher. A step
-        planned ahead goes with the worker (a later `train()` pulls from its own)."""
+        planned ahead goes with the worker (a later `train()` pulls from its own). Returns the
+        metrics the worker sent since the last step took them (a failed run logs them)."""
+        left: list[Observation] = []
         self._planned_ahead = None
         self.phases.leave()
         stall.remove_abort(self._kill_worker)
@@ -188,7 +191,9 @@ class RolloutPipelineMixin:
             self.stalls = None
         if self.source is not None:
             self.source.worker.stop(**({"grace_s": 0.0} if at_once else {}))
+            left = self.source.worker.drain_metrics()
             self.source = None
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
+        return left

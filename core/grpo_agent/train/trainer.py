@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.metrics import MetricWindow
+from grpo_agent.metrics import MetricWindow, Observation
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import collectives, fsdp, graphed_rows, heap, perf, setup
 from grpo_agent.train.checkpoint import (
@@ -186,10 +186,11 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         threads = setup.set_trainer_threads(self.args)
         if threads is not None:
             logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
-        interrupted = False
+        interrupted = failed = False
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except Exception as error:
+            failed = True
             self.phases.raise_if_rank_missing(error)  # a rank that died is named in the report
             raise
         except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (`grpo-agent train`)
@@ -200,7 +201,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             raise
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
-            self._stop_pipeline(at_once=interrupted)
+            worker_metrics = self._stop_pipeline(at_once=interrupted)
+            if failed:
+                self._log_unlogged_window(worker_metrics)
             heap.thaw()  # frozen at train begin (train/step_callback.py)
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
@@ -372,6 +375,18 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                 print_completions(self._step_samples, self.processing_class,
                                   self.args.num_completions_to_print, self.state.global_step)
         super().log(logs, start_time)
+
+    def _log_unlogged_window(self, worker_metrics: list[Observation]) -> None:
+        """A run that stops on an error logs what it counted since its last logged step (e.g.
+        `rollout/server_lost_group_count` of a lost server): whoever debugs the dead run needs
+        it. The row has no `loss` (a step whose rows were not read has none), so the plot and
+        the progress line skip it. It never hides the error being raised."""
+        try:
+            self.window.extend(worker_metrics)
+            if self.window:
+                self.log(self.window_summary())
+        except Exception:  # the run's own error is the one to see
+            logger.exception("Logging the metrics counted since the last logged step failed.")
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """One blocking evaluation of the served version on the eval split (`eval/*` metrics)."""

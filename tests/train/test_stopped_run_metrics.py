@@ -1,0 +1,79 @@
+"""A run that stops on an error logs what it counted since its last logged step.
+
+Found in a new-user trial: an external vLLM server was SIGKILLed mid-run, the trainer waited
+`vllm_server_timeout` for it and stopped, and `rollout/server_lost_group_count` never reached
+metrics.jsonl (it is logged with a step's window, and no step ended after the loss), so the
+dead run's files did not say that groups were lost. The trainer is real (tiny model, CPU) and
+so is the restore that gives up; the rollout worker is a stand-in."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from grpo_agent import AsyncGRPOConfig
+from grpo_agent.sampler.errors import ServerUnreachableError
+from grpo_agent.testing import build_tiny_model
+from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
+from grpo_agent.train.reporting import METRICS_NAME, JsonlMetricsCallback, read_metrics
+
+from .test_step_read import TOKEN_BUDGET, group
+
+
+class LosesTheServer(ScriptedWorker):
+    """One step's samples, then the server is gone: the worker drops a group, counts it and
+    waits for a restore. Like the real worker, its last observations reach the trainer when it
+    is stopped (`RolloutWorker.stop` keeps them for `drain_metrics`)."""
+
+    def __init__(self, samples):
+        super().__init__(samples)
+        self.server_down = False
+        self._observations = []
+
+    def pull(self, timeout):
+        items = super().pull(timeout)
+        self.server_down = not items
+        return items
+
+    def stop(self, grace_s=None):
+        if self.server_down:
+            self._observations.append(("rollout/server_lost_group_count", 1.0))
+
+    def drain_metrics(self):
+        observations, self._observations = self._observations, []
+        return observations
+
+
+class LosingTrainer(OfflineTrainer):
+    def start_pipeline(self):
+        super().start_pipeline()
+        self.source = self._step_source(LosesTheServer(list(self.samples)))
+
+
+def closed_port_url() -> str:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{free.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("save_each_step", [False, True])
+def test_a_run_stopped_by_a_lost_server_logs_the_groups_it_lost(tmp_path, save_each_step):
+    """Without saves, the loss comes while step 1 plans step 2 ahead, before step 1 is logged;
+    a step that saves is logged before the next pull. Either way the last row, without a loss
+    (no step was read after it), carries what was counted since."""
+    saves = {"save_strategy": "steps", "save_steps": 1} if save_each_step else {"save_strategy": "no"}
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=3, logging_steps=1, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none",
+        disable_tqdm=True, use_cpu=True, vllm_server_base_url=closed_port_url(),
+        vllm_server_timeout=1, **saves)
+    trainer = LosingTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                            train_dataset=[{"prompt": []}] * 64)
+    trainer.samples = [s for g in range(2) for s in group(g)]  # step 1, and one it carries
+    trainer.add_callback(JsonlMetricsCallback())
+    with pytest.raises(ServerUnreachableError, match="did not come back"):
+        trainer.train()
+    rows = read_metrics(tmp_path / METRICS_NAME)
+    assert [row["step"] for row in rows] == ([1, 1] if save_each_step else [1])
+    assert rows[-1].get("rollout/server_lost_group_count") == 1.0
+    assert "loss" not in rows[-1]
+    assert ("loss" in rows[0]) is save_each_step
