@@ -57,7 +57,7 @@ def test_a_scored_group_queues_its_samples_and_sizes_the_groups_still_in_flight(
     engine._groups_in_flight = 1  # dispatched
     asyncio.run(engine._score(group_of([10], [20, 5])))
     assert put == samples
-    assert engine.stall_context()["groups_in_flight"] == 0
+    assert engine.stall_context()["groups_awaiting_score"] == 0
     assert room_at(engine, 31) and not room_at(engine, 30)  # 30 queued, nothing in flight
     engine._groups_in_flight = 1  # one more dispatched: 30 + 35 committed
     assert room_at(engine, 66) and not room_at(engine, 65)
@@ -81,11 +81,64 @@ def test_a_stalled_group_is_dropped_counted_and_leaves_the_mean_group_alone(monk
     assert ("rollout/stalled_group_count", 1.0) in engine._observations
     assert ("rollout/score_s", 1.0) in engine._observations
     context = engine.stall_context()
-    assert context["stalled_groups"] == 1 and context["groups_in_flight"] == 0
+    assert context["stalled_groups"] == 1 and context["groups_awaiting_score"] == 0
     # No group finished: the dispatcher still starts groups one at a time.
     assert room_at(engine, 1e9)
     engine._groups_in_flight = 1
     assert not room_at(engine, 1e9)
+
+
+def test_the_stall_report_tells_generating_groups_from_those_awaiting_their_score(monkeypatch):
+    """A new user's stall report said `groups_in_flight: 97` under max_concurrent_rollouts=8:
+    the count was every group dispatched and not yet scored, most of them generated and
+    waiting for a hung scorer. The report splits them. Here (cap 2, two rollouts a group, a
+    score queue of one) group 0 is being scored, group 1 is queued, group 2 waits for room in
+    the queue, and group 3 generates on both slots, so nothing more is dispatched."""
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(8)]
+    generating = {}  # group_id -> released when its rollouts may finish
+
+    async def run_episode(row, row_index, group_id):
+        await generating.setdefault(group_id, asyncio.Event()).wait()
+        return None, SimpleNamespace(turns=[]), None
+
+    async def build_group(loop, slot, group_id, version, results, observe, observe_rate):
+        return SimpleNamespace(queued_at=0.0, group_id=group_id)
+
+    async def hung_score_group(loop, group, failures):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(engine_module, "build_group", build_group)
+    monkeypatch.setattr(engine_module, "score_group", hung_score_group)
+    monkeypatch.setattr(engine_module, "ALLOWANCE_POLL_S", 0.001)
+    engine, _ = make_engine(num_generations=2, cap=2, dataset=rows, dataset_start_index=0,
+                            filter_prompt=lambda index, row, epoch: True, run_episode=run_episode)
+    engine.channels.token_allowance.value = 1e9
+    engine._groups_done, engine._group_tokens_total = 1, 10  # the allowance admits many groups
+
+    async def main():
+        engine.score_queue = asyncio.Queue(1)
+        engine._fatal = asyncio.get_running_loop().create_future()
+        tasks = [asyncio.create_task(engine._dispatch()), asyncio.create_task(engine._score_forever())]
+        for group_id in range(3):
+            while group_id not in generating:
+                await asyncio.sleep(0.001)
+            generating[group_id].set()  # its rollouts finish: slots free, the next is dispatched
+        while 3 not in generating or engine.slots.in_flight < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        context = engine.stall_context()
+        for task in [*tasks, *engine._group_tasks]:
+            task.cancel()
+        await asyncio.gather(*tasks, *engine._group_tasks, return_exceptions=True)
+        return context
+
+    context = asyncio.run(main())
+    assert {key: context[key] for key in (
+        "groups_generating", "groups_awaiting_score", "rollouts_running",
+        "rollouts_waiting_for_slot", "concurrency_cap", "score_queue_size")} == {
+        "groups_generating": 1, "groups_awaiting_score": 3, "rollouts_running": 2,
+        "rollouts_waiting_for_slot": 0, "concurrency_cap": 2, "score_queue_size": 1}
+    assert "groups_in_flight" not in context  # it read as "being generated"
 
 
 def test_dispatch_promises_a_groups_rollouts_and_notices_the_prompts_it_filtered(monkeypatch):

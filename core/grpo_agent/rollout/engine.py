@@ -62,7 +62,8 @@ class RolloutEngine:
         self._observations: list[Observation] = []
         self._group_tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
-        self._groups_in_flight = 0
+        self._groups_in_flight = 0  # dispatched, not yet scored or dropped (the allowance's)
+        self._groups_generating = 0  # of those, the ones whose rollouts run or wait for a slot
         self._groups_done = 0
         self._stalled_groups = 0
         self._group_tokens_total = 0
@@ -96,11 +97,19 @@ class RolloutEngine:
             executor.shutdown(wait=False, cancel_futures=True)
 
     def stall_context(self) -> dict[str, Any]:
-        """What a stall report of the worker records besides its stages and stacks."""
+        """What a stall report of the worker records besides its stages and stacks. The groups
+        dispatched and not finished are split: generating (what `max_concurrent_rollouts`
+        bounds, by rollouts) and generated but awaiting their score (bounded by the token
+        allowance only: while scoring is slow they pile up)."""
+        slots = self.slots
         return {"model_version": int(self.channels.model_version.value),
                 "server": self.config.vllm_server_base_url,
                 "server_model": getattr(self.loop.server, "model_id", None),
-                "groups_in_flight": self._groups_in_flight,
+                "groups_generating": self._groups_generating,
+                "groups_awaiting_score": self._groups_in_flight - self._groups_generating,
+                "rollouts_running": slots.in_flight if slots else None,
+                "rollouts_waiting_for_slot": slots.promised if slots else None,
+                "concurrency_cap": slots.cap.value if slots else None,
                 "score_queue_size": self.score_queue.qsize() if self.score_queue else None,
                 "completed_rollouts": self._completed_rollouts, "stalled_groups": self._stalled_groups}
 
@@ -159,6 +168,7 @@ class RolloutEngine:
                 continue
             await self._wait_for_room()
             self._groups_in_flight += 1
+            self._groups_generating += 1
             self.slots.promise(self.config.num_generations)
             task = asyncio.create_task(self._run_group(slot, group_id))
             self._group_tasks.add(task)
@@ -198,6 +208,7 @@ class RolloutEngine:
             self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
         finally:
+            self._groups_generating -= 1
             if shared is not None:
                 await shared.close()
         self._group_failures.succeeded()
