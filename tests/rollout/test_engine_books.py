@@ -27,6 +27,7 @@ def make_engine(num_generations=2, cap=64, **loop):
     engine = engine_module.RolloutEngine(SimpleNamespace(config=config, server=None, **loop),
                                          channels)
     engine.slots = RolloutSlots(SimpleNamespace(value=cap))
+    engine.score_queue = asyncio.Queue(16)
     return engine, put
 
 
@@ -88,18 +89,10 @@ def test_a_stalled_group_is_dropped_counted_and_leaves_the_mean_group_alone(monk
     assert not room_at(engine, 1e9)
 
 
-def test_the_stall_report_tells_generating_groups_from_those_awaiting_their_score(monkeypatch):
-    """A new user's stall report said `groups_in_flight: 97` under max_concurrent_rollouts=8:
-    the count was every group dispatched and not yet scored, most of them generated and
-    waiting for a hung scorer. The report splits them. Here (cap 2, two rollouts a group, a
-    score queue of one) group 0 is being scored, group 1 is queued, group 2 waits for room in
-    the queue, and group 3 generates on both slots, so nothing more is dispatched."""
-    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(8)]
-    generating = {}  # group_id -> released when its rollouts may finish
-
-    async def run_episode(row, row_index, group_id):
-        await generating.setdefault(group_id, asyncio.Event()).wait()
-        return None, SimpleNamespace(turns=[]), None
+def _engine_with_a_hung_scorer(monkeypatch, run_episode):
+    """Cap 2, two rollouts a group, a scorer that never finishes, an allowance that admits
+    many groups; rollouts run `run_episode`."""
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(64)]
 
     async def build_group(loop, slot, group_id, version, results, observe, observe_rate):
         return SimpleNamespace(queued_at=0.0, group_id=group_id)
@@ -113,32 +106,73 @@ def test_the_stall_report_tells_generating_groups_from_those_awaiting_their_scor
     engine, _ = make_engine(num_generations=2, cap=2, dataset=rows, dataset_start_index=0,
                             filter_prompt=lambda index, row, epoch: True, run_episode=run_episode)
     engine.channels.token_allowance.value = 1e9
-    engine._groups_done, engine._group_tokens_total = 1, 10  # the allowance admits many groups
+    engine._groups_done, engine._group_tokens_total = 1, 10
+    return engine
 
-    async def main():
-        engine.score_queue = asyncio.Queue(1)
-        engine._fatal = asyncio.get_running_loop().create_future()
-        tasks = [asyncio.create_task(engine._dispatch()), asyncio.create_task(engine._score_forever())]
-        for group_id in range(3):
+
+async def _run_dispatch_and_scorer(engine, queue_size, until):
+    """Dispatch and score until `until()` holds, settle, return the stall context."""
+    engine.score_queue = asyncio.Queue(queue_size)
+    engine._fatal = asyncio.get_running_loop().create_future()
+    tasks = [asyncio.create_task(engine._dispatch()), asyncio.create_task(engine._score_forever())]
+    await until()
+    await asyncio.sleep(0.1)
+    context = engine.stall_context()
+    for task in [*tasks, *engine._group_tasks]:
+        task.cancel()
+    await asyncio.gather(*tasks, *engine._group_tasks, return_exceptions=True)
+    return context
+
+
+def test_the_stall_report_tells_generating_groups_from_those_awaiting_their_score(monkeypatch):
+    """A new user's stall report said `groups_in_flight: 97` under max_concurrent_rollouts=8:
+    the count was every group dispatched and not yet scored, most of them generated and
+    waiting for a hung scorer. The report splits them. Here (a score queue of two) group 0 is
+    being scored, group 1 is queued, and group 2 generates on both slots, so nothing more is
+    dispatched."""
+    generating = {}  # group_id -> released when its rollouts may finish
+
+    async def run_episode(row, row_index, group_id):
+        await generating.setdefault(group_id, asyncio.Event()).wait()
+        return None, SimpleNamespace(turns=[]), None
+
+    engine = _engine_with_a_hung_scorer(monkeypatch, run_episode)
+
+    async def until():
+        for group_id in range(2):
             while group_id not in generating:
                 await asyncio.sleep(0.001)
             generating[group_id].set()  # its rollouts finish: slots free, the next is dispatched
-        while 3 not in generating or engine.slots.in_flight < 2:
+        while 2 not in generating or engine.slots.in_flight < 2:
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)
-        context = engine.stall_context()
-        for task in [*tasks, *engine._group_tasks]:
-            task.cancel()
-        await asyncio.gather(*tasks, *engine._group_tasks, return_exceptions=True)
-        return context
 
-    context = asyncio.run(main())
+    context = asyncio.run(_run_dispatch_and_scorer(engine, 2, until))
     assert {key: context[key] for key in (
         "groups_generating", "groups_awaiting_score", "rollouts_running",
         "rollouts_waiting_for_slot", "concurrency_cap", "score_queue_size")} == {
-        "groups_generating": 1, "groups_awaiting_score": 3, "rollouts_running": 2,
+        "groups_generating": 1, "groups_awaiting_score": 2, "rollouts_running": 2,
         "rollouts_waiting_for_slot": 0, "concurrency_cap": 2, "score_queue_size": 1}
     assert "groups_in_flight" not in context  # it read as "being generated"
+
+
+def test_a_full_score_queue_stops_the_dispatcher(monkeypatch):
+    """Slow rewards must slow generation: with the scorer hung and its queue of one full, no
+    group starts. At most one group (cap 2, two rollouts) was generating when the queue filled,
+    so 3 groups at most are ever dispatched; without the rule the dispatcher kept starting
+    groups until the token allowance stopped it (a trial's stall report: 97 awaiting score)."""
+    async def run_episode(row, row_index, group_id):
+        return None, SimpleNamespace(turns=[]), None
+
+    engine = _engine_with_a_hung_scorer(monkeypatch, run_episode)
+
+    async def until():
+        while not engine.score_queue.full():
+            await asyncio.sleep(0.001)
+
+    context = asyncio.run(_run_dispatch_and_scorer(engine, 1, until))
+    assert context["score_queue_size"] == 1
+    assert context["groups_generating"] == 0
+    assert 2 <= context["groups_awaiting_score"] <= 3  # scored, queued, maybe one blocked
 
 
 def test_dispatch_promises_a_groups_rollouts_and_notices_the_prompts_it_filtered(monkeypatch):

@@ -3,8 +3,8 @@
 Design decision: one asyncio event loop runs six cooperating tasks (dispatch, score, server
 poll, heartbeat, metric flush, stop watch) plus one task per group and per rollout. The
 dispatcher starts a group only while the token allowance has room (`rollout.allowance`) and a
-rollout slot is free; groups go through a bounded score queue to a scorer, so slow rewards
-block generation (`rollout/score_block_s`) instead of piling up memory; what scoring makes of
+rollout slot is free and the bounded score queue in front of the scorer is not full, so slow
+rewards block generation (`rollout/score_block_s`) instead of piling up memory; what scoring makes of
 a group (samples or the reason it has none) is `rollout.group_scoring`, the books it moves
 (tokens queued, groups in flight) are kept here. Blocking work (chat
 templates, sync rewards, reconciliation, environment calls) runs in the loop's
@@ -99,8 +99,8 @@ class RolloutEngine:
     def stall_context(self) -> dict[str, Any]:
         """What a stall report of the worker records besides its stages and stacks. The groups
         dispatched and not finished are split: generating (what `max_concurrent_rollouts`
-        bounds, by rollouts) and generated but awaiting their score (bounded by the token
-        allowance only: while scoring is slow they pile up)."""
+        bounds, by rollouts) and generated but awaiting their score (the one being scored, the
+        queue's, and those that finished while it was full)."""
         slots = self.slots
         return {"model_version": int(self.channels.model_version.value),
                 "server": self.config.vllm_server_base_url,
@@ -145,12 +145,17 @@ class RolloutEngine:
             groups_done=self._groups_done, group_tokens_total=self._group_tokens_total)
 
     async def _wait_for_room(self) -> None:
+        """Wait until a group may start: the token allowance has room, a rollout slot is free,
+        the score queue is not full (a group that frees its slots must not let the next one
+        start while scoring lags, or generated groups pile up behind a slow reward), and the
+        server is up."""
         # rollout/backpressure_s counts every poll the token allowance was closed, also when it
         # closed while the dispatcher was already waiting for a rollout slot.
         blocked = 0.0
         while True:
             room = self._allowance_has_room()
-            if room and self.slots.can_dispatch() and not self._server_down():
+            if (room and self.slots.can_dispatch() and not self.score_queue.full()
+                    and not self._server_down()):
                 break
             polled = time.perf_counter()
             await asyncio.sleep(ALLOWANCE_POLL_S)
