@@ -244,6 +244,7 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(f"no_progress_timeout={self.no_progress_timeout} must be >= 0 (0 = never).")
         if self.tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
+        self._check_ranges()
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
@@ -255,6 +256,24 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.cuda_graphs and self.fp16:
             raise ValueError("cuda_graphs=True does not run with fp16: its loss scaler acts "
                              "outside the captured backward. Use bf16 or turn cuda_graphs off.")
+
+    def _check_ranges(self) -> None:
+        """Bounds that would otherwise fail far from the flag: vLLM refuses every request (a
+        negative temperature, max_tokens 0, repetition_penalty 0), no sample fits the token
+        budget, or a timeout expires at once."""
+        minimums = (  # (field, lowest valid value, strict, what the value means)
+            ("temperature", 0, False, "0 = greedy"), ("eval_temperature", 0, False, "0 = greedy"),
+            ("max_completion_length", 1, False, "tokens per turn"),
+            ("token_budget", 1, False, "null = the server's max_model_len"),
+            ("epsilon", 0, False, "the lower clip"), ("epsilon_high", 0, False, "null = epsilon"),
+            ("repetition_penalty", 0, True, "1.0 = off"),
+            ("vllm_server_timeout", 0, True, "seconds"), ("rollout_worker_timeout", 0, True, "seconds"),
+        )
+        for name, low, strict, meaning in minimums:
+            value = getattr(self, name)
+            if value is not None and (value <= low if strict else value < low):
+                raise ValueError(f"{name}={value} is out of range: set {name} "
+                                 f"{'>' if strict else '>='} {low} ({meaning}).")
 
     @property
     def effective_epsilon_high(self) -> float:

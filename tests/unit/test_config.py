@@ -61,6 +61,9 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_p=0.5, top_k=50).top_p == 0.5
     c = AsyncGRPOConfig(output_dir=str(tmp_path), cuda_graphs=True, gradient_checkpointing=False)
     assert c.cuda_graphs is True and c.gradient_checkpointing is False
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.0, max_completion_length=1,
+                        token_budget=1, epsilon=0.0, epsilon_high=0.0)
+    assert (c.temperature, c.max_completion_length, c.token_budget, c.epsilon) == (0.0, 1, 1, 0.0)
 
 
 def test_docs_config_md_is_current():
@@ -83,6 +86,15 @@ def test_docs_config_md_is_current():
         ({"no_progress_timeout": -1.0}, r"no_progress_timeout=-1.0 must be >= 0 \(0 = never\)"),
         ({"cuda_graphs": True, "gradient_checkpointing": False, "fp16": True},
          "cuda_graphs=True does not run with fp16"),
+        ({"temperature": -1.0}, r"temperature=-1.0 is out of range: set temperature >= 0"),
+        ({"eval_temperature": -0.5}, r"set eval_temperature >= 0"),
+        ({"max_completion_length": 0}, r"set max_completion_length >= 1"),
+        ({"token_budget": 0}, r"set token_budget >= 1 \(null = the server's max_model_len\)"),
+        ({"epsilon": -0.1}, r"set epsilon >= 0"),
+        ({"epsilon_high": -0.1}, r"set epsilon_high >= 0"),
+        ({"repetition_penalty": 0.0}, r"set repetition_penalty > 0"),
+        ({"vllm_server_timeout": 0.0}, r"set vllm_server_timeout > 0"),
+        ({"rollout_worker_timeout": -1.0}, r"set rollout_worker_timeout > 0"),
     ],
 )
 def test_more_bad_settings_name_the_rule_and_the_fix(tmp_path, kwargs, message):
