@@ -36,6 +36,13 @@ def is_last_step(max_steps: int, global_step: int, epochs_done: bool) -> bool:
     return epochs_done or 0 < max_steps <= global_step
 
 
+def logged_epoch(frontier: int, size: int, prompt_limit: int | None) -> float:
+    """The epoch to log: prompts consumed over the dataset size, at most the run's prompts.
+    The worker runs ahead of `prompt_limit` and its dropped groups still move the ledger's
+    frontier, so a 1-epoch run of 4 prompts logged epoch 2.0 ("epoch 2.00/1")."""
+    return (frontier if prompt_limit is None else min(frontier, prompt_limit)) / size
+
+
 class StepSource:
     """Fills optimizer steps from the rollout worker's sample queue (rank 0 only).
 
