@@ -216,6 +216,19 @@ def test_plugin_args_are_checked_against_the_plugins_in_use():
                                    {"advantage_estimator": ["group_norm"], "prompt_filter": ["all"]})
 
 
+def test_an_option_of_an_unselected_kind_of_the_plugin_says_which_to_select():
+    """Found with `train --set advantage_estimator=curriculum --plugin-arg
+    curriculum.pass_rate_cap=0.5`: the error said curriculum "takes no options", while
+    `plugins list` shows pass_rate_cap (its prompt filter's option)."""
+    from grpo_agent.plugins import load_registry
+
+    with pytest.raises(OptionError, match=r"Option 'pass_rate_cap' of plugin 'curriculum' belongs to its "
+                                          r"prompt filter, which this run does not select: select it "
+                                          r"\(--set prompt_filters=curriculum\) or remove the option\."):
+        load_registry().check_plugin_args({"curriculum": {"pass_rate_cap": 0.5}},
+                                          {"advantage_estimator": ["curriculum"], "prompt_filter": []})
+
+
 # ---- through the CLI -------------------------------------------------------------------------
 
 

@@ -262,7 +262,29 @@ class Registry:
                     f"{', '.join(in_use) or '(none)'}; name one of them, or select {name!r} first."
                 )
             declared = {o.name: o for obj in objects for o in declared_options(obj)}
+            self._refuse_options_of_unselected_kinds(name, given, declared, used)
             bind_options(tuple(declared.values()), given, f"plugin {name!r}")
+
+    def _refuse_options_of_unselected_kinds(self, name: str, given: Mapping, declared: Mapping,
+                                            used: Mapping[str, list]) -> None:
+        """An option that `name`'s objects in use lack but another of its kinds declares: the
+        run does not select that kind. Said so, since "takes no options" would contradict
+        `plugins list` (curriculum's `pass_rate_cap` belongs to its prompt filter, not its
+        advantage estimator)."""
+        for option in given:
+            if option in declared:
+                continue
+            for kind, names in used.items():
+                if name in names or name not in self.entries.get(kind, {}):
+                    continue
+                if option in {o.name for o in declared_options(self.entries[kind][name].obj)}:
+                    select = {"prompt_filter": f"--set prompt_filters={name}",
+                              "advantage_estimator": f"--set advantage_estimator={name}"}
+                    raise OptionError(
+                        f"Option {option!r} of plugin {name!r} belongs to its "
+                        f"{kind.replace('_', ' ')}, which this run does not select: select it "
+                        f"({select.get(kind, f'add the {name!r} ' + kind.replace('_', ' '))}) or "
+                        "remove the option.")
 
     def environment_spec(self, name: str, options: Mapping[str, Any] | None = None) -> EnvironmentSpec:
         """The full spec (class, dataset, rewards) of an environment, its options bound."""
