@@ -98,6 +98,12 @@ def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tok
     ({"model": "m", "messages": [{"role": "user", "content": 3}]}, 400, "messages", "got int"),
     ({"model": "m", "messages": [{"role": "system", "content": None}, *USER]}, 400, "messages",
      "could not render these messages: TypeError"),
+    ({"model": "m", "messages": [*USER, {"role": "assistant", "tool_calls": "increment"}]}, 400,
+     "messages[1].tool_calls", "must be a list of tool calls, got str"),
+    ({"model": "m", "messages": [*USER, {"role": "assistant", "tool_calls": ["increment"]}]}, 400,
+     "messages[1].tool_calls[0]", "must be an object with a 'function' object"),
+    ({"model": "m", "messages": [*USER, {"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+     400, "messages[1].tool_calls[0]", "must be an object with a 'function' object"),
 ])
 def test_a_bad_request_is_an_openai_error_counted_against_the_rollout(tiny_tokenizer, body, status,
                                                                       param, says):

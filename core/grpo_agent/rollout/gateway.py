@@ -100,13 +100,27 @@ def template_messages(messages) -> list[dict]:
         if message.get("role") == "developer":
             converted["role"] = "system"
         if message.get("tool_calls"):
-            converted["tool_calls"] = [_template_call(call) for call in message["tool_calls"]]
+            converted["tool_calls"] = _template_calls(message["tool_calls"], f"messages[{index}].tool_calls")
         out.append(converted)
     return out
 
 
+def _template_calls(calls, param: str) -> list[dict]:
+    """An assistant message's `tool_calls`, checked here so a malformed one is the agent's 400
+    naming it, not a 500 from deep in the handler (which SDK clients also retry)."""
+    if not isinstance(calls, list):
+        raise GatewayError(400, f"{param} must be a list of tool calls, got {type(calls).__name__}.",
+                           param=param)
+    for number, call in enumerate(calls):
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise GatewayError(400, f"{param}[{number}] must be an object with a 'function' object "
+                               '({"name": ..., "arguments": "<JSON text>"}), got '
+                               f"{json.dumps(call)[:200]}.", param=f"{param}[{number}]")
+    return [_template_call(call) for call in calls]
+
+
 def _template_call(call: dict) -> dict:
-    function = dict(call.get("function") or {})
+    function = dict(call["function"])
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
