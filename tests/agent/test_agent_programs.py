@@ -193,6 +193,20 @@ def test_a_command_agent_printing_nan_fails_its_rollout():
     assert raised.value.kind == "error"
 
 
+def test_a_run_without_an_answered_call_names_the_refusal_or_where_the_model_is():
+    """An agent that caught the 404 of a wrong model name did call: its failure names the
+    refusal, not "without calling the model"; a command is pointed at OPENAI_BASE_URL."""
+    from grpo_agent.rollout.gateway import AgentSession
+    from grpo_agent.rollout.harness import no_reply_failure
+
+    refused = AgentSession(version=0, rejected_calls=2, last_rejection="404 The model 'gpt-4o' does not exist")
+    message = str(no_reply_failure(echo_agent, refused))
+    assert "refused its 2 call(s), the last with 404 The model 'gpt-4o'" in message
+    assert "without calling" not in message
+    assert "the client it is given" in str(no_reply_failure(echo_agent, AgentSession(version=0)))
+    assert "OPENAI_BASE_URL" in str(no_reply_failure(_command("print(1)"), AgentSession(version=0)))
+
+
 def test_command_agent_gets_the_gateway_and_row_and_returns_its_last_line():
     code = ("import json, os, sys; row = json.load(sys.stdin); "
             "print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']); print(row['x'] / 2)")

@@ -118,6 +118,7 @@ def test_a_bad_request_is_an_openai_error_counted_against_the_rollout(tiny_token
     if status == 404:
         assert error["code"] == "model_not_found" and "['m', 'served-m']" in error["message"]
     assert session.rejected_calls == 1 and session.in_flight == 0 and sampler.prompts == []
+    assert session.last_rejection.startswith(f"{status} ") and says in session.last_rejection
 
 
 def test_a_sampler_failure_is_a_502_server_error(tiny_tokenizer):

@@ -66,6 +66,7 @@ class AgentSession:
     last_messages: list[dict] = field(default_factory=list)
     generated_tokens: int = 0
     rejected_calls: int = 0  # calls answered with an error (4xx/5xx)
+    last_rejection: str = ""  # the last such error, for the failure of a run that got no reply
     tool_calls: int = 0
     malformed_calls: int = 0
     parallel_calls: list[int] = field(default_factory=list)
@@ -231,6 +232,7 @@ class Gateway:
         except GatewayError as error:
             if session is not None:
                 session.rejected_calls += 1
+                session.last_rejection = f"{error.status} {error.message}"
             return error.response()
         if body.get("stream"):
             events = (_chat_chunks(result) if result.get("object") == "chat.completion"

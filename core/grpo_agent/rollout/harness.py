@@ -24,13 +24,27 @@ from grpo_agent.rollout.agent_programs import (
     run_agent,
     shared_http_client,
 )
-from grpo_agent.rollout.gateway import Gateway, HarnessLimits
+from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.versions import rollout_version
 from grpo_agent.types import Rollout
 
 logger = logging.getLogger(__name__)
 FAILED_METRIC = "harness/dropped_frac"
+
+
+def no_reply_failure(agent, session: AgentSession) -> AgentFailure:
+    """The failure of a run that ended without one answered model call. When the gateway
+    refused its calls (a wrong model name the agent caught, say), "never called the model"
+    would send the user looking in the wrong place: name the refusal instead."""
+    if session.rejected_calls:
+        return AgentFailure("error", f"The agent returned without one answered model call: the "
+                            f"gateway refused its {session.rejected_calls} call(s), the last with "
+                            f"{session.last_rejection}")
+    where = ("OPENAI_BASE_URL with the key in OPENAI_API_KEY" if isinstance(agent, AgentCommand)
+             else "the client it is given")
+    return AgentFailure("error", "The agent returned without calling the model; an agent must "
+                        f"talk to the policy through {where}.")
 
 
 class HarnessRolloutLoop(AsyncRolloutLoop):
@@ -124,8 +138,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 while session.in_flight:  # a call still being sampled when the agent gave up
                     await asyncio.sleep(0.01)
         if failure is None and not session.turns:
-            failure = AgentFailure("error", "The agent returned without calling the model; an "
-                                   "agent must talk to the policy through the client it is given.")
+            failure = no_reply_failure(self.agent, session)
         metrics = {
             "harness/calls_per_rollout": [float(len(session.turns))],
             "harness/errors_count": [float(failure is not None and failure.kind == "error")],
