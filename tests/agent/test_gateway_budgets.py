@@ -47,11 +47,16 @@ def test_no_budget_set_means_no_limit():
         _session(calls=10_000, tokens=10**9))
 
 
-def test_max_tokens_is_capped_by_the_completion_length_and_the_token_budget():
+def test_max_tokens_is_capped_by_the_completion_length_and_what_is_left_of_the_token_budget():
+    """A call that asks for no max_tokens is capped by the budget too (it used to get a whole
+    max_completion_length, overshooting agent_max_tokens), and by what earlier calls left."""
     gateway = _gateway(max_generated_tokens=100)
-    assert gateway._max_tokens(None) == 256  # max_completion_length
+    assert _gateway()._max_tokens(None) == 256  # max_completion_length
+    assert gateway._max_tokens(None) == 100  # the rollout's token budget
+    assert gateway._max_tokens(None, spent=90) == 10
     assert gateway._max_tokens(50) == 50
-    assert gateway._max_tokens(500) == 100  # the rollout's token budget
+    assert gateway._max_tokens(50, spent=70) == 30
+    assert gateway._max_tokens(500) == 100
     assert _gateway()._max_tokens(500) == 256
     for bad in (0, -1, True, "3", 2.5):
         with pytest.raises(GatewayError, match="max_tokens must be a positive integer"):

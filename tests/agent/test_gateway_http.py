@@ -138,7 +138,8 @@ def test_a_reply_carries_the_sampling_note_usage_and_either_model_name(tiny_toke
     async def requests(http, gateway, session):
         first = await http.post("/chat/completions", json={
             "model": "served-m", "messages": USER, "max_tokens": 9, "max_completion_tokens": 3, "n": None})
-        second = await http.post("/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 5})
+        second = await http.post("/chat/completions", json={  # a null newer name: not asked
+            "model": "m", "messages": USER, "max_tokens": 5, "max_completion_tokens": None})
         return first, second
 
     (first, second), session, sampler = serve(tiny_tokenizer, ["Done.", "Done."], requests)
