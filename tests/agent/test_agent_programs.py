@@ -403,7 +403,7 @@ def test_the_harness_trainer_refuses_before_building_and_hands_its_limits_to_the
     async def local_agent(client, row):
         return 1.0
 
-    with pytest.raises(TypeError, match="Cannot pickle agent = .*local_agent"):
+    with pytest.raises(TypeError, match="Cannot pickle agent = .*local_agent.*an agent registered through"):
         HarnessAsyncGRPOTrainer(agent=local_agent, **common)
     with pytest.raises(TypeError, match="is not an async function"):
         HarnessAsyncGRPOTrainer(agent=len, **common)

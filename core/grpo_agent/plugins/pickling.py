@@ -12,7 +12,8 @@ from typing import Any
 FIX = (
     "The rollout worker is a spawned process, so these objects are pickled: define them at "
     "module level (lambdas, closures and classes defined inside functions cannot be pickled), "
-    "or pass a registered name such as 'accuracy'."
+    "or pass a registered name instead (a reward such as 'accuracy'; an agent registered "
+    "through register_agents, or 'pkg.module:attr')."
 )
 
 
