@@ -61,6 +61,9 @@ def test_max_tokens_is_capped_by_the_completion_length_and_what_is_left_of_the_t
     for bad in (0, -1, True, "3", 2.5):
         with pytest.raises(GatewayError, match="max_tokens must be a positive integer"):
             gateway._max_tokens(bad)
+    with pytest.raises(GatewayError, match="max_output_tokens must be a positive integer") as raised:
+        gateway._max_tokens(0, param="max_output_tokens")  # the field the agent sent is named
+    assert raised.value.param == "max_output_tokens"
 
 
 def test_models_answers_only_a_rollouts_own_key():

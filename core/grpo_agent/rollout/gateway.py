@@ -250,9 +250,9 @@ class Gateway:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
-        asked = body.get("max_completion_tokens")  # the newer name wins, unless sent as null
-        max_tokens = self._max_tokens(body.get("max_tokens") if asked is None else asked,
-                                      session.generated_tokens)
+        # the newer name wins, unless sent as null
+        param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+        max_tokens = self._max_tokens(body.get(param), session.generated_tokens, param)
         message, finish, usage = await self._sample(session, body.get("messages"), tools,
                                                     body.get("tool_choice"), max_tokens)
         return {
@@ -268,7 +268,8 @@ class Gateway:
         model = self._model(body)
         self._check_budget(session)
         messages, conversation, tools = responses_api.chat_request(body, session.responses)
-        max_tokens = self._max_tokens(body.get("max_output_tokens"), session.generated_tokens)
+        max_tokens = self._max_tokens(body.get("max_output_tokens"), session.generated_tokens,
+                                      "max_output_tokens")
         tool_choice = body.get("tool_choice")
         message, finish, usage = await self._sample(session, messages, tools, tool_choice, max_tokens)
         response_id, response = responses_api.response_body(model, message, finish, usage,
@@ -345,14 +346,13 @@ class Gateway:
             raise GatewayError(429, f"This rollout ran past its {limits.timeout_s:g} s; finish the "
                                "episode.", "rate_limit_error", "rollout_time_budget")
 
-    def _max_tokens(self, asked, spent: int = 0) -> int:
+    def _max_tokens(self, asked, spent: int = 0, param: str = "max_tokens") -> int:
         """The call's token cap: what it asked (null: not asked), `max_completion_length`, and
         what is left of the rollout's token budget after the `spent` tokens, so a call that
         asks for nothing cannot overshoot `agent_max_tokens` by a whole completion."""
         cap = self.loop.config.max_completion_length
         if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
-            raise GatewayError(400, f"max_tokens must be a positive integer, got {asked!r}.",
-                               param="max_tokens")
+            raise GatewayError(400, f"{param} must be a positive integer, got {asked!r}.", param=param)
         budget = self.limits.max_generated_tokens
         left = cap if budget is None else max(1, budget - spent)  # _check_budget refused 0 left
         return min(cap, left, cap if asked is None else asked)
