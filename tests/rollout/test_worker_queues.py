@@ -59,6 +59,23 @@ def test_the_observations_sent_as_the_worker_stops_reach_the_trainer():
     assert worker._process.exitcode == 0  # it exited by itself, not by stop()'s SIGTERM
 
 
+def test_the_hung_error_names_what_most_likely_blocks_the_loop():
+    """A harness worker is most likely blocked by its agent (a sync client in an async agent
+    hangs the loop its gateway runs on): the error says so, not "reward/tool/environment"."""
+    import functools
+
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=1.5, seed=0)
+    harness = RolloutWorker(functools.partial(HarnessRolloutLoop, agent="a:b"), config=config,
+                            model_name="unused", dataset=[], reward_funcs=[], processing_class=None)
+    assert "sync openai.OpenAI client" in harness._hang_suspects()
+    plain = RolloutWorker(helpers.HangsAfterFirstBeatLoop, config=config, model_name="unused",
+                          dataset=[], reward_funcs=[], processing_class=None)
+    assert plain._hang_suspects() == "any blocking reward/tool/environment code"
+
+
 def test_a_worker_that_stops_beating_is_called_hung_and_killed():
     """rollout_worker_timeout: a worker alive but silent past it fails the trainer's next pull
     with the advice, and is killed (it ignores the stop event), instead of a silent wait."""

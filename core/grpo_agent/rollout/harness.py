@@ -53,6 +53,10 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
     reports_tools = True
     runs_tools = False  # the agent runs its tools: calls are parsed here, their outcomes are not
+    # What blocks this loop when the worker stops beating (RolloutWorker's hung error).
+    hang_suspects = ("an async agent that blocks the worker's event loop (a sync openai.OpenAI "
+                     "client or time.sleep in it: use the AsyncOpenAI client it is given, or run "
+                     "blocking code as a command agent)")
 
     def __init__(self, *args, agent, limits: HarnessLimits | None = None, **kwargs):
         super().__init__(*args, **kwargs)

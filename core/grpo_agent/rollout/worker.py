@@ -311,7 +311,13 @@ class RolloutWorker:
             raise RolloutWorkerError(
                 f"The rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout="
                 f"{self.config.rollout_worker_timeout} s): it is hung. Check the vLLM server and "
-                "any blocking reward/tool/environment code, or raise rollout_worker_timeout.")
+                f"{self._hang_suspects()}, or raise rollout_worker_timeout.")
+
+    def _hang_suspects(self) -> str:
+        """What most likely blocks the loop: its class's `hang_suspects` where it names them
+        (the harness loop: its agent), seen through the trainer's `functools.partial`."""
+        loop_cls = getattr(self._loop_cls, "func", self._loop_cls)
+        return getattr(loop_cls, "hang_suspects", "any blocking reward/tool/environment code")
 
     def _check_alive(self) -> None:
         if self._process is None:
