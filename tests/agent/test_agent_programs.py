@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from types import SimpleNamespace
 
@@ -205,6 +206,16 @@ def test_a_run_without_an_answered_call_names_the_refusal_or_where_the_model_is(
     assert "without calling" not in message
     assert "the client it is given" in str(no_reply_failure(echo_agent, AgentSession(version=0)))
     assert "OPENAI_BASE_URL" in str(no_reply_failure(_command("print(1)"), AgentSession(version=0)))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="user= needs root, refused before the user is looked up")
+def test_an_unknown_command_user_is_refused_when_the_limits_are_built():
+    """It used to fail every rollout with a KeyError traceback from the boot script."""
+    from grpo_agent.rollout.command_sandbox import CommandLimits
+
+    with pytest.raises(ValueError, match="user='no-such-user-grpo': no such user on this machine"):
+        CommandLimits(user="no-such-user-grpo")
+    assert CommandLimits(user="nobody").user == "nobody"
 
 
 def test_command_agent_gets_the_gateway_and_row_and_returns_its_last_line():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pwd
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -49,6 +50,12 @@ class CommandLimits:
         if self.user is not None and os.getuid() != 0:
             raise ValueError(f"CommandLimits.user={self.user!r} needs the trainer to run as root "
                              "(only root can switch users); leave user=None.")
+        if self.user is not None:  # here, not as a traceback from every rollout's boot script
+            try:
+                pwd.getpwnam(self.user)
+            except KeyError:
+                raise ValueError(f"CommandLimits.user={self.user!r}: no such user on this machine; "
+                                 "name an existing one, e.g. 'nobody'.") from None
 
 
 def sandboxed_argv(limits: CommandLimits, argv: list[str], *, gateway_port: int,
