@@ -35,6 +35,20 @@ def test_an_unfixable_template_exits_2_and_a_missing_one_exits_1(tiny_tokenizer,
     assert result.exit_code == 1
 
 
+def test_a_missing_folder_and_bad_json_are_one_line_errors_with_exit_1(tiny_tokenizer, tmp_path, capsys):
+    """Not transformers' traceback about Hub repo ids, and not exit 2 (which means "forks")."""
+    import pytest
+    from grpo_agent.cli.main import main
+
+    for args, says in ([str(tmp_path / "nope")], "no such folder"), (
+            [tiny_tokenizer.name_or_path, "--chat-template-kwargs", "enable_thinking=false"], "not valid JSON"):
+        with pytest.raises(SystemExit) as exited:
+            main(["doctor", "template", *args])
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+
+
 def test_the_console_script_exposes_doctor_template(tiny_tokenizer):
     import subprocess
     import sys

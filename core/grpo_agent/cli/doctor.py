@@ -8,9 +8,12 @@ inside the command so `grpo-agent --help` is fast.
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated
 
 import typer
+
+from grpo_agent.cli.errors import CliError
 
 app = typer.Typer(help="Diagnose a model's setup for agent training.", no_args_is_help=True)
 
@@ -37,11 +40,19 @@ def template(
     from grpo_agent.rollout.chat_template import check_prefix_preserving, choose_training_template
     from grpo_agent.rollout.tool_calls import parser_for_template
 
+    # Errors exit 1 (CliError), never 2: exit status 2 means "usable, but forks".
     try:
         kwargs = json.loads(template_kwargs) if template_kwargs else {}
     except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"--chat-template-kwargs is not valid JSON: {exc}") from exc
-    tokenizer = AutoTokenizer.from_pretrained(model)
+        raise CliError(f"--chat-template-kwargs is not valid JSON ({exc}); write e.g. "
+                       '\'{"enable_thinking": false}\'.') from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except OSError as exc:  # transformers' text for a missing folder is about Hub repo ids
+        looks_local = model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model))
+        raise CliError(f"Cannot load a tokenizer from {model!r}: "
+                       f"{'no such folder' if looks_local else exc}. Pass a local model folder "
+                       "or a Hub model id.") from exc
     if not tokenizer.chat_template:
         typer.echo(f"{model}: the tokenizer has no chat template; set one before agent training.", err=True)
         raise typer.Exit(1)
