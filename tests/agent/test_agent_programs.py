@@ -218,6 +218,28 @@ def test_an_unknown_command_user_is_refused_when_the_limits_are_built():
     assert CommandLimits(user="nobody").user == "nobody"
 
 
+def test_a_command_cancelled_again_while_it_is_killed_is_still_reaped(caplog):
+    """A worker's shutdown cancels a rollout more than once; the killed command must still be
+    awaited before the loop closes, else asyncio warns "Loop ... that handles pid N is closed"
+    (printed for each command in flight at the end of every --agent-cmd run)."""
+    import logging
+    import time
+
+    async def main():
+        task = asyncio.create_task(run_agent(AgentCommand("sleep 60"), "http://127.0.0.1:9/v1", "k", {}, 60.0))
+        await asyncio.sleep(2.0)  # the command is running
+        for _ in range(50):
+            task.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        asyncio.run(main())
+        time.sleep(0.5)  # the child watcher's thread reports after the loop closed
+    assert "that handles pid" not in caplog.text
+
+
 def test_command_agent_gets_the_gateway_and_row_and_returns_its_last_line():
     code = ("import json, os, sys; row = json.load(sys.stdin); "
             "print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']); print(row['x'] / 2)")

@@ -155,8 +155,7 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            if process.returncode is None:
-                await process.wait()
+            await _reap(process)
         stdout, stderr = _tail(out), _tail(err)
     if process.returncode == ISOLATION_FAILED_EXIT and b"agent sandbox:" in stderr:
         raise AgentFailure("error", stderr.decode(errors="replace").strip())
@@ -174,6 +173,22 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
         raise AgentFailure("error", f"The agent command {agent.command!r} printed {last!r} as its "
                            "last line; print the reward (a number) or nothing.") from error
     return check_reward(value, f"The agent command {agent.command!r}")
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    """Wait for the killed command even if this rollout is cancelled again meanwhile (a
+    worker's shutdown cancels a group and then its rollouts): left unawaited, the process was
+    reaped after the event loop closed, and asyncio printed "Loop ... that handles pid N is
+    closed" for every command in flight at the end of a run. Bounded: it was sent SIGKILL."""
+    waiter = asyncio.ensure_future(process.wait())
+    cancelled = False
+    while not waiter.done():
+        try:
+            await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _feed_and_wait(process: asyncio.subprocess.Process, payload: bytes) -> None:
