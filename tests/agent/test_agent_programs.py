@@ -218,16 +218,20 @@ def test_an_unknown_command_user_is_refused_when_the_limits_are_built():
     assert CommandLimits(user="nobody").user == "nobody"
 
 
-def test_a_command_cancelled_again_while_it_is_killed_is_still_reaped(caplog):
-    """A worker's shutdown cancels a rollout more than once; the killed command must still be
-    awaited before the loop closes, else asyncio warns "Loop ... that handles pid N is closed"
-    (printed for each command in flight at the end of every --agent-cmd run)."""
+@pytest.mark.parametrize("running_s", [  # cancelled at points of its start, or while it runs
+    [0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05], [2.0]])
+def test_a_command_cancelled_again_and_again_is_still_killed_and_reaped(caplog, running_s):
+    """A worker's shutdown cancels a rollout more than once; the command must still be killed
+    and awaited before the loop closes, else asyncio warns "Loop ... that handles pid N is
+    closed" (printed for each command in flight at the end of every --agent-cmd run)."""
     import logging
     import time
 
-    async def main():
+    async def main(after_s):
         task = asyncio.create_task(run_agent(AgentCommand("sleep 60"), "http://127.0.0.1:9/v1", "k", {}, 60.0))
-        await asyncio.sleep(2.0)  # the command is running
+        started = time.monotonic()
+        while time.monotonic() - started < after_s:
+            await asyncio.sleep(0)
         for _ in range(50):
             task.cancel()
             await asyncio.sleep(0)
@@ -235,7 +239,8 @@ def test_a_command_cancelled_again_while_it_is_killed_is_still_reaped(caplog):
             await task
 
     with caplog.at_level(logging.WARNING, logger="asyncio"):
-        asyncio.run(main())
+        for after_s in running_s:
+            asyncio.run(main(after_s))
         time.sleep(0.5)  # the child watcher's thread reports after the loop closed
     assert "that handles pid" not in caplog.text
 

@@ -142,10 +142,14 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
     # Output goes to unnamed files (capped by the file-size limit), so a flood cannot grow
     # the worker's memory; only their tails are read.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = await asyncio.create_subprocess_exec(
+        # Started and reaped through cancellation: a rollout cancelled while its command
+        # starts would leave the process group unkilled (asyncio kills only the child).
+        process, cancelled = await _despite_cancellation(asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
-            env=agent_environment(base_url, key, home), cwd=agent.cwd, start_new_session=True)
+            env=agent_environment(base_url, key, home), cwd=agent.cwd, start_new_session=True))
         try:
+            if cancelled:
+                raise asyncio.CancelledError
             await asyncio.wait_for(_feed_and_wait(process, payload), timeout_s)
         except asyncio.TimeoutError as error:
             raise AgentFailure("timeout", f"The agent command {agent.command!r} ran past its "
@@ -155,7 +159,8 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            await _reap(process)
+            if (await _despite_cancellation(process.wait()))[1]:
+                raise asyncio.CancelledError
         stdout, stderr = _tail(out), _tail(err)
     if process.returncode == ISOLATION_FAILED_EXIT and b"agent sandbox:" in stderr:
         raise AgentFailure("error", stderr.decode(errors="replace").strip())
@@ -175,20 +180,21 @@ async def _run_command(agent: AgentCommand, base_url: str, key: str, row: dict, 
     return check_reward(value, f"The agent command {agent.command!r}")
 
 
-async def _reap(process: asyncio.subprocess.Process) -> None:
-    """Wait for the killed command even if this rollout is cancelled again meanwhile (a
-    worker's shutdown cancels a group and then its rollouts): left unawaited, the process was
-    reaped after the event loop closed, and asyncio printed "Loop ... that handles pid N is
-    closed" for every command in flight at the end of a run. Bounded: it was sent SIGKILL."""
-    waiter = asyncio.ensure_future(process.wait())
+async def _despite_cancellation(awaitable) -> tuple[Any, bool]:
+    """Await to the end even if cancelled meanwhile: (result, whether it was cancelled).
+
+    For a command's start and its reaping after SIGKILL, both short: a worker's shutdown
+    cancels a group and then its rollouts, and a second cancel that cut either short left the
+    process to be reaped after the event loop closed (asyncio then printed "Loop ... that
+    handles pid N is closed" for every command in flight at the end of an --agent-cmd run)."""
+    future = asyncio.ensure_future(awaitable)
     cancelled = False
-    while not waiter.done():
+    while not future.done():
         try:
-            await asyncio.shield(waiter)
+            await asyncio.shield(future)
         except asyncio.CancelledError:
             cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    return future.result(), cancelled
 
 
 async def _feed_and_wait(process: asyncio.subprocess.Process, payload: bytes) -> None:
