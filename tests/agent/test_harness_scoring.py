@@ -353,3 +353,36 @@ def test_a_group_whose_scoring_stalls_is_dropped_as_stalled(tiny_tokenizer, tmp_
     rollouts = [_plain_rollout(tiny_tokenizer, text) for text in ("12", "It is 12.")]
     _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in rollouts])
     assert (scored.samples, scored.reason, scored.observations) == ([], "stalled", [])
+
+
+def test_an_evaluation_gateway_beside_the_workers_takes_a_port_of_its_own(scripted_loop, tmp_path):
+    """With gateway_port fixed, the worker's gateway binds it; the evaluation's (in the trainer,
+    at the same time) takes a free port instead of failing the run with EADDRINUSE."""
+    import socket
+
+    from grpo_agent.rollout.gateway import HarnessLimits
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    texts = scripted_loop([])
+
+    async def answers(client, row):
+        return 1.0
+
+    loops = [_harness_loop(texts, tmp_path, answers) for _ in range(2)]
+    for loop in loops:
+        loop.limits = HarnessLimits(port=port)
+    loops[1].evaluating = True
+
+    async def main():
+        try:
+            for loop in loops:
+                await loop.setup()
+            return [loop.gateway.base_url for loop in loops]
+        finally:
+            for loop in loops:
+                await loop.close()
+
+    worker_url, eval_url = asyncio.run(main())
+    assert worker_url == f"http://127.0.0.1:{port}/v1" and eval_url != worker_url

@@ -152,6 +152,7 @@ class EvalSession:
         loop.sampling_params = replace(params, temperature=self.settings.temperature,
                                         num_logprobs=0, return_sampling_mask=False, seed=None)
         loop.seeds = None  # the same request twice must decode the same text (greedy)
+        loop.evaluating = True
         loop.env_runner = (None if loop.environment_factory is None
                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
         await loop.setup()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -73,7 +74,10 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.command_slots = asyncio.Semaphore(self.limits.max_commands or max(4, os.cpu_count() or 1))
         else:
             self.http_client = shared_http_client()
-        self.gateway = Gateway(self, self.limits)
+        # An evaluation's gateway runs beside the worker's, in the trainer: a free port of its
+        # own, or a fixed gateway_port would be bound twice (the run failed with EADDRINUSE).
+        limits = dataclasses.replace(self.limits, port=0) if self.evaluating else self.limits
+        self.gateway = Gateway(self, limits)
         url = await self.gateway.start()
         logger.info("Agent gateway listening on %s", url)
         await super().setup()

@@ -75,6 +75,7 @@ class AsyncRolloutLoop:
         self.sampling_params = None  # grpo_agent.sampler.client.SamplingParams
         self.seeds = None  # an iterator of per-request seeds, or None
         self.env_runner: EnvironmentRunner | None = None
+        self.evaluating = False  # True: driven by an evaluation session, beside the worker's loop
         self._warned_images = False
         # Stage deadlines; monitored once the engine starts it (evaluation only tracks stages).
         self.stalls = StallWatch(config, "worker")
