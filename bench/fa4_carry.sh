@@ -6,6 +6,7 @@
 #   bash bench/fa4_carry.sh              # downloads the wheels, writes .fa4a/ and .fa4b/
 #   call 1, carry .fa4a:  mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   call 2, carry .fa4b:  source .fa4b/install.sh && python bench/mfu.py ...
+#                         (or: python3 -m pytest -m gpu tests/train)
 #
 # install.sh joins the halves, unpacks every wheel into /tmp/site and sets PYTHONPATH (the
 # cutlass wheel's .pth is not read from a --target folder, so its path is added by hand).
@@ -18,7 +19,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     $platforms --platform manylinux2014_x86_64 -d .fa4b/wheels \
     flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
-    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
+    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
+    msgspec==0.23.0  # not FA4's: our sampler client's, which GPU test files import
 big=$(ls .fa4b/wheels/nvidia_cutlass_dsl_libs_cu13-*.whl)
 split -n 2 -d "$big" .fa4b/part.
 mv .fa4b/part.00 .fa4a/part.aa && mv .fa4b/part.01 .fa4b/part.ab
