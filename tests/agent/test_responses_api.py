@@ -23,6 +23,8 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
     ({"input": [{"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file"}]}]},
      "input[0].content", "'input_file' content part"),
     ({"input": "x", "tools": {"type": "function", "name": "f"}}, "tools", "'tools' must be a list"),
+    ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name",
+     "must be a non-empty string (the function's name), got null"),
 ])
 def test_a_request_the_chat_path_cannot_mean_is_a_400_naming_its_field(body, param, says):
     with pytest.raises(GatewayError) as raised:

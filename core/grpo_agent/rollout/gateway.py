@@ -30,7 +30,7 @@ from aiohttp import web
 
 from grpo_agent.rollout import responses_api
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
-from grpo_agent.rollout.gateway_errors import GatewayError
+from grpo_agent.rollout.gateway_errors import GatewayError, check_tool_name
 from grpo_agent.rollout.gateway_render import PromptEncoder
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
 from grpo_agent.sampler.errors import SamplerError
@@ -129,6 +129,23 @@ def _template_call(call: dict) -> dict:
         except json.JSONDecodeError:
             pass  # rendered verbatim: the model wrote it so
     return {"type": "function", "function": function}
+
+
+def chat_tools(tools) -> list[dict] | None:
+    """A chat request's `tools`, checked here so a malformed tool is the agent's 400 naming it;
+    the chat template would render it silently into every prompt."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            raise GatewayError(400, f"tools[{index}].function must be an object "
+                               '({"name": ..., "description": ..., "parameters": {...}}); '
+                               f"tools[{index}] is {json.dumps(tool)[:200]}.", param=f"tools[{index}].function")
+        check_tool_name(function.get("name"), f"tools[{index}].function.name")
+    return tools
 
 
 def _openai_calls(parsed: ParsedTurn) -> list[dict]:
@@ -247,9 +264,7 @@ class Gateway:
             raise GatewayError(400, "Only n=1 is supported: a rollout is one conversation; run the "
                                "agent several times instead (num_generations).", param="n")
         self._check_budget(session)
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise GatewayError(400, "'tools' must be a list of function tools.", param="tools")
+        tools = chat_tools(body.get("tools"))
         # the newer name wins, unless sent as null
         param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
         max_tokens = self._max_tokens(body.get(param), session.generated_tokens, param)

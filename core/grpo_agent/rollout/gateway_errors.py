@@ -1,5 +1,8 @@
-"""The gateway's error type, apart so the chat and Responses API modules both raise it."""
+"""The gateway's error type and the checks the chat and Responses API modules share, apart so
+both can raise them."""
 from __future__ import annotations
+
+import json
 
 from aiohttp import web
 
@@ -16,3 +19,11 @@ class GatewayError(Exception):
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
         return web.json_response(body, status=self.status)
+
+
+def check_tool_name(name, param: str) -> None:
+    """A function tool's name, checked: the chat template renders a tool without one silently,
+    so the model would be trained on a tool it cannot call instead of the agent getting a 400."""
+    if not isinstance(name, str) or not name:
+        raise GatewayError(400, f"{param} must be a non-empty string (the function's name), got "
+                           f"{json.dumps(name)[:200]}.", param=param)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from grpo_agent.rollout.gateway_errors import GatewayError
+from grpo_agent.rollout.gateway_errors import GatewayError, check_tool_name
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -110,6 +110,7 @@ def _chat_tools(tools) -> list[dict] | None:
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise GatewayError(400, f"tools[{index}] is a {kind!r} tool; only function tools run here "
                                "(the agent executes them).", param=f"tools[{index}]")
+        check_tool_name(tool.get("name"), f"tools[{index}].name")
         function = {k: v for k, v in tool.items() if k not in ("type", "strict")}  # order kept
         out.append({"type": "function", "function": function})
     return out
