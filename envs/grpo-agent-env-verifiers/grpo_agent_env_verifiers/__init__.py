@@ -85,9 +85,11 @@ def task_rows(id: str = "", harness: str = "null", size: int = 100, venv: str = 
     python = venv_python(venv)
     done = subprocess.run([str(python), str(RUNNER), "tasks", id, str(size)], capture_output=True,
                           text=True, env=run_env(python), timeout=600, check=False)
+    tasks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if tasks and "error" in tasks[-1]:  # the runner's one line for a taskset it cannot import
+        raise ValueError(tasks[-1]["error"])
     if done.returncode != 0:
         raise ValueError(f"verifiers could not load taskset {id!r}:\n{done.stderr[-2000:]}")
-    tasks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if not tasks:
         raise ValueError(f"verifiers taskset {id!r} has no tasks.")
     return Dataset.from_list([{**task, "vf_taskset": id, "vf_harness": harness,

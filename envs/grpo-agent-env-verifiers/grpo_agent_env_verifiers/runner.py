@@ -1,7 +1,7 @@
 """Run inside the verifiers venv (imports verifiers and the standard library only).
 
 `python runner.py tasks TASKSET_ID SIZE` prints the taskset's first SIZE tasks as JSON lines
-(idx, prompt text). `python runner.py serve` is the rollout worker's episode server: it reads
+(idx, prompt text), or one `{"error"}` line when the taskset cannot be imported. `python runner.py serve` is the rollout worker's episode server: it reads
 requests as JSON lines on stdin, `{"id", "row", "base_url", "api_key", "model"}` (play task
 `vf_idx` of the row's taskset with the row's harness in a local subprocess runtime, every model
 call sent to `base_url`, the grpo-agent gateway, with the rollout's key) or `{"cancel": id}`,
@@ -37,9 +37,22 @@ def prompt_text(task) -> str:
 
 
 def tasks(taskset_id: str, size: int) -> None:
-    env = load_env(taskset_id, "null")
+    try:
+        env = load_env(taskset_id, "null")
+    except ModuleNotFoundError as error:  # verifiers' "taskset ... not found", the likeliest slip
+        print(json.dumps({"error": not_importable(taskset_id, error)}))
+        return
     for task in itertools.islice(env.taskset, size):
         print(json.dumps({"vf_idx": task.data.idx, "prompt": prompt_text(task)}))
+
+
+def not_importable(taskset_id: str, error: ModuleNotFoundError) -> str:
+    """One line for a taskset this venv cannot import: where it must be installed, then
+    verifiers' own message and the import that failed (the taskset's, or one of its own)."""
+    cause = f" ({error.__cause__})" if error.__cause__ else ""
+    return (f"verifiers taskset {taskset_id!r} is not importable in the verifiers venv ({sys.prefix}): "
+            f"pip-install its package into that venv, or put its folder on PYTHONPATH. "
+            f"verifiers said: {error}{cause}")
 
 
 async def episode(envs: dict, request: dict) -> float:

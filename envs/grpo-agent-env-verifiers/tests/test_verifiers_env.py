@@ -150,12 +150,27 @@ def test_a_failed_episode_raises_so_the_rollout_is_dropped(taskset_path, endpoin
 def test_missing_venv_unknown_taskset_and_the_plain_loop_are_clear_errors(taskset_path):
     with pytest.raises(VerifiersVenvMissing, match="run `make verifiers-venv`"):
         load_environment("verifiers", id="grpo_reverse_words", venv="/nonexistent").load_dataset()
-    with pytest.raises(ValueError, match="could not load taskset 'no_such_taskset'"):
+    with pytest.raises(ValueError) as unknown:
         load_environment("verifiers", id="no_such_taskset").load_dataset()
+    said = str(unknown.value)  # one line, not verifiers' 2,000-character traceback
+    assert said.startswith("verifiers taskset 'no_such_taskset' is not importable in the verifiers "
+                           f"venv ({venv_python().parent.parent}): pip-install its package into that "
+                           "venv, or put its folder on PYTHONPATH.") and "\n" not in said
+    assert "verifiers said: taskset 'no_such_taskset' not found" in said and "must already be installed" in said
+    assert said.endswith("(No module named 'no_such_taskset')")
     with pytest.raises(ValueError, match="--env-arg id=TASKSET"):
         load_environment("verifiers").load_dataset()
     with pytest.raises(RuntimeError, match="train with `--agent verifiers`"):
         VerifiersEnv(id="grpo_reverse_words").reset(prompt="x")
+
+
+def test_a_taskset_missing_a_dependency_names_the_missing_import(monkeypatch, tmp_path):
+    """verifiers reports a taskset whose own import fails as 'not found' too: the import that
+    failed says which module is missing."""
+    (tmp_path / "grpo_broken_taskset.py").write_text("import grpo_no_such_dependency\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(ValueError, match=r"not found .*\(No module named 'grpo_no_such_dependency'\)$"):
+        load_environment("verifiers", id="grpo_broken_taskset").load_dataset()
 
 
 def test_env_check_lists_the_tasks_and_says_the_env_is_agent_only(taskset_path):
