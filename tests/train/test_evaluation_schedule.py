@@ -110,6 +110,12 @@ def test_evals_start_after_pushes_and_hold_the_next_push_until_they_end(tmp_path
     evals = [row for row in trainer.state.log_history if "eval/pass@1" in row]
     assert [(row["eval/step"], row["eval/model_version"]) for row in evals] == [
         (0.0, 0.0), (2.0, 2.0), (4.0, 4.0)]
+    # Each evaluation's row carries the training epoch of the step it is logged at (prompts
+    # over the dataset's 64), not transformers' steps over max_steps (step 1 of 4: 0.25).
+    epochs = {row["step"]: row["epoch"] for row in trainer.state.log_history if "loss" in row}
+    assert [(row["step"], row["epoch"]) for row in evals] == [
+        (step, epochs[step]) for step in (1, 3, 4)]
+    assert epochs[1] < 0.25
     # One session for the run: opened at the first evaluation, closed when training ends.
     assert events[0] == ("open",) and events[-1] == ("close",)
     assert [e for e in events if e[0] in ("open", "close")] == [("open",), ("close",)]

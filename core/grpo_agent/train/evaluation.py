@@ -204,6 +204,17 @@ class TrainingEvaluator:
         _check_pin(result)
         return {**result.metrics, "eval/step": float(self._step)}
 
+    def log_finished(self) -> None:
+        """Log the evaluation that finished, if any. During training, only once the step's
+        epoch is counted (`end_step`): the row carries the trainer's epoch, and before that it
+        is transformers' own (steps over `max_steps`: 0.5 where the step's row says 0.06)."""
+        if (metrics := self.take_finished()) is None:
+            return
+        control = self.trainer.control
+        should_log = control.should_log  # logging resets it: the step's own row must follow
+        self.trainer.log(metrics)
+        control.should_log = should_log
+
 
 def _check_pin(result: EvalResult) -> None:
     if len(result.served_versions) > 1:
@@ -213,9 +224,10 @@ def _check_pin(result: EvalResult) -> None:
 
 
 class EvaluationCallback(TrainerCallback):
-    """Holds a step's weight push until the running evaluation ends, and logs finished ones.
+    """Holds a step's weight push until the running evaluation ends; logs the last one at the end.
 
-    Registered before the step callback that pushes, so its `on_step_end` runs first."""
+    Registered before the step callback that pushes, so its `on_step_end` runs first. The step's
+    `end_step` logs what finished (`TrainingEvaluator.log_finished`), once it counted the epoch."""
 
     def __init__(self, trainer: TrainerView) -> None:
         self.trainer = trainer
@@ -231,20 +243,12 @@ class EvaluationCallback(TrainerCallback):
             if waited > 0.01:
                 logger.info("Weight push of step %d waited %.2f s for the evaluation.",
                             state.global_step, waited)
-        self._log_finished(control)
 
     def on_train_end(self, args, state, control, **kwargs):
         evaluator = self.trainer.evaluator
         if evaluator is not None:
             evaluator.close()
-            self._log_finished(control)
-
-    def _log_finished(self, control) -> None:
-        metrics = self.trainer.evaluator.take_finished()
-        if metrics is not None:
-            should_log = control.should_log  # logging resets it: the step's own row must follow
-            self.trainer.log(metrics)
-            control.should_log = should_log
+            evaluator.log_finished()
 
 
 def start_training_eval(trainer: TrainerView) -> dict[str, float]:
@@ -258,15 +262,13 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
         # One at a time: one still running (no push came between, weight_sync_steps > 1) ends
         # first and is logged now; `start` would drop its result (or its error) otherwise.
         trainer.evaluator.wait()
-        if (metrics := trainer.evaluator.take_finished()) is not None:
-            trainer.log(metrics)
+        trainer.evaluator.log_finished()
         trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
         if trainer.control.should_training_stop:
             # The run's last one is awaited and logged now: `report_to` integrations close their
             # run in on_train_end (trackio's later logs are lost), which runs before ours.
             trainer.evaluator.wait()
-            if (metrics := trainer.evaluator.take_finished()) is not None:
-                trainer.log(metrics)
+            trainer.evaluator.log_finished()
     trainer.control.should_evaluate = False  # Trainer.evaluate's on_evaluate would reset it
     return {}
 

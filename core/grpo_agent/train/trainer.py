@@ -266,7 +266,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         groups sample it once the server has it; the push may overlap the next step, not the
         run's end); the worker learns the step's tokens (its staleness allowance, which also
         ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
-        prompts. Returns True when the run's prompt epochs are done."""
+        prompts; a finished evaluation is logged (with that epoch). Returns True when the
+        run's prompt epochs are done."""
         self.phases.enter("step end", step=state.global_step)  # push, logging, saves
         samples = self._step_samples
         completed = self.ledger.record_trained(samples)
@@ -285,6 +286,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         size = _dataset_size(self.train_dataset)
         if size is not None:
             state.epoch = logged_epoch(self.ledger.frontier, size, self.prompt_limit())
+        if self.evaluator is not None:
+            self.evaluator.log_finished()  # after the epoch: the row carries this step's
         return done
 
     def prompt_limit(self) -> int | None:
