@@ -57,6 +57,17 @@ def test_a_given_server_url_is_used_and_none_is_started(tmp_path, servers):
     assert servers == []
 
 
+def test_starting_a_server_says_so_with_its_log_before_the_wait(tmp_path, servers, capsys):
+    """The CLI prints no INFO logs: a server's minute-long start was silent, as if hung."""
+    config = AsyncGRPOConfig(output_dir=str(tmp_path))
+    with run._server(str(tmp_path), None, None, config):
+        said = capsys.readouterr().err
+        assert f"starting a vLLM server for {tmp_path}" in said and "its log: " in said
+        assert "vLLM server ready at http://127.0.0.1:1 (pid 1)" in said
+    with run._server(str(tmp_path), "http://gpu-box:8000", None, config):
+        assert capsys.readouterr().err == ""
+
+
 def test_a_lora_run_starts_its_server_with_room_for_every_live_adapter(tmp_path, servers):
     from grpo_agent.weight_sync.adapter import server_lora_rank
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,24 +356,32 @@ def _server(
     from grpo_agent.sampler.server import ManagedVLLMServer
     from grpo_agent.weight_sync.adapter import server_lora_rank
 
-    logger.info("No --vllm-url: starting a vLLM server for %s on this machine.", model_path)
     lora_flags = {}
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
                       "max_loras": config.max_staleness + 2}
     split = _core_split()
-    with ManagedVLLMServer(
+    server = ManagedVLLMServer(
         model_path, dtype="float32",
         max_model_len=managed_max_model_len(model_path, config.max_completion_length),
         env=split.server_env() if split else None, nice=SERVER_NICE if split else None,
         **lora_flags
-    ) as server:
-        logger.info("vLLM server ready at %s (pid %s)", server.base_url, server.pid)
+    )
+    # Shown, not logged at INFO (which the CLI does not print): the start takes a minute or more
+    # on CPU, and the run was silent all that time.
+    _say(f"No --vllm-url: starting a vLLM server for {model_path} on this machine (a minute or "
+         f"more on CPU; its log: {getattr(server, 'log_path', '?')}) ...")
+    with server:
+        _say(f"vLLM server ready at {server.base_url} (pid {server.pid}).")
         if split:
             logger.info("CPU cores: vLLM computes on %s at nice %d, the trainer runs on %s.",
                         split.server, SERVER_NICE, split.trainer)
         with trainer_on(split.trainer) if split else contextlib.nullcontext():
             yield server.base_url
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _core_split() -> CoreSplit | None:
