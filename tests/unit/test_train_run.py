@@ -224,7 +224,7 @@ def test_a_model_folder_that_does_not_exist_is_refused_before_the_run_starts(tmp
 @pytest.mark.parametrize(("setting", "message"), [
     ("eval_num_generations=0", "eval_num_generations=0: set it to 1 or more."),
     ("per_device_eval_batch_size=0", "per_device_eval_batch_size=0: evaluation needs at least one"),
-    ("eval_temperature=-1", "eval_temperature=-1: use 0 (greedy) or more."),
+    ("eval_temperature=-1", "eval_temperature=-1 is out of range: set eval_temperature >= 0 (0 = greedy)."),
     ("metric_for_best_model=eval/pass@1", "metric_for_best_model / load_best_model_at_end are not"),
 ])
 def test_eval_settings_that_cannot_work_are_refused_before_a_server_starts(
