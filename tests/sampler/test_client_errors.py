@@ -430,6 +430,24 @@ def test_a_server_without_metrics_gives_none():
     assert asyncio.run(run()) == (None, None)
 
 
+def test_a_port_held_by_another_program_is_named_as_not_a_vllm_server():
+    """`--vllm-url` at a port some other web server holds: the error said only that GET
+    /v1/models was rejected with 404, then the other server's HTML page."""
+    import httpx
+
+    def reply(request):
+        return httpx.Response(404, text="<!DOCTYPE HTML>\n<html><body>Not Found</body></html>")
+
+    async def run():
+        async with SamplerClient("http://x") as client:
+            client._http = httpx.AsyncClient(base_url="http://x",
+                                             transport=httpx.MockTransport(reply))
+            return await client.model_info()
+    with pytest.raises(RequestRejectedError, match="http://x answers, but not as a vLLM server") as err:
+        asyncio.run(run())
+    assert err.value.status_code == 404
+
+
 def test_a_position_without_top_logprobs_or_a_candidate_without_rank_still_decodes():
     """vLLM omits `top_logprobs` when none were asked for and `rank` in some versions; neither
     is a malformed answer."""

@@ -195,7 +195,16 @@ class SamplerClient:
     async def model_info(self) -> ModelInfo:
         """The served model's id and `max_model_len` (fetched once, then cached)."""
         if self._model_info is None:
-            data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
+            try:
+                data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
+            except RequestRejectedError as error:
+                if error.status_code != 404:
+                    raise
+                raise RequestRejectedError(  # e.g. another program holds the port
+                    f"{self.base_url} answers, but not as a vLLM server: GET /v1/models gave "
+                    f"HTTP 404. Check the URL (--vllm-url / vllm_server_base_url) and which "
+                    f"program listens on that port.", status_code=404,
+                    server_message=error.server_message) from error
             first = data["data"][0]
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
         return self._model_info
