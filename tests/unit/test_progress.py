@@ -119,3 +119,36 @@ def test_an_evaluation_keeps_the_train_status_and_logs_after_the_run_print_nothi
     assert out.getvalue() == printed
     assert printed.splitlines()[-1].split("  [")[0] == (
         "train step 1/4  reward 0.500  step 1.50s  eval@1 pass@1 0.75")
+
+
+def test_the_python_trainers_tqdm_bar_has_no_total_when_the_epochs_end_the_run():
+    """A Python run without max_steps (the quick start) showed `1/1000000000 [01:12<20173919:
+    14:49]`: transformers' bar counted to the Trainer's placeholder step count."""
+    from grpo_agent.train.trainer import UNKNOWN_STEPS, StepProgressCallback
+
+    bars = {}
+    for max_steps in (UNKNOWN_STEPS, 30):
+        callback = StepProgressCallback()
+        trainer_state = SimpleNamespace(max_steps=max_steps, is_world_process_zero=True)
+        callback.on_train_begin(args(max_steps=-1 if max_steps == UNKNOWN_STEPS else 30),
+                                trainer_state, None)
+        bars[max_steps] = callback.training_bar
+        callback.training_bar.close()
+    assert bars[UNKNOWN_STEPS].total is None and "1000000000" not in str(bars[UNKNOWN_STEPS])
+    assert bars[30].total == 30
+
+
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_the_python_trainer_uses_that_bar(tiny_model_path, tmp_path):
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.train.trainer import StepProgressCallback
+    from transformers.trainer_callback import ProgressCallback as TqdmBar
+
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_path), reward_funcs=[_zero_reward], train_dataset=[{"prompt": "2+2?"}],
+        args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+    bars = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TqdmBar)]
+    assert [type(cb) for cb in bars] == [StepProgressCallback]

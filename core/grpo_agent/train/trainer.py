@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
@@ -65,6 +66,21 @@ class _NoBatches:
 
     def __iter__(self):
         return iter(())
+
+
+UNKNOWN_STEPS = 10**9  # the Trainer's max_steps when the prompt epochs, not max_steps, end a run
+
+
+class StepProgressCallback(ProgressCallback):
+    """transformers' tqdm bar, without a total when the run's length is unknown: its bar read
+    `1/1000000000 [01:12<20173919:14:49]`, an ETA of 2,300 years, in the Python quick start."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None and state.max_steps >= UNKNOWN_STEPS:
+            self.training_bar.total = None
+            self.training_bar.unit = " steps"
+            self.training_bar.refresh()
 
 
 class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
@@ -175,6 +191,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                           if eval_dataset is not None else None)
         self.add_callback(evaluation.EvaluationCallback(self))
         self.add_callback(AsyncStepCallback(self))
+        if self.pop_callback(ProgressCallback) is not None:  # only where tqdm is on
+            self.add_callback(StepProgressCallback())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,7 +249,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     def set_initial_training_values(self, args, dataloader):
         """Steps are not known in advance: `max_steps`, or until the prompt epochs are done."""
-        max_steps = args.max_steps if args.max_steps > 0 else 10**9
+        max_steps = args.max_steps if args.max_steps > 0 else UNKNOWN_STEPS
         total_batch = self.get_total_train_batch_size(args)
         return 1, max_steps, total_batch * max_steps, total_batch * max_steps, total_batch, (
             max_steps * args.gradient_accumulation_steps
