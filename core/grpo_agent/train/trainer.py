@@ -79,7 +79,7 @@ class StepProgressCallback(ProgressCallback):
         super().on_train_begin(args, state, control, **kwargs)
         if self.training_bar is not None and state.max_steps >= UNKNOWN_STEPS:
             self.training_bar.total = None
-            self.training_bar.unit = " steps"
+            self.training_bar.unit = "step"
             self.training_bar.refresh()
 
 
