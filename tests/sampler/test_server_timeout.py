@@ -105,7 +105,8 @@ def test_nothing_listening_on_a_local_port_fails_after_the_grace_not_the_timeout
     assert port_state("127.0.0.1", port) == "free"
     began = time.monotonic()
     with pytest.raises(ServerUnreachableError,
-                       match=f"(?s)refused for 2 s.*holds port {port}.*vllm serve"):
+                       match=f"(?s)refused for 2 s.*holds port {port}.*VLLM_SERVER_DEV_MODE=1 "
+                             f"vllm serve MODEL --port {port} --logprobs-mode processed_logprobs"):
         asyncio.run(wait_until_ready(f"http://127.0.0.1:{port}", 1800.0, refused_grace_s=2.0))
     assert time.monotonic() - began < 5
 

@@ -72,9 +72,12 @@ async def wait_until_ready(
                             raise ServerUnreachableError(
                                 f"No vLLM server at {base_url}: connections were refused for "
                                 f"{now - refused_free_since:.0f} s and no process on this machine "
-                                f"holds port {port}. Start one (e.g. `vllm serve MODEL "
-                                f"--enable-scale-out --port {port}`) or pass the right "
-                                f"vllm_server_base_url."
+                                f"holds port {port}. Start one with the flags the trainer "
+                                f"needs (`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port {port} "
+                                "--logprobs-mode processed_logprobs --max-logprobs 20 "
+                                "--enable-scale-out`, README 'On a GPU machine'; on CPU through "
+                                "`python -m grpo_agent.sampler.vllm_entry serve`, docs/vllm.md) "
+                                "or pass the right vllm_server_base_url."
                             ) from error
                     else:
                         refused_free_since = None
