@@ -30,7 +30,7 @@ class _Recorded:
 
     def __init__(self, model, **kwargs):
         self.started.append(kwargs)
-        self.base_url, self.pid = "http://127.0.0.1:1", 1
+        self.base_url, self.pid, self.log_path = "http://127.0.0.1:1", 1, "/tmp/vllm-1.log"
 
     def __enter__(self):
         return self
@@ -62,7 +62,7 @@ def test_starting_a_server_says_so_with_its_log_before_the_wait(tmp_path, server
     config = AsyncGRPOConfig(output_dir=str(tmp_path))
     with run._server(str(tmp_path), None, None, config):
         said = capsys.readouterr().err
-        assert f"starting a vLLM server for {tmp_path}" in said and "its log: " in said
+        assert f"starting a vLLM server for {tmp_path}" in said and "its log: /tmp/vllm-1.log" in said
         assert "vLLM server ready at http://127.0.0.1:1 (pid 1)" in said
     with run._server(str(tmp_path), "http://gpu-box:8000", None, config):
         assert capsys.readouterr().err == ""

@@ -370,7 +370,7 @@ def _server(
     # Shown, not logged at INFO (which the CLI does not print): the start takes a minute or more
     # on CPU, and the run was silent all that time.
     _say(f"No --vllm-url: starting a vLLM server for {model_path} on this machine (a minute or "
-         f"more on CPU; its log: {getattr(server, 'log_path', '?')}) ...")
+         f"more on CPU; its log: {server.log_path}) ...")
     with server:
         _say(f"vLLM server ready at {server.base_url} (pid {server.pid}).")
         if split:
