@@ -155,6 +155,18 @@ def test_the_stall_report_tells_generating_groups_from_those_awaiting_their_scor
     assert "groups_in_flight" not in context  # it read as "being generated"
 
 
+def test_a_stall_report_before_scheduling_has_the_servers_context_and_no_slots():
+    """The worker's stall watch starts before the engine connects, so a hung connect is
+    reported while there are no slots or score queue yet: the context says None for them and
+    still names the server (if it raised, the report said only 'context unavailable')."""
+    engine, _ = make_engine()
+    engine.slots = engine.score_queue = None
+    context = engine.stall_context()
+    assert context["server"] == "http://x"
+    assert [context[key] for key in ("rollouts_running", "rollouts_waiting_for_slot",
+                                     "concurrency_cap", "score_queue_size")] == [None] * 4
+
+
 def test_a_full_score_queue_stops_the_dispatcher(monkeypatch):
     """Slow rewards must slow generation: with the scorer hung and its queue of one full, no
     group starts. At most one group (cap 2, two rollouts) was generating when the queue filled,
@@ -302,11 +314,14 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
 
     monkeypatch.setattr(engine_module.recovery, "means_server_lost", lost)
     monkeypatch.setattr(engine, "_run_rollout", rollout)
-    engine._groups_in_flight = 2
+    engine._groups_in_flight = engine._groups_generating = 2  # both dispatched, generating
     asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
     asyncio.run(engine._run_group(PromptSlot(1, 5, 0, {}), 1))
     assert put == [PromptConsumed(0, 4, "server_lost"), PromptConsumed(1, 5, "server_lost")]
     assert engine.channels.server_down.is_set() and engine._groups_in_flight == 0
+    # A dropped group stops generating too: the stall report must not count it on for good.
+    context = engine.stall_context()
+    assert context["groups_generating"] == 0 and context["groups_awaiting_score"] == 0
     assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 2
     assert caplog.text.count("Lost the vLLM server") == 1
 
