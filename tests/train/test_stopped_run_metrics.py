@@ -77,3 +77,59 @@ def test_a_run_stopped_by_a_lost_server_logs_the_groups_it_lost(tmp_path, save_e
     assert rows[-1].get("rollout/server_lost_group_count") == 1.0
     assert "loss" not in rows[-1]
     assert ("loss" in rows[0]) is save_each_step
+
+
+class LosesTheServerQuietly(LosesTheServer):
+    """Loses the server like `LosesTheServer` but has counted nothing when stopped."""
+
+    def stop(self, grace_s=None):
+        pass
+
+
+class QuietLosingTrainer(OfflineTrainer):
+    def start_pipeline(self):
+        super().start_pipeline()
+        self.source = self._step_source(LosesTheServerQuietly(list(self.samples)))
+
+
+def run_until_the_server_is_lost(tmp_path, trainer_class, setup=lambda trainer: None):
+    """Step 1 is saved and logged, then the server is gone: the run fails with the lost
+    server's error. Returns the rows of metrics.jsonl."""
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=3, logging_steps=1, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none",
+        disable_tqdm=True, use_cpu=True, vllm_server_base_url=closed_port_url(),
+        vllm_server_timeout=1, save_strategy="steps", save_steps=1)
+    trainer = trainer_class(build_tiny_model(), args=args, reward_funcs=[],
+                            train_dataset=[{"prompt": []}] * 64)
+    trainer.samples = [s for g in range(2) for s in group(g)]
+    trainer.add_callback(JsonlMetricsCallback())
+    setup(trainer)
+    with pytest.raises(ServerUnreachableError, match="did not come back"):
+        trainer.train()
+    return read_metrics(tmp_path / METRICS_NAME)
+
+
+def test_a_failed_run_that_counted_nothing_since_its_last_step_adds_no_row(tmp_path):
+    """Nothing counted after step 1 was logged: no empty row is logged after it (a row of
+    nothing but a step number would read as a step that logged no metrics)."""
+    rows = run_until_the_server_is_lost(tmp_path, QuietLosingTrainer)
+    assert [row["step"] for row in rows] == [1]
+    assert "loss" in rows[0]
+
+
+def test_logging_the_unlogged_window_never_hides_the_runs_error(tmp_path, caplog):
+    """If logging the last window fails, the run's own error (the lost server) is still the
+    one raised; the logging failure is only logged."""
+    def setup(trainer):
+        stop_pipeline = trainer._stop_pipeline
+
+        def stop_and_break_the_summary(**kwargs):  # step 1 was summarised: break it from now
+            def broken_summary():
+                raise RuntimeError("summary bug")
+            trainer.window_summary = broken_summary
+            return stop_pipeline(**kwargs)
+        trainer._stop_pipeline = stop_and_break_the_summary
+
+    run_until_the_server_is_lost(tmp_path, LosingTrainer, setup)
+    assert "Logging the metrics counted since the last logged step failed" in caplog.text
