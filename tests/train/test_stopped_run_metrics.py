@@ -133,3 +133,37 @@ def test_logging_the_unlogged_window_never_hides_the_runs_error(tmp_path, caplog
 
     run_until_the_server_is_lost(tmp_path, LosingTrainer, setup)
     assert "Logging the metrics counted since the last logged step failed" in caplog.text
+
+
+class CountsWhenStopped(ScriptedWorker):
+    """A worker that still counts something after the run's last step (as the real one does
+    while it is stopped)."""
+
+    def stop(self, grace_s=None):
+        self.stopped = True
+
+    def drain_metrics(self):
+        return [("rollout/after_the_end", 1.0)] if getattr(self, "stopped", False) else []
+
+
+class FinishingTrainer(OfflineTrainer):
+    def start_pipeline(self):
+        super().start_pipeline()
+        self.source = self._step_source(CountsWhenStopped(list(self.samples)))
+
+
+def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
+    """Only a failed run logs what was counted since its last step: a finished run's last row
+    is its last step (what the worker counts while it is stopped trains nothing)."""
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=1, logging_steps=1, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none",
+        disable_tqdm=True, use_cpu=True, save_strategy="no")
+    trainer = FinishingTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                               train_dataset=[{"prompt": []}] * 64)
+    trainer.samples = [s for g in range(2) for s in group(g)]  # step 1, and one that closes it
+    trainer.add_callback(JsonlMetricsCallback())
+    trainer.train()
+    rows = read_metrics(tmp_path / METRICS_NAME)
+    assert "loss" in rows[0] and "train_runtime" in rows[-1]  # step 1, then HF's run summary
+    assert all("rollout/after_the_end" not in row for row in rows)
