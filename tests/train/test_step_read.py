@@ -404,3 +404,19 @@ def test_the_last_step_trains_no_prompt_past_the_run_epochs(tmp_path):
     assert trainer.state.global_step == 1 and trainer.state.epoch == pytest.approx(1.0)
     assert trainer.ledger.frontier == 2
     assert sorted({s.prompt_index for s in trainer._step_samples}) == [0, 1]
+
+
+def test_dropped_groups_past_the_runs_prompts_do_not_move_the_logged_epoch(tmp_path, monkeypatch):
+    """The worker runs ahead and its dropped groups past the last prompt move the frontier
+    (here to 4 of a 2-prompt, 1-epoch run): the logged epoch stays 1.0, not 2.0."""
+    from grpo_agent.testing.offline import ScriptedWorker
+    from grpo_agent.types import PromptConsumed
+
+    def init(self, samples):
+        self.batches = [samples + [PromptConsumed(2, 0, "filtered"), PromptConsumed(3, 1, "filtered")]]
+
+    monkeypatch.setattr(ScriptedWorker, "__init__", init)
+    trainer, _ = run_offline(tmp_path, dataset_size=2, groups=2, max_steps=-1,
+                             num_train_epochs=1, gradient_accumulation_steps=2)
+    assert trainer.ledger.frontier == 4  # the worker's drops moved it past the run's prompts
+    assert trainer.state.epoch == pytest.approx(1.0)
