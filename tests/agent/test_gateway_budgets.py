@@ -66,6 +66,37 @@ def test_max_tokens_is_capped_by_the_completion_length_and_what_is_left_of_the_t
     assert raised.value.param == "max_output_tokens"
 
 
+@pytest.mark.parametrize("endpoint,body", [
+    ("_complete", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("_respond", {"input": "hi"}),
+])
+def test_a_call_is_capped_by_what_the_rollouts_earlier_calls_left(endpoint, body):
+    """Both endpoints pass the tokens the rollout already generated to the cap: 90 of a budget
+    of 100 spent, a call that asks for nothing is sampled with max_tokens 10, not 100."""
+    gateway = _gateway(max_generated_tokens=100)
+    sampled = []
+
+    async def sample(session, messages, tools, tool_choice, max_tokens):
+        sampled.append(max_tokens)
+        return {"role": "assistant", "content": "ok"}, "stop", (1, 1)
+
+    gateway._sample = sample
+    asyncio.run(getattr(gateway, endpoint)(_session(tokens=90), {"model": "tiny", **body}))
+    assert sampled == [10]
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("_complete", {"messages": [], "max_tokens": 0}, "max_tokens"),
+    ("_complete", {"messages": [], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("_respond", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_a_bad_token_cap_is_refused_under_the_name_the_agent_sent(endpoint, body, param):
+    """The 400 names the field in the request (it said 'max_tokens' whichever was sent)."""
+    with pytest.raises(GatewayError, match=f"^{param} must be a positive integer") as raised:
+        asyncio.run(getattr(_gateway(), endpoint)(_session(), {"model": "tiny", **body}))
+    assert raised.value.status == 400 and raised.value.param == param
+
+
 def test_models_answers_only_a_rollouts_own_key():
     gateway = _gateway()
     gateway.sessions["grpo-key"] = _session()
