@@ -71,6 +71,12 @@ def test_the_hung_error_names_what_most_likely_blocks_the_loop():
     harness = RolloutWorker(functools.partial(HarnessRolloutLoop, agent="a:b"), config=config,
                             model_name="unused", dataset=[], reward_funcs=[], processing_class=None)
     assert "sync openai.OpenAI client" in harness._hang_suspects()
+    # ...and the hung error itself says it (its process is not started: only the rule runs).
+    harness._check_alive, harness.stop = lambda: None, lambda grace_s=None: None
+    harness.channels.heartbeat.value = 0.0  # last beat long ago
+    with pytest.raises(RolloutWorkerError, match="it is hung. Check the vLLM server and an "
+                       "async agent that blocks the worker's event loop"):
+        harness._check_health()
     plain = RolloutWorker(helpers.HangsAfterFirstBeatLoop, config=config, model_name="unused",
                           dataset=[], reward_funcs=[], processing_class=None)
     assert plain._hang_suspects() == "any blocking reward/tool/environment code"
