@@ -386,3 +386,32 @@ def test_an_evaluation_gateway_beside_the_workers_takes_a_port_of_its_own(script
 
     worker_url, eval_url = asyncio.run(main())
     assert worker_url == f"http://127.0.0.1:{port}/v1" and eval_url != worker_url
+
+
+def test_an_agent_whose_every_call_was_refused_is_dropped_naming_the_refusal(scripted_loop, tmp_path,
+                                                                              caplog):
+    """An agent that asks for a model the gateway does not serve, catches the 404 and returns
+    made no answered call: its rollout is dropped with the refusal, not "returned without
+    calling the model" (which sent the user looking at the agent's client)."""
+    import openai
+
+    texts = scripted_loop([])
+
+    async def wrong_model(client, row):
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="gpt-4o", messages=row["prompt"])
+
+    loop = _harness_loop(texts, tmp_path, wrong_model)
+
+    async def main():
+        await loop.setup()
+        try:
+            await loop.run_episode(dict(ROW), 0, 0)
+        finally:
+            await loop.close()
+
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.harness"):
+        asyncio.run(main())
+    dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Rollout dropped")]
+    assert len(dropped) == 1 and "refused its 1 call(s), the last with 404" in dropped[0], dropped
+    assert "'gpt-4o' does not exist" in dropped[0]
