@@ -245,6 +245,48 @@ def test_a_command_cancelled_again_and_again_is_still_killed_and_reaped(caplog, 
     assert "that handles pid" not in caplog.text
 
 
+def test_a_command_cancelled_once_while_it_starts_is_not_left_running(monkeypatch):
+    """One cancel that lands while the command starts (the start is shielded so the process
+    group can be killed) still cancels the rollout, at once: it must not be swallowed, leaving
+    the command to run to its timeout."""
+    import time
+
+    start = asyncio.create_subprocess_exec
+
+    async def main():
+        async def start_then_cancel(*args, **kwargs):
+            process = await start(*args, **kwargs)
+            task.cancel()  # the rollout is cancelled while its command starts
+            return process
+
+        monkeypatch.setattr(asyncio, "create_subprocess_exec", start_then_cancel)
+        task = asyncio.create_task(run_agent(AgentCommand("sleep 60"), "http://127.0.0.1:9/v1", "k", {}, 60.0))
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 5
+
+
+def test_a_command_cancelled_while_it_is_reaped_still_raises_cancelled(monkeypatch):
+    """A cancel that lands while a finished command is killed and reaped is not swallowed:
+    the rollout is cancelled, not returned as if it had finished."""
+    killpg = os.killpg
+
+    async def main():
+        def kill_then_cancel(pid, sig):
+            task.cancel()  # arrives while the command is reaped
+            killpg(pid, sig)
+
+        monkeypatch.setattr(os, "killpg", kill_then_cancel)
+        task = asyncio.create_task(run_agent(_command("print(1.0)"), "http://127.0.0.1:9/v1", "k", {}, 60.0))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
 def test_command_agent_gets_the_gateway_and_row_and_returns_its_last_line():
     code = ("import json, os, sys; row = json.load(sys.stdin); "
             "print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']); print(row['x'] / 2)")
