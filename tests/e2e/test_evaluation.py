@@ -220,14 +220,15 @@ def test_grpo_agent_eval_prints_the_metrics_and_the_first_rows(tmp_path, capsys,
               "rows": [{"row_index": i, "rewards": [0.5], "passed": [True],
                         "completions": [f"line one\nrow {i} " + "x" * 200]} for i in range(3)]}
     report["rows"][1]["completions"] = []
-    print_report(report, tmp_path / "eval.json", examples=2)
+    path = tmp_path / ("a-run-folder-whose-name-is-longer-than-80-columns-" + "x" * 40) / "eval.json"
+    print_report(report, path, examples=2)
     out = capsys.readouterr().out
     table = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines()
              if line.startswith("│")]
     assert "probe-v1 on m" in out and table == [["eval/pass@1", "0.1235"], ["eval/num_rows", "12345"]]
     assert "row 0: rewards [0.5] passed [True]: 'line one row 0 " + "x" * 145 + "'" in out
     assert "row 1: rewards [0.5] passed [True]: ''" in out and "row 2:" not in out
-    assert out.rstrip().endswith(f"Wrote {tmp_path / 'eval.json'}")
+    assert out.rstrip().endswith(f"\nWrote {path}")  # one line too, though past 80 columns
 
 
 def test_grpo_agent_eval_model_folder_checks(tmp_path, monkeypatch):
