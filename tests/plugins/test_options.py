@@ -132,6 +132,43 @@ class GatePlugin:
         register(gate_estimator)
 
 
+def test_an_option_of_the_unselected_estimator_says_to_select_the_estimator():
+    """The other way round from curriculum's: 'gate' is selected as a prompt filter only and
+    its estimator's option is given, so the fix is --set advantage_estimator=gate."""
+    with pytest.raises(OptionError, match=r"Option 'scale' of plugin 'gate' belongs to its advantage "
+                                          r"estimator, .* \(--set advantage_estimator=gate\)"):
+        build_registry(GatePlugin).check_plugin_args({"gate": {"scale": "0.5"}},
+                                                     {"prompt_filter": ["gate"], "advantage_estimator": []})
+
+
+@prompt_filter("twin", options=[Option("scale", float, 1.0, "unused")])
+def twin_filter(row_index, row, epoch, *, scale):
+    return True
+
+
+@advantage_estimator("twin", options=[Option("scale", float, 1.0, "advantage multiplier")])
+def twin_estimator(group, *, scale):
+    return [scale] * len(group.rewards)
+
+
+class TwinPlugin:
+    @staticmethod
+    @hookimpl
+    def register_prompt_filters(register):
+        register(twin_filter)
+
+    @staticmethod
+    @hookimpl
+    def register_advantage_estimators(register):
+        register(twin_estimator)
+
+
+def test_an_option_the_selected_kind_declares_is_accepted_though_an_unselected_kind_has_it_too():
+    """Only options the selected objects lack are blamed on an unselected kind."""
+    build_registry(TwinPlugin).check_plugin_args({"twin": {"scale": "0.5"}},
+                                                 {"prompt_filter": [], "advantage_estimator": ["twin"]})
+
+
 def test_one_plugin_args_entry_gives_each_object_of_the_name_only_the_options_it_declares():
     from types import SimpleNamespace
 
