@@ -118,7 +118,8 @@ ROWS = [{"prompt": [{"role": "user", "content": "fine"}], "score": 0.25, "boom":
         {"prompt": [{"role": "user", "content": "broken"}], "score": 1.0, "boom": True}]
 
 
-def _evaluate(tmp_path, monkeypatch, rows, environment_factory=None, num_generations=2):
+def _evaluate(tmp_path, monkeypatch, rows, environment_factory=None, num_generations=2,
+              loop_cls=ScriptedLoop):
     """`run_evaluation` through a real EvalSession; only the server probe is faked."""
     async def probe(client, **kwargs):
         return ServerFacts(model_id="scripted", max_model_len=64)
@@ -128,7 +129,7 @@ def _evaluate(tmp_path, monkeypatch, rows, environment_factory=None, num_generat
     settings = EvalSettings(num_generations=num_generations, success_threshold=1.0)
 
     def session():
-        return EvalSession(ScriptedLoop, config=config, processing_class=None,
+        return EvalSession(loop_cls, config=config, processing_class=None,
                            reward_funcs=[row_score, flaky], settings=settings,
                            environment_factory=environment_factory)
 
@@ -301,3 +302,18 @@ def test_a_rollout_its_loop_dropped_fails_even_when_the_reward_functions_score_i
     assert dropped.rewards == [None] and dropped.passed == [False]
     assert fine.rewards == [1.0] and fine.passed == [True]
     assert result.metrics["eval/pass@1"] == 0.5 and result.metrics["eval/reward"] == 1.0
+
+
+def test_an_evaluation_session_tells_its_loop_it_is_evaluating(tmp_path, monkeypatch):
+    """The session marks its loop (`loop.evaluating`) before the loop's setup runs: a harness
+    loop reads it there to take a gateway port of its own beside the worker's (with
+    gateway_port fixed, the run failed with EADDRINUSE)."""
+    seen = []
+
+    class SeesEvaluating(ScriptedLoop):
+        async def setup(self):
+            seen.append(self.evaluating)
+            await super().setup()
+
+    _evaluate(tmp_path, monkeypatch, ROWS[:1], loop_cls=SeesEvaluating)
+    assert seen == [True]
