@@ -64,16 +64,18 @@ def test_the_console_script_exposes_doctor_template(tiny_tokenizer):
     assert "patched qwen3 training template" in result.stdout
 
 
-
 def test_a_path_that_exists_but_is_no_model_folder_is_not_called_missing(tmp_path, capsys):
     """"no such folder" only for a path that does not exist: an existing path transformers
-    cannot load (a file here) gets transformers' reason, still one line with exit 1."""
+    cannot load (a file; an empty folder, where transformers raises a ValueError about
+    sentencepiece) gets transformers' reason, still one line with exit 1."""
     import pytest
     from grpo_agent.cli.main import main
 
     (tmp_path / "notes.txt").write_text("not a model")
-    with pytest.raises(SystemExit) as exited:
-        main(["doctor", "template", str(tmp_path / "notes.txt")])
-    assert exited.value.code == 1
-    err = capsys.readouterr().err
-    assert "Cannot load a tokenizer from" in err and "no such folder" not in err, err
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "notes.txt", tmp_path / "empty"):
+        with pytest.raises(SystemExit) as exited:
+            main(["doctor", "template", str(path)])
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert "Cannot load a tokenizer from" in err and "no such folder" not in err, err

@@ -111,11 +111,12 @@ def _engine_with_a_hung_scorer(monkeypatch, run_episode):
 
 
 async def _run_dispatch_and_scorer(engine, queue_size, until):
-    """Dispatch and score until `until()` holds, settle, return the stall context."""
+    """Dispatch and score until `until()` holds (10 s at most: a dispatcher that stops for
+    good fails here, not at the suite's timeout), settle, return the stall context."""
     engine.score_queue = asyncio.Queue(queue_size)
     engine._fatal = asyncio.get_running_loop().create_future()
     tasks = [asyncio.create_task(engine._dispatch()), asyncio.create_task(engine._score_forever())]
-    await until()
+    await asyncio.wait_for(until(), 10)
     await asyncio.sleep(0.1)
     context = engine.stall_context()
     for task in [*tasks, *engine._group_tasks]:

@@ -48,7 +48,8 @@ def template(
                        '\'{"enable_thinking": false}\'.') from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
-    except OSError as exc:  # transformers' text for a missing folder is about Hub repo ids
+    except (OSError, ValueError) as exc:  # a missing folder: transformers' text is about Hub
+        # repo ids; an empty one: a ValueError about sentencepiece/tiktoken
         looks_local = model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model))
         raise CliError(f"Cannot load a tokenizer from {model!r}: "
                        f"{'no such folder' if looks_local else exc}. Pass a local model folder "
