@@ -3,7 +3,7 @@
 
 Found in a fresh-clone run: a `max_steps=1` run logged no reward for its only step, because
 the rule knew only prompt epochs, so a run bounded by max_steps never asked for the flush."""
-from grpo_agent.train.step_source import is_last_step, logged_epoch
+from grpo_agent.train.step_source import is_last_step
 
 
 def test_max_steps_reached_is_the_last_step():
@@ -19,11 +19,3 @@ def test_earlier_steps_are_not_last():
 def test_prompt_epochs_done_is_the_last_step():
     assert is_last_step(max_steps=-1, global_step=5, epochs_done=True)
 
-
-def test_the_logged_epoch_stops_at_the_runs_prompts():
-    """Found running `train --env openenv --env-arg size=4 --set num_train_epochs=1`: the
-    worker's dropped groups past the last prompt moved the frontier to 8, so the run logged
-    epoch 2.0 and showed "epoch 2.00/1"."""
-    assert logged_epoch(frontier=8, size=4, prompt_limit=4) == 1.0
-    assert logged_epoch(frontier=2, size=4, prompt_limit=4) == 0.5
-    assert logged_epoch(frontier=8, size=4, prompt_limit=None) == 2.0  # max_steps: epochs go on

@@ -406,9 +406,9 @@ def test_the_last_step_trains_no_prompt_past_the_run_epochs(tmp_path):
     assert sorted({s.prompt_index for s in trainer._step_samples}) == [0, 1]
 
 
-def test_dropped_groups_past_the_runs_prompts_do_not_move_the_logged_epoch(tmp_path, monkeypatch):
-    """The worker runs ahead and its dropped groups past the last prompt move the frontier
-    (here to 4 of a 2-prompt, 1-epoch run): the logged epoch stays 1.0, not 2.0."""
+def test_dropped_groups_past_the_runs_prompts_move_neither_the_ledger_nor_the_epoch(tmp_path, monkeypatch):
+    """The worker runs ahead and drops groups past the last prompt (here prompts 2 and 3 of a
+    2-prompt, 1-epoch run): they moved the ledger's frontier to 4 and the logged epoch to 2.0."""
     from grpo_agent.testing.offline import ScriptedWorker
     from grpo_agent.types import PromptConsumed
 
@@ -418,5 +418,5 @@ def test_dropped_groups_past_the_runs_prompts_do_not_move_the_logged_epoch(tmp_p
     monkeypatch.setattr(ScriptedWorker, "__init__", init)
     trainer, _ = run_offline(tmp_path, dataset_size=2, groups=2, max_steps=-1,
                              num_train_epochs=1, gradient_accumulation_steps=2)
-    assert trainer.ledger.frontier == 4  # the worker's drops moved it past the run's prompts
+    assert trainer.ledger.frontier == 2  # the resume point stays in the run's epoch
     assert trainer.state.epoch == pytest.approx(1.0)

@@ -36,20 +36,15 @@ def is_last_step(max_steps: int, global_step: int, epochs_done: bool) -> bool:
     return epochs_done or 0 < max_steps <= global_step
 
 
-def logged_epoch(frontier: int, size: int, prompt_limit: int | None) -> float:
-    """The epoch to log: prompts consumed over the dataset size, at most the run's prompts.
-    The worker runs ahead of `prompt_limit` and its dropped groups still move the ledger's
-    frontier, so a 1-epoch run of 4 prompts logged epoch 2.0 ("epoch 2.00/1")."""
-    return (frontier if prompt_limit is None else min(frontier, prompt_limit)) / size
-
-
 class StepSource:
     """Fills optimizer steps from the rollout worker's sample queue (rank 0 only).
 
     `ledger` takes the prompt notices, `epochs_done(in_hand)` says whether the run's prompts
     are all consumed counting the samples in hand, `window` takes the worker's metrics.
-    Samples of prompts at or past `prompt_limit` (the end of the run's last epoch; the worker
-    runs ahead of it) are not trained: the last step would train past the epochs otherwise.
+    Samples and notices of prompts at or past `prompt_limit` (the end of the run's last epoch;
+    the worker runs ahead of it) are ignored: the last step would train past the epochs, and the
+    worker's drops there moved the ledger past the run's prompts (a 1-epoch run of 4 prompts
+    logged epoch 2.0 and recorded a resume point in an epoch it never trained).
     """
 
     def __init__(self, worker: Any, *, ledger: PromptLedger,
@@ -137,11 +132,11 @@ class StepSource:
         ledger = self.ledger
         fresh = []
         for item in items:
+            if self.prompt_limit is not None and item.prompt_index >= self.prompt_limit:
+                continue  # past the run's epochs
             if isinstance(item, PromptConsumed):
                 ledger.record_consumed(item)
                 self.no_progress.record(item.reason)
-            elif self.prompt_limit is not None and item.prompt_index >= self.prompt_limit:
-                continue  # past the run's epochs
             elif not ledger.already_consumed(item.prompt_index):
                 fresh.append(item)
                 self.no_progress.record(None)

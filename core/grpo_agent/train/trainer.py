@@ -46,7 +46,7 @@ from grpo_agent.train.row_clock import RowClock
 from grpo_agent.train.sharded_checkpoint import ShardedCheckpointMixin
 from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
-from grpo_agent.train.step_source import StepSource, is_last_step, logged_epoch
+from grpo_agent.train.step_source import StepSource, is_last_step
 from grpo_agent.types import TrainingSample
 from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 
@@ -303,7 +303,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             self.source.finish_step(samples, last=last)
         size = _dataset_size(self.train_dataset)
         if size is not None:
-            state.epoch = logged_epoch(self.ledger.frontier, size, self.prompt_limit())
+            state.epoch = self.ledger.frontier / size
         if self.evaluator is not None:
             self.evaluator.log_finished()  # after the epoch: the row carries this step's
         return done
