@@ -445,7 +445,21 @@ def test_a_port_held_by_another_program_is_named_as_not_a_vllm_server():
             return await client.model_info()
     with pytest.raises(RequestRejectedError, match="http://x answers, but not as a vLLM server") as err:
         asyncio.run(run())
-    assert err.value.status_code == 404
+    assert err.value.status_code == 404 and "/v1" not in str(err.value).split("port.")[-1]
+
+
+def test_an_openai_style_url_ending_in_v1_is_told_to_drop_it():
+    """`--vllm-url http://host:8000/v1` (the OpenAI convention) asks GET /v1/v1/models: seen
+    failing with 'rejected with HTTP 404: Not Found'."""
+    import httpx
+
+    async def run():
+        async with SamplerClient("http://x:8000/v1") as client:
+            client._http = httpx.AsyncClient(base_url="http://x:8000/v1", transport=httpx.MockTransport(
+                lambda request: httpx.Response(404, json={"detail": "Not Found"})))
+            return await client.model_info()
+    with pytest.raises(RequestRejectedError, match=r"without /v1: http://x:8000\.$"):
+        asyncio.run(run())
 
 
 def test_a_position_without_top_logprobs_or_a_candidate_without_rank_still_decodes():

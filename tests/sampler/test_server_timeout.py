@@ -92,6 +92,8 @@ def test_server_facts_wait_for_a_server_that_is_still_loading(loading_server, ca
     assert waiting, caplog.text  # a log line every few seconds: what is awaited, the last error
     assert "of 1800 s" in waiting[0] and "connection refused" in waiting[0]
     assert "held on this machine" in waiting[0]
+    first = next(r for r in caplog.records if "Waiting for the vLLM server" in r.message)
+    assert first.levelno == logging.WARNING  # the CLI shows warnings only: no silent wait
 
 
 def test_a_held_port_is_waited_for_past_the_grace_for_free_ports(loading_server):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from typing_extensions import Self
 
 from grpo_agent.sampler.errors import (
     RETRYABLE_STATUS,
@@ -121,7 +122,7 @@ class SamplerClient:
             ),
         )
 
-    async def __aenter__(self) -> SamplerClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -200,10 +201,13 @@ class SamplerClient:
             except RequestRejectedError as error:
                 if error.status_code != 404:
                     raise
-                raise RequestRejectedError(  # e.g. another program holds the port
+                # e.g. another program holds the port, or an OpenAI-style URL ending in /v1
+                hint = (f" It is the server's root, without /v1: {self.base_url.removesuffix('/v1')}."
+                        if self.base_url.endswith("/v1") else "")
+                raise RequestRejectedError(
                     f"{self.base_url} answers, but not as a vLLM server: GET /v1/models gave "
                     f"HTTP 404. Check the URL (--vllm-url / vllm_server_base_url) and which "
-                    f"program listens on that port.", status_code=404,
+                    f"program listens on that port.{hint}", status_code=404,
                     server_message=error.server_message) from error
             first = data["data"][0]
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))

@@ -16,9 +16,11 @@ server must wait; one pointed at a wrong port should not wait half an hour. The 
   or coming up: wait up to the timeout.
 
 Ready means `GET /v1/models` answers below 500 (a 4xx is left to the caller's own request,
-which reports it with the server's message). A log line every `LOG_EVERY_S` says what is
-awaited and the last error. The port probe binds and closes a socket in microseconds, once
-per poll while refused; it never binds a port some process already holds.
+which reports it with the server's message).
+A log line every `LOG_EVERY_S` says what is awaited and the last error; the first, and one
+every `WARN_EVERY_S`, is a warning, because the CLI shows only warnings and a wait of up to
+`vllm_server_timeout` must not look like a hang. The port probe binds and closes a socket in
+microseconds, once per poll while refused; it never binds a port some process already holds.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 REFUSED_GRACE_S = 60.0
 LOG_EVERY_S = 5.0
+WARN_EVERY_S = 60.0
+URL_SETTING = "--vllm-url (vllm_server_base_url)"
 POLL_S = 1.0
 _ATTEMPT_TIMEOUT_S = 10.0  # one probe; a loaded server answers /v1/models in milliseconds
 
@@ -54,6 +58,7 @@ async def wait_until_ready(
     host, port = _host_port(base_url)
     _resolve_or_fail(base_url, host, port)
     began = last_log = time.monotonic()
+    last_warning = -WARN_EVERY_S
     refused_free_since: float | None = None
     attempt = httpx.Timeout(min(timeout, _ATTEMPT_TIMEOUT_S))
     async with httpx.AsyncClient(timeout=attempt) as http:
@@ -77,7 +82,7 @@ async def wait_until_ready(
                                 "--logprobs-mode processed_logprobs --max-logprobs 20 "
                                 "--enable-scale-out`, README 'On a GPU machine'; on CPU through "
                                 "`python -m grpo_agent.sampler.vllm_entry serve`, docs/vllm.md) "
-                                "or pass the right vllm_server_base_url."
+                                f"or pass the right {URL_SETTING}."
                             ) from error
                     else:
                         refused_free_since = None
@@ -100,8 +105,10 @@ async def wait_until_ready(
                 )
             if now - last_log >= log_every_s:
                 last_log = now
-                logger.info(
-                    "Waiting for the vLLM server at %s to answer GET /v1/models (%.0f s of "
+                level = logging.WARNING if now - last_warning >= WARN_EVERY_S else logging.INFO
+                last_warning = now if level == logging.WARNING else last_warning
+                logger.log(
+                    level, "Waiting for the vLLM server at %s to answer GET /v1/models (%.0f s of "
                     "%.0f s): %s", base_url, now - began, timeout, problem,
                 )
             await asyncio.sleep(min(POLL_S, max(0.0, timeout - (now - began))))
@@ -148,8 +155,9 @@ def _resolve_or_fail(base_url: str, host: str, port: int) -> None:
     except socket.gaierror as error:
         raise ServerUnreachableError(
             f"The vLLM server host {host!r} of {base_url} does not resolve ({error}); "
-            "fix vllm_server_base_url."
+            f"fix {URL_SETTING}."
         ) from error
+
 
 
 def _refused(error: BaseException) -> bool:
