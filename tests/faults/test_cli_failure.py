@@ -155,5 +155,19 @@ def test_a_long_first_line_is_cut_and_the_log_holds_it_whole(tmp_path):
 
     message, _ = report_failure(RuntimeError("x" * 1000 + "\nsecond line"), tmp_path)
     first = message.splitlines()[0]
-    assert first == "Error: the run failed: RuntimeError: " + "x" * (300 - len("RuntimeError: ")) + "..."
+    assert first == ("Error: the run failed: RuntimeError: " + "x" * (180 - len("RuntimeError: "))
+                     + " [...] " + "x" * 120)
     assert "x" * 1000 in (tmp_path / "error.log").read_text()
+
+
+def test_a_cut_message_keeps_its_end_where_the_fix_is(tmp_path):
+    """Seen against a server restarted without --weight-transfer-config: vLLM's long reason
+    sits in the middle, the flag to restart with at the end, and a cut at 300 characters lost it."""
+    from grpo_agent.cli.failure import report_failure
+
+    error = RuntimeError("http://x refused to start gloo weight transfer: " + "vLLM said " * 40
+                         + ". Start the server with --weight-transfer-config '{\"backend\": \"gloo\"}'.")
+    first = report_failure(error, tmp_path)[0].splitlines()[0]
+    assert first.startswith("Error: the run failed: RuntimeError: http://x refused to start gloo")
+    assert first.endswith("Start the server with --weight-transfer-config '{\"backend\": \"gloo\"}'.")
+    assert len(first) < 340

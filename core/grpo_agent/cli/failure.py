@@ -78,8 +78,8 @@ def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple
         # "The rollout worker failed:" and the worker's traceback: its last line is the reason.
         first = f"{first} {lines[-1].strip()}"
     what = f"{type(error).__name__}: {first}" if first else type(error).__name__
-    if len(what) > 300:
-        what = what[:300] + "..."
+    if len(what) > 300:  # keep the end too: our messages end with the fix, after the server's text
+        what = what[:180] + " [...] " + what[-120:]
     message = [f"Error: the run failed: {what}", f"  full traceback: {log}"]
     stall_report = Path(output_dir) / "stall_report.json" if output_dir is not None else None
     if stall_report is not None and stall_report.is_file():
