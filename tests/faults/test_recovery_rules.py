@@ -6,6 +6,8 @@ tests/faults/test_server_restart.py (one trainer process and two)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -77,10 +79,14 @@ def test_an_external_server_that_comes_back_in_time_is_waited_for():
     assert what.startswith("came back after")
 
 
-def test_an_external_server_that_stays_away_ends_the_wait_with_what_to_do():
+def test_an_external_server_that_stays_away_ends_the_wait_with_what_to_do(caplog):
     url = f"http://127.0.0.1:{find_free_port()}"
+    caplog.set_level(logging.WARNING, logger=recovery.__name__)
     with pytest.raises(ServerUnreachableError, match=r"did not come back within vllm_server_timeout=1 s.*resume"):
         recovery.restore_server(url, timeout_s=1)
+    # said when the wait begins (it may last vllm_server_timeout), not only when it ends
+    assert re.search(r"does not answer; waiting up to vllm_server_timeout=1 s.*Restart it at "
+                     r"the same URL", caplog.text), caplog.text
 
 
 class _Pusher:

@@ -76,7 +76,8 @@ def restore_server(base_url: str, timeout_s: float) -> str:
     """Make the server at `base_url` answer again; returns what it took (for the log line).
 
     Ours: restarted (after `ALIVE_GRACE_S` if its process still lives). External: waited for
-    up to `timeout_s`, then `ServerUnreachableError` saying what to do."""
+    up to `timeout_s`, saying so at once (only a person can restart it, and the wait may be
+    half an hour), then `ServerUnreachableError` saying what to do."""
     server = managed_server_at(base_url)
     if server is not None:
         if server.is_running() and _wait_for_health(base_url, ALIVE_GRACE_S):
@@ -85,6 +86,12 @@ def restore_server(base_url: str, timeout_s: float) -> str:
         server.restart()
         return f"was restarted (pid {server.pid}, {time.monotonic() - began:.0f} s)"
     began = time.monotonic()
+    if not server_answers(base_url):
+        logger.warning(
+            "The vLLM server at %s (not started by this run) does not answer; waiting up to "
+            "vllm_server_timeout=%g s for it to come back. Restart it at the same URL with the "
+            "same model and flags (--weight-transfer-config included): the trainer then pushes "
+            "its weights again and goes on.", base_url, timeout_s)
     if _wait_for_health(base_url, timeout_s):
         return f"came back after {time.monotonic() - began:.0f} s"
     raise ServerUnreachableError(
