@@ -78,6 +78,19 @@ def test_a_4xx_is_a_rejection_that_names_the_route_and_the_servers_message():
         in str(raised.value)
 
 
+def test_a_missing_control_route_names_vllm_server_dev_mode():
+    """A server started without VLLM_SERVER_DEV_MODE=1 answers its control routes with a bare
+    404; seen as the trainer's first push failing with only 'Not Found'."""
+    missing = httpx.Response(404, json={"detail": "Not Found"})
+    with _control(lambda request: missing) as control, pytest.raises(RequestRejectedError) as raised:
+        control.call("POST", "/collective_rpc", json_body={"method": "reload_weights"})
+    assert "HTTP 404" in str(raised.value) and "VLLM_SERVER_DEV_MODE=1" in str(raised.value)
+    unknown = httpx.Response(404, json={"detail": "adapter x not found"})  # a route's own 404
+    with _control(lambda request: unknown) as control, pytest.raises(RequestRejectedError) as raised:
+        control.call("POST", "/v1/unload_lora_adapter", json_body={"lora_name": "x"})
+    assert "VLLM_SERVER_DEV_MODE" not in str(raised.value)
+
+
 def test_a_refused_prefix_cache_reset_fails_the_push():
     with _control(lambda request: httpx.Response(200, json={"success": False})) as control, pytest.raises(WeightSyncError, match="refused to reset its prefix cache"):
         control.reset_prefix_cache()

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import httpx
 import torch
+from typing_extensions import Self
 
 from grpo_agent import stall
 from grpo_agent.sampler.client import CONTROL_TIMEOUT_S
@@ -55,6 +56,16 @@ class WeightSync(Protocol):
     def close(self) -> None: ...
 
 
+def _missing_route_advice(response: httpx.Response) -> str:
+    """vLLM registers its control routes (weights, version, prefix cache, /server_info,
+    /collective_rpc) only under VLLM_SERVER_DEV_MODE=1; without it they answer a bare 404, and a
+    trainer against such a server fails at its first push. Name the variable."""
+    if response.status_code != 404 or server_message(response) != "Not Found":
+        return ""
+    return (". The server has no such route: vLLM serves its control and weight-update routes "
+            "only when started with VLLM_SERVER_DEV_MODE=1 (docs/vllm.md, Server flags)")
+
+
 class ServerControl:
     """Blocking HTTP calls to the server's control routes, each with a timeout.
 
@@ -81,7 +92,7 @@ class ServerControl:
         if response.status_code >= 400:
             raise RequestRejectedError(
                 f"{method} {self.base_url}{path} failed with HTTP {response.status_code}: "
-                f"{response.text.strip()[:2000]}",
+                f"{response.text.strip()[:2000]}{_missing_route_advice(response)}",
                 status_code=response.status_code,
             )
         return response.json() if response.content else None
@@ -152,7 +163,7 @@ class ServerControl:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> ServerControl:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
