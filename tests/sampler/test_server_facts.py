@@ -95,6 +95,7 @@ def test_every_fact_comes_from_one_probe(server):
     assert facts.lora == LoraServerLimits(max_lora_rank=16, max_loras=6, runtime_updating=True)
     assert facts.weight_transfer_backend == "gloo"
     assert facts.weight_version == "7" and facts.holds_pushed_weights
+    assert facts.control_routes
     assert sorted(server.calls) == ["/inference/v1/generate", "/metrics", "/server_info",
                                     "/v1/models"]  # each route once
 
@@ -112,6 +113,7 @@ def test_a_server_without_server_info_or_metrics_gets_the_defaults(server):
     assert (facts.model_id, facts.max_model_len) == ("tiny", 64)
     assert facts.dtype is None and facts.kv_tokens is None and facts.lora is None
     assert not facts.on_cpu and facts.weight_transfer_backend == "disk"
+    assert not facts.control_routes  # a 404: vLLM without VLLM_SERVER_DEV_MODE=1
 
 
 @pytest.mark.parametrize("server", [False], indirect=True)

@@ -67,6 +67,17 @@ def test_the_server_check_refuses_another_model_and_a_length_without_room(monkey
     assert facts.max_model_len == 65
 
 
+def test_the_server_check_refuses_a_server_without_its_control_routes(monkeypatch, tmp_path):
+    """vLLM without VLLM_SERVER_DEV_MODE=1: seen training a step, then failing the push with a bare
+    404 (and a CPU server crashing on the seeds it was sent, its device unknown)."""
+    import pytest
+
+    with pytest.raises(ValueError, match=r"/server_info with HTTP 404.*Restart it with "
+                                         r"VLLM_SERVER_DEV_MODE=1"):
+        _checked(monkeypatch, tmp_path, {"model_id": "org/tiny", "max_model_len": 64,
+                                         "control_routes": False})
+
+
 def test_the_server_check_warns_on_a_small_token_budget_and_a_dtype_gap(monkeypatch, tmp_path, caplog):
     import logging
 

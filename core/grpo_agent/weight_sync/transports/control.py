@@ -22,6 +22,7 @@ from typing_extensions import Self
 from grpo_agent import stall
 from grpo_agent.sampler.client import CONTROL_TIMEOUT_S
 from grpo_agent.sampler.errors import (
+    DEV_MODE_ADVICE,
     RETRYABLE_STATUS,
     RequestRejectedError,
     ServerUnreachableError,
@@ -57,13 +58,10 @@ class WeightSync(Protocol):
 
 
 def _missing_route_advice(response: httpx.Response) -> str:
-    """vLLM registers its control routes (weights, version, prefix cache, /server_info,
-    /collective_rpc) only under VLLM_SERVER_DEV_MODE=1; without it they answer a bare 404, and a
-    trainer against such a server fails at its first push. Name the variable."""
+    """A bare 404 is a route vLLM did not register: name the variable that registers them."""
     if response.status_code != 404 or server_message(response) != "Not Found":
         return ""
-    return (". The server has no such route: vLLM serves its control and weight-update routes "
-            "only when started with VLLM_SERVER_DEV_MODE=1 (docs/vllm.md, Server flags)")
+    return f". The server has no such route: {DEV_MODE_ADVICE}"
 
 
 class ServerControl:
