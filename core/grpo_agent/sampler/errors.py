@@ -8,10 +8,6 @@ sampler's and the control calls') follow lives here too, so their errors read th
 from typing import Any
 
 RETRYABLE_STATUS = range(500, 600)
-# A vLLM server without this variable answers its control routes (/server_info, weights, version,
-# prefix cache, /collective_rpc) with a bare 404.
-DEV_MODE_ADVICE = ("vLLM serves its control and weight-update routes only when started with "
-                   "VLLM_SERVER_DEV_MODE=1 (docs/vllm.md, Server flags)")
 
 
 class SamplerError(RuntimeError):

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.errors import DEV_MODE_ADVICE
 from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.train.weights import is_vision_tower_param
 
@@ -81,8 +80,8 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     if not facts.control_routes:
         raise ValueError(
             f"The vLLM server at {args.vllm_server_base_url} answers /server_info with HTTP 404: "
-            f"{DEV_MODE_ADVICE}. Without them no weight push reaches it, and on CPU the trainer's "
-            "per-request seeds would crash it. Restart it with VLLM_SERVER_DEV_MODE=1."
+            "it runs without VLLM_SERVER_DEV_MODE=1, so no weight push reaches it (and on CPU the "
+            "trainer's seeds would crash it). Restart it with VLLM_SERVER_DEV_MODE=1."
         )
     expected = str(model.config._name_or_path)
     if not same_model(expected, facts.model_id):

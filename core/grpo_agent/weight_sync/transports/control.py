@@ -22,7 +22,6 @@ from typing_extensions import Self
 from grpo_agent import stall
 from grpo_agent.sampler.client import CONTROL_TIMEOUT_S
 from grpo_agent.sampler.errors import (
-    DEV_MODE_ADVICE,
     RETRYABLE_STATUS,
     RequestRejectedError,
     ServerUnreachableError,
@@ -55,6 +54,12 @@ class WeightSync(Protocol):
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings: ...
 
     def close(self) -> None: ...
+
+
+# vLLM registers its control routes (/server_info, weights, version, prefix cache,
+# /collective_rpc) only under this variable; without it they answer a bare 404.
+DEV_MODE_ADVICE = ("vLLM serves its control and weight-update routes only when started with "
+                   "VLLM_SERVER_DEV_MODE=1 (docs/vllm.md, Server flags)")
 
 
 def _missing_route_advice(response: httpx.Response) -> str:
