@@ -12,7 +12,8 @@ from grpo_agent.sampler.server_facts import LoraServerLimits, ServerFacts, find_
 
 SERVER_INFO = {
     "vllm_config": {
-        "model_config": {"dtype": "torch.bfloat16"},
+        "model_config": {"dtype": "torch.bfloat16", "logprobs_mode": "processed_logprobs",
+                         "max_logprobs": 20},
         "device_config": {"device": "cpu"},
         "lora_config": {"max_lora_rank": 16, "max_loras": 6},
         "weight_transfer_config": {"backend": "gloo"},
@@ -96,6 +97,7 @@ def test_every_fact_comes_from_one_probe(server):
     assert facts.weight_transfer_backend == "gloo"
     assert facts.weight_version == "7" and facts.holds_pushed_weights
     assert facts.control_routes
+    assert (facts.logprobs_mode, facts.max_logprobs) == ("processed_logprobs", 20)
     assert sorted(server.calls) == ["/inference/v1/generate", "/metrics", "/server_info",
                                     "/v1/models"]  # each route once
 

@@ -78,6 +78,24 @@ def test_the_server_check_refuses_a_server_without_its_control_routes(monkeypatc
                                          "control_routes": False})
 
 
+def test_the_server_check_refuses_log_probs_the_loss_cannot_use(monkeypatch, tmp_path):
+    """vLLM's default --logprobs-mode raw_logprobs ignores temperature: with it the importance
+    ratios were silently off; a --max-logprobs below top-k + 1 rejected every request."""
+    import pytest
+
+    facts = {"model_id": "org/tiny", "max_model_len": 64}
+    with pytest.raises(ValueError, match=r"--logprobs-mode raw_logprobs.*Restart it with "
+                                         r"--logprobs-mode processed_logprobs"):
+        _checked(monkeypatch, tmp_path, {**facts, "logprobs_mode": "raw_logprobs"},
+                 max_completion_length=16)
+    with pytest.raises(ValueError, match=r"--max-logprobs 5.*asks for 9.*--max-logprobs 9"):
+        _checked(monkeypatch, tmp_path, {**facts, "max_logprobs": 5}, max_completion_length=16)
+    _checked(monkeypatch, tmp_path, {**facts, "max_logprobs": 5}, max_completion_length=16,
+             score_centering=False)  # only the sampled token's log-prob is asked for
+    _checked(monkeypatch, tmp_path, {**facts, "logprobs_mode": "processed_logprobs",
+                                     "max_logprobs": 9}, max_completion_length=16)
+
+
 def test_the_server_check_warns_on_a_small_token_budget_and_a_dtype_gap(monkeypatch, tmp_path, caplog):
     import logging
 

@@ -62,6 +62,8 @@ class ServerFacts:
     # False: /server_info answered 404, i.e. vLLM runs without VLLM_SERVER_DEV_MODE=1, so no
     # weight push can reach it (and on_cpu above could not be read).
     control_routes: bool = True
+    logprobs_mode: str | None = None  # --logprobs-mode; None: the server did not say
+    max_logprobs: int | None = None  # --max-logprobs; None: the server did not say
 
     @property
     def holds_pushed_weights(self) -> bool:
@@ -97,6 +99,8 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         weight_transfer_backend=detect_backend(server_info),
         weight_version=version,
         control_routes=control_routes,
+        logprobs_mode=find_key(server_info, "logprobs_mode"),
+        max_logprobs=find_key(server_info, "max_logprobs"),
     )
 
 

@@ -83,6 +83,7 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
             "it runs without VLLM_SERVER_DEV_MODE=1, so no weight push reaches it (and on CPU the "
             "trainer's seeds would crash it). Restart it with VLLM_SERVER_DEV_MODE=1."
         )
+    _check_logprob_flags(args, facts)
     expected = str(model.config._name_or_path)
     if not same_model(expected, facts.model_id):
         raise ValueError(
@@ -119,6 +120,24 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
             facts.dtype, trainer_dtype, fix,
         )
     return facts
+
+
+def _check_logprob_flags(args: AsyncGRPOConfig, facts: ServerFacts) -> None:
+    """The importance ratios need the log-probs of the distribution the server sampled from
+    (vLLM's default `raw_logprobs` ignores temperature and top-k/p, silently), and the client asks
+    for top-k + 1 per token (a smaller --max-logprobs rejects every request)."""
+    url = args.vllm_server_base_url
+    if facts.logprobs_mode not in (None, "processed_logprobs"):
+        raise ValueError(
+            f"The vLLM server at {url} returns --logprobs-mode {facts.logprobs_mode}, not the "
+            "log-probs of the distribution it samples from, which the loss needs. Restart it "
+            "with --logprobs-mode processed_logprobs.")
+    wanted = args.num_sampler_logprobs + 1 if args.score_centering else 0
+    if facts.max_logprobs is not None and facts.max_logprobs < wanted:
+        raise ValueError(
+            f"The vLLM server at {url} allows --max-logprobs {facts.max_logprobs}, but "
+            f"num_sampler_logprobs={args.num_sampler_logprobs} asks for {wanted} per token. "
+            f"Restart it with --max-logprobs {wanted} (or more), or lower num_sampler_logprobs.")
 
 
 def same_model(trainer_name: str, served_id: str) -> bool:
