@@ -92,6 +92,7 @@ def test_the_server_check_refuses_log_probs_the_loss_cannot_use(monkeypatch, tmp
         _checked(monkeypatch, tmp_path, {**facts, "max_logprobs": 5}, max_completion_length=16)
     _checked(monkeypatch, tmp_path, {**facts, "max_logprobs": 5}, max_completion_length=16,
              score_centering=False)  # only the sampled token's log-prob is asked for
+    _checked(monkeypatch, tmp_path, {**facts, "max_logprobs": -1}, max_completion_length=16)
     _checked(monkeypatch, tmp_path, {**facts, "logprobs_mode": "processed_logprobs",
                                      "max_logprobs": 9}, max_completion_length=16)
 

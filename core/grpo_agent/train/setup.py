@@ -133,7 +133,7 @@ def _check_logprob_flags(args: AsyncGRPOConfig, facts: ServerFacts) -> None:
             "log-probs of the distribution it samples from, which the loss needs. Restart it "
             "with --logprobs-mode processed_logprobs.")
     wanted = args.num_sampler_logprobs + 1 if args.score_centering else 0
-    if facts.max_logprobs is not None and facts.max_logprobs < wanted:
+    if facts.max_logprobs is not None and 0 <= facts.max_logprobs < wanted:  # -1: no limit
         raise ValueError(
             f"The vLLM server at {url} allows --max-logprobs {facts.max_logprobs}, but "
             f"num_sampler_logprobs={args.num_sampler_logprobs} asks for {wanted} per token. "
