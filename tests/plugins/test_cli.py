@@ -270,6 +270,19 @@ def test_train_hands_the_parsed_config_to_run_training(cli, tmp_path, monkeypatc
     assert call["config"].num_generations == 4 and call["config"].output_dir == str(tmp_path)
 
 
+@pytest.mark.parametrize(("rank", "expected"), [("0", "Run finished: {}\n"), ("1", "")])
+def test_under_torchrun_only_rank_0_says_the_run_finished(cli, tmp_path, monkeypatch, rank,
+                                                          expected):
+    """Every rank returns from run_training after leaving the process group: RANK decides."""
+    import grpo_agent.train.run as run_module
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(run_module, "run_training", lambda **kw: tmp_path)
+    code, out, err = cli("train", "--env", "math", "--model", "/models/m", "--vllm-url",
+                         "http://127.0.0.1:9", "--output-dir", str(tmp_path))
+    assert code == 0 and out == expected.format(tmp_path), err
+
+
 def test_tiny_model_command_builds_the_model(cli, tmp_path):
     code, out, _ = cli("tiny-model", str(tmp_path / "tiny"))
     assert code == 0 and out.strip() == str(tmp_path / "tiny")

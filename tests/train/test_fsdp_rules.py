@@ -1,7 +1,9 @@
 """train/fsdp.py's rules that need no process group: which blocks are sharded, which names a
-tied LM head repeats, a checkpoint that does not fit the model, and the loss as a forward
-method. Sharding itself runs under torchrun (tests/e2e/test_fsdp2_cpu.py)."""
+tied LM head repeats, a checkpoint that does not fit the model, the loss as a forward
+method, and which rank speaks. Sharding itself runs under torchrun (tests/e2e/test_fsdp2_cpu.py)."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -70,3 +72,33 @@ def test_an_installed_forward_method_gets_the_model_as_its_first_argument():
 
 def test_without_a_process_group_there_is_one_process_and_it_is_the_main_one():
     assert fsdp.world_size() == 1 and fsdp.is_main_process()
+
+
+@pytest.fixture
+def package_log_level():
+    """Puts the grpo_agent logger's level back after a test that quiets it."""
+    package = logging.getLogger("grpo_agent")
+    level = package.level
+    yield package
+    package.setLevel(level)
+
+
+@pytest.mark.parametrize(("rank", "main"), [("0", True), ("1", False)])
+def test_outside_a_process_group_the_launchers_rank_says_which_process_is_main(
+        monkeypatch, rank, main):
+    """After the run leaves its process group, torchrun's RANK still tells rank 0 (which prints
+    "Run finished") from the others."""
+    monkeypatch.setenv("RANK", rank)
+    assert fsdp.is_main_process() is main
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", ["warning", "error"]), ("1", ["error"])])
+def test_ranks_other_than_0_log_only_errors(monkeypatch, caplog, package_log_level, rank, shown):
+    """Every rank runs the same start-up checks: their warnings (a dtype gap in train.setup, a
+    missing generate route in sampler.client) print on rank 0 only; a rank's errors still show."""
+    monkeypatch.setenv("RANK", rank)
+    fsdp.quiet_other_ranks()
+    caplog.set_level(logging.INFO, logger="root")
+    logging.getLogger("grpo_agent.train.setup").warning("warning")
+    logging.getLogger("grpo_agent.sampler.client").error("error")
+    assert [record.getMessage() for record in caplog.records] == shown

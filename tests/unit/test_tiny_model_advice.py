@@ -1,4 +1,7 @@
 """A run of the built-in tiny model at the spec's default rate is told why it will not learn."""
+import logging
+
+import pytest
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train.run import tiny_model_advice
 
@@ -16,3 +19,27 @@ def test_the_advice_starts_below_the_minimum_rate():
 
     assert tiny_model_advice(TINY_MODEL_MIN_LEARNING_RATE) is None
     assert tiny_model_advice(TINY_MODEL_MIN_LEARNING_RATE * 0.99) is not None
+
+
+@pytest.mark.parametrize(("rank", "advised"), [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_0_gives_the_advice(tmp_path, monkeypatch, caplog, rank, advised):
+    """Every rank runs run_training's checks; its warnings print on rank 0 only."""
+    from grpo_agent.train import run
+
+    class Stop(Exception):
+        pass
+
+    def no_server(*args):
+        raise Stop
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(run, "_server", no_server)
+    caplog.set_level(logging.INFO, logger="root")
+    package = logging.getLogger("grpo_agent")
+    level = package.level
+    try:
+        with pytest.raises(Stop):
+            run.run_training("math", AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none"))
+    finally:
+        package.setLevel(level)  # what quiet_other_ranks set on rank 1
+    assert any("learning_rate" in r.getMessage() for r in caplog.records) is advised

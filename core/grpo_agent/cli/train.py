@@ -142,7 +142,10 @@ def train(
             raise
         typer.echo(message, err=True)
         raise typer.Exit(code) from None
-    typer.echo(f"Run finished: {out}")
+    from grpo_agent.train import fsdp
+
+    if fsdp.is_main_process():  # under torchrun: once, not once per rank
+        typer.echo(f"Run finished: {out}")
 
 
 def _target_modules(text: str) -> str | list[str]:

@@ -8,6 +8,7 @@ policy is explicit: parameters compute in the training precision, gradients redu
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,18 @@ def world_size() -> int:
 
 
 def is_main_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    """Rank 0 of the process group; outside one (before it starts, after the run leaves it) the
+    launcher's RANK, so a torchrun's end-of-run lines still print once."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def quiet_other_ranks() -> None:
+    """Ranks > 0 log errors only: every rank runs the same start-up checks (server dtype,
+    missing routes) and steps, so their warnings would print once per rank."""
+    if not is_main_process():
+        logging.getLogger("grpo_agent").setLevel(logging.ERROR)
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

@@ -65,6 +65,7 @@ def run_training(
     tool loop: `HarnessAsyncGRPOTrainer` runs it on the env's dataset and rewards."""
     from transformers.trainer_callback import PrinterCallback
 
+    from grpo_agent.train import fsdp
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -74,6 +75,7 @@ def run_training(
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
+    fsdp.quiet_other_ranks()  # before check_run: its warnings too
     task, eval_dataset, resume = check_run(env, config, model, resume_from_checkpoint, env_args,
                                            agent_played=agent is not None)
     output_dir = Path(config.output_dir)

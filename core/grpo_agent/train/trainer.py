@@ -114,6 +114,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         from grpo_agent.plugins.pickling import refuse_trainer_in_spawned_import
 
         refuse_trainer_in_spawned_import(type(self).__name__)
+        fsdp.quiet_other_ranks()  # every rank checks alike: rank 0 warns for all
         _refuse_agent_only_envs(environment_factory)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
