@@ -380,6 +380,30 @@ def test_a_bare_404_falls_back_once_and_the_client_stays_on_completions():
     assert ["token_ids" in body for body in server.bodies] == [True, False, False]
 
 
+def test_requests_in_flight_when_the_route_proves_missing_warn_once(caplog):
+    """Every request of the first burst gets the 404; only the one that switches the client to
+    /v1/completions warns (the worker starts dozens of rollouts at once)."""
+    import httpx
+
+    async def reply(request):
+        if request.url.path == "/inference/v1/generate":
+            await asyncio.sleep(0.01)  # the burst is all sent before the first 404 is read
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=COMPLETION)
+
+    async def run():
+        async with SamplerClient("http://x") as client:
+            client._http = httpx.AsyncClient(base_url="http://x",
+                                             transport=httpx.MockTransport(reply))
+            params = SamplingParams(max_tokens=2, num_logprobs=2)
+            return await asyncio.gather(*(client.generate([1, 2], params, model="m")
+                                          for _ in range(3)))
+    turns = asyncio.run(run())
+    assert [turn.output_ids for turn in turns] == [[7]] * 3
+    warned = [r for r in caplog.records if "no /inference/v1/generate" in r.getMessage()]
+    assert len(warned) == 1
+
+
 def test_endpoint_generate_never_falls_back():
     disabled = {"error": {"message": "Scale-out endpoints are disabled."}}
     server = ScriptedServer([(403, disabled), (200, COMPLETION)])

@@ -162,11 +162,12 @@ class SamplerClient:
             except RequestRejectedError as error:
                 if self._endpoint == "generate" or not _route_missing(error):
                     raise
-                logger.warning(
-                    "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
-                    "falling back to /v1/completions without per-token weight versions.",
-                    self.base_url,
-                )
+                if self._endpoint == "auto":  # not again for the requests in flight with it
+                    logger.warning(
+                        "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
+                        "falling back to /v1/completions without per-token weight versions.",
+                        self.base_url,
+                    )
                 self._endpoint = "completions"
         return await self._generate_completions(prompt_ids, params, model, n)
 
