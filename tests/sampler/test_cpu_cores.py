@@ -96,7 +96,7 @@ def test_the_cli_starts_its_cpu_server_below_the_trainers_priority(tmp_path, mon
     class Recorded:
         def __init__(self, model, **kwargs):
             started.update(kwargs)
-            self.base_url, self.pid = "http://127.0.0.1:1", 1
+            self.base_url, self.pid, self.log_path = "http://127.0.0.1:1", 1, "/tmp/vllm-1.log"
 
         def __enter__(self):
             return self
