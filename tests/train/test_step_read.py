@@ -420,3 +420,24 @@ def test_dropped_groups_past_the_runs_prompts_move_neither_the_ledger_nor_the_ep
                              num_train_epochs=1, gradient_accumulation_steps=2)
     assert trainer.ledger.frontier == 2  # the resume point stays in the run's epoch
     assert trainer.state.epoch == pytest.approx(1.0)
+
+
+def test_a_trainer_built_on_a_rank_above_0_quiets_its_warnings(tmp_path, monkeypatch):
+    """Python-API runs under torchrun build the trainer on every rank: only rank 0 warns (the
+    start-up checks ran once per rank); errors still show. Without the call in the trainer's
+    constructor, rank 1's `grpo_agent` logger kept WARNING."""
+    import logging
+
+    from grpo_agent.testing import build_tiny_model
+
+    package = logging.getLogger("grpo_agent")
+    level = package.level
+    monkeypatch.setenv("RANK", "1")  # no process group: the launcher's rank decides
+    try:
+        args = AsyncGRPOConfig(output_dir=str(tmp_path), token_budget=TOKEN_BUDGET, use_cpu=True,
+                               report_to="none", save_strategy="no", disable_tqdm=True)
+        OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                       train_dataset=[{"prompt": []}])
+        assert package.getEffectiveLevel() == logging.ERROR
+    finally:
+        package.setLevel(level)
