@@ -2,8 +2,8 @@
 
 `python runner.py tasks TASKSET_ID SIZE` prints the taskset's first SIZE tasks as JSON lines
 (idx, prompt text), or one `{"error"}` line when the taskset cannot be imported.
-`python runner.py serve` is the rollout worker's episode server: it reads requests as JSON lines on stdin, `{"id", "row", "base_url", "api_key", "model"}` (play task
-`vf_idx` of the row's taskset with the row's harness in a local subprocess runtime, every model
+`python runner.py serve` is the rollout worker's episode server: it reads requests as JSON
+lines on stdin, `{"id", "row", "base_url", "api_key", "model"}` (play task `vf_idx` of the row's taskset with the row's harness in a local subprocess runtime, every model
 call sent to `base_url`, the grpo-agent gateway, with the rollout's key) or `{"cancel": id}`,
 plays the episodes concurrently and answers each with one JSON line, `{"id", "reward"}` (the
 task's own weighted rewards, summed) or `{"id", "error"}` (the rollout is dropped, not scored 0).
