@@ -1,12 +1,13 @@
 """Run inside the verifiers venv (imports verifiers and the standard library only).
 
 `python runner.py tasks TASKSET_ID SIZE` prints the taskset's first SIZE tasks as JSON lines
-(idx, prompt text), or one `{"error"}` line when the taskset cannot be imported.
-`python runner.py serve` is the rollout worker's episode server: it reads requests as JSON
-lines on stdin, `{"id", "row", "base_url", "api_key", "model"}` (play task `vf_idx` of the row's taskset with the row's harness in a local subprocess runtime, every model
-call sent to `base_url`, the grpo-agent gateway, with the rollout's key) or `{"cancel": id}`,
-plays the episodes concurrently and answers each with one JSON line, `{"id", "reward"}` (the
-task's own weighted rewards, summed) or `{"id", "error"}` (the rollout is dropped, not scored 0).
+(idx, prompt text), or one `{"error"}` line when the taskset cannot be imported. `python
+runner.py serve` is the rollout worker's episode server: it reads requests as JSON lines on
+stdin, `{"id", "row", "base_url", "api_key", "model"}` (play task `vf_idx` of the row's taskset
+with the row's harness in a local subprocess runtime, every model call sent to `base_url`, the
+grpo-agent gateway, with the rollout's key) or `{"cancel": id}`, plays the episodes
+concurrently and answers each with one JSON line, `{"id", "reward"}` (the task's own weighted
+rewards, summed) or `{"id", "error"}` (the rollout is dropped, not scored 0).
 verifiers is imported and each taskset loaded once per server, not once per episode (about
 20 s of a 2-core machine's time per episode).
 """
@@ -50,8 +51,8 @@ def not_importable(taskset_id: str, error: ModuleNotFoundError) -> str:
     """One line for a taskset this venv cannot import: where it must be installed, then
     verifiers' own message and the import that failed (the taskset's, or one of its own)."""
     cause = f" ({error.__cause__})" if error.__cause__ else ""
-    return (f"verifiers taskset {taskset_id!r} is not importable in the verifiers venv ({sys.prefix}): "
-            f"pip-install its package into that venv, or put its folder on PYTHONPATH. "
+    return (f"verifiers taskset {taskset_id!r} is not importable in the verifiers venv "
+            f"({sys.prefix}): pip-install its package into that venv, or put its folder on PYTHONPATH. "
             f"verifiers said: {error}{cause}")
 
 
