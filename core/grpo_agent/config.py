@@ -94,15 +94,17 @@ class AsyncGRPOConfig(TrainingArguments):
         "Nucleus sampling; < 1 requires top_k. Any of top_k/top_p/min_p wants a server started with "
         "--return-sampling-mask (not possible on CPU): without it the run warns and trains with "
         "full-vocabulary log-probs, so importance ratios are biased.", default=1.0)
-    top_k: int = _help("Top-k sampling; 0 disables.", default=0)
-    min_p: float | None = _help("Min-p sampling threshold (requires top_k).", default=None)
+    top_k: int = _help("Top-k sampling: keep the k most likely tokens; 0 disables.", default=0)
+    min_p: float | None = _help("Min-p sampling threshold in [0, 1] (above 0 requires top_k).",
+                                default=None)
     repetition_penalty: float = _help("vLLM repetition penalty (1.0 = off).", default=1.0)
     chat_template_kwargs: dict[str, Any] | str | None = _help(
         "Extra keyword arguments for apply_chat_template.", default=None
     )
     max_tool_calling_iterations: int | None = _help(
-        "Max tool-calling turns per rollout; None = no cap (until a turn calls no tool or the "
-        "next turn no longer fits the server's max_model_len).", default=None
+        "Max tool-calling rounds per rollout; None = no cap (until a turn calls no tool or the "
+        "next turn no longer fits the server's max_model_len); 0 = one turn whose tool calls "
+        "are not run (counted in tools/loop_exhausted_frac).", default=None
     )
 
     # ---- vLLM server ----
@@ -223,6 +225,8 @@ class AsyncGRPOConfig(TrainingArguments):
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (null or 0 = off).")
         needs_top_k = self.top_p < 1.0 or (self.min_p or 0.0) > 0.0
         if needs_top_k and self.top_k <= 0:
             raise ValueError(
@@ -259,11 +263,14 @@ class AsyncGRPOConfig(TrainingArguments):
 
     def _check_ranges(self) -> None:
         """Bounds that would otherwise fail far from the flag: vLLM refuses every request (a
-        negative temperature, max_tokens 0, repetition_penalty 0), no sample fits the token
-        budget, or a timeout expires at once."""
+        negative temperature, max_tokens 0, repetition_penalty 0, top_k below -1), no sample fits
+        the token budget, a timeout expires at once, or the value means nothing (a negative number
+        of tool rounds; a negative top_k, where the spec's "off" is 0, not vLLM's -1)."""
         minimums = (  # (field, lowest valid value, strict, what the value means)
             ("temperature", 0, False, "0 = greedy"), ("eval_temperature", 0, False, "0 = greedy"),
             ("max_completion_length", 1, False, "tokens per turn"),
+            ("top_k", 0, False, "0 = no top-k"),
+            ("max_tool_calling_iterations", 0, False, "null = no cap, 0 = no tool call is run"),
             ("token_budget", 1, False, "null = the server's max_model_len"),
             ("epsilon", 0, False, "the lower clip"), ("epsilon_high", 0, False, "null = epsilon"),
             ("repetition_penalty", 0, True, "1.0 = off"),

@@ -140,6 +140,19 @@ def test_max_tool_calling_iterations_truncates_and_is_reported(scripted_loop):
     assert rollout.metrics["tools/loop_exhausted_frac"] == [1.0]
 
 
+def test_zero_tool_calling_iterations_is_one_turn_whose_calls_are_not_run(scripted_loop):
+    """0 rounds (the spec's cap on tool-calling rounds): the first turn is sampled, its calls are
+    not run, and the rollout counts as cut off at the cap; a turn without calls is not."""
+    seen = []
+    loop = scripted_loop([call("record", tag="never")] * 2, max_tool_calling_iterations=0)
+    rollout = run(loop, tools=[recording_tool(seen)])
+    assert (len(rollout.turns), rollout.tool_call_count, seen) == (1, 0, [])
+    assert [m["role"] for m in rollout.completion] == ["assistant"]
+    assert rollout.metrics["tools/loop_exhausted_frac"] == [1.0]
+    answered = run(scripted_loop(["It is 12."], max_tool_calling_iterations=0))
+    assert len(answered.turns) == 1 and answered.metrics["tools/loop_exhausted_frac"] == [0.0]
+
+
 def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_loop):
     thinking_call = "<think>\nUse the tool.\n</think>\n\n" + call("multiply", a=3, b=4)
     empty_think = "<think>\n\n</think>\n\n"  # a thinking model may think nothing

@@ -64,6 +64,9 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
     c = AsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.0, max_completion_length=1,
                         token_budget=1, epsilon=0.0, epsilon_high=0.0)
     assert (c.temperature, c.max_completion_length, c.token_budget, c.epsilon) == (0.0, 1, 1, 0.0)
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), top_k=0, max_tool_calling_iterations=0, min_p=0.0)
+    assert (c.top_k, c.max_tool_calling_iterations, c.min_p) == (0, 0, 0.0)
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), top_k=1, min_p=1.0).min_p == 1.0
 
 
 def test_docs_config_md_is_current():
@@ -95,6 +98,12 @@ def test_docs_config_md_is_current():
         ({"repetition_penalty": 0.0}, r"set repetition_penalty > 0"),
         ({"vllm_server_timeout": 0.0}, r"set vllm_server_timeout > 0"),
         ({"rollout_worker_timeout": -1.0}, r"set rollout_worker_timeout > 0"),
+        ({"top_k": -5}, r"top_k=-5 is out of range: set top_k >= 0 \(0 = no top-k\)"),
+        ({"top_k": -1}, r"set top_k >= 0 \(0 = no top-k\)"),  # vLLM's "off", not the spec's
+        ({"max_tool_calling_iterations": -1},
+         r"set max_tool_calling_iterations >= 0 \(null = no cap, 0 = no tool call is run\)"),
+        ({"min_p": 1.5, "top_k": 50}, r"min_p=1.5 must be in \[0, 1\]"),
+        ({"min_p": -0.1}, r"min_p=-0.1 must be in \[0, 1\]"),
     ],
 )
 def test_more_bad_settings_name_the_rule_and_the_fix(tmp_path, kwargs, message):

@@ -3,10 +3,10 @@
 Each turn renders the whole conversation with the (training) chat template, samples one
 assistant turn of at most `max_completion_length` tokens, parses its tool calls, runs them in
 the order emitted and appends their results as tool messages, until a turn calls no tool,
-`max_tool_calling_iterations` rounds have run (None: no cap), the sampler stops on length or
-the next turn no longer fits the server's context (`rollout/context_full_frac`). Without tools
-a turn is never parsed for calls: a plain completion that happens to contain `<tool_call>`
-stays one turn.
+`max_tool_calling_iterations` rounds have run (None: no cap; 0: the first turn's calls are not
+run), the sampler stops on length or the next turn no longer fits the server's context
+(`rollout/context_full_frac`). Without tools a turn is never parsed for calls: a plain
+completion that happens to contain `<tool_call>` stays one turn.
 
 Design decisions: everything the policy gets wrong (unknown tool, unreadable call JSON, a
 tool that raises or times out) becomes a tool message the model sees and a counted failure,
