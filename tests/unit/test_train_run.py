@@ -313,3 +313,52 @@ def test_a_dry_run_is_refused_where_the_real_run_is(tmp_path, capsys, args, mess
     assert done.value.code == 1, captured.err[-3000:]
     assert f"Error: {message.replace('{tmp}', str(tmp_path))}" in captured.err, captured.err
     assert captured.out == "" and not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def interrupted_at_start(tmp_path, monkeypatch):
+    """The output dir of an earlier run (its checkpoint-3), and Ctrl-C as training starts."""
+    from transformers import Trainer
+
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "rollout_state.json").write_text("{}")
+
+    def ctrl_c(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", ctrl_c)
+    return tmp_path / "run"
+
+
+def test_an_interrupted_cli_run_advises_the_clis_resume_flag(interrupted_at_start, caplog):
+    """Ctrl-C in `grpo-agent train` said `resume_from_checkpoint=last`, the Python spelling of no
+    API (`trainer.train` reads a text as a folder), where every other CLI advice says --set."""
+    from grpo_agent.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "words", "--set", "max_steps=1", "--output-dir",
+              str(interrupted_at_start), "--vllm-url", "http://127.0.0.1:9"])  # never contacted
+    assert done.value.code == 130  # typer's exit for Ctrl-C
+    assert ("The run was interrupted (KeyboardInterrupt) at step 0: stopping the rollout worker "
+            "at once. To go on, resume from checkpoint-3 with --set resume_from_checkpoint=last."
+            ) in caplog.text, caplog.text
+
+
+def _no_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_an_interrupted_python_run_advises_the_train_argument(interrupted_at_start, caplog):
+    """The Python API's spelling: `trainer.train` resumes from the newest checkpoint on True."""
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(interrupted_at_start), use_cpu=True, max_steps=1,
+                           report_to="none", vllm_server_base_url="http://127.0.0.1:9")
+    trainer = AsyncGRPOTrainer(str(build_tiny_model()), reward_funcs=[_no_reward], args=args,
+                               train_dataset=Dataset.from_list([{"prompt": "hi"}]))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert ("To go on, resume from checkpoint-3 with trainer.train(resume_from_checkpoint=True)."
+            in caplog.text), caplog.text

@@ -52,7 +52,7 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     from grpo_agent.rollout.scoring import RewardFunctionError
     from grpo_agent.rollout.worker import RolloutWorkerError
     from grpo_agent.sampler.errors import SamplerError
-    from grpo_agent.train.checkpoint import resume_advice
+    from grpo_agent.train.checkpoint import CLI_RESUME, resume_advice
 
     if is_disk_full(error):
         return (f"free disk space where {output_dir} lives (or pass another --output-dir); a "
@@ -61,7 +61,7 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
         return "read stall_report.json; raise stall_timeouts for that stage if it is only slow."
     if isinstance(error, RewardFunctionError):
         return "fix the reward function named above; the traceback shows where it failed."
-    go_on = resume_advice(output_dir, "--set resume_from_checkpoint=last")
+    go_on = resume_advice(output_dir, CLI_RESUME)
     if isinstance(error, SamplerError):
         return f"check the vLLM server (its log is named above or in error.log), then {go_on}."
     if isinstance(error, RolloutWorkerError):

@@ -123,7 +123,13 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | Path) -> str |
     return str(folder)
 
 
-def resume_advice(output_dir: str | Path | None, setting: str = "resume_from_checkpoint=last") -> str:
+# How each entry point resumes from the newest checkpoint, for the advice a stopped run prints:
+# `trainer.train` takes True (a text is a folder), the CLI's --set takes last (or true).
+PYTHON_RESUME = "trainer.train(resume_from_checkpoint=True)"
+CLI_RESUME = "--set resume_from_checkpoint=last"
+
+
+def resume_advice(output_dir: str | Path | None, setting: str = PYTHON_RESUME) -> str:
     """How to go on after a run stopped: resume only where a checkpoint is there to resume from."""
     last = last_complete_checkpoint(output_dir) if output_dir is not None else None
     if last is None:

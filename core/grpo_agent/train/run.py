@@ -66,6 +66,7 @@ def run_training(
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_agent.train import fsdp
+    from grpo_agent.train.checkpoint import CLI_RESUME
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -95,6 +96,7 @@ def run_training(
         else:
             trainer = _harness_trainer(agent, task, common)
         trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
+        trainer.resume_setting = CLI_RESUME  # Ctrl-C/SIGTERM advise the --set this command takes
         trainer.train(resume_from_checkpoint=resume)
         trainer.save_model(str(output_dir / "final"))
     metrics = output_dir / METRICS_NAME

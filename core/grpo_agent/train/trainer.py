@@ -31,6 +31,7 @@ from grpo_agent.metrics import MetricWindow, Observation
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.train import collectives, fsdp, graphed_rows, heap, perf, setup
 from grpo_agent.train.checkpoint import (
+    PYTHON_RESUME,
     PromptLedger,
     RolloutState,
     append_ledger_line,
@@ -96,6 +97,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
 
     loop_cls = AsyncRolloutLoop
     pusher_factory = staticmethod(build_weight_pusher)  # called at train begin (train/pipeline.py)
+    # How an interrupted run's message says to resume; `grpo-agent train` sets the CLI's form.
+    resume_setting = PYTHON_RESUME
 
     def __init__(
         self,
@@ -216,7 +219,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             interrupted = True
             logger.warning("The run was interrupted (%s) at step %d: stopping the rollout worker "
                            "at once. To go on, %s.", _interruption(stop), self.state.global_step,
-                           resume_advice(self.args.output_dir))
+                           resume_advice(self.args.output_dir, self.resume_setting))
             raise
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
