@@ -208,14 +208,22 @@ def test_a_run_without_an_answered_call_names_the_refusal_or_where_the_model_is(
     assert "OPENAI_BASE_URL" in str(no_reply_failure(_command("print(1)"), AgentSession(version=0)))
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="user= needs root, refused before the user is looked up")
-def test_an_unknown_command_user_is_refused_when_the_limits_are_built():
-    """It used to fail every rollout with a KeyError traceback from the boot script."""
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_an_unknown_command_user_is_refused_when_the_limits_are_built(monkeypatch, uid):
+    """It used to fail every rollout with a KeyError traceback from the boot script. The name is
+    looked up whoever runs the trainer (a non-root one was told only to be root); an existing
+    user then needs root, since only root can switch users."""
+    from grpo_agent.rollout import command_sandbox
     from grpo_agent.rollout.command_sandbox import CommandLimits
 
+    monkeypatch.setattr(command_sandbox.os, "getuid", lambda: uid)
     with pytest.raises(ValueError, match="user='no-such-user-grpo': no such user on this machine"):
         CommandLimits(user="no-such-user-grpo")
-    assert CommandLimits(user="nobody").user == "nobody"
+    if uid == 0:
+        assert CommandLimits(user="nobody").user == "nobody"
+    else:
+        with pytest.raises(ValueError, match="user='nobody' needs the trainer to run as root"):
+            CommandLimits(user="nobody")
 
 
 @pytest.mark.parametrize("running_s", [  # cancelled at points of its start, or while it runs

@@ -47,15 +47,16 @@ class CommandLimits:
         if self.network not in ("gateway", "any"):
             raise ValueError(f"CommandLimits.network is {self.network!r}: use 'gateway' (only the "
                              "gateway is reachable) or 'any' (no network confinement).")
-        if self.user is not None and os.getuid() != 0:
+        if self.user is None:
+            return
+        try:  # here, not as a traceback from every rollout's boot script; first, as any uid errs
+            pwd.getpwnam(self.user)
+        except KeyError:
+            raise ValueError(f"CommandLimits.user={self.user!r}: no such user on this machine; "
+                             "name an existing one, e.g. 'nobody'.") from None
+        if os.getuid() != 0:
             raise ValueError(f"CommandLimits.user={self.user!r} needs the trainer to run as root "
                              "(only root can switch users); leave user=None.")
-        if self.user is not None:  # here, not as a traceback from every rollout's boot script
-            try:
-                pwd.getpwnam(self.user)
-            except KeyError:
-                raise ValueError(f"CommandLimits.user={self.user!r}: no such user on this machine; "
-                                 "name an existing one, e.g. 'nobody'.") from None
 
 
 def sandboxed_argv(limits: CommandLimits, argv: list[str], *, gateway_port: int,
