@@ -262,16 +262,19 @@ class AsyncGRPOConfig(TrainingArguments):
                              "outside the captured backward. Use bf16 or turn cuda_graphs off.")
 
     def _check_ranges(self) -> None:
-        """Bounds that would otherwise fail far from the flag: vLLM refuses every request (a
-        negative temperature, max_tokens 0, repetition_penalty 0, top_k below -1), no sample fits
-        the token budget, a timeout expires at once, or the value means nothing (a negative number
-        of tool rounds; a negative top_k, where the spec's "off" is 0, not vLLM's -1)."""
+        """Bounds of values that would fail far from the flag (vLLM refuses every request: a
+        negative temperature, max_tokens 0, repetition_penalty 0; no sample fits the token
+        budget; a timeout expires at once) or be quietly misread (a negative count or loss
+        coefficient; top_k=-1, vLLM's "off", where the spec's is 0)."""
         minimums = (  # (field, lowest valid value, strict, what the value means)
             ("temperature", 0, False, "0 = greedy"), ("eval_temperature", 0, False, "0 = greedy"),
             ("max_completion_length", 1, False, "tokens per turn"),
             ("top_k", 0, False, "0 = no top-k"),
             ("max_tool_calling_iterations", 0, False, "null = no cap, 0 = no tool call is run"),
             ("token_budget", 1, False, "null = the server's max_model_len"),
+            ("num_sampler_logprobs", 0, False, "top log-probs per token"),
+            ("router_aux_loss_coef", 0, False, "null = the model config's, 0 = off"),
+            ("num_completions_to_print", 0, False, "null = all"),
             ("epsilon", 0, False, "the lower clip"), ("epsilon_high", 0, False, "null = epsilon"),
             ("repetition_penalty", 0, True, "1.0 = off"),
             ("vllm_server_timeout", 0, True, "seconds"), ("rollout_worker_timeout", 0, True, "seconds"),

@@ -66,6 +66,9 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
     assert (c.temperature, c.max_completion_length, c.token_budget, c.epsilon) == (0.0, 1, 1, 0.0)
     c = AsyncGRPOConfig(output_dir=str(tmp_path), top_k=0, max_tool_calling_iterations=0, min_p=0.0)
     assert (c.top_k, c.max_tool_calling_iterations, c.min_p) == (0, 0, 0.0)
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), num_sampler_logprobs=0, router_aux_loss_coef=0.0,
+                        num_completions_to_print=0)
+    assert (c.num_sampler_logprobs, c.router_aux_loss_coef, c.num_completions_to_print) == (0, 0.0, 0)
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_k=1, min_p=1.0).min_p == 1.0
 
 
@@ -104,6 +107,9 @@ def test_docs_config_md_is_current():
          r"set max_tool_calling_iterations >= 0 \(null = no cap, 0 = no tool call is run\)"),
         ({"min_p": 1.5, "top_k": 50}, r"min_p=1.5 must be in \[0, 1\]"),
         ({"min_p": -0.1}, r"min_p=-0.1 must be in \[0, 1\]"),
+        ({"num_sampler_logprobs": -1}, r"set num_sampler_logprobs >= 0 \(top log-probs per token\)"),
+        ({"router_aux_loss_coef": -0.01}, r"set router_aux_loss_coef >= 0 \(null = the model"),
+        ({"num_completions_to_print": -1}, r"set num_completions_to_print >= 0 \(null = all\)"),
     ],
 )
 def test_more_bad_settings_name_the_rule_and_the_fix(tmp_path, kwargs, message):
