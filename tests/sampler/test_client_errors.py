@@ -5,7 +5,11 @@ would: refuse connections, answer 4xx, answer 5xx then recover, or die mid-reque
 """
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,8 +22,16 @@ from grpo_agent.sampler import (
     SamplingParams,
     ServerUnreachableError,
 )
+from grpo_agent.sampler.client import NO_GENERATE_WARNED_ENV
 
 MODELS = {"object": "list", "data": [{"id": "tiny", "max_model_len": 64}]}
+
+
+@pytest.fixture(autouse=True)
+def _no_route_warned_yet(monkeypatch):
+    """Each test starts with no URL warned about, and leaves none behind for later tests (or
+    the processes they spawn)."""
+    monkeypatch.setenv(NO_GENERATE_WARNED_ENV, "")
 
 
 class ScriptedServer:
@@ -402,6 +414,40 @@ def test_requests_in_flight_when_the_route_proves_missing_warn_once(caplog):
     assert [turn.output_ids for turn in turns] == [[7]] * 3
     warned = [r for r in caplog.records if "no /inference/v1/generate" in r.getMessage()]
     assert len(warned) == 1
+
+
+def test_a_route_less_server_is_warned_about_once_per_url_in_the_run_and_its_spawned_processes(
+        caplog):
+    """The trainer's start probe and the rollout worker (spawned after it) each find the route
+    missing with their own client: one warning per server URL, not one per client."""
+    params = SamplingParams(max_tokens=2, num_logprobs=2)
+    missing = (404, {"detail": "Not Found"})
+    first, second = (ScriptedServer([missing, (200, COMPLETION)] * 3) for _ in range(2))
+
+    async def generate_with_new_clients(url, times):
+        for _ in range(times):
+            async with SamplerClient(url) as client:
+                assert (await client.generate([1, 2], params)).output_ids == [7]
+    child = textwrap.dedent(f"""
+        import asyncio
+        from grpo_agent.sampler import SamplerClient, SamplingParams
+        async def main():
+            async with SamplerClient({first.url!r}) as client:
+                await client.generate([1, 2], SamplingParams(max_tokens=2, num_logprobs=2))
+        asyncio.run(main())""")
+    try:
+        with caplog.at_level("WARNING", logger="grpo_agent.sampler.client"):
+            asyncio.run(generate_with_new_clients(first.url, 2))
+            asyncio.run(generate_with_new_clients(second.url, 1))  # another server: its own line
+        spawned = subprocess.run([sys.executable, "-c", child], check=False, env=os.environ.copy(),
+                                 capture_output=True, text=True, timeout=120)
+    finally:
+        first.close()
+        second.close()
+    warned = [r.getMessage() for r in caplog.records if "no /inference/v1/generate" in r.getMessage()]
+    assert [line.split()[0] for line in warned] == [first.url, second.url]
+    assert spawned.returncode == 0, spawned.stderr
+    assert first.posts == 6 and "no /inference/v1/generate" not in spawned.stderr
 
 
 def test_endpoint_generate_never_falls_back():

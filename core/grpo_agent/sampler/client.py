@@ -46,6 +46,25 @@ GREEDY_TEMPERATURE = 1e-5  # below it vLLM samples greedily (its _SAMPLING_EPS)
 LOGPROB_COLUMNS_ENV = "GRPO_AGENT_LOGPROB_COLUMNS"
 
 
+NO_GENERATE_WARNED_ENV = "GRPO_AGENT_NO_GENERATE_WARNED"
+
+
+def warn_no_generate_route(base_url: str, environ=os.environ) -> None:
+    """Warn that `base_url` lacks the generate route, once per URL for a run's processes.
+
+    Every client of a run finds out on its own (the trainer's start probe, the spawned rollout
+    worker, each evaluation), and a second line tells nothing new. The URLs already warned
+    about are kept in the environment, so the rollout worker spawned after the probe inherits
+    them."""
+    warned = environ.get(NO_GENERATE_WARNED_ENV, "").split()
+    if base_url in warned:
+        return
+    environ[NO_GENERATE_WARNED_ENV] = " ".join([*warned, base_url])
+    logger.warning(
+        "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
+        "falling back to /v1/completions without per-token weight versions.", base_url)
+
+
 def logprob_columns_wanted(environ=os.environ) -> bool:
     """Ask the server for log-probs as columns (`vllm_answer`) unless the switch is off."""
     return env_switch(LOGPROB_COLUMNS_ENV, "to take vLLM's own log-prob form", environ)
@@ -163,11 +182,7 @@ class SamplerClient:
                 if self._endpoint == "generate" or not _route_missing(error):
                     raise
                 if self._endpoint == "auto":  # not again for the requests in flight with it
-                    logger.warning(
-                        "%s has no /inference/v1/generate (start vLLM with --enable-scale-out); "
-                        "falling back to /v1/completions without per-token weight versions.",
-                        self.base_url,
-                    )
+                    warn_no_generate_route(self.base_url)
                 self._endpoint = "completions"
         return await self._generate_completions(prompt_ids, params, model, n)
 
