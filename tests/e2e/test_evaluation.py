@@ -167,6 +167,39 @@ def test_grpo_agent_eval_scores_an_env_eval_split_with_its_threshold(vllm_server
     assert len(report["served_versions"]) <= 1
 
 
+@pytest.mark.vllm
+def test_grpo_agent_eval_refuses_another_model_and_a_length_without_room_before_rolling_out(
+        vllm_server, tmp_path, monkeypatch):
+    """Training's start checks of the model and the length, on the session's server
+    (max_model_len 1024): evaluating a copy of the served model would score the served one's
+    answers under the copy's name, and a completion length of 1024 has every request refused."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.train.eval_run import run_eval
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    other = shutil.copytree(vllm_server.model_path, tmp_path / "other-model")
+
+    def evaluate(model, **config):
+        args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
+        return run_eval("eval_probe_env:ProbeEnv", args, model=str(model),
+                        vllm_url=vllm_server.base_url, out_path=tmp_path / "eval.json")
+
+    served, evaluated = re.escape(str(vllm_server.model_path)), re.escape(str(other))
+    refused = (rf"serves '{served}' but the evaluation evaluates '{evaluated}'\. Start the "
+               rf"server with it \(vllm serve {evaluated}\) or evaluate the served model "
+               r"\(--model\)\.$")
+    with pytest.raises(ValueError, match=refused):
+        evaluate(other, max_completion_length=8)
+    with pytest.raises(ValueError, match=r"^max_completion_length=1024 leaves no room for a prompt: "
+                                         r"the server's max_model_len is 1024\."):
+        evaluate(vllm_server.model_path, max_completion_length=1024)
+    assert not (tmp_path / "eval.json").exists()
+
+
 def test_grpo_agent_eval_refuses_an_env_without_an_eval_split_and_an_adapter_folder(tmp_path):
     from grpo_agent.train.eval_run import check_model_folder
 

@@ -129,13 +129,15 @@ def test_a_hybrid_on_a_bfloat16_server_is_not_sent_to_a_float32_one(monkeypatch,
 
 
 def test_same_model_compares_paths_resolved_and_ids_by_their_last_part(tmp_path, monkeypatch):
+    from grpo_agent.sampler.server_facts import same_model
+
     (tmp_path / "m").mkdir()
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert setup.same_model("m", str(tmp_path / "m/"))
-    assert not setup.same_model("m", str(tmp_path / "other"))
-    assert setup.same_model("Qwen/Qwen3-0.6B", "/models/Qwen3-0.6B/")
-    assert not setup.same_model("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
+    assert same_model("m", str(tmp_path / "m/"))
+    assert not same_model("m", str(tmp_path / "other"))
+    assert same_model("Qwen/Qwen3-0.6B", "/models/Qwen3-0.6B/")
+    assert not same_model("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
 
 
 def test_processing_class_pads_left_with_eos_only_when_no_pad_is_set(tmp_path):

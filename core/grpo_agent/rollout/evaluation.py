@@ -31,7 +31,12 @@ from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
 from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
-from grpo_agent.sampler.server_facts import probe_server
+from grpo_agent.sampler.server_facts import (
+    ServerFacts,
+    check_completion_room,
+    check_serves_model,
+    probe_server,
+)
 from grpo_agent.types import Rollout, RolloutGroup
 
 DEFAULT_SUCCESS_THRESHOLD = 1.0
@@ -141,12 +146,17 @@ class EvalSession:
 
     async def __aenter__(self) -> Self:
         loop, config = self.loop, self.loop.config
+        loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
+                                     max_connections=self.settings.max_concurrent + 4)
+        try:
+            loop.server = await probe_server(loop.sampler)
+            self._check_server(loop.server)
+        except BaseException:
+            await loop.sampler.aclose()
+            raise
         # What the engine sets on the loop before its hooks run (rollout/engine.py).
         loop.tool_executor = ThreadPoolExecutor(
             self.settings.max_concurrent, thread_name_prefix="eval-tools")
-        loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
-                                     max_connections=self.settings.max_concurrent + 4)
-        loop.server = await probe_server(loop.sampler)
         params = build_sampling_params(config, self.eos_token_ids, loop.server, trains=False)
         loop.sampling_params = replace(params, temperature=self.settings.temperature, seed=None)
         # Never seeded, on any server: the same request twice must decode the same text, and
@@ -157,6 +167,18 @@ class EvalSession:
                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
         await loop.setup()
         return self
+
+    def _check_server(self, facts: ServerFacts) -> None:
+        """Training's start checks that matter to an evaluation (`train.setup.check_server`):
+        the served model is the one evaluated (else another model's answers are scored under
+        its name), and the completion length fits. Weight sync and log-prob flags do not: an
+        evaluation pushes nothing and trains on no log-prob."""
+        url = self.loop.config.vllm_server_base_url
+        model = getattr(self.loop, "model_name", "")
+        if model:
+            check_serves_model(facts, url, model, user="the evaluation evaluates",
+                               instead="evaluate the served model (--model)")
+        check_completion_room(facts, self.loop.config.max_completion_length)
 
     async def __aexit__(self, *exc_info) -> None:
         try:

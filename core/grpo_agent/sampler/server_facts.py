@@ -9,7 +9,9 @@ defaults below (a GPU server without sampling masks, `disk` weight sync, no LoRA
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from grpo_agent.sampler.client import SamplerClient, SamplingParams
@@ -102,6 +104,36 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         logprobs_mode=find_key(server_info, "logprobs_mode"),
         max_logprobs=find_key(server_info, "max_logprobs"),
     )
+
+
+def check_serves_model(facts: ServerFacts, base_url: str, model: str, *,
+                       user: str = "the trainer trains",
+                       instead: str = "pass the served model to the trainer") -> None:
+    """Refuse a server that serves another model than `model`: its samples would be trained
+    (or evaluated) as this model's. `user` and `instead` name who wants `model` and their fix."""
+    if not same_model(model, facts.model_id):
+        raise ValueError(
+            f"The vLLM server at {base_url} serves {facts.model_id!r} but {user} {model!r}. "
+            f"Start the server with it (vllm serve {model}) or {instead}.")
+
+
+def check_completion_room(facts: ServerFacts, max_completion_length: int) -> None:
+    """Refuse a `max_completion_length` that leaves no room for a prompt in the server's
+    `max_model_len`: every request would be rejected."""
+    if max_completion_length >= facts.max_model_len:
+        raise ValueError(
+            f"max_completion_length={max_completion_length} leaves no room for a prompt: the "
+            f"server's max_model_len is {facts.max_model_len}. Lower max_completion_length or "
+            "restart the server with a larger --max-model-len.")
+
+
+def same_model(model: str, served_id: str) -> bool:
+    """Paths compare resolved; hub ids compare exactly (a server may add a local path)."""
+    if model == served_id:
+        return True
+    if os.path.exists(model) and os.path.exists(served_id):
+        return Path(model).resolve() == Path(served_id).resolve()
+    return model.rstrip("/").split("/")[-1] == served_id.rstrip("/").split("/")[-1]
 
 
 def detect_backend(server_info: dict) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -17,7 +16,12 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.server_facts import ServerFacts, probe_server
+from grpo_agent.sampler.server_facts import (
+    ServerFacts,
+    check_completion_room,
+    check_serves_model,
+    probe_server,
+)
 from grpo_agent.train.weights import is_vision_tower_param
 
 logger = logging.getLogger(__name__)
@@ -75,7 +79,8 @@ def load_processing_class(model: nn.Module, processing_class: Any, args: AsyncGR
 
 def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     """Ready (waited for up to `vllm_server_timeout`: `sampler.readiness`), with its control
-    routes, serving this model, long enough for `max_completion_length`; warn on dtype."""
+    routes, serving this model, long enough for `max_completion_length`; warn on dtype.
+    (An evaluation checks the model and the length alone: `rollout.evaluation.EvalSession`.)"""
     facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout))
     if not facts.control_routes:
         raise ValueError(
@@ -84,19 +89,8 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
             "trainer's seeds would crash it). Restart it with VLLM_SERVER_DEV_MODE=1."
         )
     _check_logprob_flags(args, facts)
-    expected = str(model.config._name_or_path)
-    if not same_model(expected, facts.model_id):
-        raise ValueError(
-            f"The vLLM server at {args.vllm_server_base_url} serves {facts.model_id!r} but the "
-            f"trainer trains {expected!r}. Start the server with the trainer's model "
-            f"(vllm serve {expected}) or pass that model to the trainer."
-        )
-    if args.max_completion_length >= facts.max_model_len:
-        raise ValueError(
-            f"max_completion_length={args.max_completion_length} leaves no room for a prompt: the "
-            f"server's max_model_len is {facts.max_model_len}. Lower max_completion_length or "
-            "restart the server with a larger --max-model-len."
-        )
+    check_serves_model(facts, args.vllm_server_base_url, str(model.config._name_or_path))
+    check_completion_room(facts, args.max_completion_length)
     if args.token_budget is not None and args.token_budget < facts.max_model_len:
         logger.warning(
             "token_budget=%d is below the server's max_model_len=%d: samples longer than the "
@@ -138,15 +132,6 @@ def _check_logprob_flags(args: AsyncGRPOConfig, facts: ServerFacts) -> None:
             f"The vLLM server at {url} allows --max-logprobs {facts.max_logprobs}, but "
             f"num_sampler_logprobs={args.num_sampler_logprobs} asks for {wanted} per token. "
             f"Restart it with --max-logprobs {wanted} (or more), or lower num_sampler_logprobs.")
-
-
-def same_model(trainer_name: str, served_id: str) -> bool:
-    """Paths compare resolved; hub ids compare exactly (a server may add a local path)."""
-    if trainer_name == served_id:
-        return True
-    if os.path.exists(trainer_name) and os.path.exists(served_id):
-        return Path(trainer_name).resolve() == Path(served_id).resolve()
-    return trainer_name.rstrip("/").split("/")[-1] == served_id.rstrip("/").split("/")[-1]
 
 
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
