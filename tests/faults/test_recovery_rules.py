@@ -6,11 +6,15 @@ tests/faults/test_server_restart.py (one trainer process and two)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -303,3 +307,87 @@ def test_under_fsdp_the_failing_rank_raises_its_own_error(monkeypatch):
     results, _ = _two_ranks([_Pusher(failures=0), _Pusher(failures=1, error=RuntimeError)])
     assert type(results[1]) is RuntimeError and "connection reset" in str(results[1])
     assert isinstance(results[0], WeightSyncError) and "Rank(s) [1] failed" in str(results[0])
+
+
+class _ControlRoutes(BaseHTTPRequestHandler):
+    """A vLLM server's health, /server_info and the routes a disk push calls; the server
+    reports `backend` as its weight-transfer config (None: started without one)."""
+
+    backend: str | None = "gloo"
+    reloaded: ClassVar[list[str]] = []  # each test makes a subclass with its own lists
+    versions: ClassVar[list[str]] = []
+
+    def do_GET(self):
+        path = urlparse(self.path).path
+        if path == "/health":
+            return self._reply({})
+        if path != "/server_info":  # e.g. gloo's /get_world_size: no engine to join here
+            return self._reply({"detail": "Not Found"}, status=404)
+        config = None if self.backend is None else {"backend": self.backend}
+        self._reply({"vllm_config": {"weight_transfer_config": config}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        path = urlparse(self.path).path
+        if path == "/collective_rpc":
+            assert body["method"] == "reload_weights"
+            type(self).reloaded.append(body["kwargs"]["weights_path"])
+        elif path == "/update_weight_version":
+            type(self).versions.append(body["new_version"])
+        self._reply({"success": True} if path == "/reset_prefix_cache" else {})
+
+    def _reply(self, body, status=200):
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_restarted_with_another_weight_transfer_backend_gets_the_push_by_that_one(
+        tmp_path, caplog):
+    """The start probe found gloo; the server was restarted by hand without
+    --weight-transfer-config. The restore's push asks it again and goes by disk (before, it
+    tried gloo's engine on a server without one and the run stopped); a later restore of the
+    same server keeps the disk transport it has."""
+    import torch
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.weight_sync.full import WeightPusher
+    from safetensors.torch import load_file
+
+    handler = type("Routes", (_ControlRoutes,), {"reloaded": [], "versions": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                           vllm_server_base_url=url, vllm_server_timeout=5)
+    pusher = WeightPusher(args, backend="gloo")  # what check_server's probe read at train start
+    model = torch.nn.Linear(2, 2)
+    keeper = recovery.ServerRecovery(url, 5)
+    try:
+        assert pusher.background  # gloo snapshots: its pushes overlap the next step
+        handler.backend = None  # restarted without --weight-transfer-config
+        with caplog.at_level(logging.WARNING, logger="grpo_agent.weight_sync.full"):
+            keeper.restore(pusher, model, 3, cause="the rollout worker lost it")
+            pushed = load_file(f"{handler.reloaded[0]}/model.safetensors")
+            version_3 = model.weight.detach().clone()
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            keeper.restore(pusher, model, 4, cause="the rollout worker lost it")
+        assert handler.versions == ["3", "4"] and keeper.restarts == 2
+        assert torch.equal(pushed["weight"], version_3)
+        assert pusher.backend == "disk" and not pusher.background
+        switched = [r.getMessage() for r in caplog.records if "takes weights by" in r.getMessage()]
+        assert switched == [(f"The restarted vLLM server at {url} takes weights by disk, no "
+                             "longer by gloo (its --weight-transfer-config changed): pushing by "
+                             "disk from now on.")]
+        first, second = (Path(folder) for folder in handler.reloaded)
+        assert second.parent == first.parent and second.name == "version-4"
+    finally:
+        pusher.close()
+        server.shutdown()
+        server.server_close()

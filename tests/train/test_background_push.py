@@ -46,6 +46,8 @@ class HeldSync:
 def pusher(tmp_path, monkeypatch):
     sync = HeldSync()
     monkeypatch.setattr("grpo_agent.weight_sync.full.build_weight_sync", lambda *a, **k: sync)
+    # a restored server still takes gloo (asked at the first push after a restore)
+    monkeypatch.setattr("grpo_agent.weight_sync.full.server_backend", lambda *a: "gloo")
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     made = WeightPusher(args, backend="gloo")
     yield made, sync

@@ -6,7 +6,8 @@ as consumed, reason `server_lost`: counted, never trained twice), raises the cha
 `server_down` flag and dispatches nothing more. The trainer owns the server and the weights,
 so it restores (`ServerRecovery.restore`): a server this process started
 (`ManagedVLLMServer`) is restarted on its port; an external one is waited for up to
-`vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server,
+`vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server
+(asking it its weight-transfer backend again: one restarted by hand may have other flags),
 the current weights are pushed as the current version, the flag is cleared and the worker
 goes on. A push that fails is retried once the same way; a push sent in the background
 (`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
@@ -90,8 +91,8 @@ def restore_server(base_url: str, timeout_s: float) -> str:
         logger.warning(
             "The vLLM server at %s (not started by this run) does not answer; waiting up to "
             "vllm_server_timeout=%g s for it to come back. Restart it at the same URL with the "
-            "same model and flags (--weight-transfer-config included): the trainer then pushes "
-            "its weights again and goes on.", base_url, timeout_s)
+            "same model and flags: the trainer then pushes its weights again (by the weight "
+            "transfer the new server is configured for) and goes on.", base_url, timeout_s)
     if _wait_for_health(base_url, timeout_s):
         return f"came back after {time.monotonic() - began:.0f} s"
     raise ServerUnreachableError(

@@ -11,7 +11,8 @@ may the rollout worker label new groups with it. Under FSDP, for models above
 streams from the model, disk writes files), the push runs in the step.
 
 The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
-`transports`' business; this module only decides *what* is pushed and *who* takes part: every
+`transports`' business, chosen by the server's configuration at start and asked again after a
+restart (`reopen`: a server restarted by hand may come back with other flags); this module only decides *what* is pushed and *who* takes part: every
 rank gathers (FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a
 barrier so none starts the next step on old weights. A send that fails on rank 0 still takes
 part in every gather and the barrier before it raises, so the ranks stay in step and can agree
@@ -32,7 +33,7 @@ from torch import nn
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import full_weights, merged_adapters
-from grpo_agent.weight_sync.transports import build_weight_sync
+from grpo_agent.weight_sync.transports import build_weight_sync, server_backend
 from grpo_agent.weight_sync.transports.control import SyncTimings
 
 logger = logging.getLogger(__name__)
@@ -48,20 +49,32 @@ class WeightPusher:
 
     def __init__(self, args: AsyncGRPOConfig, backend: str | None = None, *,
                  background: bool = True) -> None:
-        """`backend` is the server's weight-transfer backend (`ServerFacts`); None asks it.
-        `background`: let pushes overlap the next step where the transport allows it."""
+        """`backend` is the server's weight-transfer backend (`ServerFacts`); None asks it (as
+        the first push after a restart does: `reopen`). `background`: let pushes overlap the
+        next step where the transport allows it."""
         self.args = args
         self.last_num_bytes = 0
         self.on_served: Callable[[int], None] = served_nowhere
+        self.backend = backend
+        self.background = False
+        self._background_wanted = background
+        self._sending: Future | None = None
+        self._sender: ThreadPoolExecutor | None = None
+        self._ask_backend = False  # set by `reopen`: the restarted server may take another
         self._sync: Any = None
         if fsdp.is_main_process():
-            self._sync = build_weight_sync(args.vllm_server_base_url, backend=backend,
-                                           timeout=args.vllm_server_timeout)
-        self.background = (background and fsdp.world_size() == 1
-                           and hasattr(self._sync, "prepare"))
-        self._sending: Future | None = None
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push") \
-            if self.background else None
+            if self.backend is None:
+                self.backend = server_backend(args.vllm_server_base_url, args.vllm_server_timeout)
+            self._use(build_weight_sync(args.vllm_server_base_url, backend=self.backend,
+                                        timeout=args.vllm_server_timeout))
+
+    def _use(self, sync: Any) -> None:
+        """Push through `sync` from now on: in the background where it can snapshot."""
+        self._sync = sync
+        self.background = (self._background_wanted and fsdp.world_size() == 1
+                           and hasattr(sync, "prepare"))
+        if self.background and self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
         """A fresh server already serves the model's weights; one an earlier run pushed into
@@ -74,19 +87,20 @@ class WeightPusher:
         that ended since (whose failure this call raises instead)."""
         started = time.perf_counter()
         metrics = self.wait()
+        failed = self._follow_server_backend()
         unwrapped = getattr(model, "module", model)
         merging = merged_adapters(unwrapped) if merge_adapters else contextlib.nullcontext()
-        if self.background and _num_bytes(unwrapped) <= BACKGROUND_MAX_BYTES:
+        if failed is None and self.background and _num_bytes(unwrapped) <= BACKGROUND_MAX_BYTES:
             with torch.no_grad(), merging:
                 packed = self._sync.prepare(full_weights(unwrapped), version)
             self._sending = self._sender.submit(self._send, packed)
             return {**metrics, "perf/weight_sync_s": time.perf_counter() - started,
                     "perf/weight_sync_barrier_s": 0.0}
-        timings, failed = None, None
+        timings = None
         with torch.no_grad(), merging:
             weights = full_weights(unwrapped)
             try:
-                if self._sync is not None:
+                if self._sync is not None and failed is None:
                     timings = self._sync.push(weights, version)
             except Exception as error:  # noqa: BLE001 - raised after the other ranks' collectives
                 failed = error
@@ -125,12 +139,39 @@ class WeightPusher:
 
     def reopen(self) -> None:
         """The server was restarted: the next push opens a new transfer group with it (a
-        background push into the old one is awaited and forgotten: the restore pushes again)."""
+        background push into the old one is awaited and forgotten: the restore pushes again),
+        after asking it which backend it takes now (`_follow_server_backend`)."""
         with contextlib.suppress(Exception):
             self.wait()
         reopen = getattr(self._sync, "reopen", None)
         if reopen is not None:
             reopen()
+        self._ask_backend = self._sync is not None
+
+    def _follow_server_backend(self) -> Exception | None:
+        """After a restart, rank 0 asks the server its weight-transfer backend again and, if it
+        changed, pushes through that one from now on. A server restarted by hand may come back
+        with other flags (without --weight-transfer-config, or with another backend); pushing
+        the old way would then fail and stop the run, while every backend pushes the same full
+        weights as the same version, so switching is safe. Returns the error of asking or of
+        building the new transport: the caller raises it after the other ranks' gathers."""
+        if not self._ask_backend:
+            return None
+        url, timeout = self.args.vllm_server_base_url, self.args.vllm_server_timeout
+        try:
+            backend = server_backend(url, timeout)
+            if backend != self.backend:
+                old = self._sync
+                self._use(build_weight_sync(url, backend=backend, timeout=timeout))
+                logger.warning("The restarted vLLM server at %s takes weights by %s, no longer by "
+                               "%s (its --weight-transfer-config changed): pushing by %s from "
+                               "now on.", url, backend, self.backend, backend)
+                self.backend = backend
+                old.close()
+        except Exception as error:  # noqa: BLE001 - raised after the other ranks' collectives
+            return error
+        self._ask_backend = False
+        return None
 
     def close(self) -> None:
         """Ends a background push (the trainer settles it first where it must land); its

@@ -25,15 +25,20 @@ from grpo_agent.weight_sync.transports.gloo import GlooWeightSync
 logger = logging.getLogger(__name__)
 
 
+def server_backend(base_url: str, timeout: float) -> str:
+    """The weight-transfer backend the server at `base_url` is configured for, asked now."""
+    with ServerControl(base_url, timeout) as control:
+        return detect_backend(control.server_info())
+
 
 def build_weight_sync(base_url: str, *, backend: str | None = None,
                       work_dir: str | Path | None = None, timeout: float = 1800.0) -> WeightSync:
     """The weight sync for the server at `base_url`; `backend=None` asks the server (the
     trainer passes its `ServerFacts.weight_transfer_backend` instead)."""
-    control = ServerControl(base_url, timeout)
     if backend is None:
-        backend = detect_backend(control.server_info())
+        backend = server_backend(base_url, timeout)
         logger.info("weight sync backend for %s: %s", base_url, backend)
+    control = ServerControl(base_url, timeout)
     if backend == "gloo":
         # A chunk is at most 256 MiB over local TCP: minutes mean the other side is gone.
         return GlooWeightSync(control, timeout=min(timeout, 300.0))
