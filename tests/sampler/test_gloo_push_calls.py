@@ -220,5 +220,17 @@ def test_a_disk_push_reloads_its_version_folder_sets_the_version_and_keeps_only_
     assert reloads == [str(tmp_path / "version-3"), str(tmp_path / "version-4")]
     versions = [body for path, body in control.calls if path == "/update_weight_version"]
     assert versions == [{"new_version": "3"}, {"new_version": "4"}]
-    assert [p.name for p in tmp_path.iterdir()] == ["version-4"]
+    assert [p.name for p in tmp_path.iterdir()] == ["version-4"]  # the caller's folder stays
     assert timings.num_bytes == 16
+
+
+def test_a_disk_sync_deletes_the_temporary_folder_it_made_when_closed():
+    """Its last version is a full copy of the weights, in /dev/shm (memory) where there is one."""
+    sync = DiskWeightSync(RecordingControl())
+    folder = sync.work_dir
+    try:
+        sync.push([("w", torch.ones(3))], 1)
+        assert (folder / "version-1" / "model.safetensors").is_file()
+    finally:
+        sync.close()
+    assert not folder.exists()

@@ -22,7 +22,10 @@ class DiskWeightSync:
     """
 
     def __init__(self, control: ServerControl, work_dir: str | Path | None = None):
+        """`work_dir`: the caller's folder, left in place by `close`; None makes a temporary
+        one (in /dev/shm where there is one) that `close` deletes."""
         self.control = control
+        self._own_dir = not work_dir
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(
             prefix="grpo-agent-weights-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -50,4 +53,8 @@ class DiskWeightSync:
                            num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def close(self) -> None:
+        """The server has loaded the last version (`reload_weights` copies), so a temporary
+        folder goes: left behind, each run kept a full copy of its weights in /dev/shm (RAM)."""
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
         self.control.close()
