@@ -151,6 +151,10 @@ class _RecordingControl:
 
     def __init__(self, served=()):
         self.calls, self.served = [], list(served)
+        self.info = LORA_SERVER_INFO  # what /server_info answers
+
+    def server_info(self):
+        return self.info
 
     def __enter__(self):
         return self
@@ -234,3 +238,42 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
     with pytest.raises(SamplerError, match="could not load run-v1"):
         pusher.push(model, 1)
     assert served == []  # the worker keeps labelling groups with the version the server has
+
+
+@pytest.mark.parametrize(("info", "refusal"), [
+    ({"vllm_config": {"lora_config": None}, "vllm_env": {}},
+     (r"came back without --enable-lora, but this run pushes LoRA adapters and its rollouts "
+      r"sample them by name: it cannot switch to merged weights mid-run\. Restart the server "
+      r"with the run's LoRA flags")),
+    ({**LORA_SERVER_INFO, "vllm_env": {}},
+     (r"came back with other LoRA flags\. .*started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.*"
+      r"--max-loras 3\. Then resume from the last checkpoint\.$")),
+])
+def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_how_to_restart_it(
+        tiny_path, tmp_path, monkeypatch, info, refusal):
+    """The rollouts sample adapters by name, so a server that came back unable to load them
+    cannot take merged weights instead: the restore's push stops the run with the flags to
+    restart it with (before, vLLM's bare 404 on /v1/load_lora_adapter, read as a missing
+    VLLM_SERVER_DEV_MODE). Nothing is loaded or announced; the same server passes once fixed."""
+    from types import SimpleNamespace
+
+    from grpo_agent.sampler.errors import WeightSyncError
+
+    control = _RecordingControl()
+    monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
+                           vllm_server_base_url="http://server", vllm_server_timeout=5)
+    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    pusher = AdapterPusher(args, model, base_is_stale=False)
+    served = []
+    pusher.on_served = served.append
+    pusher.push(model, 1)
+    pusher.reopen()  # the server was restarted by hand
+    control.info, control.calls = info, []
+    with pytest.raises(WeightSyncError, match=r"^The vLLM server at http://server " + refusal):
+        pusher.push(model, 2)
+    assert served == [1] and control.calls == []
+    control.info = LORA_SERVER_INFO  # restarted again, with the flags
+    pusher.push(model, 3)
+    assert served == [1, 3] and control.calls == [("load", "run-v3")]
+    pusher.close()

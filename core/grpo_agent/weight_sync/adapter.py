@@ -28,7 +28,7 @@ from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.sampler.client import adapter_name
-from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.errors import SamplerError, WeightSyncError
 from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
@@ -67,8 +67,11 @@ def server_lora_rank(rank: int) -> int:
     return next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
 
 
-def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -> None:
-    """Raise with the flags to restart the server with when it cannot hold this run's adapters."""
+def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *,
+                      merged_fallback: bool = True) -> None:
+    """Raise with the flags to restart the server with when it cannot hold this run's adapters.
+    `merged_fallback`: also say that a server without --enable-lora gets merged weights (true
+    at train start only: a run cannot switch modes once its rollouts sample adapters)."""
     needed_loras = max_staleness + 2
     problems = []
     if rank > limits.max_lora_rank:
@@ -90,8 +93,9 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int) -
         + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "
         f"{RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
         f"--max-lora-rank {max(server_rank, limits.max_lora_rank)} "
-        f"--max-loras {max(needed_loras, limits.max_loras)}. "
-        "(Or start it without --enable-lora: the trainer then pushes merged weights.)"
+        f"--max-loras {max(needed_loras, limits.max_loras)}."
+        + (" (Or start it without --enable-lora: the trainer then pushes merged weights.)"
+           if merged_fallback else "")
     )
 
 
@@ -131,6 +135,7 @@ class AdapterPusher:
         self._registered: deque[tuple[str, Path]] = deque()
         self._unloaded_folders: list[Path] = []  # deleted at the next sync
         self._main = fsdp.is_main_process()
+        self._check_restarted = False  # set by `reopen`: the server may have other LoRA flags
         if base_is_stale:
             self._restore_base_weights(model)
         unwrapped = getattr(model, "module", model)
@@ -163,6 +168,8 @@ class AdapterPusher:
         transfer_s, failed = 0.0, None
         if self._main:
             try:
+                if self._check_restarted:
+                    self._check_restarted_server(unwrapped)
                 folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
                 self._register(folder)
             except Exception as error:  # noqa: BLE001 - raised after the barrier below
@@ -191,6 +198,30 @@ class AdapterPusher:
         the one that sync writes anew."""
         self._unloaded_folders += [folder for _, folder in self._registered]
         self._registered.clear()
+        self._check_restarted = self._main
+
+    def _check_restarted_server(self, model: nn.Module) -> None:
+        """The first push after a restart checks that the server still serves this run's
+        adapters. One restarted by hand without the LoRA flags cannot take over by merged
+        weights: the rollouts sample adapters by name (`lora_name`), and every one of them would
+        be refused. So the run stops here, saying how to restart it, instead of at vLLM's 404."""
+        url = self.args.vllm_server_base_url
+        with self._control() as control:
+            limits = LoraServerLimits.from_server_info(control.server_info())
+        if limits is None:
+            raise WeightSyncError(
+                f"The vLLM server at {url} came back without --enable-lora, but this run pushes "
+                "LoRA adapters and its rollouts sample them by name: it cannot switch to merged "
+                f"weights mid-run. Restart the server with the run's LoRA flags ({RUNTIME_UPDATING_ENV}"
+                "=1, --enable-lora, --max-lora-rank, --max-loras as before) and resume from the "
+                "last checkpoint.")
+        try:
+            check_lora_limits(limits, adapter_rank(model), self.args.max_staleness,
+                              merged_fallback=False)
+        except ValueError as error:  # a WeightSyncError, so every rank hears of it (recovery)
+            raise WeightSyncError(f"The vLLM server at {url} came back with other LoRA flags. "
+                                  f"{error} Then resume from the last checkpoint.") from error
+        self._check_restarted = False
 
     def close(self) -> None:
         """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
