@@ -212,9 +212,9 @@ class AdapterPusher:
             raise WeightSyncError(
                 f"The vLLM server at {url} came back without --enable-lora, but this run pushes "
                 "LoRA adapters and its rollouts sample them by name: it cannot switch to merged "
-                f"weights mid-run. Restart the server with the run's LoRA flags ({RUNTIME_UPDATING_ENV}"
-                "=1, --enable-lora, --max-lora-rank, --max-loras as before) and resume from the "
-                "last checkpoint.")
+                "weights mid-run. Restart the server with the run's LoRA flags "
+                f"({RUNTIME_UPDATING_ENV}=1, --enable-lora, --max-lora-rank, --max-loras as "
+                "before) and resume from the last checkpoint.")
         try:
             check_lora_limits(limits, adapter_rank(model), self.args.max_staleness,
                               merged_fallback=False)

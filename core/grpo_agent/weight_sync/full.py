@@ -12,9 +12,10 @@ streams from the model, disk writes files), the push runs in the step.
 
 The transport (gloo for a CPU server, NCCL for a GPU one, a safetensors folder as fallback) is
 `transports`' business, chosen by the server's configuration at start and asked again after a
-restart (`reopen`: a server restarted by hand may come back with other flags); this module only decides *what* is pushed and *who* takes part: every
-rank gathers (FSDP2 all-gathers are collectives), rank 0 sends, and all ranks meet at a
-barrier so none starts the next step on old weights. A send that fails on rank 0 still takes
+restart (`reopen`: a server restarted by hand may come back with other flags); this module
+only decides *what* is pushed and *who* takes part: every rank gathers (FSDP2 all-gathers are
+collectives), rank 0 sends, and all ranks meet at a barrier so none starts the next step on
+old weights. A send that fails on rank 0 still takes
 part in every gather and the barrier before it raises, so the ranks stay in step and can agree
 on a retry (`sampler/recovery.py`).
 """
