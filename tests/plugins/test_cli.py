@@ -283,6 +283,34 @@ def test_under_torchrun_only_rank_0_says_the_run_finished(cli, tmp_path, monkeyp
     assert code == 0 and out == expected.format(tmp_path), err
 
 
+@pytest.mark.parametrize(("env", "advice"), [
+    ("counter", "grpo-agent eval --env counter --model {}/final"),
+    ("words", "the env declares no eval split")])
+def test_train_ends_with_the_runs_summary(cli, tmp_path, monkeypatch, env, advice):
+    """A run without evaluation still says whether its training reward rose, and how to measure
+    held-out success: by `grpo-agent eval` with its env options, or not at all without a split."""
+    import grpo_agent.train.run as run_module
+
+    rows = [{"step": 1, "loss": 0.1, "reward": 0.25}, {"step": 2, "loss": 0.1, "reward": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(run_module, "run_training", lambda **kw: tmp_path)
+    code, out, err = cli("train", "--env", env, "--model", "/models/m", "--vllm-url",
+                         "http://127.0.0.1:9", "--output-dir", str(tmp_path))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[:2] == [f"Run finished: {tmp_path}", ("training reward (mean `reward` of the "
+                         "logged windows): 0.250 over step 1 -> 0.500 over step 2 (+0.250)")]
+    assert lines[2].startswith("held-out success: not measured") and advice.format(tmp_path) in lines[2]
+
+
+def test_the_summarys_eval_advice_repeats_the_runs_env_options():
+    from grpo_agent.cli.train import _env_flags
+
+    assert _env_flags("reasoning-gym", {"task": "leg_counting", "size": 200}) == (
+        "--env reasoning-gym --env-arg task=leg_counting --env-arg size=200")
+    assert _env_flags("x", {"phrase": "two words"}) == "--env x --env-arg 'phrase=two words'"
+
+
 def test_tiny_model_command_builds_the_model(cli, tmp_path):
     code, out, _ = cli("tiny-model", str(tmp_path / "tiny"))
     assert code == 0 and out.strip() == str(tmp_path / "tiny")

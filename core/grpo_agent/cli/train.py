@@ -145,7 +145,23 @@ def train(
     from grpo_agent.train import fsdp
 
     if fsdp.is_main_process():  # under torchrun: once, not once per rank
+        from grpo_agent.train.reporting import METRICS_NAME, run_summary
+
         typer.echo(f"Run finished: {out}")
+        if (Path(out) / METRICS_NAME).is_file():
+            typer.echo(run_summary(out, env_flags=_env_flags(env, options),
+                                    eval_split=spec.eval_dataset is not None))
+
+
+def _env_flags(env: str, options: dict) -> str:
+    """The run's env and the options it was given (flags or run file), as `grpo-agent eval`
+    takes them: the end-of-run summary names them in its advice for a run that did not evaluate."""
+    import shlex
+
+    flags = ["--env", env]
+    for key, value in options.items():
+        flags += ["--env-arg", f"{key}={value}"]
+    return shlex.join(flags)
 
 
 def _target_modules(text: str) -> str | list[str]:

@@ -248,16 +248,60 @@ def print_completions(samples: list, tokenizer, limit: int | None, step: int) ->
     Console().print(table)
 
 
-def held_out_summary(output_dir: str | Path) -> str:
-    """`make demo`'s last lines: held-out success (`eval/pass@1`) at each evaluation of a run,
-    first and last side by side, read from its metrics.jsonl."""
-    metrics = Path(output_dir) / "metrics.jsonl"
-    if not metrics.is_file():
-        raise SystemExit(f"{metrics} does not exist: pass the --output-dir of a run.")
-    evals = [row for row in read_metrics(metrics) if "eval/pass@1" in row]
+# The training-reward summary compares the mean of the first and of the last this many logged
+# windows (fewer when the run logged under twice as many, so the two never overlap).
+REWARD_WINDOW_ROWS = 5
+
+
+def reward_points(rows: list[dict]) -> list[tuple[int, int, float]]:
+    """(first step, last step, `reward`) of each training window (a row with `loss`) that scored
+    a rollout; a window spans the steps since the previous training row (`logging_steps`)."""
+    points, start = [], 1
+    for row in rows:
+        if "loss" not in row:
+            continue
+        if row.get("reward") is not None:
+            points.append((start, int(row["step"]), float(row["reward"])))
+        start = int(row["step"]) + 1
+    return points
+
+
+def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS):
+    """The first and the last `size` scored windows (fewer for a short run), each as
+    (first step, last step, mean `reward`); None when no window scored a rollout."""
+    points = reward_points(rows)
+    if not points:
+        return None
+    n = max(1, min(size, len(points) // 2))
+
+    def window(part):
+        return part[0][0], part[-1][1], sum(p[2] for p in part) / len(part)
+
+    return window(points[:n]), window(points[-n:])
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
+def training_reward_summary(rows: list[dict]) -> str:
+    """Mean training `reward` over the first and the last logged windows, with their steps."""
+    windows = reward_windows(rows)
+    if windows is None:
+        return "training reward: no logged training window scored a rollout."
+    (a0, a1, first), (b0, b1, last) = windows
+    if (a0, a1) == (b0, b1):
+        return f"training reward (mean `reward`): {first:.3f} at {_steps(a0, a1)}, the only window"
+    return (f"training reward (mean `reward` of the logged windows): {first:.3f} over "
+            f"{_steps(a0, a1)} -> {last:.3f} over {_steps(b0, b1)} ({last - first:+.3f})")
+
+
+def held_out_summary(rows: list[dict]) -> str | None:
+    """Held-out success (`eval/pass@1`) at each evaluation, first and last side by side; None
+    for a run that never evaluated."""
+    evals = [row for row in rows if "eval/pass@1" in row]
     if not evals:
-        raise SystemExit(f"{output_dir}/metrics.jsonl holds no eval/pass@1 row: was the run "
-                         "started with --set eval_strategy=steps --set eval_on_start=true?")
+        return None
     first, last = evals[0], evals[-1]
     trail = ", ".join(f"step {int(r['eval/step'])}: {r['eval/pass@1']:.2f}" for r in evals)
     return (f"held-out success (eval/pass@1 over {int(first['eval/num_rows'])} eval rows): "
@@ -265,7 +309,39 @@ def held_out_summary(output_dir: str | Path) -> str:
             f"{last['eval/pass@1']:.2f} at step {int(last['eval/step'])}\n  ({trail})")
 
 
+def run_summary(output_dir: str | Path, env_flags: str | None = None,
+                eval_split: bool | None = None) -> str:
+    """What a run did, from its metrics.jsonl: the training reward first -> last and, when it
+    evaluated, held-out success (what judges it: docs/evaluation.md), else how to measure that.
+    `grpo-agent train` prints it at the end, passing its env (`env_flags`, as `grpo-agent eval`
+    takes it) and whether the env declares an eval split; `python -m grpo_agent.train.reporting
+    RUN` knows neither."""
+    out = Path(output_dir)
+    metrics = out / METRICS_NAME
+    if not metrics.is_file():
+        raise SystemExit(f"{metrics} does not exist: pass the --output-dir of a run.")
+    rows = read_metrics(metrics)
+    lines = [training_reward_summary(rows),
+             held_out_summary(rows) or _not_evaluated(out, env_flags, eval_split)]
+    if (out / PLOT_NAME).is_file():
+        lines.append(f"plot: {out / PLOT_NAME}")
+    return "\n".join(lines)
+
+
+def _not_evaluated(out: Path, env_flags: str | None, eval_split: bool | None) -> str:
+    text = "held-out success: not measured (a rising training reward is not held-out success)"
+    if eval_split is False:
+        return (f"{text}; the env declares no eval split: pass eval_dataset= to "
+                "AsyncGRPOTrainer, or declare one with @environment(..., eval_dataset=...) "
+                "(docs/evaluation.md).")
+    return (f"{text}. Train with --set eval_strategy=steps --set eval_on_start=true, or run "
+            f"`grpo-agent eval {env_flags or '--env ENV'} --model {out / 'final'}` "
+            "(docs/evaluation.md).")
+
+
 if __name__ == "__main__":
     import sys
 
-    print(held_out_summary(sys.argv[1]))
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m grpo_agent.train.reporting OUTPUT_DIR (a run's --output-dir)")
+    print(run_summary(sys.argv[1]))
