@@ -402,3 +402,35 @@ def test_an_evaluation_asks_for_no_masks_and_does_not_warn_about_them(tmp_path, 
     assert "importance ratios will be biased" not in caplog.text
     params = sessions[0].loop.sampling_params
     assert params.return_sampling_mask is False and params.num_logprobs == 0 and params.top_k == 20
+
+
+@pytest.mark.parametrize(("temperature", "k", "warned"), [(0.0, 3, True), (1.0, 3, False),
+                                                        (0.0, 1, False)])
+def test_greedy_pass_at_k_is_said_to_repeat_pass_at_1(tmp_path, monkeypatch, caplog, temperature,
+                                                      k, warned):
+    """`grpo-agent eval --num-generations 4` (docs/evaluation.md's example) without --temperature
+    decoded each row 4 times greedily: pass@4 = pass@1 at 4x the cost, and nothing said so."""
+    import logging
+
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=64)
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
+    RecordingSampler.seeds = []
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    settings = EvalSettings(temperature=temperature, num_generations=k, max_concurrent=4)
+
+    def session():
+        return EvalSession(OneTurnLoop, config=config, processing_class=None,
+                           reward_funcs=[full_marks], settings=settings)
+
+    full_marks.columns = []
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.rollout.evaluation"):
+        run_evaluation(session, _prompt_rows("a", "b"), version=0)
+    said = [r.getMessage() for r in caplog.records if "eval_num_generations" in r.getMessage()]
+    expected = (f"eval_num_generations={k} at eval_temperature=0 (greedy): the {k} rollouts of a "
+                f"row decode the same text unless the env is random, so eval/pass@{k} repeats "
+                f"eval/pass@1 at {k}x the cost. Sample them with an eval_temperature above 0 "
+                "(grpo-agent eval: --temperature 1.0), or use 1.")
+    assert said == ([expected] if warned else [])

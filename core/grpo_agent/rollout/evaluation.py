@@ -15,6 +15,7 @@ row's first turns go to the server as one request with n, like a training group'
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ from grpo_agent.sampler.server_facts import (
 )
 from grpo_agent.types import Rollout, RolloutGroup
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_SUCCESS_THRESHOLD = 1.0
 
 
@@ -60,6 +63,18 @@ class EvalSettings:
             raise ValueError(
                 f"per_device_eval_batch_size={self.max_concurrent}: evaluation needs at least one "
                 "rollout in flight; set it to 1 or more.")
+
+    def repeated_greedy_advice(self) -> str | None:
+        """Several rollouts per row decoded greedily are one rollout repeated (unless the env
+        itself is random): pass@k equals pass@1 at k times the cost. Not refused, since a random
+        env makes them differ; said once per evaluation session."""
+        if self.num_generations == 1 or self.temperature >= GREEDY_TEMPERATURE:
+            return None
+        k = self.num_generations
+        return (f"eval_num_generations={k} at eval_temperature={self.temperature:g} (greedy): the "
+                f"{k} rollouts of a row decode the same text unless the env is random, so "
+                f"eval/pass@{k} repeats eval/pass@1 at {k}x the cost. Sample them with an "
+                "eval_temperature above 0 (grpo-agent eval: --temperature 1.0), or use 1.")
 
     @classmethod
     def from_config(cls, config: Any, env_threshold: float | None = None) -> EvalSettings:
@@ -145,6 +160,8 @@ class EvalSession:
             tools=tools, environment_factory=environment_factory, lora_name=lora_name)
 
     async def __aenter__(self) -> Self:
+        if advice := self.settings.repeated_greedy_advice():
+            logger.warning(advice)
         loop, config = self.loop, self.loop.config
         loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
                                      max_connections=self.settings.max_concurrent + 4)
