@@ -51,7 +51,8 @@ test: setup
 
 # The counter env (read the target 1-9, call `increment` with it) on the counter-warmed tiny model
 # (it overshoots by one; built once, then cached), with a local CPU vLLM server: held-out success
-# (`eval/pass@1`, greedy, every target once) before and after, then the plot (docs/quickstart.md).
+# (`eval/pass@1`, greedy, every target once) before and after; the run ends with its summary
+# (training reward and held-out success first -> last) and the plot's path (docs/quickstart.md).
 DEMO_SETS := --set max_steps=30 --set learning_rate=0.0003 --set lr_scheduler_type=warmup_stable_decay \
   --set 'lr_scheduler_kwargs={"num_decay_steps": 10}' \
   --set num_generations=16 \
@@ -64,7 +65,7 @@ demo: setup
 	@echo "Counter-warmed tiny model (built once, minutes, then cached):"
 	@MODEL=$$($(PY) -m grpo_agent.testing.warmup counter) && echo "  $$MODEL" && \
 	  $(VENV)/bin/grpo-agent train --env counter --model "$$MODEL" --output-dir runs/demo \
-	  $(DEMO_SETS) && $(PY) -m grpo_agent.train.reporting runs/demo && echo "Plot: runs/demo/reward.png"
+	  $(DEMO_SETS)
 
 # The built-in `words` env on the tiny model (dense reward, no tools; docs/quickstart.md).
 demo-words: setup

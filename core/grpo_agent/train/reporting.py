@@ -266,7 +266,10 @@ def reward_points(rows: list[dict]) -> list[tuple[int, int, float]]:
     return points
 
 
-def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS):
+Window = tuple[int, int, float]  # first step, last step, mean `reward`
+
+
+def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS) -> tuple[Window, Window] | None:
     """The first and the last `size` scored windows (fewer for a short run), each as
     (first step, last step, mean `reward`); None when no window scored a rollout."""
     points = reward_points(rows)
@@ -274,7 +277,7 @@ def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS):
         return None
     n = max(1, min(size, len(points) // 2))
 
-    def window(part):
+    def window(part: list[tuple[int, int, float]]) -> Window:
         return part[0][0], part[-1][1], sum(p[2] for p in part) / len(part)
 
     return window(points[:n]), window(points[-n:])
