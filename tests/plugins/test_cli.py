@@ -34,8 +34,11 @@ def test_env_list_and_show(cli):
     assert code == 0
     assert "reward sources: accuracy" in out
     assert "dataset: 48 rows, columns: prompt, solution" in out
+    assert "eval split: none (grpo-agent eval and --set eval_strategy need one" in out
     code, out, _ = cli("env", "show", "counter")
     assert "reward sources: get_reward (env)" in out
+    # The refusal of an env without an eval split sends users here to find one.
+    assert "eval split: 9 rows, a rollout passes at summed reward >= 1" in out
     assert '"name": "increment"' in out and '"description": "Value to add to the counter."' in out
 
 

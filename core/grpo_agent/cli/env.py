@@ -47,7 +47,7 @@ def show(
     name: Annotated[str, typer.Argument(help="Environment name, id or module:Class.")],
     env_args: EnvArgs = None,
 ) -> None:
-    """Show an environment's options, tools with JSON schemas, reward sources and dataset.
+    """Show an environment's options, tool schemas, reward sources, dataset and eval split.
 
     Example: grpo-agent env show reasoning-gym --env-arg task=countdown
     """
@@ -71,9 +71,22 @@ def show(
         typer.echo("dataset: none (reset() samples its own tasks; set max_steps)")
     else:
         typer.echo(f"dataset: {len(dataset)} rows, columns: {', '.join(dataset.column_names)}")
+    typer.echo(_eval_split_line(spec))
     typer.echo("tools:")
     for schema in spec.tool_schemas():
         typer.echo(json.dumps(schema, indent=2))
+
+
+def _eval_split_line(spec) -> str:
+    """Whether `grpo-agent eval` and a run's eval_strategy can use this env (the refusal of
+    an env without a split sends users here)."""
+    from grpo_agent.rollout.evaluation import DEFAULT_SUCCESS_THRESHOLD
+
+    split = spec.load_eval_dataset()
+    if split is None:
+        return "eval split: none (grpo-agent eval and --set eval_strategy need one; docs/evaluation.md)"
+    threshold = DEFAULT_SUCCESS_THRESHOLD if spec.success_threshold is None else spec.success_threshold
+    return f"eval split: {len(split)} rows, a rollout passes at summed reward >= {threshold:g}"
 
 
 @app.command("check")
