@@ -303,3 +303,4 @@ def test_an_env_eval_split_and_threshold_reach_train_and_the_trainer(tmp_path, m
     rows, threshold = resolve_eval_split(None, spec, on)
     assert list(rows["n"]) == [0, 1, 2, 3, 4] and threshold == 0.5
     assert resolve_eval_split(None, spec, off) == (None, 0.5)  # evaluation off: no split loaded
+

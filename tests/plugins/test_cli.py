@@ -462,6 +462,37 @@ def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_
     assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
 
 
+def test_eval_of_a_runs_model_uses_the_runs_rollout_settings(cli, tmp_path, monkeypatch):
+    """`grpo-agent eval --model runs/demo/final` rendered the counter demo's prompts with the
+    default chat template (thinking on) instead of the run's enable_thinking=false: pass@1 0.00
+    where the run's own evaluation of the same weights said 0.44."""
+    from grpo_agent.config import AsyncGRPOConfig
+    from grpo_agent.train import eval_run
+
+    run = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                          chat_template_kwargs={"enable_thinking": False},
+                          max_completion_length=32, max_tool_calling_iterations=2, learning_rate=0.5)
+    (tmp_path / "config.json").write_text(run.to_json_string())
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text('{"model_type": "qwen3"}')  # a model's own
+    calls = []
+    monkeypatch.setattr(eval_run, "run_eval", lambda env, config, **kw: calls.append(config) or ({}, kw["out_path"]))
+    monkeypatch.setattr(eval_run, "print_report", lambda report, path: None)
+    code, out, err = cli("eval", "--env", "counter", "--model", str(tmp_path / "final"),
+                         "--set", "max_completion_length=64")
+    assert code == 0, err
+    (config,) = calls
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert (config.max_tool_calling_iterations, config.max_completion_length) == (2, 64)  # --set wins
+    assert config.learning_rate != 0.5  # only the fields that shape rollouts come from the run
+    assert out == (f"Rollout settings from the run that saved this model ({tmp_path / 'config.json'}), "
+                   "as its own evaluations used them: chat_template_kwargs={'enable_thinking': False}, "
+                   "max_completion_length=32, max_tool_calling_iterations=2; --set overrides any.\n")
+    # A model folder that is not a run's output (its parent holds no run config) changes nothing.
+    assert cli("eval", "--env", "counter", "--model", str(tmp_path))[1] == ""
+    assert calls[-1].chat_template_kwargs is None
+
+
 def test_an_eval_that_fails_is_one_line_naming_the_error(cli, monkeypatch):
     """`eval --vllm-url http://127.0.0.1:9` (nothing listening) printed a 70-line traceback before
     the sampler's own one-line explanation."""

@@ -83,13 +83,16 @@ def parse_plugin_args(pairs: list[str]) -> dict[str, dict[str, str]]:
     return values
 
 
-def build_config(config_file: Path | None, sets: list[str], **overrides: Any):
-    """Merge run file < --set < explicit flags (None = not given) into an `AsyncGRPOConfig`."""
+def build_config(config_file: Path | None, sets: list[str], base: dict[str, Any] | None = None,
+                 **overrides: Any):
+    """Merge `base` < run file < --set < explicit flags (None = not given) into an
+    `AsyncGRPOConfig`."""
     from dataclasses import fields
 
     from grpo_agent.config import AsyncGRPOConfig
 
-    data = read_run_file(config_file) if config_file else {}
+    data = dict(base or {})
+    data.update(read_run_file(config_file) if config_file else {})
     for key in ENV_KEYS:
         data.pop(key, None)
     data.update(parse_sets(sets))

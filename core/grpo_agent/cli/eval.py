@@ -48,19 +48,23 @@ def evaluate(
     """Evaluate a model on an environment's eval split: prints a table, writes JSON.
 
     The same rollouts as evaluation during training: the env's tool loop, reward functions and
-    success threshold (eval_success_threshold overrides it), greedy unless --temperature.
+    success threshold (eval_success_threshold overrides it), greedy unless --temperature. A model
+    a run saved (OUTPUT_DIR/final) takes that run's rollout settings from OUTPUT_DIR/config.json.
 
     Example: grpo-agent eval --env reasoning-gym --env-arg task=leg_counting --model runs/x/final
     """
     from grpo_agent.cli.config_files import build_config
     from grpo_agent.plugins.options import parse_pairs
 
-    config = build_config(None, sets or [], eval_num_generations=num_generations,
-                          eval_temperature=temperature)
     try:
-        from grpo_agent.train.eval_run import print_report, run_eval
+        from grpo_agent.train.eval_run import print_report, run_eval, run_rollout_settings
     except ImportError as err:
         raise CliError(f"Evaluation is not available in this install ({err}).") from err
+    run = run_rollout_settings(model)
+    config = build_config(None, sets or [], base=run[1] if run else None,
+                          eval_num_generations=num_generations, eval_temperature=temperature)
+    if run:
+        typer.echo(_run_settings_note(*run))
     try:
         report, path = run_eval(env, config, model=model, vllm_url=vllm_url,
                                 env_args=parse_pairs(env_args or [], "--env-arg"), out_path=out)
@@ -69,3 +73,16 @@ def evaluate(
     except Exception as err:  # an unreachable --vllm-url or a server that failed to start: one line
         raise CliError(f"The evaluation failed: {type(err).__name__}: {err}") from err
     print_report(report, path)
+
+
+def _run_settings_note(path: Path, settings: dict) -> str:
+    """Which rollout settings this evaluation takes from the run (those off their defaults)."""
+    from dataclasses import MISSING, fields
+
+    from grpo_agent.config import AsyncGRPOConfig
+
+    defaults = {f.name: f.default_factory() if f.default is MISSING else f.default
+                for f in fields(AsyncGRPOConfig) if f.name in settings}
+    changed = [f"{key}={value!r}" for key, value in settings.items() if value != defaults[key]]
+    return (f"Rollout settings from the run that saved this model ({path}), as its own "
+            f"evaluations used them: {', '.join(changed) or 'all defaults'}; --set overrides any.")

@@ -18,6 +18,31 @@ from grpo_agent.config import AsyncGRPOConfig
 logger = logging.getLogger(__name__)
 
 
+# The fields of a run's config.json that shape its rollouts and its evaluations. `grpo-agent
+# eval` of a model the run saved starts from them, so it evaluates as the run's own evaluations
+# did: the counter demo's model, trained with chat_template_kwargs={"enable_thinking": false},
+# scored pass@1 0.44 that way and 0.00 under the default template.
+RUN_ROLLOUT_FIELDS = (
+    "chat_template_kwargs", "max_completion_length", "max_tool_calling_iterations", "top_p",
+    "top_k", "min_p", "repetition_penalty", "tool_timeout_s", "plugin_args", "eval_temperature",
+    "eval_num_generations", "per_device_eval_batch_size")
+
+
+def run_rollout_settings(model: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """For a model a grpo-agent run saved (OUTPUT_DIR/final or OUTPUT_DIR/checkpoint-N): the
+    run's config.json and its `RUN_ROLLOUT_FIELDS`; None for any other model."""
+    run_config = Path(model).parent / "config.json" if model else None
+    if run_config is None or not run_config.is_file():
+        return None
+    try:
+        data = json.loads(run_config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or "output_dir" not in data:  # not a run's (a model's config)
+        return None
+    return run_config, {key: data[key] for key in RUN_ROLLOUT_FIELDS if key in data}
+
+
 def check_model_folder(model: str) -> str:
     """A local folder must hold a full model; an adapter-only checkpoint cannot be served."""
     from grpo_agent.train.run import refuse_missing_folder
