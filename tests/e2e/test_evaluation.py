@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -279,6 +280,14 @@ def test_grpo_agent_eval_model_folder_checks(tmp_path, monkeypatch):
         check_model_folder(str(model / "config.json"))
     with pytest.raises(ValueError, match=r"has no config.json, so it is not a model folder.$"):
         check_model_folder(str(tmp_path))
+    # A run's output directory holds config.json too (the run's): vLLM's tokenizer load failed
+    # with "Couldn't instantiate the backend tokenizer ... install sentencepiece or tiktoken".
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"output_dir": "run", "learning_rate": 1e-6}))
+    with pytest.raises(ValueError, match=rf"^--model run is a run's output directory, not a model: "
+                                         rf"pass run{os.sep}final \(the model it saved"):
+        check_model_folder("run")
 
 
 def test_an_env_eval_split_and_threshold_reach_train_and_the_trainer(tmp_path, monkeypatch):

@@ -28,19 +28,24 @@ RUN_ROLLOUT_FIELDS = (
     "eval_num_generations", "per_device_eval_batch_size")
 
 
+def run_config_of(folder: Path) -> dict[str, Any] | None:
+    """The `AsyncGRPOConfig` a grpo-agent run wrote to `folder/config.json` (its output
+    directory); None where that file is absent or a model's own config."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and "output_dir" in data else None
+
+
 def run_rollout_settings(model: str | None) -> tuple[Path, dict[str, Any]] | None:
     """For a model a grpo-agent run saved (OUTPUT_DIR/final or OUTPUT_DIR/checkpoint-N): the
     run's config.json and its `RUN_ROLLOUT_FIELDS`; None for any other model."""
-    run_config = Path(model).parent / "config.json" if model else None
-    if run_config is None or not run_config.is_file():
+    run = run_config_of(Path(model).parent) if model else None
+    if run is None:
         return None
-    try:
-        data = json.loads(run_config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(data, dict) or "output_dir" not in data:  # not a run's (a model's config)
-        return None
-    return run_config, {key: data[key] for key in RUN_ROLLOUT_FIELDS if key in data}
+    return Path(model).parent / "config.json", {k: run[k] for k in RUN_ROLLOUT_FIELDS if k in run}
 
 
 def check_model_folder(model: str) -> str:
@@ -54,6 +59,10 @@ def check_model_folder(model: str) -> str:
     if not folder.is_dir():
         raise ValueError(f"--model {model} is a file: pass the model's folder (config.json, "
                          "weights, tokenizer).")
+    if run_config_of(folder) is not None:  # its config.json is the run's: vLLM fails obscurely
+        raise ValueError(f"--model {model} is a run's output directory, not a model: pass "
+                         f"{folder / 'final'} (the model it saved at the end) or one of its "
+                         "checkpoint-N folders.")
     if not (folder / "config.json").is_file():
         hint = (" It holds a LoRA adapter only: merge it into its base model (peft "
                 "merge_and_unload, then save_pretrained) and evaluate that folder."
