@@ -413,7 +413,7 @@ def test_greedy_pass_at_k_is_said_to_repeat_pass_at_1(tmp_path, monkeypatch, cap
     import logging
 
     async def probe(client, **kwargs):
-        return ServerFacts(model_id="scripted", max_model_len=64)
+        return ServerFacts(model_id="scripted", max_model_len=4096)
 
     monkeypatch.setattr(evaluation, "probe_server", probe)
     monkeypatch.setattr(evaluation, "SamplerClient", RecordingSampler)
