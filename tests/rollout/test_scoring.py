@@ -124,6 +124,32 @@ def test_a_raising_reward_costs_its_group_and_stops_only_when_it_keeps_failing(c
         tracker.record(["flaky", "fine"], failure)
 
 
+def test_a_reward_that_keeps_raising_is_named_on_the_one_line_a_failed_run_prints(tmp_path):
+    """The CLI shows the last line of the worker's traceback: it must be the stopping error,
+    naming the reward and its exception (it once was the exception's own line only)."""
+    import traceback
+
+    from grpo_agent.cli.failure import report_failure
+    from grpo_agent.rollout.worker import RolloutWorkerError
+
+    def judge(**kwargs):
+        raise KeyError("verdict")
+
+    _scores, failure = _score({"judge": judge}, _group(2))
+    tracker = RewardFailureTracker(window=2)
+    tracker.record(["judge"], failure)
+    try:
+        tracker.record(["judge"], failure)
+    except RewardFunctionError:
+        worker_traceback = traceback.format_exc()  # what the rollout worker sends the trainer
+    assert "KeyError: 'verdict'" in worker_traceback.split("direct cause")[0], "chained to the cause"
+    message, _code = report_failure(RolloutWorkerError(f"The rollout worker failed:\n{worker_traceback}"),
+                                    tmp_path)
+    first = message.splitlines()[0]
+    assert "Reward function 'judge' raised on 2 groups in a row" in first
+    assert "KeyError: 'verdict'" in first and "Fix the reward function" in first
+
+
 def test_the_first_raising_reward_is_reported_and_a_cancellation_is_not_swallowed():
     """Two reward functions raise: the failure names the first in reward_funcs' order (the
     one the streak counts). A BaseException that is not an Exception (a cancellation) stops

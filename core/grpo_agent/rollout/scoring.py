@@ -39,6 +39,7 @@ class RewardFailure:
 
     name: str
     traceback: str
+    error: Exception | None = None  # the exception itself: the stopping error chains to it
 
 
 @dataclass
@@ -131,7 +132,8 @@ async def run_reward_functions(
         if isinstance(result, BaseException):
             if not isinstance(result, Exception):
                 raise result
-            failure = failure or RewardFailure(name, "".join(traceback.format_exception(result)))
+            failure = failure or RewardFailure(
+                name, "".join(traceback.format_exception(result)), result)
             continue
         scores.by_source[name] = _check_result(name, result, size)
     return scores, failure
@@ -181,7 +183,10 @@ class RewardFailureTracker:
             logger.error("Reward function %r raised; its group is dropped.\n%s",
                          failure.name, failure.traceback)
         if streak >= self.window:
+            # One line, chained to the exception: the CLI shows a worker failure's last line,
+            # which must name the reward function (not only its exception's own words).
+            last = failure.traceback.rstrip().splitlines()[-1] if failure.traceback.strip() else "?"
             raise RewardFunctionError(
                 f"Reward function {failure.name!r} raised on {streak} groups in a row, so the run "
-                f"stops. Its last traceback:\n{failure.traceback}"
-            )
+                f"stops (the last: {last}). Fix the reward function: the traceback logged at its "
+                f"first failure shows where it fails.") from failure.error
