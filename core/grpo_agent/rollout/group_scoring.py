@@ -19,6 +19,7 @@ import numpy as np
 
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import observations
+from grpo_agent.rollout.plugins import check_advantages
 from grpo_agent.rollout.prompts import PromptSlot
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.rollout.scoring import (
@@ -89,11 +90,9 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
         return ScoredGroup([], "reward_error", [*seen, ("rollout/reward_error_count", 1.0)])
     add_rollout_sources(scores, group)
     group.rewards = scores.total(len(group.rollouts))
-    advantages = np.asarray(loop.compute_advantages(group), dtype=float)
-    if advantages.shape != group.rewards.shape:
-        raise ValueError(
-            f"compute_advantages returned shape {advantages.shape} for a group of "
-            f"{len(group.rewards)} rollouts; return one advantage per rollout.")
+    where = (f"{type(loop).__name__}.compute_advantages with advantage_estimator="
+             f"{loop.config.advantage_estimator!r}")
+    advantages = check_advantages(loop.compute_advantages(group), group.rewards, where)
     kept = has_signal(group.rewards)
     samples = _samples(group, advantages) if kept else []
     per_rollout = [sum(s.rollout_id == r.rollout_id for s in samples) for r in group.rollouts]

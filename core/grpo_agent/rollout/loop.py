@@ -23,6 +23,7 @@ from grpo_agent.rollout.engine import RolloutEngine
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.images import strip_images
 from grpo_agent.rollout.plugins import (
+    call_plugin,
     check_plugin_args,
     resolve_advantage_estimator,
     resolve_prompt_filters,
@@ -88,7 +89,8 @@ class AsyncRolloutLoop:
 
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
         """True to roll out this prompt; by default every configured prompt filter must agree."""
-        return all(accept(row_index, row, epoch) for accept in self._prompt_filters)
+        return all(call_plugin("prompt filter", name, accept, row_index, row, epoch)
+                   for name, accept in zip(self.config.prompt_filters, self._prompt_filters))
 
     async def generate_one(self, prompt: list[dict], tools: list[Callable], group_id: int = 0) -> Rollout:
         """One rollout: the multi-turn tool loop (rendering, sampling, tool calls)."""
@@ -137,7 +139,8 @@ class AsyncRolloutLoop:
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout from `group.rewards` (group-normalised by default)."""
-        return self._advantage_estimator(group)
+        return call_plugin("advantage estimator", self.config.advantage_estimator,
+                           self._advantage_estimator, group)
 
     async def setup(self) -> None:
         """Create resources the other hooks need; runs on the loop before the first prompt."""

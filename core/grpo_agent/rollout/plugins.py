@@ -14,6 +14,44 @@ from grpo_agent.rollout.prompts import PromptFilter
 from grpo_agent.types import RolloutGroup
 
 AdvantageEstimator = Callable[[RolloutGroup], np.ndarray]
+_FIELDS = {"advantage estimator": "advantage_estimator", "prompt filter": "prompt_filters"}
+
+
+class PluginCallError(ValueError):
+    """The run's advantage estimator or a prompt filter raised, or returned advantages that
+    cannot train; the run stops naming it (a bare `KeyError: 'x'` from the worker would not)."""
+
+
+def call_plugin(kind: str, name: str, func: Callable, *args):
+    """`func(*args)`; an exception becomes one line naming the plugin (`kind` 'advantage
+    estimator' or 'prompt filter', `name` as the config selects it) and the fix, chained."""
+    try:
+        return func(*args)
+    except Exception as error:
+        raise PluginCallError(
+            f"The {kind} {name!r} raised {type(error).__name__}: {error}. Fix it (the traceback "
+            f"in error.log shows where), or select another with the config field "
+            f"{_FIELDS[kind]}.") from error
+
+
+def check_advantages(advantages, rewards: np.ndarray, where: str) -> np.ndarray:
+    """`advantages` as floats, one per rollout, finite wherever the rollout was scored: a NaN
+    or inf advantage makes the loss NaN, and the NaN weights reach the server at the next push.
+    `where` names what computed them. Unscored rollouts (NaN reward) never train, so any value
+    is allowed there."""
+    values = np.asarray(advantages, dtype=float)
+    if values.shape != rewards.shape:
+        raise PluginCallError(
+            f"compute_advantages returned shape {values.shape} for a group of {len(rewards)} "
+            f"rollouts; return one advantage per rollout ({where}).")
+    bad = np.flatnonzero(~np.isfinite(values) & ~np.isnan(rewards))
+    if len(bad):
+        i = int(bad[0])
+        raise PluginCallError(
+            f"compute_advantages returned {values[i]} for rollout {i} (reward {rewards[i]:g}); "
+            f"the advantage of a scored rollout must be finite, or the loss and then the weights "
+            f"become NaN. Return 0 for a rollout that should not train ({where}).")
+    return values
 
 
 def resolve_advantage_estimator(name: str, plugin_args: dict | None = None) -> AdvantageEstimator:
