@@ -315,3 +315,35 @@ def test_a_huge_tool_output_ends_the_rollout_instead_of_overflowing_the_context(
     assert len(rollout.completion[-1]["content"]) == 250_000
     assert rollout.metrics["rollout/context_full_frac"] == [1.0]
     assert all(len(turn.prompt_ids) + len(turn.output_ids) <= max_model_len for turn in rollout.turns)
+
+
+def test_the_first_failure_of_each_tool_is_logged_with_its_traceback(scripted_loop, caplog, monkeypatch):
+    """A plugin author's tool that raises on every call only showed in tools/*/failure_count
+    and in the model's tool messages: nothing on the terminal said the tool was broken."""
+    from grpo_agent.rollout import agent
+
+    monkeypatch.setattr(agent, "_warned_tools", set(), raising=False)
+    boom = call("lookup", key="boom")
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.agent"):
+        run(scripted_loop([boom + "\n" + boom, boom, "ok"]))
+    warnings = [r for r in caplog.records if r.name == "grpo_agent.rollout.agent"]
+    assert len(warnings) == 1, "logged once per tool, not per call"
+    message = warnings[0].getMessage()
+    assert "Tool 'lookup' raised RuntimeError: lookup table is on fire" in message
+    assert "tools/lookup/failure_count" in message and "fix it" in message
+    assert "test_tool_loop.py" in caplog.text  # the traceback points into the tool
+
+
+@pytest.mark.timeout(30)
+def test_the_first_timeout_of_a_sync_tool_says_its_thread_stays_busy(scripted_loop, caplog, monkeypatch):
+    from grpo_agent.rollout import agent
+
+    monkeypatch.setattr(agent, "_warned_tools", set(), raising=False)
+    RELEASE.clear()
+    try:
+        with caplog.at_level("WARNING", logger="grpo_agent.rollout.agent"):
+            run(scripted_loop([call("slow_lookup", key="x"), "late"], tool_timeout_s=0.2), tools=(slow_lookup,))
+    finally:
+        RELEASE.set()
+    assert "Tool 'slow_lookup' timed out after 0.2 s (tool_timeout_s); a sync tool's thread cannot be " \
+           "stopped" in caplog.text

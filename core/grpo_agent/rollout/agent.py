@@ -10,7 +10,9 @@ completion that happens to contain `<tool_call>` stays one turn.
 
 Design decisions: everything the policy gets wrong (unknown tool, unreadable call JSON, a
 tool that raises or times out) becomes a tool message the model sees and a counted failure,
-never an exception; results are rendered as JSON, never Python `repr`. Sync tools run in the
+never an exception; results are rendered as JSON, never Python `repr`. The first failure of
+each tool in a process is also logged as a warning (with the traceback when it raised): the
+model's messages are no place for a plugin author to find that their tool is broken. Sync tools run in the
 worker's thread pool (`max_concurrent_rollouts` threads), async tools are awaited, and
 template rendering also runs off the event loop. The `TurnRecord`s are returned untouched:
 fork reconciliation builds training sequences from them later.
@@ -22,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import json
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,6 +34,9 @@ from typing import Any
 from grpo_agent.rollout.chat_template import training_template_for
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn, ToolCall, parser_for_template
 from grpo_agent.types import Rollout, TurnRecord
+
+logger = logging.getLogger(__name__)
+_warned_tools: set[str] = set()  # tools whose first failure this process has logged
 
 
 def render_tool_result(result: Any) -> str:
@@ -119,9 +125,23 @@ async def execute_tool_call(
         content, failed = render_tool_result(result), False
     except asyncio.TimeoutError:
         content, failed = render_tool_error(f"Tool {call.name!r} timed out after {timeout_s:g} s."), True
+        _warn_once(call.name, f"timed out after {timeout_s:g} s (tool_timeout_s)" + (
+            "" if inspect.iscoroutinefunction(tool) else
+            "; a sync tool's thread cannot be stopped and stays busy until the tool returns"))
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
+        _warn_once(call.name, f"raised {type(exc).__name__}: {exc}", exc)
     return ToolOutcome(call.name, content, failed, latency_s=time.perf_counter() - started)
+
+
+def _warn_once(name: str, what: str, error: BaseException | None = None) -> None:
+    if name in _warned_tools:
+        return
+    _warned_tools.add(name)
+    logger.warning(
+        "Tool %r %s. The model reads the error as the tool's answer and the call counts in "
+        "tools/%s/failure_count; if the tool is at fault rather than the model's arguments, fix "
+        "it. Later failures of this tool are only counted.", name, what, name, exc_info=error)
 
 
 def _strip_stop_tokens(text: str, tokenizer) -> str:
