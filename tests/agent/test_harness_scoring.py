@@ -454,9 +454,9 @@ def test_an_estimator_giving_a_scored_rollout_nan_stops_naming_it(tiny_tokenizer
     rollouts = [_plain_rollout(tiny_tokenizer, text) for text in "abx"]  # rewards 1, 0, unscored
     results = [(ROW["prompt"], r, None) for r in rollouts]
     loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:nan_for_the_first")
-    with pytest.raises(PluginCallError, match=r"compute_advantages returned nan for rollout 0 \(reward 1\); "
-                       r"the advantage of a scored rollout must be finite.*Return 0 for a rollout "
-                       r"that should not train \(AsyncRolloutLoop.compute_advantages with "
+    with pytest.raises(PluginCallError, match=r"compute_advantages returned nan for scored rollout 0 "
+                       r"\(reward 1\), which would make the loss and weights NaN: return a finite "
+                       r"advantage, 0 to not train it \(AsyncRolloutLoop, "
                        r"advantage_estimator='.*:nan_for_the_first'\)"):
         _score_plain(loop, results)
     loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:nan_for_the_unscored")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import tempfile
 import traceback
 from pathlib import Path
@@ -17,6 +18,7 @@ from grpo_agent.stall import STALL_EXIT_CODE, StageStalled
 
 ERROR_LOG_NAME = "error.log"
 FAILED_EXIT_CODE = 1
+_MODULE_PATH = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*: )")  # "pkg.mod." of "pkg.mod.Error: ..."
 
 
 def write_traceback(error: BaseException, output_dir: str | Path | None) -> Path:
@@ -65,8 +67,8 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     if isinstance(error, SamplerError):
         return f"check the vLLM server (its log is named above or in error.log), then {go_on}."
     if isinstance(error, RolloutWorkerError):
-        return ("the rollout worker's traceback is in error.log; fix the failing reward, tool or "
-                f"environment, then {go_on}.")
+        return ("the rollout worker's traceback is in error.log; fix the failing reward, tool, "
+                f"environment or plugin, then {go_on}.")
     return f"read the traceback in error.log (or run with --debug); then {go_on}."
 
 def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple[str, int]:
@@ -75,8 +77,9 @@ def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple
     lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
     first = lines[0]
     if first.endswith(":") and len(lines) > 1:
-        # "The rollout worker failed:" and the worker's traceback: its last line is the reason.
-        first = f"{first} {lines[-1].strip()}"
+        # "The rollout worker failed:" and the worker's traceback: its last line is the reason
+        # (its exception's class without the module path: the message is what matters).
+        first = f"{first} {_MODULE_PATH.sub('', lines[-1].strip())}"
     what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     if len(what) > 300:  # keep the end too: our messages end with the fix, after the server's text
         what = what[:180] + " [...] " + what[-120:]

@@ -90,8 +90,7 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
         return ScoredGroup([], "reward_error", [*seen, ("rollout/reward_error_count", 1.0)])
     add_rollout_sources(scores, group)
     group.rewards = scores.total(len(group.rollouts))
-    where = (f"{type(loop).__name__}.compute_advantages with advantage_estimator="
-             f"{loop.config.advantage_estimator!r}")
+    where = f"{type(loop).__name__}, advantage_estimator={loop.config.advantage_estimator!r}"
     advantages = check_advantages(loop.compute_advantages(group), group.rewards, where)
     kept = has_signal(group.rewards)
     samples = _samples(group, advantages) if kept else []

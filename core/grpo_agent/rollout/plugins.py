@@ -48,9 +48,9 @@ def check_advantages(advantages, rewards: np.ndarray, where: str) -> np.ndarray:
     if len(bad):
         i = int(bad[0])
         raise PluginCallError(
-            f"compute_advantages returned {values[i]} for rollout {i} (reward {rewards[i]:g}); "
-            f"the advantage of a scored rollout must be finite, or the loss and then the weights "
-            f"become NaN. Return 0 for a rollout that should not train ({where}).")
+            f"compute_advantages returned {values[i]} for scored rollout {i} (reward "
+            f"{rewards[i]:g}), which would make the loss and weights NaN: return a finite "
+            f"advantage, 0 to not train it ({where}).")
     return values
 
 

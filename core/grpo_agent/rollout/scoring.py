@@ -188,5 +188,5 @@ class RewardFailureTracker:
             last = failure.traceback.rstrip().splitlines()[-1] if failure.traceback.strip() else "?"
             raise RewardFunctionError(
                 f"Reward function {failure.name!r} raised on {streak} groups in a row, so the run "
-                f"stops (the last: {last}). Fix the reward function: the traceback logged at its "
-                f"first failure shows where it fails.") from failure.error
+                f"stops (the last: {last}). Fix it: its first traceback is logged above."
+            ) from failure.error
