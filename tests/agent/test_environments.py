@@ -186,6 +186,40 @@ def test_get_reward_returning_none_leaves_the_rollout_unscored(executor):
     assert again.env is episode.env
 
 
+class BadRewardEnv:
+    value = None
+
+    def reset(self, **kwargs) -> str:
+        return "Say anything."
+
+    def get_reward(self):
+        return self.value
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    (float("nan"), r"returned nan; rewards must be finite: return None"),
+    (float("inf"), r"returned inf; rewards must be finite"),
+    ("1.0", r"returned a str \('1.0'\) as a reward; each reward must be a float or None"),
+])
+def test_get_reward_returning_nan_or_a_non_number_stops_the_run_naming_it(executor, value, problem):
+    """A NaN from `get_reward` was silently read as unscored (a reward function's NaN stops the
+    run), inf made the group's advantages NaN, and a str ended the worker with float()'s
+    ValueError, which named neither the env nor get_reward. Same rule as reward functions now;
+    the env still goes back to its pool."""
+    from grpo_agent.rollout.scoring import RewardFunctionError
+
+    runner = EnvironmentRunner(type("BadRewardEnv", (BadRewardEnv,), {"value": value}), executor)
+
+    async def one_rollout():
+        episode = await runner.start({})
+        with pytest.raises(RewardFunctionError, match=r"^BadRewardEnv\.get_reward\(\) " + problem):
+            await runner.finish(episode)
+        return episode, await runner.start({})
+
+    episode, again = asyncio.run(one_rollout())
+    assert again.env is episode.env
+
+
 def test_environment_owned_data_requires_max_steps():
     from grpo_agent.train.trainer import _check_dataset  # the one home of the rule
 

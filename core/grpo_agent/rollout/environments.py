@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_agent.plugins.schemas import public_tool_names
+from grpo_agent.rollout.scoring import checked_reward
 
 ROUTING_COLUMN = "environment"
 
@@ -183,6 +184,7 @@ class EnvironmentRunner:
                     f"{error}") from error
             episode.reward_s = time.perf_counter() - started
             episode.metrics["env/reward_s"] = [episode.reward_s]
-            return type(episode.env), (float("nan") if reward is None else float(reward))
+            who = f"{type(episode.env).__name__}.get_reward()"
+            return type(episode.env), checked_reward(reward, who)
         finally:
             self._idle[episode.pool_key].append(episode.env)

@@ -30,7 +30,8 @@ REWARD_FAILURE_WINDOW = 10
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function broke its contract (or kept raising); the run stops."""
+    """A reward function or an environment's `get_reward` broke its contract (or a reward
+    function kept raising); the run stops."""
 
 
 @dataclass
@@ -89,23 +90,24 @@ def _check_result(name: str, result: Any, size: int) -> np.ndarray:
             f"Reward function {name!r} returned {len(result)} rewards for {size} completions; "
             "return exactly one float (or None) per completion."
         )
-    values = []
-    for index, value in enumerate(result):
-        if value is None:
-            values.append(math.nan)
-        elif isinstance(value, (numbers.Real, np.floating, np.integer)) and not isinstance(value, bool):
-            if not math.isfinite(value):  # NaN would silently read as unscored, inf poisons the advantages
-                raise RewardFunctionError(
-                    f"Reward function {name!r} returned {float(value)} for completion {index}; rewards "
-                    "must be finite: return None to leave a completion unscored."
-                )
-            values.append(float(value))
-        else:
+    return np.asarray([checked_reward(value, f"Reward function {name!r}", f" for completion {index}")
+                       for index, value in enumerate(result)], dtype=float)
+
+
+def checked_reward(value: Any, who: str, where: str = "") -> float:
+    """One reward (a reward function's, or an environment's `get_reward`) as a float, None as
+    NaN (unscored); anything else stops the run naming `who`."""
+    if value is None:
+        return math.nan
+    if isinstance(value, (numbers.Real, np.floating, np.integer)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # NaN would silently read as unscored, inf poisons the advantages
             raise RewardFunctionError(
-                f"Reward function {name!r} returned a {type(value).__name__} ({value!r}) as a "
-                "reward; each reward must be a float or None."
-            )
-    return np.asarray(values, dtype=float)
+                f"{who} returned {float(value)}{where}; rewards must be finite: return None to "
+                "leave a completion unscored.")
+        return float(value)
+    raise RewardFunctionError(
+        f"{who} returned a {type(value).__name__} ({value!r}) as a reward; each reward must be "
+        "a float or None.")
 
 
 async def _call_reward(func: Callable, inputs: dict[str, Any], executor: Executor) -> Any:
