@@ -378,3 +378,79 @@ def test_a_declaration_with_a_default_of_the_wrong_type_fails_at_import():
         Option("size", int, "3")
     with pytest.raises(TypeError, match="type must be one of str, int, float, bool"):
         Option("rows", list, [])
+
+
+def _registering(kind: str, obj):
+    hook = f"register_{kind}"
+    plugin = type("OnePlugin", (), {hook: staticmethod(hookimpl(specname=hook)(lambda register: register(obj)))})
+    return lambda: build_registry(plugin)
+
+
+def rows_without_options():
+    return [{"prompt": "hi"}]
+
+
+@environment("needy", options=[SIZE])
+class EnvWithoutTheOption:
+    """Declares `size` but its constructor does not take it."""
+
+    def reset(self, **row):
+        return "hi"
+
+
+@environment("greedy")
+class EnvRequiringAnArgument:
+    """Requires `size`, which no option gives."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def reset(self, **row):
+        return "hi"
+
+
+@environment("sloppy", options=[SIZE], dataset=rows_without_options)
+class EnvWhoseDatasetLacksTheOption:
+    """Its class takes the option, its dataset function does not."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def reset(self, **row):
+        return "hi"
+
+
+@reward("scaled_without_scale", options=[Option("scale", float, 1.0, "multiplier")])
+def reward_without_its_option(completions, **kwargs_without_scale):
+    return [1.0] * len(completions)
+
+
+@prompt_filter("cap_without_cap", options=[Option("cap", float, 0.9, "cap")])
+def filter_without_its_option(row_index, row, epoch):
+    return True
+
+
+@pytest.mark.parametrize(("kind", "obj", "message"), [
+    ("environments", EnvWithoutTheOption, (r"The class EnvWithoutTheOption of environment 'needy' \(from "
+     r".*\) does not take its declared option\(s\) size: every option arrives as a keyword argument, so "
+     r"add a parameter for each \(or \*\*_ to ignore them\)\.")),
+    ("environments", EnvRequiringAnArgument, (r"The class EnvRequiringAnArgument of environment 'greedy' "
+     r".* requires size, which no declared option gives: declare each with Option\(name, type, "
+     r"default, help\) in @environment\(options=\[\.\.\.\]\), or give it a default\.")),
+    ("environments", EnvWhoseDatasetLacksTheOption, (r"The dataset function of environment 'sloppy' .* "
+     r"does not take its declared option\(s\) size")),
+    ("prompt_filters", filter_without_its_option, (r"The prompt filter 'cap_without_cap' .* does not take "
+     r"its declared option\(s\) cap")),
+])
+def test_an_object_that_cannot_take_its_options_is_refused_at_registration(kind, obj, message):
+    """Such an env failed only in the run, in every rollout (`TypeError: VarEnv.__init__() got
+    an unexpected keyword argument 'size'`), and `train --dry-run` passed; now `env list`,
+    `env check` and `train` refuse it at start-up, naming it and the fix."""
+    with pytest.raises(OptionError, match=message):
+        _registering(kind, obj)()
+
+
+def test_objects_that_take_their_options_by_keyword_or_by_kwargs_register():
+    registry = _registering("rewards", reward_without_its_option)()  # **kwargs takes `scale`
+    assert registry.resolve_reward("scaled_without_scale") is reward_without_its_option
+    assert build_registry(RepeatPlugin).environment_spec("repeat").factory is RepeatEnv  # by keyword

@@ -124,3 +124,31 @@ def declared_options(obj: Any) -> tuple[Option, ...]:
 
     marker = get_marker(obj)
     return tuple(marker.options.get("options", ())) if marker else ()
+
+
+def check_takes_options(func: Callable, options: Sequence[Option], what: str) -> None:
+    """Refuse at registration a `func` (an env class, its dataset function, a plugin function)
+    that cannot take its declared options as keywords, or that requires an argument no option
+    gives: either way every call fails, and only once a run has started (an env's in each
+    rollout)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): left to the call
+        return
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    missing = [o.name for o in options if o.name not in names and not takes_any]
+    if missing:
+        raise OptionError(
+            f"{what} does not take its declared option(s) {', '.join(missing)}: every option "
+            f"arrives as a keyword argument, so add a parameter for each (or **_ to ignore them).")
+    declared = {o.name for o in options}
+    required = [p.name for p in parameters if p.default is p.empty and p.name not in declared
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required and isinstance(func, type):  # a plugin function's own arguments come from its caller
+        raise OptionError(
+            f"{what} requires {', '.join(required)}, which no declared option gives: declare "
+            f"each with Option(name, type, default, help) in @environment(options=[...]), or "
+            f"give it a default.")

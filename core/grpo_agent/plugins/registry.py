@@ -23,7 +23,7 @@ from grpo_agent.plugins.errors import (
     unknown_name_message,
 )
 from grpo_agent.plugins.hookspecs import HOOK_KINDS
-from grpo_agent.plugins.options import Option, bind_options, declared_options
+from grpo_agent.plugins.options import Option, bind_options, check_takes_options, declared_options
 from grpo_agent.plugins.schemas import method_tool_schema, public_tool_names, tool_schema
 
 KINDS = tuple(HOOK_KINDS.values())
@@ -188,6 +188,9 @@ class Registry:
                 raise PluginError(f"{distribution} registered a {kind} without a name: {obj!r}.")
             if kind == "tool":
                 tool_schema(obj)  # a tool without hints/docstring fails here, by name
+            if declared_options(obj):
+                check_takes_options(obj, declared_options(obj),
+                                    f"The {kind.replace('_', ' ')} {resolved!r} (from {distribution})")
             self.add(kind, resolved, obj, distribution)
 
         return register
@@ -198,6 +201,12 @@ class Registry:
         def register(cls: type, name: str | None = None) -> None:
             spec = environment_spec_from_class(cls, name, distribution, registry=self)
             spec.tool_schemas()  # every tool method must have a schema
+            env = f"environment {spec.name!r} (from {distribution})"
+            for func, what in ((cls, f"The class {cls.__qualname__} of {env}"),
+                               (spec.dataset, f"The dataset function of {env}"),
+                               (spec.eval_dataset, f"The eval_dataset function of {env}")):
+                if func is not None:
+                    check_takes_options(func, spec.options, what)
             self.add("environment", spec.id, spec, distribution)
             if spec.version is not None:
                 latest = self.aliases.get(spec.name)
