@@ -479,3 +479,24 @@ def test_a_raising_estimator_or_prompt_filter_is_named_with_the_fix(tiny_tokeniz
     with pytest.raises(PluginCallError, match=r"The prompt filter '.*:raising_filter' raised KeyError: "
                        r"'difficulty'\. .* config field prompt_filters\."):
         loop.filter_prompt(0, ROW, 0)
+
+
+def forgetful_filter(row_index, row, epoch):
+    row_index % 2 == 0  # noqa: B015  (the plugin author's bug: no return)
+
+
+def numpy_filter(row_index, row, epoch):
+    return np.bool_(row_index % 2 == 0)
+
+
+def test_a_prompt_filter_must_return_a_bool(tiny_tokenizer, tmp_path):
+    """None read as False: every prompt was rejected and the run stopped with `filter_prompt
+    rejected all 32 prompts`, which did not name the filter or its missing return."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, prompt_filters=[f"{__name__}:forgetful_filter"])
+    with pytest.raises(PluginCallError, match=r"The prompt filter '.*:forgetful_filter' returned None for "
+                       r"row 3; return True to keep the prompt or False to skip it\."):
+        loop.filter_prompt(3, ROW, 0)
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, prompt_filters=[f"{__name__}:numpy_filter"])
+    assert [loop.filter_prompt(i, ROW, 0) for i in range(3)] == [True, False, True]

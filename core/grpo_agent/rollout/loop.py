@@ -23,6 +23,7 @@ from grpo_agent.rollout.engine import RolloutEngine
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.images import strip_images
 from grpo_agent.rollout.plugins import (
+    accept_prompt,
     call_plugin,
     check_plugin_args,
     resolve_advantage_estimator,
@@ -89,7 +90,7 @@ class AsyncRolloutLoop:
 
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
         """True to roll out this prompt; by default every configured prompt filter must agree."""
-        return all(call_plugin("prompt filter", name, accept, row_index, row, epoch)
+        return all(accept_prompt(name, accept, row_index, row, epoch)
                    for name, accept in zip(self.config.prompt_filters, self._prompt_filters))
 
     async def generate_one(self, prompt: list[dict], tools: list[Callable], group_id: int = 0) -> Rollout:

@@ -34,6 +34,17 @@ def call_plugin(kind: str, name: str, func: Callable, *args):
             f"{_FIELDS[kind]}.") from error
 
 
+def accept_prompt(name: str, accept: PromptFilter, row_index: int, row: dict, epoch: int) -> bool:
+    """One prompt filter's verdict, which must be a bool: a filter that forgot its `return`
+    (None) rejected every prompt, and the run stopped blaming `filter_prompt`, not the filter."""
+    verdict = call_plugin("prompt filter", name, accept, row_index, row, epoch)
+    if not isinstance(verdict, (bool, np.bool_)):
+        raise PluginCallError(
+            f"The prompt filter {name!r} returned {verdict!r} for row {row_index}; return True to "
+            f"keep the prompt or False to skip it.")
+    return bool(verdict)
+
+
 def check_advantages(advantages, rewards: np.ndarray, where: str) -> np.ndarray:
     """`advantages` as floats, one per rollout, finite wherever the rollout was scored: a NaN
     or inf advantage makes the loss NaN, and the NaN weights reach the server at the next push.
