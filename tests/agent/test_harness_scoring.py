@@ -500,3 +500,19 @@ def test_a_prompt_filter_must_return_a_bool(tiny_tokenizer, tmp_path):
         loop.filter_prompt(3, ROW, 0)
     loop = _plugin_loop(tiny_tokenizer, tmp_path, prompt_filters=[f"{__name__}:numpy_filter"])
     assert [loop.filter_prompt(i, ROW, 0) for i in range(3)] == [True, False, True]
+
+
+def worded_estimator(group):
+    return ["good", "bad"]
+
+
+def test_an_estimator_returning_no_numbers_is_named(tiny_tokenizer, tmp_path):
+    """np.asarray's own `could not convert string to float` named neither the estimator nor the fix."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    results = [(ROW["prompt"], _plain_rollout(tiny_tokenizer, text), None) for text in "ab"]
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:worded_estimator")
+    with pytest.raises(PluginCallError, match=r"compute_advantages returned list \['good', 'bad'\], which is "
+                       r"not numbers; return one float per rollout \(AsyncRolloutLoop, "
+                       r"advantage_estimator='.*:worded_estimator'\)"):
+        _score_plain(loop, results)

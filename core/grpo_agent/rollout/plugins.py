@@ -50,7 +50,12 @@ def check_advantages(advantages, rewards: np.ndarray, where: str) -> np.ndarray:
     or inf advantage makes the loss NaN, and the NaN weights reach the server at the next push.
     `where` names what computed them. Unscored rollouts (NaN reward) never train, so any value
     is allowed there."""
-    values = np.asarray(advantages, dtype=float)
+    try:
+        values = np.asarray(advantages, dtype=float)
+    except (TypeError, ValueError) as error:
+        raise PluginCallError(
+            f"compute_advantages returned {type(advantages).__name__} {advantages!r:.80}, which is "
+            f"not numbers; return one float per rollout ({where}).") from error
     if values.shape != rewards.shape:
         raise PluginCallError(
             f"compute_advantages returned shape {values.shape} for a group of {len(rewards)} "
