@@ -26,6 +26,9 @@ def test_plugin_that_fails_to_import_names_its_distribution_and_error(tmp_path, 
     assert "Plugin 'broken' from distribution grpo-agent-broken 9.9 failed to import" in message
     assert "ModuleNotFoundError: No module named 'grpo_agent_no_such_module_xyz'" in message
     assert "pip uninstall grpo-agent-broken" in message
+    # GRPO_AGENT_LOAD_PLUGINS lists what loads; "skip it with" read as if it listed what not to.
+    assert message.endswith("or leave it out by naming the plugins to load: "
+                            "GRPO_AGENT_LOAD_PLUGINS=NAME,... (entry-point or distribution names).")
 
 
 def test_load_plugins_variable_limits_what_loads(tmp_path, monkeypatch):

@@ -156,6 +156,8 @@ def test_duplicate_name_names_both_distributions():
         "The reward name 'accuracy' is registered twice: by grpo-agent (built-in) and by "
         "test plugin duplicate."
     )
+    assert str(err.value).endswith("or leave one out by naming the plugins to load: "
+                                   "GRPO_AGENT_LOAD_PLUGINS=NAME,... (entry-point or distribution names).")
 
 
 def undocumented(x):
@@ -218,8 +220,9 @@ def test_a_tool_without_a_schema_names_the_plugin_and_distribution_that_register
     message = str(err.value)
     assert message.startswith("Plugin 'noschema' from distribution grpo-agent-noschema 1.0, in its "
                               "register_tools hook: Tool 'undocumented'"), message
-    assert message.endswith("Fix or uninstall it (pip uninstall grpo-agent-noschema), or skip it "
-                            "with GRPO_AGENT_LOAD_PLUGINS."), message
+    assert message.endswith("Fix or uninstall it (pip uninstall grpo-agent-noschema), or leave it out "
+                            "by naming the plugins to load: GRPO_AGENT_LOAD_PLUGINS=NAME,... "
+                            "(entry-point or distribution names)."), message
 
 
 class MisspelledPlugin:
@@ -333,8 +336,9 @@ def test_an_installed_plugin_with_a_broken_hook_says_how_to_skip_it(monkeypatch)
     with pytest.raises(PluginError) as err:
         manager._register(pm, WrongArgumentPlugin(), "wrongarg", "grpo-agent-wrong", "1.0")
     assert "Plugin 'wrongarg' from distribution grpo-agent-wrong 1.0 implements" in str(err.value)
-    assert str(err.value).endswith("Fix or uninstall it (pip uninstall grpo-agent-wrong), or skip it "
-                                   "with GRPO_AGENT_LOAD_PLUGINS.")
+    assert str(err.value).endswith("Fix or uninstall it (pip uninstall grpo-agent-wrong), or leave it "
+                                   "out by naming the plugins to load: GRPO_AGENT_LOAD_PLUGINS=NAME,... "
+                                   "(entry-point or distribution names).")
 
 
 def test_an_object_without_a_name_is_refused_naming_the_distribution():

@@ -122,7 +122,8 @@ def _fix_hint(dist: str, version: str) -> str:
     """How to get past a broken installed plugin (test plugins have no version to uninstall)."""
     if not version:
         return "Fix it."
-    return f"Fix or uninstall it (pip uninstall {dist}), or skip it with {LOAD_ENV}."
+    return (f"Fix or uninstall it (pip uninstall {dist}), or leave it out by naming the plugins "
+            f"to load: {LOAD_ENV}=NAME,... (entry-point or distribution names).")
 
 
 def _bad_arguments_message(pm: PluginManager, plugin: Any, name: str, dist: str, version: str) -> str:
@@ -177,8 +178,7 @@ def _load(ep: EntryPoint, dist: str, version: str) -> ModuleType:
     except Exception as err:  # any import-time failure of third-party code
         raise PluginImportError(
             f"Plugin {ep.name!r} from distribution {dist} {version} failed to import "
-            f"({ep.value}): {type(err).__name__}: {err}. Fix or uninstall it "
-            f"(pip uninstall {dist}), or skip it with {LOAD_ENV}."
+            f"({ep.value}): {type(err).__name__}: {err}. {_fix_hint(dist, version)}"
         ) from err
 
 

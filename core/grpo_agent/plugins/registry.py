@@ -174,7 +174,8 @@ class Registry:
             other = table[name].distribution
             raise DuplicateNameError(
                 f"The {kind} name {name!r} is registered twice: by {other} and by {distribution}. "
-                f"Uninstall one of them, or limit loading with GRPO_AGENT_LOAD_PLUGINS."
+                f"Uninstall one of them, or leave one out by naming the plugins to load: "
+                f"GRPO_AGENT_LOAD_PLUGINS=NAME,... (entry-point or distribution names)."
             )
         table[name] = Entry(obj, distribution)
 
