@@ -441,3 +441,70 @@ def test_a_trainer_built_on_a_rank_above_0_quiets_its_warnings(tmp_path, monkeyp
         assert package.getEffectiveLevel() == logging.ERROR
     finally:
         package.setLevel(level)
+
+
+def poison_gradients(trainer, steps):
+    """The rows of these steps (0-based) return a loss whose gradients are NaN."""
+    inner = trainer.compute_loss
+
+    def compute_loss(model, inputs, **kwargs):
+        loss = inner(model, inputs, **kwargs)
+        return loss * torch.tensor(math.nan) if trainer.state.global_step in steps else loss
+
+    trainer.compute_loss = compute_loss
+
+
+class Weights(TrainerCallback):
+    """The model's weights after each optimizer step, by step number."""
+
+    def __init__(self, trainer):
+        self.trainer, self.after = trainer, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after[state.global_step] = [p.detach().clone() for p in self.trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_a_step_whose_gradient_norm_is_nan_leaves_the_weights_and_adam_alone(tmp_path, optim,
+                                                                              caplog):
+    """A NaN gradient used to reach the weights (and, pushed, the vLLM server). Fused AdamW
+    skips on the device (`found_inf`), other optimizers by dropping the gradients."""
+    def setup(trainer):
+        poison_gradients(trainer, {1})
+        setup.weights = Weights(trainer)
+        trainer.add_callback(setup.weights)
+
+    with caplog.at_level("WARNING", logger="grpo_agent.train.update_guard"):
+        trainer, logs, _ = train(tmp_path, steps=3, setup=setup, optim=optim)
+    after = setup.weights.after
+    assert all(torch.isfinite(w).all() for weights in after.values() for w in weights)
+    assert all(torch.equal(a, b) for a, b in zip(after[1], after[2]))  # step 2 skipped
+    assert any(not torch.equal(a, b) for a, b in zip(after[2], after[3]))  # step 3 trained
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \
+        else trainer.optimizer
+    steps = {float(state["step"]) for state in optimizer.state.values()}
+    assert steps == {2.0}  # two updates counted, the skipped one not
+    assert [log["optimizer/skipped_step_count"] for log in logs] == [0.0, 1.0, 0.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "Step 2: the gradient norm is nan, so its update was skipped (the weights keep the last "
+        "finite step's)."]
+
+
+def test_a_run_whose_steps_keep_a_nan_gradient_stops_naming_them(tmp_path):
+    from grpo_agent.train.update_guard import NonFiniteGradientError
+
+    def setup(trainer):
+        poison_gradients(trainer, {1, 2, 3, 4})
+        setup.weights, setup.logs = Weights(trainer), Logs()
+        trainer.add_callback(setup.weights)
+        trainer.add_callback(setup.logs)
+
+    with pytest.raises(NonFiniteGradientError, match=r"^The gradient norm was NaN/inf at steps "
+                                                     r"2, 3, 4 in a row: their updates were skipped"):
+        train(tmp_path, steps=6, setup=setup, optim="adamw_torch_fused")
+    after = setup.weights.after  # the error comes at step 4's read, before this callback
+    assert sorted(after) == [1, 2, 3]
+    final = list(setup.weights.trainer.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(after[1], final))
+    # The failed run's last row (what it counted since step 3) has step 4's skip too.
+    assert [log["optimizer/skipped_step_count"] for log in setup.logs.logs] == [0.0, 1.0, 1.0, 1.0]

@@ -112,7 +112,7 @@ EXPECTED_REDUCTIONS = {
     "batch/samples_per_row": "mean", "batch/row_tokens_mean": "mean",
     "batch/row_tokens_max": "max", "batch/row_fill_frac": "mean", "batch/row_imbalance": "mean",
     "batch/packing_ratio": "mean", "batch/pad_frac": "mean",
-    "batch/dropped_oversize_count": "sum",
+    "batch/dropped_oversize_count": "sum", "optimizer/skipped_step_count": "sum",
     "perf/step_s": "mean", "perf/fwd_bwd_s": "mean", "perf/fwd_s": "mean",
     "perf/optimizer_s": "mean", "perf/rollout_wait_s": "mean", "perf/weight_sync_s": "mean",
     "perf/weight_sync_pause_s": "mean", "perf/weight_sync_barrier_s": "mean",

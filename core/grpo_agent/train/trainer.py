@@ -48,6 +48,7 @@ from grpo_agent.train.sharded_checkpoint import ShardedCheckpointMixin
 from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
 from grpo_agent.train.step_source import StepSource, is_last_step
+from grpo_agent.train.update_guard import UpdateGuard
 from grpo_agent.types import TrainingSample
 from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 
@@ -178,6 +179,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.nan_inf_filter = args.logging_nan_inf_filter
         self._window_losses: list[float] = []
         self._tr_loss_before_step: torch.Tensor | None = None
+        self.update_guard = UpdateGuard()  # a NaN/inf gradient norm skips the step's update
         self.row_clock = RowClock(args.device)
         self.ledger = PromptLedger()
         self.model_version = 0
@@ -366,6 +368,15 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         bad = self.nan_inf_filter and not math.isfinite(reading.loss)
         if bad and self._tr_loss_before_step is not None:
             self._tr_loss.copy_(self._tr_loss_before_step)
+        self.window.add("optimizer/skipped_step_count", self.update_guard.read(self.state.global_step))
+        self.update_guard.stop_if_stuck()  # after the count: the failed run's last row has it
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """transformers' gradient norm of the step (clipped or not), computed before the
+        optimizer step: where it is NaN/inf the step's update is skipped (train/update_guard.py)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.update_guard.arm(self.optimizer, grad_norm)
+        return grad_norm
 
     def compute_loss(self, model, inputs: Microbatch, return_outputs=False, num_items_in_batch=None):
         if not hasattr(self, "_loss_config"):
