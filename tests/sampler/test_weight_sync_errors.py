@@ -43,8 +43,14 @@ def test_gloo_push_to_a_server_without_the_engine_fails_fast_and_says_why():
                              timeout=60)
     began = time.monotonic()
     try:
-        with pytest.raises(WeightSyncError, match="(?s)refused to start gloo.*not configured"):
+        with pytest.raises(WeightSyncError, match="(?s)refused to start gloo.*not configured") as err:
             sync.push([("w", torch.zeros(4))], version=1)
+        # The advice names what a user sets, the server's flag (the transport follows it); not
+        # backend='disk', which no trainer option takes.
+        assert str(err.value).endswith(
+            "Start the server on the trainer's machine with --weight-transfer-config "
+            "'{\"backend\": \"gloo\"}', or without --weight-transfer-config to have the trainer "
+            "write the weights to a folder the server reloads (disk).")
     finally:
         sync.close()
         httpd.shutdown()

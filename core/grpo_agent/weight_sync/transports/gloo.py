@@ -110,10 +110,14 @@ class GlooWeightSync:
         while opener.is_alive():
             if rpc.done() and rpc.exception() is not None:
                 _release_rendezvous(opener, self.master_address, init_info, self.timeout)
+                # The trainer's transport follows the server's --weight-transfer-config
+                # (`detect_backend`), and gloo meets at 127.0.0.1: the fix is the server's.
                 raise WeightSyncError(
                     f"{self.control.base_url} refused to start gloo weight transfer: "
-                    f"{rpc.exception()}. Start the server with --weight-transfer-config "
-                    f"'{{\"backend\": \"gloo\"}}' or use backend='disk'."
+                    f"{rpc.exception()}. Start the server on the trainer's machine with "
+                    "--weight-transfer-config '{\"backend\": \"gloo\"}', or without "
+                    "--weight-transfer-config to have the trainer write the weights to a "
+                    "folder the server reloads (disk)."
                 ) from rpc.exception()
             opener.join(0.05)
         if "group" not in opened:
