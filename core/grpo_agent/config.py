@@ -16,6 +16,11 @@ from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
+# vLLM refuses every request above this ("temperature must be in [0, 2]", vllm/sampling_params.py
+# of 0.32, the lowest version pyproject allows), so a run above it failed at its first request.
+# `temperature` and `eval_temperature` (grpo-agent eval --temperature) are refused here.
+MAX_TEMPERATURE = 2.0
+
 
 def _help(text: str, **kw: Any) -> Any:
     return field(metadata={"help": text}, **kw)
@@ -89,7 +94,7 @@ class AsyncGRPOConfig(TrainingArguments):
     # ---- generation ----
     num_generations: int = _help("Rollouts sampled per prompt (the group size G).", default=8)
     max_completion_length: int = _help("Max tokens generated per vLLM request (per turn).", default=2048)
-    temperature: float = _help("Sampling temperature.", default=1.0)
+    temperature: float = _help("Sampling temperature, 0 to 2 (vLLM's range).", default=1.0)
     top_p: float = _help(
         "Nucleus sampling; < 1 requires top_k. Any of top_k/top_p/min_p wants a server started with "
         "--return-sampling-mask (not possible on CPU): without it the run warns and trains with "
@@ -173,8 +178,8 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # ---- evaluation (eval_strategy, eval_steps, eval_on_start as in TrainingArguments) ----
     eval_temperature: float = _help(
-        "Sampling temperature of evaluation rollouts; 0 = greedy (the same weights give the same "
-        "answers). per_device_eval_batch_size is the number of eval rollouts in flight.",
+        "Sampling temperature of evaluation rollouts, 0 to 2; 0 = greedy (the same weights give "
+        "the same answers). per_device_eval_batch_size is the number of eval rollouts in flight.",
         default=0.0,
     )
     eval_num_generations: int = _help(
@@ -263,8 +268,8 @@ class AsyncGRPOConfig(TrainingArguments):
 
     def _check_ranges(self) -> None:
         """Bounds of values that would fail far from the flag (vLLM refuses every request: a
-        negative temperature, max_tokens 0, repetition_penalty 0; no sample fits the token
-        budget; a timeout expires at once) or be quietly misread (a negative count or loss
+        temperature below 0 or above 2, max_tokens 0, repetition_penalty 0; no sample fits the
+        token budget; a timeout expires at once) or be quietly misread (a negative count or loss
         coefficient; top_k=-1, vLLM's "off", where the spec's is 0)."""
         minimums = (  # (field, lowest valid value, strict, what the value means)
             ("temperature", 0, False, "0 = greedy"), ("eval_temperature", 0, False, "0 = greedy"),
@@ -284,6 +289,10 @@ class AsyncGRPOConfig(TrainingArguments):
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
+        for name in ("temperature", "eval_temperature"):
+            if getattr(self, name) > MAX_TEMPERATURE:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range: set {name} <= "
+                                 f"{MAX_TEMPERATURE:g} (vLLM refuses every request above it).")
 
     @property
     def effective_epsilon_high(self) -> float:

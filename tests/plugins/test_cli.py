@@ -462,6 +462,18 @@ def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_
     assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
 
 
+def test_eval_refuses_a_temperature_vllm_refuses_before_a_server_starts(cli, monkeypatch):
+    """`eval --temperature 3` started a server and then failed every request with vLLM's
+    "temperature must be in [0, 2]"."""
+    from grpo_agent.train import eval_run
+
+    monkeypatch.setattr(eval_run, "run_eval", lambda *a, **kw: pytest.fail("a server was started"))
+    code, out, err = cli("eval", "--env", "math", "--temperature", "3")
+    assert code == 1 and out == ""
+    assert err.startswith("Error: eval_temperature=3.0 is out of range: set eval_temperature <= 2 "
+                          "(vLLM refuses every request above it)."), err
+
+
 def test_eval_of_a_runs_model_uses_the_runs_rollout_settings(cli, tmp_path, monkeypatch):
     """`grpo-agent eval --model runs/demo/final` rendered the counter demo's prompts with the
     default chat template (thinking on) instead of the run's enable_thinking=false: pass@1 0.00

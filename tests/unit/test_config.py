@@ -61,6 +61,8 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_p=0.5, top_k=50).top_p == 0.5
     c = AsyncGRPOConfig(output_dir=str(tmp_path), cuda_graphs=True, gradient_checkpointing=False)
     assert c.cuda_graphs is True and c.gradient_checkpointing is False
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), temperature=2.0, eval_temperature=2.0)
+    assert (c.temperature, c.eval_temperature) == (2.0, 2.0)
     c = AsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.0, max_completion_length=1,
                         token_budget=1, epsilon=0.0, epsilon_high=0.0)
     assert (c.temperature, c.max_completion_length, c.token_budget, c.epsilon) == (0.0, 1, 1, 0.0)
@@ -94,6 +96,10 @@ def test_docs_config_md_is_current():
          "cuda_graphs=True does not run with fp16"),
         ({"temperature": -1.0}, r"temperature=-1.0 is out of range: set temperature >= 0"),
         ({"eval_temperature": -0.5}, r"set eval_temperature >= 0"),
+        # vLLM (0.32) refuses every request above 2: the run failed at its first request.
+        ({"temperature": 2.5}, (r"^temperature=2.5 is out of range: set temperature <= 2 \(vLLM "
+                                r"refuses every request above it\).$")),
+        ({"eval_temperature": 3.0}, r"^eval_temperature=3.0 is out of range: set eval_temperature <= 2"),
         ({"max_completion_length": 0}, r"set max_completion_length >= 1"),
         ({"token_budget": 0}, r"set token_budget >= 1 \(null = the server's max_model_len\)"),
         ({"epsilon": -0.1}, r"set epsilon >= 0"),

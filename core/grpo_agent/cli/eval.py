@@ -31,7 +31,7 @@ def evaluate(
     temperature: Annotated[
         float | None,
         typer.Option("--temperature", min=0.0,
-                     help="Sampling temperature, 0 = greedy (default: --set eval_temperature, else 0)."),
+                     help="Sampling temperature, 0 to 2; 0 = greedy (default: --set eval_temperature, else 0)."),
     ] = None,
     env_args: Annotated[
         list[str] | None,
