@@ -215,14 +215,14 @@ def test_a_model_path_that_is_no_folder_is_refused_as_one_not_as_a_bad_hub_id(tm
     printed a 60-line traceback ending in the hub's "Repo id must be in the form 'repo_name' or
     'namespace/repo_name'"; `train --model` failed the same way after starting its run."""
     from grpo_agent.train.eval_run import check_model_folder
-    from grpo_agent.train.run import refuse_missing_folder
+    from grpo_agent.train.run import refuse_non_model_folder
 
     with pytest.raises(ValueError, match=rf"^--model {model}: no such folder\. Pass a model folder"):
         check_model_folder(model)
     with pytest.raises(ValueError, match=r"no such folder"):
-        refuse_missing_folder(model)
+        refuse_non_model_folder(model)
     assert check_model_folder("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # a hub id passes through
-    refuse_missing_folder("Qwen3-0.6B")
+    refuse_non_model_folder("Qwen3-0.6B")
 
 
 def test_grpo_agent_eval_of_an_env_without_an_eval_split_says_how_to_declare_one(tmp_path,

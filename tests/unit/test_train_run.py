@@ -221,6 +221,30 @@ def test_a_model_folder_that_does_not_exist_is_refused_before_the_run_starts(tmp
     assert "the run failed" not in message and not (out / "config.json").exists(), message
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_runs_output_directory_as_the_model_is_refused_before_the_run_starts(tmp_path, capsys,
+                                                                              dry_run):
+    """`train --model OUTPUT_DIR` (a run's folder, not its final/) failed as "the run failed:
+    ValueError: Unrecognized model in OUTPUT_DIR. Should have a `model_type` key in its
+    config.json" (the run's config.json) after writing the new run's config."""
+    from grpo_agent.cli.main import main
+
+    earlier, out = tmp_path / "earlier", tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "config.json").write_text(AsyncGRPOConfig(output_dir=str(earlier)).to_json_string())
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "words", "--model", str(earlier), "--set", "max_steps=1",
+              "--output-dir", str(out), "--vllm-url", "http://127.0.0.1:9",
+              *(["--dry-run"] if dry_run else [])])
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert message.startswith(
+        f"Error: --model {earlier} is a run's output directory, not a model: pass "
+        f"{earlier / 'final'} (the model it saved at the end) or one of its checkpoint-N "
+        "folders."), message
+    assert not (out / "config.json").exists(), message
+
+
 @pytest.mark.parametrize(("setting", "message"), [
     ("eval_num_generations=0", "eval_num_generations=0: set it to 1 or more."),
     ("per_device_eval_batch_size=0", "per_device_eval_batch_size=0: evaluation needs at least one"),

@@ -28,20 +28,11 @@ RUN_ROLLOUT_FIELDS = (
     "eval_num_generations", "per_device_eval_batch_size")
 
 
-def run_config_of(folder: Path) -> dict[str, Any] | None:
-    """The `AsyncGRPOConfig` a grpo-agent run wrote to `folder/config.json` (its output
-    directory); None where that file is absent or a model's own config."""
-    path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) and "output_dir" in data else None
-
-
 def run_rollout_settings(model: str | None) -> tuple[Path, dict[str, Any]] | None:
     """For a model a grpo-agent run saved (OUTPUT_DIR/final or OUTPUT_DIR/checkpoint-N): the
     run's config.json and its `RUN_ROLLOUT_FIELDS`; None for any other model."""
+    from grpo_agent.train.run import run_config_of
+
     run = run_config_of(Path(model).parent) if model else None
     if run is None:
         return None
@@ -50,19 +41,15 @@ def run_rollout_settings(model: str | None) -> tuple[Path, dict[str, Any]] | Non
 
 def check_model_folder(model: str) -> str:
     """A local folder must hold a full model; an adapter-only checkpoint cannot be served."""
-    from grpo_agent.train.run import refuse_missing_folder
+    from grpo_agent.train.run import refuse_non_model_folder
 
+    refuse_non_model_folder(model)
     folder = Path(model)
     if not folder.exists():
-        refuse_missing_folder(model)
         return model  # a hub id: the server and the tokenizer resolve it
     if not folder.is_dir():
         raise ValueError(f"--model {model} is a file: pass the model's folder (config.json, "
                          "weights, tokenizer).")
-    if run_config_of(folder) is not None:  # its config.json is the run's: vLLM fails obscurely
-        raise ValueError(f"--model {model} is a run's output directory, not a model: pass "
-                         f"{folder / 'final'} (the model it saved at the end) or one of its "
-                         "checkpoint-N folders.")
     if not (folder / "config.json").is_file():
         hint = (" It holds a LoRA adapter only: merge it into its base model (peft "
                 "merge_and_unload, then save_pretrained) and evaluate that folder."

@@ -9,6 +9,7 @@ end, `reward.png`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -122,7 +123,7 @@ def check_run(env: str, config: AsyncGRPOConfig, model: str | None = None,
         _check_reward_source(task)
     _check_run_length(task, config)
     if model:
-        refuse_missing_folder(model)
+        refuse_non_model_folder(model)
     if model is None and (advice := tiny_model_advice(config.learning_rate)):
         logger.warning(advice)
     eval_dataset = _eval_split(task, config)  # a run that evaluates without a split is refused
@@ -219,15 +220,34 @@ def _with_reset_prompts(dataset: Any, env: Any) -> Any:
     return dataset.map(lambda row: {"prompt": build_prompt(row, env.reset(**row))})
 
 
-def refuse_missing_folder(model: str) -> None:
-    """A --model that is no folder here and cannot be a hub id (`name` or `namespace/name`) is a
-    mistyped or not yet written folder: say so, not the hub's "Repo id must be in the form"."""
-    if Path(model).exists():
+def refuse_non_model_folder(model: str) -> None:
+    """The --model mistakes `train` and `eval` refuse alike before a server starts: a path to
+    nothing that cannot be a hub id (`name` or `namespace/name`; the hub said "Repo id must be in
+    the form"), and a run's output directory, whose config.json is the run's (transformers said
+    "Unrecognized model ... Should have a `model_type` key", vLLM's tokenizer load "install
+    sentencepiece or tiktoken")."""
+    folder = Path(model)
+    if not folder.exists():
+        if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+            raise RunRefused(
+                f"--model {model}: no such folder. Pass a model folder (a run's OUTPUT_DIR/final "
+                "or OUTPUT_DIR/checkpoint-N) or a hub id (name or namespace/name).")
         return
-    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
-        raise RunRefused(
-            f"--model {model}: no such folder. Pass a model folder (a run's OUTPUT_DIR/final or "
-            "OUTPUT_DIR/checkpoint-N) or a hub id (name or namespace/name).")
+    if folder.is_dir() and run_config_of(folder) is not None:
+        raise RunRefused(f"--model {model} is a run's output directory, not a model: pass "
+                         f"{folder / 'final'} (the model it saved at the end) or one of its "
+                         "checkpoint-N folders.")
+
+
+def run_config_of(folder: Path) -> dict[str, Any] | None:
+    """The `AsyncGRPOConfig` a grpo-agent run wrote to `folder/config.json` (its output
+    directory); None where that file is absent or a model's own config."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and "output_dir" in data else None
 
 
 def _check_reward_source(task: dict[str, Any]) -> None:
