@@ -245,6 +245,60 @@ def test_a_runs_output_directory_as_the_model_is_refused_before_the_run_starts(t
     assert not (out / "config.json").exists(), message
 
 
+def _train_output(model, out, stderr_on_terminal: bool) -> str:
+    """stdout and stderr of `grpo-agent train` loading `model` (then stopping: no server at
+    --vllm-url), with stderr a pipe or a terminal (a pty)."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    command = [sys.executable, "-m", "grpo_agent.cli.main", "train", "--env", "words", "--model",
+               str(model), "--vllm-url", "http://127.0.0.1:9", "--set", "max_steps=1", "--set",
+               "vllm_server_timeout=1", "--output-dir", str(out)]
+    if not stderr_on_terminal:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
+                              check=False)
+        return proc.stdout + proc.stderr
+    main_end, child_end = pty.openpty()
+    # A new pty is 0 columns wide, where tqdm draws nothing: give it a terminal's size.
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    chunks: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(main_end, 65536)
+            except OSError:  # EIO: the child's end is closed
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=child_end, env=env,
+                          timeout=600, check=False)
+    os.close(child_end)
+    reader.join(30)
+    os.close(main_end)
+    return proc.stdout.decode() + b"".join(chunks).decode(errors="replace")
+
+
+def test_library_progress_bars_are_off_when_stderr_is_no_terminal(tiny_model_path, tmp_path):
+    """transformers' "Loading weights" (and "Writing model shards") bars printed into a piped
+    run's output, each redraw a carriage return in one long line, beside the run's own plain
+    progress lines; on a terminal they stay."""
+    piped = _train_output(tiny_model_path, tmp_path / "piped", stderr_on_terminal=False)
+    assert "train step 0/1" in piped, piped[-3000:]  # the run got past loading the model
+    assert "Loading weights" not in piped, piped[-3000:]
+    on_terminal = _train_output(tiny_model_path, tmp_path / "tty", stderr_on_terminal=True)
+    assert "Loading weights" in on_terminal, on_terminal[-3000:]
+
+
 @pytest.mark.parametrize(("setting", "message"), [
     ("eval_num_generations=0", "eval_num_generations=0: set it to 1 or more."),
     ("per_device_eval_batch_size=0", "per_device_eval_batch_size=0: evaluation needs at least one"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -131,6 +133,19 @@ class ProgressCallback(TrainerCallback):
         self._line, self._line_at = self._text(args, state), time.perf_counter()
         self._console.print(f"{self._line}  [{elapsed}]", highlight=False, markup=False,
                             soft_wrap=True)
+
+
+def quiet_library_bars_off_terminal() -> None:
+    """transformers' and huggingface_hub's tqdm bars ("Loading weights", "Writing model
+    shards", downloads) follow `ProgressCallback`'s rule: off a terminal (a CI log, a file) each
+    bar's redraws land in the log as one long line, so they are turned off when stderr, where
+    tqdm writes, is no terminal; on a terminal they stay. HF_HUB_DISABLE_PROGRESS_BARS, when
+    set, is the user's choice and wins."""
+    if sys.stderr.isatty() or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def bar_extent(args, state) -> tuple[float | None, float]:

@@ -74,10 +74,12 @@ def run_training(
         JsonlMetricsCallback,
         ProgressCallback,
         plot_reward_and_length,
+        quiet_library_bars_off_terminal,
     )
     from grpo_agent.train.trainer import AsyncGRPOTrainer
 
     fsdp.quiet_other_ranks()  # before check_run: its warnings too
+    quiet_library_bars_off_terminal()  # weight loading and save_model: as our progress line
     task, eval_dataset, resume = check_run(env, config, model, resume_from_checkpoint, env_args,
                                            agent_played=agent is not None)
     output_dir = Path(config.output_dir)
