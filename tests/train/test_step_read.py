@@ -508,3 +508,18 @@ def test_a_run_whose_steps_keep_a_nan_gradient_stops_naming_them(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(after[1], final))
     # The failed run's last row (what it counted since step 3) has step 4's skip too.
     assert [log["optimizer/skipped_step_count"] for log in setup.logs.logs] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_a_norm_already_read_as_a_float_skips_by_dropping_the_gradients():
+    """transformers hands a float under DeepSpeed: no device flag to give a fused optimizer (a
+    CPU flag beside CUDA weights would fail), so the gradients are dropped instead."""
+    from grpo_agent.train.update_guard import UpdateGuard
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.full((3,), math.nan)
+    guard = UpdateGuard()
+    guard.arm(optimizer, math.nan)
+    optimizer.step()
+    assert weight.grad is None and not hasattr(optimizer, "found_inf")
+    assert weight.detach().tolist() == [1.0, 1.0, 1.0] and guard.read(step=1) == 1.0

@@ -40,10 +40,11 @@ class UpdateGuard:
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        on_device = isinstance(norm, torch.Tensor)  # a float where the norm was read already
         norm = torch.as_tensor(norm).detach().reshape(())
         self._norm = norm
         self._flag = (~torch.isfinite(norm)).to(torch.float32)
-        if _takes_found_inf(inner):
+        if on_device and _takes_found_inf(inner):
             inner.found_inf = self._flag
         elif self._flag.item():
             inner.zero_grad(set_to_none=True)
