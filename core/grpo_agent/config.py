@@ -14,12 +14,10 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from grpo_agent.sampler.client import check_temperature
+
 logger = logging.getLogger(__name__)
 
-# vLLM refuses every request above this ("temperature must be in [0, 2]", vllm/sampling_params.py
-# of 0.32, the lowest version pyproject allows), so a run above it failed at its first request.
-# `temperature` and `eval_temperature` (grpo-agent eval --temperature) are refused here.
-MAX_TEMPERATURE = 2.0
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -271,8 +269,9 @@ class AsyncGRPOConfig(TrainingArguments):
         temperature below 0 or above 2, max_tokens 0, repetition_penalty 0; no sample fits the
         token budget; a timeout expires at once) or be quietly misread (a negative count or loss
         coefficient; top_k=-1, vLLM's "off", where the spec's is 0)."""
+        for name in ("temperature", "eval_temperature"):
+            check_temperature(name, getattr(self, name))
         minimums = (  # (field, lowest valid value, strict, what the value means)
-            ("temperature", 0, False, "0 = greedy"), ("eval_temperature", 0, False, "0 = greedy"),
             ("max_completion_length", 1, False, "tokens per turn"),
             ("top_k", 0, False, "0 = no top-k"),
             ("max_tool_calling_iterations", 0, False, "null = no cap, 0 = no tool call is run"),
@@ -289,10 +288,6 @@ class AsyncGRPOConfig(TrainingArguments):
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
-        for name in ("temperature", "eval_temperature"):
-            if getattr(self, name) > MAX_TEMPERATURE:
-                raise ValueError(f"{name}={getattr(self, name)} is out of range: set {name} <= "
-                                 f"{MAX_TEMPERATURE:g} (vLLM refuses every request above it).")
 
     @property
     def effective_epsilon_high(self) -> float:

@@ -462,16 +462,21 @@ def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_
     assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
 
 
-def test_eval_refuses_a_temperature_vllm_refuses_before_a_server_starts(cli, monkeypatch):
+@pytest.mark.parametrize(("value", "expected"), [
+    ("3", ("eval_temperature=3.0 is out of range: set eval_temperature <= 2 (vLLM refuses every "
+           "request above it).")),
+    ("-1", "eval_temperature=-1.0 is out of range: set eval_temperature >= 0 (0 = greedy)."),
+])
+def test_eval_refuses_a_temperature_vllm_refuses_before_a_server_starts(cli, monkeypatch, value,
+                                                                        expected):
     """`eval --temperature 3` started a server and then failed every request with vLLM's
-    "temperature must be in [0, 2]"."""
+    "temperature must be in [0, 2]". Both bounds speak with the config's one rule."""
     from grpo_agent.train import eval_run
 
     monkeypatch.setattr(eval_run, "run_eval", lambda *a, **kw: pytest.fail("a server was started"))
-    code, out, err = cli("eval", "--env", "math", "--temperature", "3")
+    code, out, err = cli("eval", "--env", "math", "--temperature", value)
     assert code == 1 and out == ""
-    assert err.startswith("Error: eval_temperature=3.0 is out of range: set eval_temperature <= 2 "
-                          "(vLLM refuses every request above it)."), err
+    assert err.startswith(f"Error: {expected}"), err
 
 
 def test_eval_of_a_runs_model_uses_the_runs_rollout_settings(cli, tmp_path, monkeypatch):

@@ -183,7 +183,9 @@ def test_an_env_reward_does_not_rescue_a_row_whose_reward_function_raised(tmp_pa
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"num_generations": 0}, r"eval_num_generations=0: set it to 1 or more"),
-    ({"temperature": -0.1}, r"eval_temperature=-0.1: use 0 \(greedy\) or more"),
+    ({"temperature": -0.1}, r"^eval_temperature=-0.1 is out of range: set eval_temperature >= 0 \(0 = greedy\)\.$"),
+    # vLLM refuses every request above 2: EvalSettings built in Python once let 3.0 through.
+    ({"temperature": 3.0}, r"^eval_temperature=3.0 is out of range: set eval_temperature <= 2 \(vLLM "),
     ({"max_concurrent": 0}, r"per_device_eval_batch_size=0: evaluation needs at least one"),
 ])
 def test_eval_settings_refuse_what_cannot_run_and_name_the_setting(kwargs, message):
@@ -192,6 +194,18 @@ def test_eval_settings_refuse_what_cannot_run_and_name_the_setting(kwargs, messa
     with pytest.raises(ValueError, match=message):
         EvalSettings(**kwargs)
     EvalSettings(num_generations=1, temperature=0.0, max_concurrent=1)
+    EvalSettings(temperature=2.0)
+
+
+@pytest.mark.parametrize("temperature", [-0.5, 2.5, float("nan")])
+def test_eval_settings_and_the_config_refuse_a_temperature_with_the_same_message(tmp_path, temperature):
+    """One rule for both entry points: a Python user's EvalSettings and the run's config."""
+    with pytest.raises(ValueError) as from_settings:
+        EvalSettings(temperature=temperature)
+    with pytest.raises(ValueError) as from_config:
+        AsyncGRPOConfig(output_dir=str(tmp_path), eval_temperature=temperature)
+    assert str(from_settings.value) == str(from_config.value)
+    assert str(from_settings.value).startswith(f"eval_temperature={temperature} is out of range")
 
 
 # ---------------------------------------------------------------- the session's own settings

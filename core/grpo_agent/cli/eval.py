@@ -30,7 +30,7 @@ def evaluate(
     ] = None,
     temperature: Annotated[
         float | None,
-        typer.Option("--temperature", min=0.0,
+        typer.Option("--temperature",
                      help="Sampling temperature, 0 to 2; 0 = greedy (default: --set eval_temperature, else 0)."),
     ] = None,
     env_args: Annotated[

@@ -31,7 +31,7 @@ from grpo_agent.rollout.observations import generated_length
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
-from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
+from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient, check_temperature
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
     check_completion_room,
@@ -57,8 +57,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.num_generations < 1:
             raise ValueError(f"eval_num_generations={self.num_generations}: set it to 1 or more.")
-        if self.temperature < 0:
-            raise ValueError(f"eval_temperature={self.temperature}: use 0 (greedy) or more.")
+        check_temperature("eval_temperature", self.temperature)
         if self.max_concurrent < 1:
             raise ValueError(
                 f"per_device_eval_batch_size={self.max_concurrent}: evaluation needs at least one "
