@@ -1,6 +1,7 @@
 """Entry-point loading: GRPO_AGENT_LOAD_PLUGINS and plugins that fail to import."""
 from __future__ import annotations
 
+import json
 from importlib.metadata import PathDistribution
 
 import pytest
@@ -105,3 +106,48 @@ def test_a_load_plugins_name_that_no_plugin_has_is_an_error_with_the_close_match
     assert str(err.value) == (
         "GRPO_AGENT_LOAD_PLUGINS names 'frist' (did you mean 'first'?), which no installed plugin has. "
         "Installed plugins (entry-point names and distributions): first, grpo-agent-first.")
+
+
+def test_plugins_list_warns_of_a_plugin_that_implements_no_hook(tmp_path, monkeypatch, cli, caplog):
+    """A plugin package whose module marks an env but forgot its register hook was listed as
+    `hooks: (none)` without a word, and a run asking for the env got "Unknown environment"."""
+    (tmp_path / "grpo_agent_forgot_xyz.py").write_text(
+        "from grpo_agent import environment\n\n\n"
+        "@environment('forgot')\nclass ForgotEnv:\n"
+        "    def reset(self, **row):\n        return 'hi'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dist = _dist_with(tmp_path, "grpo-agent-forgot", "forgot = grpo_agent_forgot_xyz")
+    monkeypatch.setattr(manager, "entry_points", lambda group: list(dist.entry_points))
+    monkeypatch.setenv(manager.LOAD_ENV, "forgot")
+    manager.clear_cache()
+    try:
+        code, out, _ = cli("plugins", "list")
+        _, as_json, _ = cli("plugins", "list", "--json")
+    finally:
+        manager.clear_cache()
+    expected = (
+        "Plugin 'forgot' from distribution grpo-agent-forgot 1.0 implements no hook, so it "
+        "registers nothing; its module marks environment ForgotEnv but never registers them. "
+        "Register what it provides in its module: `from grpo_agent import hookimpl`, then "
+        "`@hookimpl` above `def register_environments(register): register(ForgotEnv)`. Fix or "
+        "uninstall it (pip uninstall grpo-agent-forgot), or leave it out by naming the plugins "
+        "to load: GRPO_AGENT_LOAD_PLUGINS=NAME,... (entry-point or distribution names).")
+    assert code == 0
+    assert f"    hooks: (none)\n    warning: {expected}\n" in out, out
+    rows = {row["name"]: row for row in json.loads(as_json)}
+    assert rows["forgot"]["problem"] == expected
+    assert rows["grpo_agent.plugins.builtins"]["problem"] is None
+    assert expected in caplog.text  # the registry build says it too, for a run's log
+
+
+def test_a_plugin_with_no_hook_and_no_marked_object_is_told_how_to_write_one():
+    from types import ModuleType
+
+    plugin = ModuleType("grpo_agent_empty_xyz")
+    registry = manager.build_registry(plugin)
+    row = next(row for row in registry.plugins if row["name"] == "grpo_agent_empty_xyz")
+    assert row["problem"].startswith(
+        "Plugin 'grpo_agent_empty_xyz' from test plugin grpo_agent_empty_xyz implements no hook, "
+        "so it registers nothing. Register what it provides in its module: `from grpo_agent "
+        "import hookimpl`, then `@hookimpl` above a registration hook such as `def "
+        "register_environments(register): register(MyEnv)`."), row

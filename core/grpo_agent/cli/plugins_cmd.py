@@ -41,3 +41,5 @@ def list_plugins(
                     typer.echo(f"      --plugin-arg {name}.{option.summary()}")
         if not row["registered"]:
             typer.echo(f"    hooks: {', '.join(row['hooks']) or '(none)'}")
+        if row["problem"]:
+            typer.echo(f"    warning: {row['problem']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
@@ -20,6 +21,7 @@ from typing import Any
 import pluggy
 
 from grpo_agent.plugins import hookspecs
+from grpo_agent.plugins.decorators import get_marker
 from grpo_agent.plugins.errors import (
     DuplicateNameError,
     PluginError,
@@ -32,6 +34,8 @@ BUILTIN_DISTRIBUTION = "grpo-agent (built-in)"
 BUILTIN_MODULES = ("grpo_agent.plugins.builtins", "grpo_agent.demo")
 LOAD_ENV = "GRPO_AGENT_LOAD_PLUGINS"
 TRACE_ENV = "GRPO_AGENT_TRACE_PLUGINS"
+
+logger = logging.getLogger(__name__)
 
 _cache: dict[tuple, Registry] = {}
 _manager_cache: dict[tuple, PluginManager] = {}
@@ -282,16 +286,43 @@ def resolve_hooks(pm: PluginManager) -> Registry:
                     f"{_origin(plugin_name, dist, version)} raised in its {hook_name} hook: "
                     f"{type(err).__name__}: {err}.{missing} {_fix_hint(dist, version)}"
                 ) from err
+        hooks = [hook.name for hook in pm.get_hookcallers(plugin) or []]
+        problem = None if hooks else _no_hook_problem(plugin, plugin_name, dist, version)
+        if problem:
+            logger.warning(problem)
         registry.plugins.append(
             {
                 "name": plugin_name,
                 "distribution": dist,
                 "version": version,
                 "registered": _added(before, _counts(registry)),
-                "hooks": [hook.name for hook in pm.get_hookcallers(plugin) or []],
+                "hooks": hooks,
+                "problem": problem,
             }
         )
     return registry
+
+
+def _no_hook_problem(plugin: Any, name: str, dist: str, version: str) -> str:
+    """What to say of a plugin that implements no hook: it can register nothing, which is almost
+    always a mistake (a hook left unwritten, or its `@hookimpl` on a misnamed function); the
+    objects its module marked (`@environment`, `@reward`, ...) name the hook to write."""
+    hook_of = {kind: hook for hook, kind in hookspecs.HOOK_KINDS.items()}
+    module = getattr(plugin, "__name__", None)
+    marked = []
+    for attr, obj in sorted(vars(plugin).items()) if isinstance(plugin, ModuleType) else []:
+        marker = get_marker(obj)
+        home = getattr(obj, "__module__", None) or ""
+        if marker and marker.kind in hook_of and (home == module or home.startswith(f"{module}.")):
+            marked.append((marker.kind, attr))
+    defines = ("; its module marks " + ", ".join(f"{kind} {attr}" for kind, attr in marked)
+               + " but never registers them" if marked else "")
+    kind, attr = marked[0] if marked else ("environment", "MyEnv")
+    above = "" if marked else "a registration hook such as "
+    return (f"{_origin(name, dist, version)} implements no hook, so it registers nothing"
+            f"{defines}. Register what it provides in its module: `from grpo_agent import "
+            f"hookimpl`, then `@hookimpl` above {above}`def {hook_of[kind]}(register): "
+            f"register({attr})`. {_fix_hint(dist, version)}")
 
 
 def _counts(registry: Registry) -> dict[str, set[str]]:
