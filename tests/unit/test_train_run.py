@@ -248,6 +248,13 @@ def test_a_runs_output_directory_as_the_model_is_refused_before_the_run_starts(t
 def _train_output(model, out, stderr_on_terminal: bool) -> str:
     """stdout and stderr of `grpo-agent train` loading `model` (then stopping: no server at
     --vllm-url), with stderr a pipe or a terminal (a pty)."""
+    return _cli_output(["train", "--env", "words", "--model", str(model), "--vllm-url",
+                        "http://127.0.0.1:9", "--set", "max_steps=1", "--set",
+                        "vllm_server_timeout=1", "--output-dir", str(out)], stderr_on_terminal)
+
+
+def _cli_output(args: list[str], stderr_on_terminal: bool) -> str:
+    """stdout and stderr of `grpo-agent ARGS`, with stderr a pipe or a terminal (a pty)."""
     import fcntl
     import pty
     import struct
@@ -256,9 +263,7 @@ def _train_output(model, out, stderr_on_terminal: bool) -> str:
     import termios
 
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    command = [sys.executable, "-m", "grpo_agent.cli.main", "train", "--env", "words", "--model",
-               str(model), "--vllm-url", "http://127.0.0.1:9", "--set", "max_steps=1", "--set",
-               "vllm_server_timeout=1", "--output-dir", str(out)]
+    command = [sys.executable, "-m", "grpo_agent.cli.main", *args]
     if not stderr_on_terminal:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
                               check=False)
@@ -297,6 +302,38 @@ def test_library_progress_bars_are_off_when_stderr_is_no_terminal(tiny_model_pat
     assert "Loading weights" not in piped, piped[-3000:]
     on_terminal = _train_output(tiny_model_path, tmp_path / "tty", stderr_on_terminal=True)
     assert "Loading weights" in on_terminal, on_terminal[-3000:]
+
+
+def test_tiny_model_writes_no_library_progress_bar_into_a_pipe(tmp_path):
+    """`grpo-agent tiny-model DIR > log 2>&1` wrote save_pretrained's "Writing model shards"
+    bar (carriage returns) into the log; on a terminal it stays."""
+    piped = _cli_output(["tiny-model", str(tmp_path / "piped")], stderr_on_terminal=False)
+    assert str(tmp_path / "piped") in piped, piped[-3000:]  # it built the model
+    assert "Writing model shards" not in piped and "\r" not in piped, piped[-3000:]
+    on_terminal = _cli_output(["tiny-model", str(tmp_path / "tty")], stderr_on_terminal=True)
+    assert "Writing model shards" in on_terminal, on_terminal[-3000:]
+
+
+def test_eval_turns_library_progress_bars_off_when_stderr_is_no_terminal(tmp_path, monkeypatch):
+    """`grpo-agent eval --model HUB_ID` downloads the tokenizer through huggingface_hub, whose
+    bars went into a piped log; eval quiets them as train does (stderr is a pipe under pytest).
+    Checked on the libraries' switches: a download needs the network, which tests do not have."""
+    import huggingface_hub.utils as hub_utils
+    from grpo_agent.plugins import manager
+    from grpo_agent.train.eval_run import run_eval
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setenv(manager.LOAD_ENV, "math")
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        with pytest.raises(ValueError, match="declares no eval split"):  # stops before a server
+            run_eval("math", AsyncGRPOConfig(output_dir=str(tmp_path)))
+        assert not hf_logging.is_progress_bar_enabled()
+        assert hub_utils.are_progress_bars_disabled()
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
 
 
 @pytest.mark.parametrize(("setting", "message"), [

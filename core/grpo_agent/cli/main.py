@@ -69,7 +69,9 @@ def tiny_model(
     Example: grpo-agent tiny-model /tmp/tiny; grpo-agent tiny-model /tmp/tiny35 --arch qwen3_5
     """
     from grpo_agent.testing import build_tiny_model
+    from grpo_agent.train.reporting import quiet_library_bars_off_terminal
 
+    quiet_library_bars_off_terminal()  # save_pretrained's "Writing model shards"
     typer.echo(str(build_tiny_model(out_dir, force=force, arch=arch)))
 
 

@@ -72,8 +72,10 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
         run_evaluation,
     )
     from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.train.reporting import quiet_library_bars_off_terminal
     from grpo_agent.train.run import _server, _tiny_model_path
 
+    quiet_library_bars_off_terminal()  # a hub model's tokenizer download, as in run_training
     registry = load_registry()
     spec = registry.environment_spec(env, env_args)
     split = spec.load_eval_dataset()
