@@ -1,6 +1,7 @@
 """A tool that hangs past its stage deadline, through the real tool loop (rendering, parsing,
 execution; only the sampler is scripted): the stall report names the tool and the rollout
-ends with `StageStalled` for the loop to drop and count."""
+ends with `StageStalled` for the loop to drop and count. A sync tool whose calls time out and
+never return, on a tiny pool: once they hold most of its threads the run stops naming it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,9 @@ from types import SimpleNamespace
 import pytest
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.agent import execute_tool_call, run_tool_loop
+from grpo_agent.rollout.concurrency import RolloutThreadPool, ToolThreadsHeldError
+from grpo_agent.rollout.tool_calls import ToolCall
 from grpo_agent.types import TurnRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,3 +72,76 @@ def test_a_hung_tool_is_named_and_its_rollout_ends(tmp_path, record_property):
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())
     assert report["stage"] == "tool" and report["tool"] == "lookup"
     assert "lookup" in report["stacks"]["worker"] and "run_tool_loop" in report["stage_stack"]
+
+
+async def async_lookup(key: str) -> str:
+    """Look a key up, asynchronously, in a remote store that never answers.
+
+    Args:
+        key: the key.
+    """
+    await asyncio.sleep(600)
+    return key
+
+
+def _held_message(held: int, size: int) -> str:
+    return (f"Sync tool 'lookup' timed out (tool_timeout_s=0.05) and its calls have not returned: "
+            f"timed-out calls ('lookup' {held}) hold {held} of the {size} threads "
+            "(max_concurrent_rollouts) that tools, environments and rewards share, and a thread "
+            "cannot be stopped, so rollouts would wait for a thread until no_progress_timeout. "
+            "Make 'lookup' return within tool_timeout_s (a timeout on what it waits for), or make "
+            "it `async def` (a timed-out async call is cancelled and holds no thread).")
+
+
+@pytest.mark.timeout(30)
+def test_a_sync_tool_whose_timed_out_calls_hold_most_of_the_pool_stops_the_run_naming_it(
+        record_property):
+    """A sync tool that always hangs took the rollout pool one timed-out call at a time (a
+    thread cannot be stopped); then every rollout waited for a thread and the run ended only at
+    no_progress_timeout (30 min) without naming the tool. Now the call that leaves timed-out
+    calls holding more than half the pool raises, naming the tool and the fix; the threads
+    count again once their calls return, and an async tool's timeout holds none."""
+    pool = RolloutThreadPool(3, "max_concurrent_rollouts")
+    tools = {"lookup": lookup, "async_lookup": async_lookup}
+
+    def call_tool(name):
+        return asyncio.run(execute_tool_call(ToolCall(name, {"key": "x"}), tools, pool, 0.05))
+
+    RELEASE.clear()
+    try:
+        assert call_tool("async_lookup").failed and pool.held() == {}
+        first = call_tool("lookup")  # 1 of 3 threads held: the rollout goes on
+        assert first.failed and json.loads(first.content) == {
+            "error": "Tool 'lookup' timed out after 0.05 s."}
+        assert pool.held() == {"lookup": 1}
+        started = time.monotonic()
+        with pytest.raises(ToolThreadsHeldError) as held:  # 2 of 3: more than half
+            call_tool("lookup")
+        record_fault_to_outcome(record_property, time.monotonic() - started, 0.05)
+        assert str(held.value) == _held_message(2, 3)
+    finally:
+        RELEASE.set()
+        pool.shutdown(wait=True)
+    assert pool.held() == {}  # the calls returned: their threads are free again
+
+
+@pytest.mark.timeout(30)
+def test_through_the_tool_loop_a_one_thread_pool_stops_at_the_first_timed_out_call():
+    """The engine's pool has `max_concurrent_rollouts` threads; with one, the first timed-out
+    call of a hanging sync tool leaves none for anything else (the next turn's rendering
+    waited for it forever), and the rollout raises instead."""
+    from grpo_agent.testing import build_tiny_model
+    from transformers import AutoTokenizer
+
+    loop = OneTurnLoop(AutoTokenizer.from_pretrained(build_tiny_model()), stalls=None)
+    loop.tool_executor.shutdown(wait=False)
+    loop.tool_executor = RolloutThreadPool(1, "max_concurrent_rollouts")
+    loop.config.tool_timeout_s = 0.05
+    RELEASE.clear()
+    try:
+        with pytest.raises(ToolThreadsHeldError) as held:
+            asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "find x"}], [lookup], 0))
+    finally:
+        RELEASE.set()
+        loop.tool_executor.shutdown(wait=False)
+    assert str(held.value) == _held_message(1, 1)

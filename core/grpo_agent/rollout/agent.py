@@ -14,7 +14,8 @@ never an exception; results are rendered as JSON, never Python `repr`. The first
 each tool in a process is also logged as a warning (with the traceback when it raised): the
 model's messages are no place for a plugin author to find that their tool is broken. Sync tools run in the
 worker's thread pool (`max_concurrent_rollouts` threads), async tools are awaited, and
-template rendering also runs off the event loop. The `TurnRecord`s are returned untouched:
+template rendering also runs off the event loop. The one tool failure that stops the run: sync
+calls that timed out and keep their threads holding most of the pool (`RolloutThreadPool`). The `TurnRecord`s are returned untouched:
 fork reconciliation builds training sequences from them later.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_agent.rollout.chat_template import training_template_for
+from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn, ToolCall, parser_for_template
 from grpo_agent.types import Rollout, TurnRecord
 
@@ -114,20 +116,21 @@ async def execute_tool_call(
         message = f"Unknown tool {call.name!r}. Available tools: {known}."
         return ToolOutcome(call.name, render_tool_error(message), True, unknown_name=True)
     started = time.perf_counter()
+    in_thread = None  # a sync tool's call in the pool
     try:
         if inspect.iscoroutinefunction(tool):
             result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
         else:
-            pending = asyncio.get_running_loop().run_in_executor(
-                executor, functools.partial(tool, **call.arguments)
-            )
-            result = await asyncio.wait_for(pending, timeout_s)
+            in_thread = executor.submit(functools.partial(tool, **call.arguments))
+            result = await asyncio.wait_for(asyncio.wrap_future(in_thread), timeout_s)
         content, failed = render_tool_result(result), False
     except asyncio.TimeoutError:
         content, failed = render_tool_error(f"Tool {call.name!r} timed out after {timeout_s:g} s."), True
         _warn_once(call.name, f"timed out after {timeout_s:g} s (tool_timeout_s)" + (
-            "" if inspect.iscoroutinefunction(tool) else
+            "" if in_thread is None else
             "; a sync tool's thread cannot be stopped and stays busy until the tool returns"))
+        if in_thread is not None and isinstance(executor, RolloutThreadPool):
+            executor.hold(call.name, in_thread, timeout_s)  # raises once they hold most threads
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
         _warn_once(call.name, f"raised {type(exc).__name__}: {exc}", exc)

@@ -1,4 +1,4 @@
-"""How many rollouts may run at once: the live vLLM load cap and the slot limiter.
+"""How many rollouts may run at once: the live vLLM load cap, the slot limiter, the thread pool.
 
 Design decision: the cap follows the spec's rule exactly and is a pure state machine
 (`ConcurrencyCap.update`), so the rule is unit-tested without a server; the worker feeds it a
@@ -6,12 +6,16 @@ Design decision: the cap follows the spec's rule exactly and is a pure state mac
 (KV tokens / `max_model_len`), grows by 25 % while usage stays under 60 % with nothing waiting
 (at most once per cap's worth of completed rollouts), and shrinks by 30 % above 80 % usage:
 running rollouts finish, new ones wait. `max_concurrent_rollouts` bounds it always, and is the
-cap itself when the server exposes no `/metrics`.
+cap itself when the server exposes no `/metrics`. The worker's thread pool
+(`RolloutThreadPool`) lives here too: it counts the threads timed-out sync tools still hold.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from grpo_agent.sampler.prometheus import ServerMetrics
 
@@ -92,3 +96,56 @@ class RolloutSlots:
     async def cap_changed(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+class ToolThreadsHeldError(RuntimeError):
+    """Sync tool calls that timed out and never returned hold most of the rollout threads."""
+
+
+class RolloutThreadPool(ThreadPoolExecutor):
+    """The pool for a rollout process's blocking work (sync tools, environments, rewards, chat
+    templates) that counts the threads still held by sync tool calls that timed out.
+
+    A thread cannot be stopped, so a sync tool that always hangs takes the pool one timed-out
+    call at a time; then every rollout waits for a thread and the run ended only at
+    `no_progress_timeout` (30 min), naming nothing. Once such calls hold more than half the
+    threads, `hold` raises `ToolThreadsHeldError` naming the tool and the fix instead."""
+
+    def __init__(self, size: int, setting: str, thread_name_prefix: str = "") -> None:
+        """`setting`: the config field that sized the pool, for the error message."""
+        super().__init__(size, thread_name_prefix=thread_name_prefix)
+        self.size, self.setting = size, setting
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def held(self) -> dict[str, int]:
+        """Threads held by timed-out calls, by tool name."""
+        with self._lock:
+            return +self._held
+
+    def hold(self, tool: str, call: Future, timeout_s: float) -> None:
+        """Count `call`'s thread (a call of `tool` past `timeout_s`) until the call returns."""
+        with self._lock:
+            if call.done():  # returned meanwhile, or cancelled before it started
+                return
+            self._held[tool] += 1
+            held = +self._held
+        call.add_done_callback(lambda _: self._release(tool))
+        if sum(held.values()) * 2 > self.size:
+            raise ToolThreadsHeldError(self._held_message(held, timeout_s))
+
+    def _release(self, tool: str) -> None:
+        with self._lock:
+            self._held[tool] -= 1
+
+    def _held_message(self, held: dict[str, int], timeout_s: float) -> str:
+        worst = max(held, key=held.get)
+        calls = ", ".join(f"{name!r} {count}" for name, count in
+                          sorted(held.items(), key=lambda item: -item[1]))
+        return (f"Sync tool {worst!r} timed out (tool_timeout_s={timeout_s:g}) and its calls "
+                f"have not returned: timed-out calls ({calls}) hold {sum(held.values())} of the "
+                f"{self.size} threads ({self.setting}) that tools, environments and rewards "
+                "share, and a thread cannot be stopped, so rollouts would wait for a thread until "
+                f"no_progress_timeout. Make {worst!r} return within tool_timeout_s (a timeout on "
+                "what it waits for), or make it `async def` (a timed-out async call is cancelled "
+                "and holds no thread).")

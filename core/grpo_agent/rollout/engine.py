@@ -19,13 +19,17 @@ import contextlib
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import allowance, group_failures
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
-from grpo_agent.rollout.concurrency import POLL_INTERVAL_S, ConcurrencyCap, RolloutSlots
+from grpo_agent.rollout.concurrency import (
+    POLL_INTERVAL_S,
+    ConcurrencyCap,
+    RolloutSlots,
+    RolloutThreadPool,
+)
 from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.rollout.first_turns import SharedFirstTurns
 from grpo_agent.rollout.group_scoring import build_group, score_group
@@ -78,7 +82,8 @@ class RolloutEngine:
         sampler = SamplerClient(
             config.vllm_server_base_url, timeout=config.vllm_server_timeout,
             max_connections=config.max_concurrent_rollouts + 8)
-        executor = ThreadPoolExecutor(config.max_concurrent_rollouts, thread_name_prefix="rollout-tools")
+        executor = RolloutThreadPool(config.max_concurrent_rollouts, "max_concurrent_rollouts",
+                                     thread_name_prefix="rollout-tools")
         loop.stalls.context = self.stall_context
         loop.stalls.peer_pid = os.getppid()  # the trainer: its stacks go in our reports
         loop.stalls.start()

@@ -18,13 +18,13 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from typing_extensions import Self
 
+from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.environments import EnvironmentRunner
 from grpo_agent.rollout.first_turns import SharedFirstTurns
 from grpo_agent.rollout.observations import generated_length
@@ -171,8 +171,8 @@ class EvalSession:
             await loop.sampler.aclose()
             raise
         # What the engine sets on the loop before its hooks run (rollout/engine.py).
-        loop.tool_executor = ThreadPoolExecutor(
-            self.settings.max_concurrent, thread_name_prefix="eval-tools")
+        loop.tool_executor = RolloutThreadPool(
+            self.settings.max_concurrent, "per_device_eval_batch_size", thread_name_prefix="eval-tools")
         params = build_sampling_params(config, self.eos_token_ids, loop.server, trains=False)
         loop.sampling_params = replace(params, temperature=self.settings.temperature, seed=None)
         # Never seeded, on any server: the same request twice must decode the same text, and
