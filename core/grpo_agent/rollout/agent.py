@@ -15,8 +15,9 @@ each tool in a process is also logged as a warning (with the traceback when it r
 model's messages are no place for a plugin author to find that their tool is broken. Sync tools run in the
 worker's thread pool (`max_concurrent_rollouts` threads), async tools are awaited, and
 template rendering also runs off the event loop. The one tool failure that stops the run: sync
-calls that timed out and keep their threads holding most of the pool (`RolloutThreadPool`). The `TurnRecord`s are returned untouched:
-fork reconciliation builds training sequences from them later.
+calls that timed out and keep their threads holding most of the pool (`RolloutThreadPool`).
+The `TurnRecord`s are returned untouched: fork reconciliation builds training sequences from
+them later.
 """
 from __future__ import annotations
 
