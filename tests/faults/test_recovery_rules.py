@@ -13,13 +13,19 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 from grpo_agent.sampler import recovery
-from grpo_agent.sampler.errors import ServerStartupError, ServerUnreachableError, WeightSyncError
+from grpo_agent.sampler.errors import (
+    ServerChangedError,
+    ServerStartupError,
+    ServerUnreachableError,
+    WeightSyncError,
+)
 from grpo_agent.sampler.server import find_free_port
 
 
@@ -314,6 +320,7 @@ class _ControlRoutes(BaseHTTPRequestHandler):
     reports `backend` as its weight-transfer config (None: started without one)."""
 
     backend: str | None = "gloo"
+    served, max_model_len = "tiny/Model", 512  # what /v1/models says
     reloaded: ClassVar[list[str]] = []  # each test makes a subclass with its own lists
     versions: ClassVar[list[str]] = []
 
@@ -321,6 +328,8 @@ class _ControlRoutes(BaseHTTPRequestHandler):
         path = urlparse(self.path).path
         if path == "/health":
             return self._reply({})
+        if path == "/v1/models":
+            return self._reply({"data": [{"id": self.served, "max_model_len": self.max_model_len}]})
         if path != "/server_info":  # e.g. gloo's /get_world_size: no engine to join here
             return self._reply({"detail": "Not Found"}, status=404)
         config = None if self.backend is None else {"backend": self.backend}
@@ -389,5 +398,49 @@ def test_a_server_restarted_with_another_weight_transfer_backend_gets_the_push_b
         assert second.parent == first.parent and second.name == "version-4"
     finally:
         pusher.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_server_that_came_back_serving_another_model_or_a_shorter_length_stops_the_run(
+        monkeypatch):
+    """Restarted by hand at the same URL with another model (or a --max-model-len that leaves
+    no room for max_completion_length): the restore refuses it before any push, naming the
+    server, what it serves now and the fix, where before its samples were trained as this
+    model's. The trainer's recovery is built with the start checks' model and length."""
+    from grpo_agent.train.pipeline import RolloutPipelineMixin
+
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    handler = type("Routes", (_ControlRoutes,), {"served": "other/Llama"})
+    server, url = _serve(handler)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(vllm_server_base_url=url, vllm_server_timeout=5,
+                             max_completion_length=64),
+        model=SimpleNamespace(config=SimpleNamespace(_name_or_path="tiny/Model")), phases=None)
+    keeper = RolloutPipelineMixin.recovery.func(trainer)
+    pusher = _Pusher(failures=0)
+    try:
+        with pytest.raises(ServerChangedError) as refused:
+            keeper.restore(pusher, None, 3, cause="the rollout worker lost it")
+        assert str(refused.value) == (
+            f"The vLLM server at {url} serves 'other/Llama' but this run trains 'tiny/Model'. "
+            "It came back so after the run lost it: restart it there with the run's model and "
+            "flags (vllm serve tiny/Model), then resume from the last checkpoint.")
+        handler.served, handler.max_model_len = "tiny/Model", 64
+        with pytest.raises(ServerChangedError, match=(
+                rf"max_completion_length=64 leaves no room .* max_model_len is 64\. The vLLM "
+                rf"server at {url} came back so .*--max-model-len, then resume")):
+            keeper.restore(pusher, None, 3, cause="a weight push failed")
+        assert pusher.pushed == [] and keeper.restarts == 0  # nothing reached the server
+        handler.max_model_len = 512  # the same model and length again: the push goes on
+        metrics = keeper.restore(pusher, None, 3, cause="the rollout worker lost it")
+        assert pusher.pushed == [3] and metrics[recovery.RESTARTS_METRIC] == 1
+    finally:
         server.shutdown()
         server.server_close()

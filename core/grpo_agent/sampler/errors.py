@@ -31,6 +31,11 @@ class ServerStartupError(SamplerError):
     """A managed vLLM server died or never became healthy; the message ends with its log."""
 
 
+class ServerChangedError(SamplerError):
+    """A server that came back mid-run is unfit for the run (another model, a shorter
+    max_model_len): training on it would credit another model's samples to this one."""
+
+
 class WeightSyncError(SamplerError):
     """A weight push failed; the server may need a restart if the engine died."""
 

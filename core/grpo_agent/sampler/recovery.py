@@ -9,7 +9,10 @@ so it restores (`ServerRecovery.restore`): a server this process started
 `vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server
 (asking it its weight-transfer backend again: one restarted by hand may have other flags),
 the current weights are pushed as the current version, the flag is cleared and the worker
-goes on. A push that fails is retried once the same way; a push sent in the background
+goes on. Before the push, the server that came back is checked again as at start-up for what
+its samples depend on (`check_restored_server`: the model it serves, room for
+`max_completion_length`); one restarted with another model stops the run instead of being
+trained on. The worker re-reads the rest of its facts itself (`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
 (`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
 that moment.
 
@@ -21,6 +24,7 @@ named); when rank 0 failed to send, rank 0 restores the server while the others 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -28,13 +32,16 @@ from typing import Any
 
 import httpx
 
+from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.errors import (
     RequestRejectedError,
     SamplerError,
+    ServerChangedError,
     ServerUnreachableError,
     WeightSyncError,
 )
 from grpo_agent.sampler.server import managed_server_at
+from grpo_agent.sampler.server_facts import check_completion_room, check_serves_model, probe_server
 from grpo_agent.stall import StageStalled
 
 logger = logging.getLogger(__name__)
@@ -101,6 +108,32 @@ def restore_server(base_url: str, timeout_s: float) -> str:
         f"checkpoint, or raise vllm_server_timeout to wait longer.")
 
 
+def check_restored_server(base_url: str, timeout_s: float, *, model: str | None,
+                          max_completion_length: int | None) -> None:
+    """The start checks its samples depend on, on the server that came back (a person may
+    have restarted it with another model or a shorter `--max-model-len`): `ServerChangedError`
+    naming it, what it serves now and the fix. Nothing to check (None, None): no probe."""
+    if model is None and max_completion_length is None:
+        return
+    facts = asyncio.run(_probe(base_url, timeout_s))
+    fix = (f"It came back so after the run lost it: restart it there with the run's model and "
+           f"flags (vllm serve {model}), then resume from the last checkpoint.")
+    try:
+        if model is not None:
+            check_serves_model(facts, base_url, model, user="this run trains", fix=fix)
+        if max_completion_length is not None:
+            check_completion_room(facts, max_completion_length, fix=(
+                f"The vLLM server at {base_url} came back so after the run lost it: restart it "
+                "with the run's --max-model-len, then resume from the last checkpoint."))
+    except ValueError as error:
+        raise ServerChangedError(str(error)) from None
+
+
+async def _probe(base_url: str, timeout_s: float):
+    async with SamplerClient(base_url, timeout=timeout_s) as client:
+        return await probe_server(client)
+
+
 def _wait_for_health(base_url: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -131,10 +164,15 @@ class ServerRecovery:
     phase the ranks wait in). Every rank calls `push` and `restore`; only rank 0 touches the
     server, and one small gather after each step makes every rank take the same decision."""
 
-    def __init__(self, base_url: str, timeout_s: float, *, ranks: Any = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float, *, ranks: Any = None,
+                 model: str | None = None, max_completion_length: int | None = None) -> None:
+        """`model` and `max_completion_length`: what a server that came back must still serve
+        and leave room for (`check_restored_server`); None checks nothing."""
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.ranks = ranks or _OneProcess()
+        self.model = model
+        self.max_completion_length = max_completion_length
         self.restarts = 0
 
     def push(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
@@ -162,6 +200,8 @@ class ServerRecovery:
             if self.ranks.rank == 0:
                 try:
                     what = restore_server(self.base_url, self.timeout_s)
+                    check_restored_server(self.base_url, self.timeout_s, model=self.model,
+                                          max_completion_length=self.max_completion_length)
                 except Exception as error:  # noqa: BLE001 - the other ranks must hear of it
                     problem = error
             outcome = self.ranks.gather(_describe(problem))[0]

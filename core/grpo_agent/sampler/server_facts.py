@@ -108,23 +108,27 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
 
 def check_serves_model(facts: ServerFacts, base_url: str, model: str, *,
                        user: str = "the trainer trains",
-                       instead: str = "pass the served model to the trainer") -> None:
+                       instead: str = "pass the served model to the trainer",
+                       fix: str | None = None) -> None:
     """Refuse a server that serves another model than `model`: its samples would be trained
-    (or evaluated) as this model's. `user` and `instead` name who wants `model` and their fix."""
+    (or evaluated) as this model's. `user` and `instead` name who wants `model` and their fix;
+    `fix` replaces the whole fix sentence (a server restarted mid-run: `sampler.recovery`)."""
     if not same_model(model, facts.model_id):
+        fix = fix or f"Start the server with it (vllm serve {model}) or {instead}."
         raise ValueError(
-            f"The vLLM server at {base_url} serves {facts.model_id!r} but {user} {model!r}. "
-            f"Start the server with it (vllm serve {model}) or {instead}.")
+            f"The vLLM server at {base_url} serves {facts.model_id!r} but {user} {model!r}. {fix}")
 
 
-def check_completion_room(facts: ServerFacts, max_completion_length: int) -> None:
+def check_completion_room(facts: ServerFacts, max_completion_length: int, *,
+                          fix: str | None = None) -> None:
     """Refuse a `max_completion_length` that leaves no room for a prompt in the server's
-    `max_model_len`: every request would be rejected."""
+    `max_model_len`: every request would be rejected. `fix` replaces the fix sentence."""
     if max_completion_length >= facts.max_model_len:
+        fix = fix or ("Lower max_completion_length or restart the server with a larger "
+                      "--max-model-len.")
         raise ValueError(
             f"max_completion_length={max_completion_length} leaves no room for a prompt: the "
-            f"server's max_model_len is {facts.max_model_len}. Lower max_completion_length or "
-            "restart the server with a larger --max-model-len.")
+            f"server's max_model_len is {facts.max_model_len}. {fix}")
 
 
 def same_model(model: str, served_id: str) -> bool:

@@ -120,9 +120,11 @@ class RolloutPipelineMixin:
 
     @functools.cached_property
     def recovery(self) -> ServerRecovery:
-        """Brings a dead server back: rank 0 restores it, every rank pushes again."""
+        """Brings a dead server back: rank 0 restores it, checks it still serves our model with
+        room for `max_completion_length` (as `setup.check_server` did), every rank pushes again."""
         return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
-                              ranks=self.phases)
+                              ranks=self.phases, model=str(self.model.config._name_or_path),
+                              max_completion_length=self.args.max_completion_length)
 
     def push_weights(self) -> None:
         """Push the policy as `model_version`; a failed push is retried once after restoring
