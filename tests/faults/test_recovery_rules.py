@@ -321,6 +321,7 @@ class _ControlRoutes(BaseHTTPRequestHandler):
 
     backend: str | None = "gloo"
     served, max_model_len = "tiny/Model", 512  # what /v1/models says
+    device, masks, kv_tokens = "cuda", False, None  # /server_info's and /metrics' (None: 404)
     reloaded: ClassVar[list[str]] = []  # each test makes a subclass with its own lists
     versions: ClassVar[list[str]] = []
 
@@ -330,10 +331,14 @@ class _ControlRoutes(BaseHTTPRequestHandler):
             return self._reply({})
         if path == "/v1/models":
             return self._reply({"data": [{"id": self.served, "max_model_len": self.max_model_len}]})
+        if path == "/metrics" and self.kv_tokens is not None:
+            return self._reply_text(f'vllm:cache_config_info{{kv_cache_size_tokens="{self.kv_tokens}"}} 1.0\n')
         if path != "/server_info":  # e.g. gloo's /get_world_size: no engine to join here
             return self._reply({"detail": "Not Found"}, status=404)
         config = None if self.backend is None else {"backend": self.backend}
-        self._reply({"vllm_config": {"weight_transfer_config": config}})
+        self._reply({"vllm_config": {"weight_transfer_config": config,
+                                     "device_config": {"device": self.device},
+                                     "model_config": {"return_sampling_mask": self.masks}}})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -344,6 +349,14 @@ class _ControlRoutes(BaseHTTPRequestHandler):
         elif path == "/update_weight_version":
             type(self).versions.append(body["new_version"])
         self._reply({"success": True} if path == "/reset_prefix_cache" else {})
+
+    def _reply_text(self, text):
+        payload = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
     def _reply(self, body, status=200):
         payload = json.dumps(body).encode()
@@ -441,6 +454,63 @@ def test_a_server_that_came_back_serving_another_model_or_a_shorter_length_stops
         handler.max_model_len = 512  # the same model and length again: the push goes on
         metrics = keeper.restore(pusher, None, 3, cause="the rollout worker lost it")
         assert pusher.pushed == [3] and metrics[recovery.RESTARTS_METRIC] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_worker_reads_the_servers_facts_again_after_each_restore(tmp_path, caplog):
+    """The worker read its server's facts once, at connect; a server restored mid-run (here
+    restarted by hand on a CPU machine with another --max-model-len and KV cache, and without
+    sampling masks) kept being sent seeds (which crash a CPU engine), masks it cannot return
+    and a concurrency cap sized for the old cache. Now the trainer's `server_restored` counts
+    the restore and the engine re-reads the facts before its next group; the seed stream goes
+    on where it was when a GPU server comes back."""
+    import asyncio
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.sampler.client import SamplerClient
+
+    handler = type("Routes", (_ControlRoutes,), {"masks": True, "kv_tokens": 8 * 512})
+    server, url = _serve(handler)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, top_k=20,
+                             vllm_server_base_url=url, vllm_server_timeout=5,
+                             max_concurrent_rollouts=16, max_completion_length=64)
+    worker = RolloutWorker(AsyncRolloutLoop, config=config, model_name="tiny/Model", dataset=[],
+                           reward_funcs=[], processing_class=None)  # its channels, not started
+    loop = AsyncRolloutLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels)
+    engine = RolloutEngine(loop, worker.channels)
+
+    def facts():
+        return (loop.server.max_model_len, engine.cap.value, loop.seeds is not None,
+                loop.sampling_params.return_sampling_mask)
+
+    async def main():
+        async with SamplerClient(url, timeout=5) as sampler:
+            await loop.connect(sampler, None)
+            engine._start_scheduling()
+            assert facts() == (512, 8, True, True)  # 8 full-length rollouts fit the cache
+            first_seed = next(loop.seeds)
+            handler.device, handler.masks, handler.max_model_len, handler.kv_tokens = (
+                "cpu", False, 1024, 2 * 1024)
+            await asyncio.wait_for(engine._wait_for_room(), 5)
+            assert facts() == (512, 8, True, True)  # no restore yet: nothing re-read
+            worker.server_restored()
+            with caplog.at_level(logging.WARNING, logger="grpo_agent.rollout.engine"):
+                await asyncio.wait_for(engine._wait_for_room(), 5)
+            assert facts() == (1024, 2, False, False)
+            assert engine.slots.cap is engine.cap and (await sampler.model_info()).max_model_len == 1024
+            assert "max_model_len 512 -> 1024" in caplog.text and "on_cpu False -> True" in caplog.text
+            handler.device = "cuda"  # back on a GPU: seeds again, the same stream
+            worker.server_restored()
+            await asyncio.wait_for(engine._wait_for_room(), 5)
+            assert loop.seeds is not None and next(loop.seeds) == first_seed + 1
+
+    try:
+        asyncio.run(main())
     finally:
         server.shutdown()
         server.server_close()

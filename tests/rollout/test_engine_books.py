@@ -23,7 +23,8 @@ def make_engine(num_generations=2, cap=64, **loop):
     put = []
     channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
                                token_allowance=SimpleNamespace(value=0.0),
-                               model_version=VersionValue(0), server_down=None)
+                               model_version=VersionValue(0), server_down=None,
+                               server_restores=None)
     engine = engine_module.RolloutEngine(SimpleNamespace(config=config, server=None, **loop),
                                          channels)
     engine.slots = RolloutSlots(SimpleNamespace(value=cap))

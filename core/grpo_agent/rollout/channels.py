@@ -4,7 +4,7 @@ Design decision: the worker is a spawned process, so what the two sides share mu
 multiprocessing primitives created before the spawn and pickled into the child. Naming them
 in one dataclass (instead of a dozen constructor arguments) says who writes what: the child
 writes `samples`, `metrics`, `heartbeat`, `error` and `failed`; the trainer writes
-`model_version`, `token_allowance`, `stop` and `flush_metrics`.
+`model_version`, `token_allowance`, `stop`, `flush_metrics` and `server_restores`.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class WorkerChannels:
     # clears it, sends them and then METRICS_FLUSHED on `metrics` (after them: one FIFO writer)
     server_down: Any = None  # Event: the child lost the server and waits; the trainer clears
     # it once the server is back with its weights (`sampler.recovery`)
+    server_restores: Any = None  # Value('q'): the server restores the trainer finished (whoever
+    # noticed the loss), trainer -> child: the child re-reads the server's facts when it grows
 
     @classmethod
     def create(cls, context) -> WorkerChannels:
@@ -36,7 +38,8 @@ class WorkerChannels:
                    failed=context.Event(), model_version=context.Value("q", 0),
                    token_allowance=context.Value("d", 0.0),
                    heartbeat=context.Value("d", 0.0), stop=context.Event(),
-                   flush_metrics=context.Event(), server_down=context.Event())
+                   flush_metrics=context.Event(), server_down=context.Event(),
+                   server_restores=context.Value("q", 0))
 
     @property
     def queues(self) -> tuple:

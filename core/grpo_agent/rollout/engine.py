@@ -75,6 +75,7 @@ class RolloutEngine:
         self._completed_rollouts = 0
         self._generated_tokens = 0
         self._progress_mark = (time.perf_counter(), 0, 0)
+        self._restores_seen = 0  # the trainer's server restores whose facts are read
 
     async def run(self) -> None:
         """Connect, run the loop's `setup`, the pipeline and `close`; raise the first failure."""
@@ -88,6 +89,7 @@ class RolloutEngine:
         loop.stalls.peer_pid = os.getppid()  # the trainer: its stacks go in our reports
         loop.stalls.start()
         self._beat()
+        self._restores_seen = self._restores()
         try:
             await loop.connect(sampler, executor)
             self._start_scheduling()
@@ -120,12 +122,14 @@ class RolloutEngine:
 
     def _start_scheduling(self) -> None:
         """The concurrency cap from the probed server, the score queue, the failure future."""
-        facts = self.loop.server
-        self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, facts.kv_tokens,
-                                  facts.max_model_len)
+        self.cap = self._cap_for(self.loop.server)
         self.slots = RolloutSlots(self.cap)
         self.score_queue = asyncio.Queue(self.loop.score_queue_maxsize)
         self._fatal = asyncio.get_running_loop().create_future()
+
+    def _cap_for(self, facts) -> ConcurrencyCap:
+        return ConcurrencyCap(self.config.max_concurrent_rollouts, facts.kv_tokens,
+                              facts.max_model_len)
 
     async def _run_pipeline(self) -> None:
         tasks = [asyncio.create_task(coro) for coro in (
@@ -158,6 +162,8 @@ class RolloutEngine:
         # closed while the dispatcher was already waiting for a rollout slot.
         blocked = 0.0
         while True:
+            if self._restores() != self._restores_seen and not self._server_down():
+                await self._reread_server()
             room = self._allowance_has_room()
             if (room and self.slots.can_dispatch() and not self.score_queue.full()
                     and not self._server_down()):
@@ -318,6 +324,38 @@ class RolloutEngine:
 
     def _server_down(self) -> bool:
         return self.channels.server_down is not None and self.channels.server_down.is_set()
+
+    def _restores(self) -> int:
+        restores = self.channels.server_restores
+        return 0 if restores is None else int(restores.value)
+
+    async def _reread_server(self) -> None:
+        """The trainer restored the server (whoever noticed the loss): the loop re-reads its
+        facts (`AsyncRolloutLoop.reconnect`) and the concurrency cap starts again from the new
+        server's KV cache and `max_model_len`, before the next group starts. A server lost
+        again meanwhile is waited for as any loss; the next restore reads it again."""
+        restores = self._restores()
+        try:
+            before = await self.loop.reconnect()
+        except SamplerError as error:
+            if await self._lost_the_server(error):
+                return
+            raise
+        self._restores_seen = restores
+        facts = self.loop.server
+        self.cap = self.slots.cap = self._cap_for(facts)
+        await self.slots.cap_changed()
+        changed = [f"{name} {getattr(before, name)!r} -> {getattr(facts, name)!r}"
+                   for name in ("model_id", "max_model_len", "kv_tokens", "on_cpu",
+                                "supports_sampling_mask")
+                   if getattr(before, name) != getattr(facts, name)]
+        if changed:
+            logger.warning("The restored vLLM server at %s differs from the one before: %s. "
+                           "The rollouts follow it (seeds %s, sampling masks %s, concurrency "
+                           "cap %d).", self.config.vllm_server_base_url, ", ".join(changed),
+                           "off: a CPU server" if facts.on_cpu else "on",
+                           "asked for" if self.loop.sampling_params.return_sampling_mask
+                           else "not asked for", self.cap.value)
 
     def _put(self, item: TrainingSample | PromptConsumed) -> None:
         self.channels.samples.put(item)

@@ -34,7 +34,7 @@ from grpo_agent.rollout.scoring import reward_name
 from grpo_agent.rollout.versions import VersionValue, rollout_version
 from grpo_agent.sampler.client import adapter_name
 from grpo_agent.sampler.errors import RequestRejectedError
-from grpo_agent.sampler.server_facts import probe_server
+from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.stall import StallWatch
 from grpo_agent.types import Rollout, RolloutGroup, TurnRecord
 
@@ -75,7 +75,8 @@ class AsyncRolloutLoop:
         self.server = None  # grpo_agent.sampler.server_facts.ServerFacts
         self.tool_executor = None  # a ThreadPoolExecutor for blocking work
         self.sampling_params = None  # grpo_agent.sampler.client.SamplingParams
-        self.seeds = None  # an iterator of per-request seeds, or None
+        self.seeds = None  # an iterator of per-request seeds, or None (a CPU server)
+        self._seed_stream = None
         self.env_runner: EnvironmentRunner | None = None
         self.evaluating = False  # True: driven by an evaluation session, beside the worker's loop
         self._warned_images = False
@@ -155,11 +156,29 @@ class AsyncRolloutLoop:
         """Attach the server client and the executor for blocking work, probe the server and
         derive the sampling settings: what every hook may use once `setup` runs."""
         self.sampler, self.tool_executor = sampler, tool_executor
-        self.server = await probe_server(sampler)
-        self.sampling_params = build_sampling_params(self.config, self.eos_token_ids, self.server)
-        self.seeds = None if self.server.on_cpu else itertools.count(self.config.seed * 1_000_003)
+        self._adopt(await probe_server(sampler))
         if self.environment_factory is not None:
             self.env_runner = EnvironmentRunner(self.environment_factory, tool_executor)
+
+    async def reconnect(self) -> ServerFacts:
+        """The server was restarted (the trainer restored it): read its facts again and
+        re-derive what they decide, since it may have come back with other flags or on other
+        hardware: seeds (never on a CPU server), sampling masks, `max_model_len` and the model
+        id the client sends and the gateway reports. Returns the facts it had before; the
+        engine re-sizes its concurrency cap from the new ones (KV cache, `max_model_len`)."""
+        before = self.server
+        self.sampler.forget_server()
+        self._adopt(await probe_server(self.sampler))
+        return before
+
+    def _adopt(self, facts: ServerFacts) -> None:
+        """Take `facts` as the server's. One seed stream per run: a server that comes back on
+        a GPU after a CPU one goes on with it (no seed twice)."""
+        self.server = facts
+        self.sampling_params = build_sampling_params(self.config, self.eos_token_ids, facts)
+        if self._seed_stream is None:
+            self._seed_stream = itertools.count(self.config.seed * 1_000_003)
+        self.seeds = None if facts.on_cpu else self._seed_stream
 
     def run(self) -> None:
         """Run the engine on these hooks until `channels.stop` is set or something fails."""

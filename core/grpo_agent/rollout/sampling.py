@@ -1,6 +1,7 @@
 """The sampling settings the worker sends, and what the server's facts decide for it.
 
-Design decision: the server's facts (`sampler.server_facts`, probed once at start-up) decide
+Design decision: the server's facts (`sampler.server_facts`, probed at start-up and again after
+each server restore: `AsyncRolloutLoop.reconnect`) decide
 three things the user never configures: the initial concurrency cap (KV tokens),
 whether each request gets its own seed (yes for GPU servers, where data-parallel engines
 sharing a seed decode identical text; never on a CPU server, where a preempted seeded request

@@ -222,7 +222,11 @@ class RolloutWorker:
         return self.channels.server_down.is_set()
 
     def server_restored(self) -> None:
-        """The server is back with the trainer's weights: the worker dispatches again."""
+        """The server is back with the trainer's weights: the worker re-reads its facts (it
+        may have come back with other flags) and dispatches again. Counted before the flag
+        clears, so a worker that sees it clear also sees the count."""
+        with self.channels.server_restores.get_lock():
+            self.channels.server_restores.value += 1
         self.channels.server_down.clear()
 
     @property

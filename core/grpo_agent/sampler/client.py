@@ -141,7 +141,7 @@ class SamplerClient:
         self.max_retries = max_retries
         self.retry_count = 0
         self._model_info: ModelInfo | None = None
-        self._endpoint = endpoint
+        self._endpoint = self._asked_endpoint = endpoint
         self.logprob_columns = (logprob_columns_wanted() if logprob_columns is None
                                 else logprob_columns)
         self._generate_headers = {LOGPROBS_HEADER: COLUMNS} if self.logprob_columns else None
@@ -242,6 +242,12 @@ class SamplerClient:
             first = data["data"][0]
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
         return self._model_info
+
+    def forget_server(self) -> None:
+        """The server was restarted: ask it again for its model and `max_model_len`, and
+        try the generate route again (it may serve other flags now)."""
+        self._model_info = None
+        self._endpoint = self._asked_endpoint
 
     async def metrics(self) -> ServerMetrics | None:
         """Scheduler gauges from `/metrics`; None when the server does not expose them."""
