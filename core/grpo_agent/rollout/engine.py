@@ -345,12 +345,13 @@ class RolloutEngine:
         facts = self.loop.server
         self.cap = self.slots.cap = self._cap_for(facts)
         await self.slots.cap_changed()
-        changed = [f"{name} {getattr(before, name)!r} -> {getattr(facts, name)!r}"
-                   for name in ("model_id", "max_model_len", "kv_tokens", "on_cpu",
-                                "supports_sampling_mask")
-                   if getattr(before, name) != getattr(facts, name)]
-        if changed:
-            logger.warning("The restored vLLM server at %s differs from the one before: %s. "
+        names = [name for name in ("model_id", "max_model_len", "kv_tokens", "on_cpu",
+                                   "supports_sampling_mask")
+                 if getattr(before, name) != getattr(facts, name)]
+        changed = [f"{name} {getattr(before, name)!r} -> {getattr(facts, name)!r}" for name in names]
+        if changed:  # a GPU's KV cache may differ by a few blocks from one start to the next
+            level = logging.INFO if names == ["kv_tokens"] else logging.WARNING
+            logger.log(level, "The restored vLLM server at %s differs from the one before: %s. "
                            "The rollouts follow it (seeds %s, sampling masks %s, concurrency "
                            "cap %d).", self.config.vllm_server_base_url, ", ".join(changed),
                            "off: a CPU server" if facts.on_cpu else "on",
