@@ -4,13 +4,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.agent import execute_tool_call, run_tool_loop
+from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.environments import EnvironmentRunner, build_prompt
+from grpo_agent.rollout.tool_calls import ToolCall
 
 
 class IncrementEnv:  # the spec's example, as written
@@ -246,3 +249,93 @@ def test_environment_tools_work_through_the_tool_loop(scripted_loop):
     assert json.loads(result.completion[1]["content"]) == target
     assert reward == (IncrementEnv, 1.0)
     assert "increment" in loop.tokenizer.decode(loop.prompts[0])  # schema rendered in the system turn
+
+
+PAGE_SERVED = threading.Event()
+
+
+class SlowToolEnv:
+    """Its sync tool answers after `tool_timeout_s`, then writes to its instance."""
+
+    def reset(self, **kwargs) -> str:
+        self.fetched, self.fetching = [], threading.Event()
+        return "Fetch page a."
+
+    def fetch(self, url: str) -> str:
+        """Fetch a page.
+
+        Args:
+            url: The page's address.
+        """
+        self.fetching.set()
+        PAGE_SERVED.wait(30)
+        self.fetched.append(url)
+        return "page"
+
+    def get_reward(self) -> float:
+        return float(len(self.fetched))
+
+
+@pytest.mark.timeout(60)
+def test_an_instance_a_timed_out_sync_tool_still_runs_on_is_not_handed_to_the_next_rollout(
+        scripted_loop):
+    """A thread cannot be stopped, so a sync tool call past `tool_timeout_s` went on writing to
+    its instance after `finish` had put it back in the pool: the next rollout was reset on it
+    and then saw the old call's write (`fetched == ['a']` in a rollout that fetched nothing).
+    Now that instance is dropped and the next rollout gets a fresh one; an instance nothing
+    runs on is still reused."""
+    call = '<tool_call>\n{"name": "fetch", "arguments": {"url": "a"}}\n</tool_call>'
+    loop = scripted_loop([call, "Done."], tool_timeout_s=0.05)
+    loop.tool_executor.shutdown(wait=False)
+    loop.tool_executor = pool = RolloutThreadPool(4, "max_concurrent_rollouts")
+
+    async def rollouts():
+        runner = EnvironmentRunner(SlowToolEnv, pool)
+        first = await runner.start({})
+        result = await run_tool_loop(loop, first.prompt, first.tools, group_id=0)
+        await runner.finish(first)
+        second = await runner.start({})
+        PAGE_SERVED.set()  # the timed-out call returns now and writes to its instance
+        while pool.is_busy(first.env):
+            await asyncio.sleep(0.01)
+        second_reward = await runner.finish(second)
+        third = await runner.start({})
+        return result, first, second, second_reward, third
+
+    PAGE_SERVED.clear()
+    try:
+        result, first, second, second_reward, third = asyncio.run(rollouts())
+    finally:
+        PAGE_SERVED.set()
+    assert json.loads(result.completion[1]["content"]) == {"error": "Tool 'fetch' timed out after 0.05 s."}
+    assert second.env is not first.env and first.env.fetched == ["a"]  # the late write landed there
+    assert second.env.fetched == [] and second_reward == (SlowToolEnv, 0.0)
+    assert third.env is second.env  # nothing ran on it: back in the pool as before
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_sync_tool_call_keeps_its_instance_busy_until_its_thread_returns():
+    """A rollout cancelled mid-call (its group dropped) leaves the call's thread running on the
+    instance: the pool marks it busy until the call returns, as for a timeout."""
+    env, pool = SlowToolEnv(), RolloutThreadPool(4, "max_concurrent_rollouts")
+    env.reset()
+
+    async def cancel_mid_call():
+        task = asyncio.create_task(execute_tool_call(ToolCall("fetch", {"url": "a"}), {"fetch": env.fetch},
+                                                     pool, timeout_s=30))
+        await asyncio.to_thread(env.fetching.wait, 10)  # the call runs in its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return pool.is_busy(env)
+
+    PAGE_SERVED.clear()
+    try:
+        busy_after_cancel = asyncio.run(cancel_mid_call())
+    finally:
+        PAGE_SERVED.set()
+        pool.shutdown(wait=True)
+    assert busy_after_cancel and env.fetched == ["a"]
+    assert not pool.is_busy(env)  # the call returned: nothing runs on it any more
+
+

@@ -131,7 +131,12 @@ async def execute_tool_call(
             "" if in_thread is None else
             "; a sync tool's thread cannot be stopped and stays busy until the tool returns"))
         if in_thread is not None and isinstance(executor, RolloutThreadPool):
+            executor.busy_until_done(getattr(tool, "__self__", None), in_thread)
             executor.hold(call.name, in_thread, timeout_s)  # raises once they hold most threads
+    except asyncio.CancelledError:  # the rollout was cancelled: the thread may still run
+        if in_thread is not None and isinstance(executor, RolloutThreadPool):
+            executor.busy_until_done(getattr(tool, "__self__", None), in_thread)
+        raise
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
         _warn_once(call.name, f"raised {type(exc).__name__}: {exc}", exc)

@@ -7,7 +7,8 @@ Design decision: the cap follows the spec's rule exactly and is a pure state mac
 (at most once per cap's worth of completed rollouts), and shrinks by 30 % above 80 % usage:
 running rollouts finish, new ones wait. `max_concurrent_rollouts` bounds it always, and is the
 cap itself when the server exposes no `/metrics`. The worker's thread pool
-(`RolloutThreadPool`) lives here too: it counts the threads timed-out sync tools still hold.
+(`RolloutThreadPool`) lives here too: it counts the threads timed-out sync tools still hold,
+and knows which objects (environment instances) such calls still run on.
 """
 from __future__ import annotations
 
@@ -109,13 +110,18 @@ class RolloutThreadPool(ThreadPoolExecutor):
     A thread cannot be stopped, so a sync tool that always hangs takes the pool one timed-out
     call at a time; then every rollout waits for a thread and the run ended only at
     `no_progress_timeout` (30 min), naming nothing. Once such calls hold more than half the
-    threads, `hold` raises `ToolThreadsHeldError` naming the tool and the fix instead."""
+    threads, `hold` raises `ToolThreadsHeldError` naming the tool and the fix instead.
+
+    Such a call also keeps running on its tool's instance (an environment's bound method):
+    `busy_until_done` records that, and `is_busy` tells the environment pool not to hand the
+    instance to another rollout while the call can still change it."""
 
     def __init__(self, size: int, setting: str, thread_name_prefix: str = "") -> None:
         """`setting`: the config field that sized the pool, for the error message."""
         super().__init__(size, thread_name_prefix=thread_name_prefix)
         self.size, self.setting = size, setting
         self._held: Counter[str] = Counter()
+        self._busy: dict[int, list] = {}  # id(owner) -> [owner, calls still running on it]
         self._lock = threading.Lock()
 
     def held(self) -> dict[str, int]:
@@ -137,6 +143,29 @@ class RolloutThreadPool(ThreadPoolExecutor):
     def _release(self, tool: str) -> None:
         with self._lock:
             self._held[tool] -= 1
+
+    def busy_until_done(self, owner: object, call: Future) -> None:
+        """Mark `owner` (a bound tool's `__self__`) busy until `call`, which its caller stopped
+        waiting for (timed out or cancelled), returns; None or a finished call marks nothing."""
+        if owner is None:
+            return
+        with self._lock:
+            if call.done():
+                return
+            self._busy.setdefault(id(owner), [owner, 0])[1] += 1  # keeps owner (and its id) alive
+        call.add_done_callback(lambda _: self._unbusy(owner))
+
+    def _unbusy(self, owner: object) -> None:
+        with self._lock:
+            entry = self._busy[id(owner)]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._busy[id(owner)]
+
+    def is_busy(self, owner: object) -> bool:
+        """Whether a call its caller stopped waiting for still runs on `owner`."""
+        with self._lock:
+            return id(owner) in self._busy
 
     def _held_message(self, held: dict[str, int], timeout_s: float) -> str:
         worst = max(held, key=held.get)

@@ -7,7 +7,10 @@ block, so both run in the worker's thread pool: a slow environment delays only i
 rollout. With a dict of factories the dataset's `environment` column picks one; that column
 is consumed here and never forwarded to `reset`. Public methods other than the reserved
 `reset` / `get_reward` become the rollout's tools, so each rollout sees only its own
-environment's tools.
+environment's tools. An instance that a sync tool call past `tool_timeout_s` (or cancelled)
+still runs on is dropped, not pooled: a thread cannot be stopped, so the next rollout would see
+its state change under it; a fresh instance is built when one is needed (how many such calls
+there can be is bounded by `RolloutThreadPool`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_agent.plugins.schemas import public_tool_names
+from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.scoring import checked_reward
 
 ROUTING_COLUMN = "environment"
@@ -169,7 +173,7 @@ class EnvironmentRunner:
 
         Returns `(env class, reward)`; the class names the reward source. An exception from
         `get_reward` is raised as `EnvironmentRewardError` after the instance has gone back to
-        the pool.
+        the pool (dropped instead while a timed-out tool call still runs on it).
         """
         get_reward = getattr(episode.env, "get_reward", None)
         try:
@@ -187,4 +191,5 @@ class EnvironmentRunner:
             who = f"{type(episode.env).__name__}.get_reward()"
             return type(episode.env), checked_reward(reward, who)
         finally:
-            self._idle[episode.pool_key].append(episode.env)
+            if not (isinstance(self._executor, RolloutThreadPool) and self._executor.is_busy(episode.env)):
+                self._idle[episode.pool_key].append(episode.env)
