@@ -339,3 +339,51 @@ def test_a_cancelled_sync_tool_call_keeps_its_instance_busy_until_its_thread_ret
     assert not pool.is_busy(env)  # the call returned: nothing runs on it any more
 
 
+
+BUILT: list[SlowResetEnv] = []
+
+
+class SlowResetEnv:
+    """Its sync `reset` waits for the test, then writes to its instance."""
+
+    def __init__(self):
+        BUILT.append(self)
+        self.resets, self.resetting = 0, threading.Event()
+
+    def reset(self, **kwargs) -> str:
+        self.resetting.set()
+        PAGE_SERVED.wait(30)
+        self.resets += 1
+        return "Fetch page a."
+
+
+@pytest.mark.timeout(60)
+def test_an_instance_whose_cancelled_reset_still_runs_is_not_handed_to_the_next_rollout():
+    """A rollout cancelled during a sync `reset` (the `env_reset` stall stage, a dropped group)
+    put the instance back in the pool while `reset` still ran on it in its thread: the next
+    rollout was handed it (reset twice, once by the cancelled call). Now it is dropped until
+    that call returns, and the next rollout gets a fresh instance."""
+    pool = RolloutThreadPool(4, "max_concurrent_rollouts")
+    runner = EnvironmentRunner(SlowResetEnv, pool)
+
+    async def cancel_then_start_again():
+        first = asyncio.create_task(runner.start({}))
+        while not BUILT:  # the factory runs in the pool, then reset
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(BUILT[0].resetting.wait, 10)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        PAGE_SERVED.set()  # the cancelled reset and the next one return now
+        return await runner.start({})
+
+    BUILT.clear()
+    PAGE_SERVED.clear()
+    try:
+        second = asyncio.run(cancel_then_start_again())
+    finally:
+        PAGE_SERVED.set()
+        pool.shutdown(wait=True)
+    first_env = BUILT[0]
+    assert second.env is not first_env and len(BUILT) == 2
+    assert first_env.resets == 1 and second.env.resets == 1

@@ -7,15 +7,17 @@ block, so both run in the worker's thread pool: a slow environment delays only i
 rollout. With a dict of factories the dataset's `environment` column picks one; that column
 is consumed here and never forwarded to `reset`. Public methods other than the reserved
 `reset` / `get_reward` become the rollout's tools, so each rollout sees only its own
-environment's tools. An instance that a sync tool call past `tool_timeout_s` (or cancelled)
-still runs on is dropped, not pooled: a thread cannot be stopped, so the next rollout would see
-its state change under it; a fresh instance is built when one is needed (how many such calls
-there can be is bounded by `RolloutThreadPool`).
+environment's tools. An instance that a sync call its rollout stopped waiting for still runs
+on (a tool past `tool_timeout_s`, a `reset` / `get_reward` / tool cancelled with its rollout)
+is dropped, not pooled: a thread cannot be stopped, so the next rollout would see its state
+change under it; a fresh instance is built when one is needed (`RolloutThreadPool` bounds how
+many such calls there can be).
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -135,11 +137,22 @@ class EnvironmentRunner:
         return name, kwargs
 
     async def _run(self, fn: Callable, *args, **kwargs) -> Any:
-        """Await `fn` when it is a coroutine function, else run it in the worker's thread pool."""
+        """Await `fn` when it is a coroutine function, else run it in the worker's thread pool;
+        cancelled there, its instance stays busy until the thread returns (`_give_back`)."""
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        call = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wrap_future(call)
+        except asyncio.CancelledError:
+            if isinstance(self._executor, RolloutThreadPool):
+                self._executor.busy_until_done(getattr(fn, "__self__", None), call)
+            raise
+
+    def _give_back(self, key: str, env: Any) -> None:
+        """Pool `env` again, unless a call its rollout stopped waiting for still runs on it."""
+        if not (isinstance(self._executor, RolloutThreadPool) and self._executor.is_busy(env)):
+            self._idle[key].append(env)
 
     async def start(self, row: dict[str, Any]) -> EnvEpisode:
         """Take (or build) an instance, reset it with the row and build the rollout's prompt."""
@@ -149,15 +162,15 @@ class EnvironmentRunner:
         try:
             reset_text = await self._run(env.reset, **kwargs)
         except Exception as error:
-            self._idle[key].append(env)
+            self._give_back(key, env)
             raise EnvironmentResetError(
                 f"{type(env).__name__}.reset() raised {type(error).__name__}: {error}") from error
         except BaseException:  # cancelled
-            self._idle[key].append(env)
+            self._give_back(key, env)
             raise
         reset_s = time.perf_counter() - started
         if reset_text is not None and not isinstance(reset_text, str):
-            self._idle[key].append(env)
+            self._give_back(key, env)
             raise TypeError(
                 f"{type(env).__name__}.reset() returned {type(reset_text).__name__} ({reset_text!r:.80}); "
                 "it must return the task text (a str) or None."
@@ -173,7 +186,7 @@ class EnvironmentRunner:
 
         Returns `(env class, reward)`; the class names the reward source. An exception from
         `get_reward` is raised as `EnvironmentRewardError` after the instance has gone back to
-        the pool (dropped instead while a timed-out tool call still runs on it).
+        the pool (dropped instead while a timed-out or cancelled call still runs on it).
         """
         get_reward = getattr(episode.env, "get_reward", None)
         try:
@@ -191,5 +204,4 @@ class EnvironmentRunner:
             who = f"{type(episode.env).__name__}.get_reward()"
             return type(episode.env), checked_reward(reward, who)
         finally:
-            if not (isinstance(self._executor, RolloutThreadPool) and self._executor.is_busy(episode.env)):
-                self._idle[episode.pool_key].append(episode.env)
+            self._give_back(episode.pool_key, episode.env)
