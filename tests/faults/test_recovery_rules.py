@@ -322,6 +322,8 @@ class _ControlRoutes(BaseHTTPRequestHandler):
     backend: str | None = "gloo"
     served, max_model_len = "tiny/Model", 512  # what /v1/models says
     device, masks, kv_tokens = "cuda", False, None  # /server_info's and /metrics' (None: 404)
+    logprobs_mode, max_logprobs, dtype = "processed_logprobs", 20, None  # /server_info's
+    dev_mode = True  # False: no /server_info (vLLM without VLLM_SERVER_DEV_MODE=1)
     reloaded: ClassVar[list[str]] = []  # each test makes a subclass with its own lists
     versions: ClassVar[list[str]] = []
 
@@ -333,12 +335,14 @@ class _ControlRoutes(BaseHTTPRequestHandler):
             return self._reply({"data": [{"id": self.served, "max_model_len": self.max_model_len}]})
         if path == "/metrics" and self.kv_tokens is not None:
             return self._reply_text(f'vllm:cache_config_info{{kv_cache_size_tokens="{self.kv_tokens}"}} 1.0\n')
-        if path != "/server_info":  # e.g. gloo's /get_world_size: no engine to join here
+        if path != "/server_info" or not self.dev_mode:  # e.g. gloo's /get_world_size
             return self._reply({"detail": "Not Found"}, status=404)
         config = None if self.backend is None else {"backend": self.backend}
+        model_config = {"return_sampling_mask": self.masks, "logprobs_mode": self.logprobs_mode,
+                        "max_logprobs": self.max_logprobs, "dtype": self.dtype}
         self._reply({"vllm_config": {"weight_transfer_config": config,
                                      "device_config": {"device": self.device},
-                                     "model_config": {"return_sampling_mask": self.masks}}})
+                                     "model_config": model_config}})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -421,22 +425,37 @@ def _serve(handler) -> tuple[ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def _pipeline_at(url: str, tmp_path, **config):
+    """The trainer's pipeline side as `AsyncGRPOTrainer` holds it at a restore (one process):
+    its config, a float32 model named tiny/Model, a stand-in pusher, and the real `recovery`,
+    `_restore_server` and token budget (as at start from a server of max_model_len 512)."""
+    import torch
+    import transformers
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.train.pipeline import RolloutPipelineMixin
+
+    trainer = type("Trainer", (RolloutPipelineMixin,), {})()
+    trainer.args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                   vllm_server_base_url=url, vllm_server_timeout=5,
+                                   max_completion_length=64, **config)
+    trainer.model = torch.nn.Linear(2, 2)
+    trainer.model.config = transformers.PretrainedConfig(name_or_path="tiny/Model")
+    trainer.phases, trainer.window = recovery._OneProcess(), SimpleNamespace(update=dict)
+    trainer.pusher, trainer.model_version, trainer.source = _Pusher(failures=0), 3, None
+    trainer.token_budget = 512
+    return trainer
+
+
 def test_a_server_that_came_back_serving_another_model_or_a_shorter_length_stops_the_run(
-        monkeypatch):
+        monkeypatch, tmp_path):
     """Restarted by hand at the same URL with another model (or a --max-model-len that leaves
     no room for max_completion_length): the restore refuses it before any push, naming the
     server, what it serves now and the fix, where before its samples were trained as this
     model's. The trainer's recovery is built with the start checks' model and length."""
-    from grpo_agent.train.pipeline import RolloutPipelineMixin
-
     monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
     handler = type("Routes", (_ControlRoutes,), {"served": "other/Llama"})
     server, url = _serve(handler)
-    trainer = SimpleNamespace(
-        args=SimpleNamespace(vllm_server_base_url=url, vllm_server_timeout=5,
-                             max_completion_length=64),
-        model=SimpleNamespace(config=SimpleNamespace(_name_or_path="tiny/Model")), phases=None)
-    keeper = RolloutPipelineMixin.recovery.func(trainer)
+    keeper = _pipeline_at(url, tmp_path).recovery
     pusher = _Pusher(failures=0)
     try:
         with pytest.raises(ServerChangedError) as refused:
@@ -454,6 +473,50 @@ def test_a_server_that_came_back_serving_another_model_or_a_shorter_length_stops
         handler.max_model_len = 512  # the same model and length again: the push goes on
         metrics = keeper.restore(pusher, None, 3, cause="the rollout worker lost it")
         assert pusher.pushed == [3] and metrics[recovery.RESTARTS_METRIC] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_came_back_with_flags_that_would_train_wrong_stops_the_run(
+        monkeypatch, tmp_path, caplog):
+    """The start checks the samples' log-probs depend on, on a server restarted by hand
+    mid-run: without --logprobs-mode processed_logprobs (its log-probs ignore temperature, the
+    importance ratios skew silently), with too small a --max-logprobs (every request refused),
+    without VLLM_SERVER_DEV_MODE=1 (no push reaches it). Each stops the trainer's restore before
+    any push, naming the restart's flag; a dtype gap only warns and the run goes on. Before,
+    the restore checked the model and length alone and trained on."""
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    handler = type("Routes", (_ControlRoutes,), {"logprobs_mode": "raw_logprobs"})
+    server, url = _serve(handler)
+    trainer = _pipeline_at(url, tmp_path)  # num_sampler_logprobs=8: 9 log-probs a token
+    resume = "then resume from the last checkpoint"
+    try:
+        with pytest.raises(ServerChangedError) as refused:
+            trainer._restore_server()
+        assert str(refused.value) == (
+            f"The vLLM server at {url} returns --logprobs-mode raw_logprobs, not the log-probs "
+            "of the distribution it samples from, which the loss needs. It came back so after "
+            "the run lost it: restart it there with --logprobs-mode processed_logprobs, "
+            f"{resume}.")
+        handler.logprobs_mode, handler.max_logprobs = "processed_logprobs", 5
+        with pytest.raises(ServerChangedError, match=(
+                rf"--max-logprobs 5, but num_sampler_logprobs=8 asks for 9 per token\. .*restart "
+                rf"it there with --max-logprobs 9 \(or more\), {resume} \(or lower "
+                r"num_sampler_logprobs\)\.")):
+            trainer._restore_server()
+        handler.max_logprobs, handler.dev_mode = -1, False
+        with pytest.raises(ServerChangedError, match=(
+                rf"/server_info with HTTP 404.*restart it there with VLLM_SERVER_DEV_MODE=1, "
+                rf"{resume}\.")):
+            trainer._restore_server()
+        assert trainer.pusher.pushed == [] and trainer.recovery.restarts == 0
+        handler.dev_mode, handler.dtype = True, "bfloat16"  # the trainer's weights are float32
+        with caplog.at_level(logging.WARNING, logger="grpo_agent.sampler.server_facts"):
+            trainer._restore_server()
+        assert trainer.pusher.pushed == [3] and trainer.recovery.restarts == 1
+        assert (f"The restored vLLM server at {url} runs in bfloat16 but the trainer's weights "
+                "are float32") in caplog.text and "--dtype float32" in caplog.text
     finally:
         server.shutdown()
         server.server_close()

@@ -9,10 +9,12 @@ so it restores (`ServerRecovery.restore`): a server this process started
 `vllm_server_timeout`. Then the pusher re-opens its transfer group against the new server
 (asking it its weight-transfer backend again: one restarted by hand may have other flags),
 the current weights are pushed as the current version, the flag is cleared and the worker
-goes on. Before the push, the server that came back is checked again as at start-up for what
-its samples depend on (`check_restored_server`: the model it serves, room for
-`max_completion_length`); one restarted with another model stops the run instead of being
-trained on. The worker re-reads the rest of its facts itself (`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
+goes on. Before the push, the server that came back is checked again by the start checks'
+own rules (`check_restored_server`, `server_facts.check_training_server`: control routes,
+`--logprobs-mode`, `--max-logprobs`, the model, room for `max_completion_length`; warnings for
+token_budget and dtype); one restarted with another model or flags that would train wrong stops
+the run instead of being trained on. The worker re-reads the rest of its facts itself
+(`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
 (`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
 that moment.
 
@@ -41,7 +43,12 @@ from grpo_agent.sampler.errors import (
     WeightSyncError,
 )
 from grpo_agent.sampler.server import managed_server_at
-from grpo_agent.sampler.server_facts import check_completion_room, check_serves_model, probe_server
+from grpo_agent.sampler.server_facts import (
+    ServerFacts,
+    ServerNeeds,
+    check_training_server,
+    probe_server,
+)
 from grpo_agent.stall import StageStalled
 
 logger = logging.getLogger(__name__)
@@ -108,25 +115,17 @@ def restore_server(base_url: str, timeout_s: float) -> str:
         f"checkpoint, or raise vllm_server_timeout to wait longer.")
 
 
-def check_restored_server(base_url: str, timeout_s: float, *, model: str | None,
-                          max_completion_length: int | None) -> None:
-    """The start checks its samples depend on, on the server that came back (a person may
-    have restarted it with another model or a shorter `--max-model-len`): `ServerChangedError`
-    naming it, what it serves now and the fix. Nothing to check (None, None): no probe."""
-    if model is None and max_completion_length is None:
-        return
+def check_restored_server(base_url: str, timeout_s: float, needs: ServerNeeds) -> ServerFacts:
+    """The start checks (`check_training_server`) on the server that came back (a person may
+    have restarted it with another model, a shorter `--max-model-len` or without
+    `--logprobs-mode processed_logprobs`): `ServerChangedError` naming it, what it is now and
+    the restart's fix; its facts when it passes."""
     facts = asyncio.run(_probe(base_url, timeout_s))
-    fix = (f"It came back so after the run lost it: restart it there with the run's model and "
-           f"flags (vllm serve {model}), then resume from the last checkpoint.")
     try:
-        if model is not None:
-            check_serves_model(facts, base_url, model, user="this run trains", fix=fix)
-        if max_completion_length is not None:
-            check_completion_room(facts, max_completion_length, fix=(
-                f"The vLLM server at {base_url} came back so after the run lost it: restart it "
-                "with the run's --max-model-len, then resume from the last checkpoint."))
+        check_training_server(facts, base_url, needs, restored=True)
     except ValueError as error:
         raise ServerChangedError(str(error)) from None
+    return facts
 
 
 async def _probe(base_url: str, timeout_s: float):
@@ -165,14 +164,13 @@ class ServerRecovery:
     server, and one small gather after each step makes every rank take the same decision."""
 
     def __init__(self, base_url: str, timeout_s: float, *, ranks: Any = None,
-                 model: str | None = None, max_completion_length: int | None = None) -> None:
-        """`model` and `max_completion_length`: what a server that came back must still serve
-        and leave room for (`check_restored_server`); None checks nothing."""
+                 needs: ServerNeeds | None = None) -> None:
+        """`needs`: what a server that came back must still meet (`check_restored_server`);
+        None checks nothing."""
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.ranks = ranks or _OneProcess()
-        self.model = model
-        self.max_completion_length = max_completion_length
+        self.needs = needs
         self.restarts = 0
 
     def push(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
@@ -200,8 +198,8 @@ class ServerRecovery:
             if self.ranks.rank == 0:
                 try:
                     what = restore_server(self.base_url, self.timeout_s)
-                    check_restored_server(self.base_url, self.timeout_s, model=self.model,
-                                          max_completion_length=self.max_completion_length)
+                    if self.needs is not None:
+                        check_restored_server(self.base_url, self.timeout_s, self.needs)
                 except Exception as error:  # noqa: BLE001 - the other ranks must hear of it
                     problem = error
             outcome = self.ranks.gather(_describe(problem))[0]

