@@ -129,7 +129,8 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_importance_sampling_clip_max: float = _help("C_max of masked importance sampling.", default=5.0)
     num_sampler_logprobs: int = _help("Sampler top log-probs requested per token.", default=8)
     token_budget: int | None = _help(
-        "Max unique tokens per packed row; None = the server's max_model_len.", default=None
+        "Max unique tokens per packed row; None = the server's max_model_len (a larger one of a "
+        "server restored mid-run included).", default=None
     )
 
     # ---- async pipeline ----

@@ -428,10 +428,11 @@ def _serve(handler) -> tuple[ThreadingHTTPServer, str]:
 def _pipeline_at(url: str, tmp_path, **config):
     """The trainer's pipeline side as `AsyncGRPOTrainer` holds it at a restore (one process):
     its config, a float32 model named tiny/Model, a stand-in pusher, and the real `recovery`,
-    `_restore_server` and token budget (as at start from a server of max_model_len 512)."""
+    `_restore_server` and token budget (taken as at start from a server of max_model_len 512)."""
     import torch
     import transformers
     from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.train import setup
     from grpo_agent.train.pipeline import RolloutPipelineMixin
 
     trainer = type("Trainer", (RolloutPipelineMixin,), {})()
@@ -442,7 +443,7 @@ def _pipeline_at(url: str, tmp_path, **config):
     trainer.model.config = transformers.PretrainedConfig(name_or_path="tiny/Model")
     trainer.phases, trainer.window = recovery._OneProcess(), SimpleNamespace(update=dict)
     trainer.pusher, trainer.model_version, trainer.source = _Pusher(failures=0), 3, None
-    trainer.token_budget = 512
+    trainer.token_budget = setup.token_budget(trainer.args.token_budget, 512)
     return trainer
 
 
@@ -517,6 +518,40 @@ def test_a_server_that_came_back_with_flags_that_would_train_wrong_stops_the_run
         assert trainer.pusher.pushed == [3] and trainer.recovery.restarts == 1
         assert (f"The restored vLLM server at {url} runs in bfloat16 but the trainer's weights "
                 "are float32") in caplog.text and "--dtype float32" in caplog.text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("configured", [None, 512], ids=["from-server", "configured"])
+def test_the_token_budget_after_a_restore_with_another_max_model_len(
+        monkeypatch, tmp_path, caplog, configured):
+    """A token budget taken from the server (token_budget=None) grows with a server that
+    came back with a larger --max-model-len (before, its longer samples were dropped as
+    oversize, counted and nothing said) and keeps its size with a shorter one (samples queued
+    from before still fit). A configured budget stays, with the start check's warning that
+    longer samples will be dropped."""
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    handler = type("Routes", (_ControlRoutes,), {})
+    server, url = _serve(handler)
+    trainer = _pipeline_at(url, tmp_path, token_budget=configured)
+    assert trainer.token_budget == 512  # as at start, from a server of max_model_len 512
+    try:
+        handler.max_model_len = 1024
+        with caplog.at_level(logging.WARNING):
+            trainer._restore_server()
+        if configured is None:
+            assert trainer.token_budget == 1024
+            assert ("token_budget follows the restored vLLM server's max_model_len: 512 -> "
+                    "1024") in caplog.text
+        else:
+            assert trainer.token_budget == 512
+            assert ("token_budget=512 is below the restored vLLM server's max_model_len=1024: "
+                    "samples longer than the budget will be dropped") in caplog.text
+        handler.max_model_len = 256  # shorter: the budget keeps its size
+        trainer._restore_server()
+        assert trainer.token_budget == (1024 if configured is None else 512)
+        assert trainer.pusher.pushed == [3, 3]
     finally:
         server.shutdown()
         server.server_close()

@@ -13,8 +13,9 @@ goes on. Before the push, the server that came back is checked again by the star
 own rules (`check_restored_server`, `server_facts.check_training_server`: control routes,
 `--logprobs-mode`, `--max-logprobs`, the model, room for `max_completion_length`; warnings for
 token_budget and dtype); one restarted with another model or flags that would train wrong stops
-the run instead of being trained on. The worker re-reads the rest of its facts itself
-(`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
+the run instead of being trained on. The trainer reads the restored server's `max_model_len`
+off `ServerRecovery.facts` (its token budget may follow it: `train.setup.token_budget`); the
+worker re-reads the rest of its facts itself (`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
 (`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
 that moment.
 
@@ -172,6 +173,8 @@ class ServerRecovery:
         self.ranks = ranks or _OneProcess()
         self.needs = needs
         self.restarts = 0
+        # The last restored server's facts, on rank 0 when `needs` were checked; else None.
+        self.facts: ServerFacts | None = None
 
     def push(self, pusher: Any, model: Any, version: int) -> dict[str, float]:
         """`pusher.push`, retried once after restoring the server and re-opening the group."""
@@ -199,7 +202,8 @@ class ServerRecovery:
                 try:
                     what = restore_server(self.base_url, self.timeout_s)
                     if self.needs is not None:
-                        check_restored_server(self.base_url, self.timeout_s, self.needs)
+                        self.facts = check_restored_server(self.base_url, self.timeout_s,
+                                                           self.needs)
                 except Exception as error:  # noqa: BLE001 - the other ranks must hear of it
                     problem = error
             outcome = self.ranks.gather(_describe(problem))[0]

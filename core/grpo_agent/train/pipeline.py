@@ -9,6 +9,7 @@ the one process that reads the sample queue, and its stall watch reports on both
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from grpo_agent.train import collectives, flash_impl, fsdp, heap, setup
 from grpo_agent.train.batching import StepPlan, StepPlanner
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.types import TrainingSample
+
+logger = logging.getLogger(__name__)
 
 # What rank 0 sends instead of a step plan when the worker lost the server (FSDP).
 RESTORE_REQUEST = "restore the vLLM server"
@@ -37,7 +40,7 @@ class RolloutPipelineMixin:
         # watches its collective phases (train/collectives.py).
         self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
-        self.token_budget = self.args.token_budget or facts.max_model_len
+        self.token_budget = setup.token_budget(self.args.token_budget, facts.max_model_len)
         # FlashAttention 4 only for GPU-bound rows (long, or replayed through CUDA graphs)
         flash_impl.expect_rows(self.token_budget, replayed=self.args.cuda_graphs)
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
@@ -154,7 +157,19 @@ class RolloutPipelineMixin:
         self._server_restored()
 
     def _server_restored(self) -> None:
-        """After a restore: the worker re-reads the server's facts before its next group."""
+        """After a restore: the token budget follows the restored server's max_model_len where
+        it was taken from the server (`setup.token_budget`; rank 0 plans, and has the facts),
+        and the worker re-reads the server's facts before its next group."""
+        facts = self.recovery.facts
+        if facts is not None:
+            budget = setup.token_budget(self.args.token_budget, facts.max_model_len,
+                                        self.token_budget)
+            if budget != self.token_budget:
+                logger.warning(
+                    "token_budget follows the restored vLLM server's max_model_len: %d -> %d "
+                    "(packed rows of up to %d tokens from now on; set token_budget to keep it "
+                    "fixed).", self.token_budget, budget, budget)
+                self.token_budget = budget
         if self.source is not None:
             self.source.worker.server_restored()
 

@@ -105,6 +105,17 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
         bf16_only_on_cpu="linear_attention" in layer_types)
 
 
+def token_budget(configured: int | None, max_model_len: int, current: int | None = None) -> int:
+    """The tokens of one packed row: the config's `token_budget`, else the server's
+    `max_model_len`. After a restore (`current`, the budget so far) a budget taken from the
+    server grows with a server that came back longer (else its longer samples would be dropped
+    as oversize) and keeps its size with a shorter one (samples queued from the server before
+    still fit; the shorter one cannot send longer ones). A configured one never changes."""
+    if configured is not None:
+        return configured
+    return max_model_len if current is None else max(current, max_model_len)
+
+
 async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
     from grpo_agent.sampler.client import SamplerClient
     from grpo_agent.sampler.readiness import wait_until_ready
