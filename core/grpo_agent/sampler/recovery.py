@@ -15,9 +15,9 @@ own rules (`check_restored_server`, `server_facts.check_training_server`: contro
 token_budget and dtype); one restarted with another model or flags that would train wrong stops
 the run instead of being trained on. The trainer reads the restored server's `max_model_len`
 off `ServerRecovery.facts` (its token budget may follow it: `train.setup.token_budget`); the
-worker re-reads the rest of its facts itself (`RolloutEngine`). A push that fails is retried once the same way; a push sent in the background
-(`weight_sync.full`) fails at the next push or `settle`, which retry it with the weights of
-that moment.
+worker re-reads the rest of its facts itself (`RolloutEngine`). A push that fails is retried
+once the same way; a push sent in the background (`weight_sync.full`) fails at the next push
+or `settle`, which retry it with the weights of that moment.
 
 Under FSDP every rank takes part in a push (the full weights are gathered collectively), so
 every rank takes part in a recovery too: after each push attempt the ranks agree on its
