@@ -444,6 +444,7 @@ def _pipeline_at(url: str, tmp_path, **config):
     trainer.phases, trainer.window = recovery._OneProcess(), SimpleNamespace(update=dict)
     trainer.pusher, trainer.model_version, trainer.source = _Pusher(failures=0), 3, None
     trainer.token_budget = setup.token_budget(trainer.args.token_budget, 512)
+    trainer._planning, trainer.state = None, SimpleNamespace(global_step=0)
     return trainer
 
 
@@ -530,7 +531,8 @@ def test_the_token_budget_after_a_restore_with_another_max_model_len(
     came back with a larger --max-model-len (before, its longer samples were dropped as
     oversize, counted and nothing said) and keeps its size with a shorter one (samples queued
     from before still fit). A configured budget stays, with the start check's warning that
-    longer samples will be dropped."""
+    longer samples will be dropped. A restore in the middle of a step's pull grows the budget
+    of the step being planned too."""
     monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
     handler = type("Routes", (_ControlRoutes,), {})
     server, url = _serve(handler)
@@ -552,6 +554,19 @@ def test_the_token_budget_after_a_restore_with_another_max_model_len(
         trainer._restore_server()
         assert trainer.token_budget == (1024 if configured is None else 512)
         assert trainer.pusher.pushed == [3, 3]
+
+        met = []  # the budget the step's samples after the restore meet
+
+        def pull(planner):  # the worker lost the server in the middle of this step's pull
+            handler.max_model_len = 2048
+            trainer._restore_server()
+            met.append(planner.token_budget)
+            return [], 0.0
+        trainer.source = SimpleNamespace(next_step=pull, worker=SimpleNamespace(
+            server_restored=lambda: None))
+        trainer.phases.enter = lambda *args, **kwargs: None
+        trainer._next_step_plan()
+        assert met == [2048 if configured is None else 512]
     finally:
         server.shutdown()
         server.server_close()

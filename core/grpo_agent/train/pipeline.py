@@ -89,9 +89,13 @@ class RolloutPipelineMixin:
                 num_processes=fsdp.world_size(),
                 grad_accum_steps=self.args.gradient_accumulation_steps,
             )
-            with heap.cyclic_gc_paused():  # a trie node per token: no cycles, many objects
-                samples, waited = self.source.next_step(planner)
-                plan = planner.plan()
+            self._planning = planner  # a restore during the pull may grow its budget
+            try:
+                with heap.cyclic_gc_paused():  # a trie node per token: no cycles, many objects
+                    samples, waited = self.source.next_step(planner)
+                    plan = planner.plan()
+            finally:
+                self._planning = None
             plan.metrics["perf/rollout_wait_s"] = waited
             if holds_before_push(self.args.max_staleness) and self._step_ends_with_push():
                 self.source.worker.hold_admission()  # until the push: new groups would arrive stale
@@ -170,6 +174,8 @@ class RolloutPipelineMixin:
                     "(packed rows of up to %d tokens from now on; set token_budget to keep it "
                     "fixed).", self.token_budget, budget, budget)
                 self.token_budget = budget
+                if self._planning is not None:  # restored during this step's pull
+                    self._planning.token_budget = budget  # grows only: its rows still fit
         if self.source is not None:
             self.source.worker.server_restored()
 

@@ -187,6 +187,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.pusher: Pusher | None = None
         self._step_samples: list[TrainingSample] = []
         self._planned_ahead = None  # the next step's (plan, samples), from `plan_ahead`
+        self._planning = None  # the step planner while rank 0 pulls its samples
         self.step_trained_tokens = 0  # this step's trained (completion) tokens, all processes
         self.step_timings = {"fwd_bwd": 0.0, "fwd": 0.0}  # device seconds, from row_clock
         self.forwarded_tokens_total = 0  # unique (packed) tokens forwarded so far: `num_tokens`
