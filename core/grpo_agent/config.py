@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from grpo_agent.sampler.client import check_temperature
+from grpo_agent.sampling_limits import check_temperature
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,14 @@ from grpo_agent.rollout.observations import generated_length
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
-from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient, check_temperature
+from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
     check_completion_room,
     check_serves_model,
     probe_server,
 )
+from grpo_agent.sampling_limits import check_temperature
 from grpo_agent.types import Rollout, RolloutGroup
 
 logger = logging.getLogger(__name__)

@@ -43,24 +43,10 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_EXPIRY_S = 3.0
 CONTROL_TIMEOUT_S = 120.0
 GREEDY_TEMPERATURE = 1e-5  # below it vLLM samples greedily (its _SAMPLING_EPS)
-# vLLM refuses every request above this ("temperature must be in [0, 2]", vllm/sampling_params.py
-# of 0.32, the lowest version pyproject allows), so a run above it failed at its first request.
-MAX_TEMPERATURE = 2.0
 LOGPROB_COLUMNS_ENV = "GRPO_AGENT_LOGPROB_COLUMNS"
 
 
 NO_GENERATE_WARNED_ENV = "GRPO_AGENT_NO_GENERATE_WARNED"
-
-
-def check_temperature(name: str, value: float) -> None:
-    """Refuse a temperature vLLM would refuse on every request, naming the setting `name`
-    (`temperature`, `eval_temperature`): the one home of this rule, used by the config and by
-    `EvalSettings` (which Python users build without a config)."""
-    if not value >= 0:  # NaN too
-        raise ValueError(f"{name}={value} is out of range: set {name} >= 0 (0 = greedy).")
-    if value > MAX_TEMPERATURE:
-        raise ValueError(f"{name}={value} is out of range: set {name} <= {MAX_TEMPERATURE:g} "
-                         "(vLLM refuses every request above it).")
 
 
 def warn_no_generate_route(base_url: str, environ=os.environ) -> None:
