@@ -160,6 +160,7 @@ class _Stage:
     reported: bool = False
     grace_s: float = ABORT_GRACE_S  # a fatal stage's owner has this long to raise, then exit
     report_extra: Callable[[], dict[str, Any]] | None = None  # fields computed at report time
+    setting: str | None = None  # what raises its deadline, where not stall_timeouts[name]
 
     def touch(self) -> None:
         """Progress was made: the deadline counts from now (a poll that received something)."""
@@ -340,9 +341,11 @@ class StallWatch:
         return stall_report.write(self, entry, extra)
 
     def report_stall(self, name: str, detail: dict[str, Any], deadline_s: float, started: float,
-                     **extra: Any) -> None:
-        """Report a stall found outside this watch's stages (the trainer's no-progress guard)."""
-        entry = _Stage(name, detail, deadline_s, started=started)
+                     *, setting: str | None = None, **extra: Any) -> None:
+        """Report a stall found outside this watch's stages (the trainer's no-progress guard,
+        a failed collective); `setting` names the config field that raises its deadline where
+        that is no `stall_timeouts` key."""
+        entry = _Stage(name, detail, deadline_s, started=started, setting=setting)
         entry.stalled_at, entry.reported = time.monotonic(), True
         self.report(entry, **extra)
 

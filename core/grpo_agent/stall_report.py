@@ -65,8 +65,9 @@ def write(watch: Any, entry: Any, extra: dict[str, Any]) -> dict[str, Any]:
 def message(watch: Any, entry: Any) -> str:
     """The one-line summary: who, which stage and detail, its deadline, what to do."""
     detail = ", ".join(f"{k}={v}" for k, v in entry.detail.items())
+    setting = getattr(entry, "setting", None) or f"stall_timeouts[{entry.name!r}]"
     return (f"STALL in the {watch.role}: stage {entry.name!r}{f' ({detail})' if detail else ''} "
-            f"passed its {entry.deadline_s:g} s deadline. Raise stall_timeouts[{entry.name!r}] "
+            f"passed its {entry.deadline_s:g} s deadline. Raise {setting} "
             f"if it is only slow; see {watch.output_dir / watch.report_name}.")
 
 

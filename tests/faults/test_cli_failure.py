@@ -98,9 +98,12 @@ def test_without_a_stall_report_no_stall_report_line_is_printed(monkeypatch, cap
 def _advice_cases():
     from grpo_agent.rollout.scoring import RewardFunctionError
     from grpo_agent.sampler.errors import SamplerError
+    from grpo_agent.train.no_progress import NoProgressStalled
 
     return [
         (StageStalled("STALL in the worker"), "read stall_report.json; raise stall_timeouts"),
+        (NoProgressStalled("the last 8 groups were all dropped (8 zero_std)"),
+         "no group trained: fix the likely cause named above"),
         (RewardFunctionError("reward 'accuracy' returned 3 scores for 4 completions"),
          "fix the reward function named above"),
         (SamplerError("the server answered 500"), "check the vLLM server"),
@@ -109,7 +112,7 @@ def _advice_cases():
     ]
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_the_advice_names_the_next_step_for_each_kind_of_failure(tmp_path, index):
     from grpo_agent.cli.failure import report_failure
 

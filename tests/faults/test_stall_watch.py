@@ -202,9 +202,13 @@ def test_no_progress_warns_with_the_cause_then_stops(tmp_path, caplog):
         for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
             guard.record("reward_error")
         time.sleep(1.1)
-        with pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s") as raised:
+        with caplog.at_level(logging.ERROR, logger="grpo_agent.stall"), \
+                pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s") as raised:
             guard.check()
         assert str(raised.value).endswith(f"See {tmp_path / stall.REPORT_NAME}.")
+        # The log's advice names the setting that exists: stall_timeouts has no 'no_progress'.
+        assert "Raise no_progress_timeout if it is only slow" in caplog.text
+        assert "stall_timeouts['no_progress']" not in caplog.text
     finally:
         watch.stop()
     report = json.loads((tmp_path / stall.REPORT_NAME).read_text())

@@ -55,10 +55,14 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     from grpo_agent.rollout.worker import RolloutWorkerError
     from grpo_agent.sampler.errors import SamplerError
     from grpo_agent.train.checkpoint import CLI_RESUME, resume_advice
+    from grpo_agent.train.no_progress import NoProgressStalled
 
     if is_disk_full(error):
         return (f"free disk space where {output_dir} lives (or pass another --output-dir); a "
                 "checkpoint cut short is skipped on resume (it has no rollout_state.json).")
+    if isinstance(error, NoProgressStalled):
+        return ("no group trained: fix the likely cause named above (stall_report.json counts "
+                "the dropped groups); a larger no_progress_timeout only waits longer.")
     if isinstance(error, StageStalled):
         return "read stall_report.json; raise stall_timeouts for that stage if it is only slow."
     if isinstance(error, RewardFunctionError):

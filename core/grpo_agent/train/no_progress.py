@@ -22,6 +22,10 @@ REWARN_IDLE_S = 60.0
 DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored")
 
 
+class NoProgressStalled(StageStalled):
+    """No group trained for `no_progress_timeout`: the fix is the cause, not a longer deadline."""
+
+
 class NoProgressGuard:
     """The trainer's no-progress stall: every group of a whole window dropped, no sample.
 
@@ -61,9 +65,10 @@ class NoProgressGuard:
                        "(raise it, or 0 to wait without bound).")
             if self.watch is not None:
                 self.watch.report_stall("no_progress", {"dropped_groups": dict(self.dropped)},
-                                        self.timeout_s, self.last_progress, cause=message)
+                                        self.timeout_s, self.last_progress,
+                                        setting="no_progress_timeout", cause=message)
                 message += f" See {self.watch.output_dir / REPORT_NAME}."
-            raise StageStalled(message)
+            raise NoProgressStalled(message)
 
     def cause(self, idle: float) -> str:
         """What was dropped since the last trainable sample, and the likely causes."""
