@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import faulthandler
 import itertools
 import logging
@@ -62,6 +63,14 @@ PROCESS_GROUP_MARGIN_S = 60.0
 
 _ACTIVE: StallWatch | None = None  # the started watch of this process, for `stage`
 _ABORT_CALLBACKS: list[Callable[[], None]] = []
+_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("stall_group", default=None)
+
+
+def set_group(key: Any) -> None:
+    """Stages opened from now on in this task, and in the tasks it creates, belong to group
+    `key` (the worker's rollout group): the rollouts of a group pass their deadlines together,
+    and one cancel drops them all, so the watch reports the group once."""
+    _GROUP.set(key)
 
 
 def stage(name: str, deadline_s: float | None = None, **detail: Any) -> contextlib.AbstractContextManager:
@@ -161,6 +170,7 @@ class _Stage:
     grace_s: float = ABORT_GRACE_S  # a fatal stage's owner has this long to raise, then exit
     report_extra: Callable[[], dict[str, Any]] | None = None  # fields computed at report time
     setting: str | None = None  # what raises its deadline, where not stall_timeouts[name]
+    group: Any = field(default_factory=_GROUP.get)  # `set_group`'s key where one was set
 
     def touch(self) -> None:
         """Progress was made: the deadline counts from now (a poll that received something)."""
@@ -208,6 +218,7 @@ class StallWatch:
         self.context = context or dict
         self.peer_pid: int | None = None
         self.stalls: list[dict[str, Any]] = []
+        self._cancelled_groups: set[Any] = set()  # groups reported and cancelled (`set_group`)
         self._stages: dict[int, _Stage] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -311,9 +322,13 @@ class StallWatch:
             with self._lock:
                 if entry not in self._stages.values():
                     continue  # gone meanwhile: a sibling's cancel dropped its whole group
+            if entry.cancel is not None and entry.group in self._cancelled_groups:
+                continue  # a sibling's report and cancel, sent but not run yet, drop it too
             self.report(entry)
             entry.stalled_at = now  # only now: an owner that polls must find the report written
             if entry.cancel is not None:
+                if entry.group is not None:
+                    self._cancelled_groups.add(entry.group)
                 entry.cancel()
             else:
                 threading.Thread(target=self._abort_if_still_stuck, args=(entry,), daemon=True).start()

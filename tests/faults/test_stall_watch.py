@@ -119,6 +119,51 @@ def test_a_recoverable_stage_is_reported_with_stacks_and_cancelled(tmp_path, rec
     assert not watch.in_flight()
 
 
+def test_the_late_rollouts_of_one_group_are_reported_once(tmp_path):
+    """Every rollout of a group (the engine's `_run_group`: `set_group`, then one task per
+    rollout) hangs in its env reset and passes the deadline in the same check: the first is
+    reported and cancelled, which drops the group; its siblings are not reported again. A
+    stage of another group still is. (Each report used to come twice, in a hand-run train
+    whose env reset always hung: the second before the event loop had run the first's cancel.)"""
+    watch = stall.StallWatch(_config(tmp_path), "worker")  # no monitor: the test calls check()
+    dropped = []
+
+    async def rollout():
+        with watch.stage("env_reset", 0.2, recover=True):
+            await asyncio.Event().wait()
+
+    async def group(group_id):
+        stall.set_group(group_id)
+        rollouts = [asyncio.ensure_future(rollout()) for _ in range(3)]
+        try:
+            await asyncio.gather(*rollouts)
+        except stall.StageStalled:
+            for task in rollouts:
+                task.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            dropped.append(group_id)
+
+    async def two_groups():
+        await asyncio.gather(group(1), group(2))
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(two_groups(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(watch.in_flight()) < 6 and time.monotonic() < deadline:  # every stage open
+        time.sleep(0.01)
+    time.sleep(0.3)
+    loop.call_soon_threadsafe(time.sleep, 1.0)  # a busy loop: no cancel runs during the check
+    try:
+        watch.check()
+        thread.join(5)
+    finally:
+        watch.stop()
+    assert sorted(dropped) == [1, 2]
+    assert [report["stage"] for report in watch.stalls] == ["env_reset", "env_reset"]
+    assert not watch.in_flight()
+
+
 def test_a_cancel_that_lands_after_its_stage_ended_cancels_nothing(tmp_path):
     """The monitor cancels a late stage's task from its own thread; when the stage ends before
     the event loop runs that cancel, the task has moved on and must not be cancelled."""

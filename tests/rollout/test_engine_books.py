@@ -328,6 +328,34 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
     assert caplog.text.count("Lost the vLLM server") == 1
 
 
+def test_the_stages_of_a_groups_rollouts_belong_to_that_group(monkeypatch, tmp_path):
+    """The stall watch reports a group's late rollouts once (`stall.set_group`): every stage a
+    rollout of `_run_group` opens carries the group's id."""
+    import threading
+
+    from grpo_agent import stall
+    from grpo_agent.sampler.errors import SamplerError
+
+    engine, _ = make_engine()
+    engine.channels.server_down = threading.Event()
+    watch = stall.StallWatch(SimpleNamespace(output_dir=str(tmp_path)), "worker")
+    groups = []
+
+    async def lost(error, base_url):
+        return True
+
+    async def rollout(slot, group_id, took_slot, shared):
+        with watch.stage("env_reset", 60, recover=True) as entry:
+            groups.append(entry.group)
+        raise SamplerError("connection refused")  # ends the group quickly
+
+    monkeypatch.setattr(engine_module.recovery, "means_server_lost", lost)
+    monkeypatch.setattr(engine, "_run_rollout", rollout)
+    engine._groups_in_flight = engine._groups_generating = 1
+    asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 17))
+    assert groups == [17, 17]
+
+
 def test_preemptions_and_retries_are_logged_as_counts_since_the_last_look(monkeypatch):
     polls = iter([SimpleNamespace(kv_cache_usage=0.5, running=2, waiting=0, preemptions=5),
                   SimpleNamespace(kv_cache_usage=0.5, running=2, waiting=0, preemptions=8)])

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any
 
+from grpo_agent import stall
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import allowance, group_failures
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
@@ -198,6 +199,7 @@ class RolloutEngine:
     async def _run_group(self, slot: PromptSlot, group_id: int) -> None:
         version = int(self.channels.model_version.value)
         pin_rollout_version(version)  # inherited by the rollout tasks that gather creates
+        stall.set_group(group_id)  # so is this: the group's late stages are reported once
         took_slot = [0]  # rollouts that took their slot: the rest are withdrawn if the group drops
         shared = (SharedFirstTurns(self.config.num_generations)
                   if self.config.share_first_turn_request else None)
