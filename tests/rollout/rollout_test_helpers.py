@@ -93,6 +93,22 @@ class DiesMidMessageLoop:
         os._exit(0)
 
 
+class RewardKeepsRaisingLoop:
+    """A worker whose loop fails as one whose reward raised on a window of groups does: an
+    error whose message carries the reward's own traceback."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def run(self):
+        from grpo_agent.rollout.scoring import RewardFunctionError
+
+        raise RewardFunctionError(
+            "Reward function 'judge' raised on 10 groups in a row, so the run stops. Its last "
+            "traceback:\nTraceback (most recent call last):\n  File \"judge.py\", line 3, in judge\n"
+            "ValueError: judge is down")
+
+
 class DiesMidSampleLoop(DiesMidMessageLoop):
     """The same on the sample queue, dying only once the trainer's pull is reading the message."""
 

@@ -30,6 +30,31 @@ def test_a_truncated_message_neither_hangs_the_metrics_drain_nor_the_next_pull()
         assert _finishes_within(30, worker.stop)
 
 
+def test_a_worker_failure_is_named_by_its_exception_not_by_a_traceback_line(tmp_path):
+    """The CLI's one line (`report_failure`) for a worker whose error message carries a
+    traceback of its own names that error and its reason; it used to give only the inner
+    traceback's last line (`ValueError: judge is down`, no word of the reward function)."""
+    from grpo_agent.cli.failure import report_failure
+
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0)
+    worker = RolloutWorker(helpers.RewardKeepsRaisingLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    try:
+        with pytest.raises(RolloutWorkerError) as raised:
+            worker.start()  # it fails at once: seen here or at the pull
+            worker.pull(timeout=30.0)
+    finally:
+        assert _finishes_within(30, worker.stop)
+    message, code = report_failure(raised.value, tmp_path)
+    assert message.splitlines()[0] == (
+        "Error: the run failed: RolloutWorkerError: The rollout worker failed: RewardFunctionError: "
+        "Reward function 'judge' raised on 10 groups in a row, so the run stops. Its last "
+        "traceback: ValueError: judge is down")
+    assert code == 1
+    assert "in run\n" in (tmp_path / "error.log").read_text()  # the worker's traceback, in full
+
+
 def test_the_last_metrics_arrive_when_the_trainer_asks_for_them():
     """The run's last step asks the worker to flush (instead of sleeping through its interval):
     the observation comes back with the flush, before the worker stops."""

@@ -81,8 +81,8 @@ def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple
     lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
     first = lines[0]
     if first.endswith(":") and len(lines) > 1:
-        # "The rollout worker failed:" and the worker's traceback: its last line is the reason
-        # (its exception's class without the module path: the message is what matters).
+        # A message that carries a traceback ("... Its last traceback:"): its last line is the
+        # reason (its exception's class without the module path: the message is what matters).
         first = f"{first} {_MODULE_PATH.sub('', lines[-1].strip())}"
     what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     if len(what) > 300:  # keep the end too: our messages end with the fix, after the server's text

@@ -59,14 +59,23 @@ def exit_when_orphaned(parent: int, poll_s: float = ORPHAN_POLL_S) -> threading.
     return thread
 
 
+def failure_text(error: BaseException) -> str:
+    """What the worker sends back on failure: the exception with its whole message first, then
+    the traceback. The CLI prints the first line (`cli/failure.py`); a traceback's last line
+    alone lost the head of a message that carries a traceback of its own (a reward function
+    that raised on 10 groups in a row was reported as the reward's `ValueError`)."""
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return f"{what}\n{traceback.format_exc()}"
+
+
 def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels, trainer_pid: int) -> None:
     """Entry of the spawned process: build the loop, run it, report any failure."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     exit_when_orphaned(trainer_pid)
     try:
         loop_cls(**loop_kwargs, channels=channels).run()
-    except BaseException:  # noqa: BLE001 - everything goes back to the trainer
-        channels.error.put(traceback.format_exc())
+    except BaseException as error:  # noqa: BLE001 - everything goes back to the trainer
+        channels.error.put(failure_text(error))
         channels.failed.set()
         channels.samples.cancel_join_thread()
         raise SystemExit(1)
@@ -329,7 +338,7 @@ class RolloutWorker:
         if self.channels.failed.is_set():
             child_traceback = self._child_traceback()
             self.stop()
-            raise RolloutWorkerError(f"The rollout worker failed:\n{child_traceback}")
+            raise RolloutWorkerError(f"The rollout worker failed: {child_traceback}")
         if not self._process.is_alive() and not self._stopped:
             code = self._process.exitcode
             self.stop()
