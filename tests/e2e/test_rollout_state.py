@@ -32,7 +32,7 @@ def test_resume_skips_prompts_finished_out_of_order_and_only_those(tmp_path):
     resumed.record_trained([sample(1, 1)])
     assert resumed.frontier == 3  # 2 was consumed before the checkpoint
     resumed.record_consumed(PromptConsumed(prompt_index=4, row_index=4, reason="zero_std"))
-    assert resumed.take_noticed() == []  # 4 counts once, in the run before the checkpoint
+    assert resumed.take_noticed() == {}  # 4 counts once, in the run before the checkpoint
     resumed.record_trained([sample(3, 1)])
     assert resumed.frontier == 5
 
@@ -142,12 +142,19 @@ def test_the_ledger_line_records_the_steps_prompts_and_the_resume_point(tmp_path
 
     from grpo_agent.train.checkpoint import LEDGER_NAME, append_ledger_line
 
-    append_ledger_line(tmp_path, step=3, completed=[4, 1], noticed=[6, 2], frontier=5)
-    append_ledger_line(tmp_path, step=4, completed=[], noticed=[], frontier=5)
+    ledger = PromptLedger()
+    for index, reason in ((6, "stalled"), (2, "zero_std"), (7, "stalled")):
+        ledger.record_consumed(PromptConsumed(prompt_index=index, row_index=index, reason=reason))
+    append_ledger_line(tmp_path, step=3, completed=[4, 1], noticed=ledger.take_noticed(), frontier=5)
+    append_ledger_line(tmp_path, step=4, completed=[], noticed=ledger.take_noticed(), frontier=5)
     first, second = (json.loads(line) for line in (tmp_path / LEDGER_NAME).read_text().splitlines())
-    assert {k: first[k] for k in ("step", "completed", "noticed", "frontier")} == {
-        "step": 3, "completed": [1, 4], "noticed": [2, 6], "frontier": 5}
+    # Why each prompt went untrained is in the ledger (docs/reliability.md: a stalled group's
+    # prompt is recorded as consumed with reason `stalled`, "the prompt ledger says why").
+    assert {k: first[k] for k in ("step", "completed", "noticed", "reasons", "frontier")} == {
+        "step": 3, "completed": [1, 4], "noticed": [2, 6, 7],
+        "reasons": {"stalled": [6, 7], "zero_std": [2]}, "frontier": 5}
     assert second["step"] == 4 and first["pid"] == second["pid"]
+    assert second["noticed"] == [] and second["reasons"] == {}
 
 
 def test_frontier_after_moves_past_prompts_already_consumed_ahead():

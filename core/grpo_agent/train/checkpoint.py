@@ -153,7 +153,7 @@ class PromptLedger:
         self._consumed_ahead: set[int] = set(state.consumed_after_first)
         self._skip: frozenset[int] = frozenset(state.consumed_after_first)
         self._trained_counts: dict[int, int] = {}
-        self._noticed_since_step: list[int] = []
+        self._noticed_since_step: dict[int, str] = {}
         self._advance()
 
     def already_consumed(self, prompt_index: int) -> bool:
@@ -189,12 +189,12 @@ class PromptLedger:
     def record_consumed(self, notice: PromptConsumed) -> None:
         if self.already_consumed(notice.prompt_index):
             return  # consumed before the checkpoint we resumed from; regenerated, not retrained
-        self._noticed_since_step.append(notice.prompt_index)
+        self._noticed_since_step[notice.prompt_index] = notice.reason
         self._consume(notice.prompt_index)
 
-    def take_noticed(self) -> list[int]:
-        """Prompts consumed without samples since the last call (for the ledger file)."""
-        noticed, self._noticed_since_step = self._noticed_since_step, []
+    def take_noticed(self) -> dict[int, str]:
+        """Prompts consumed without samples since the last call, with why (for the ledger file)."""
+        noticed, self._noticed_since_step = self._noticed_since_step, {}
         return noticed
 
     def state(self, model_version: int) -> RolloutState:
@@ -213,13 +213,17 @@ class PromptLedger:
 
 
 def append_ledger_line(
-    output_dir: str | Path, step: int, completed: list[int], noticed: list[int], frontier: int
+    output_dir: str | Path, step: int, completed: list[int], noticed: dict[int, str], frontier: int
 ) -> None:
     """One JSON line per step: prompts it trained to completion, prompts the worker reported
-    consumed without samples, and the resume point after it (the resume test reads these).
+    consumed without samples (`noticed`, and by reason in `reasons`: zero_std, stalled,
+    server_lost, ...), and the resume point after it (the resume test reads these).
     `pid` tells runs apart: a resumed run may start right after the killed run's last step."""
     path = Path(output_dir) / LEDGER_NAME
+    reasons: dict[str, list[int]] = {}
+    for index, reason in sorted(noticed.items()):
+        reasons.setdefault(reason, []).append(index)
     record = {"pid": os.getpid(), "step": step, "completed": sorted(completed), "noticed": sorted(noticed),
-              "frontier": frontier}
+              "reasons": reasons, "frontier": frontier}
     with path.open("a") as fh:
         fh.write(json.dumps(record) + "\n")
