@@ -383,6 +383,35 @@ def test_preemptions_and_retries_are_logged_as_counts_since_the_last_look(monkey
     assert [v for n, v in engine._observations if n == "rollout/vllm_retry_count"] == [2.0, 3.0]
 
 
+def test_a_failing_metrics_poll_is_logged_once_per_outage(monkeypatch, caplog):
+    """While the server is down (a managed restart took 158 s in a hand-run train) every 5 s
+    poll fails: one warning per outage, not one per poll (that run logged 14)."""
+    from grpo_agent.sampler.errors import SamplerError
+
+    answers = iter(["down", "down", "down", "up", "down", "down"])
+    gauges = SimpleNamespace(kv_cache_usage=0.5, running=2, waiting=0, preemptions=0)
+
+    async def metrics():
+        answer = next(answers, None)
+        if answer is None:
+            raise asyncio.CancelledError
+        if answer == "down":
+            raise SamplerError("No vLLM server answered at http://x")
+        return gauges
+
+    engine, _ = make_engine(sampler=SimpleNamespace(metrics=metrics, base_url="http://x"))
+    engine.cap = SimpleNamespace(update=lambda metrics, completed: None, value=4)
+    monkeypatch.setattr(engine_module, "POLL_INTERVAL_S", 0)
+
+    async def main():
+        with pytest.raises(asyncio.CancelledError):
+            await engine._poll_server()
+
+    with caplog.at_level("WARNING", logger=engine_module.__name__):
+        asyncio.run(main())
+    assert caplog.text.count("Polling http://x/metrics failed") == 2  # two outages
+
+
 def test_stopping_the_pipeline_cancels_the_groups_still_running(monkeypatch):
     """When the trainer stops the worker, every group task still generating is cancelled and
     awaited before the pipeline returns (none is left running on the loop)."""

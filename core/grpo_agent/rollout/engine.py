@@ -368,13 +368,17 @@ class RolloutEngine:
     async def _poll_server(self) -> None:
         """Every 5 s: adjust the concurrency cap and record the server's load gauges."""
         sampler = self.loop.sampler
-        last_preemptions = None
+        last_preemptions, failing = None, False
         while True:
             try:
                 metrics = await sampler.metrics()
+                failing = False
             except SamplerError as error:
-                logger.warning("Polling %s/metrics failed: %s", sampler.base_url, error)
-                metrics = None
+                if not failing:  # once per outage: a server restart took 158 s, 14 lines
+                    logger.warning("Polling %s/metrics failed: %s (said once until it answers "
+                                   "again; the concurrency cap stays at %d meanwhile)",
+                                   sampler.base_url, error, self.cap.value)
+                failing, metrics = True, None
             self.cap.update(metrics, self._completed_rollouts)
             await self.slots.cap_changed()
             self.observe("rollout/concurrency_cap", self.cap.value)
