@@ -115,6 +115,25 @@ class DiesMidSampleLoop(DiesMidMessageLoop):
     queue, dies_after_s = "samples", 2.0
 
 
+class FreezesMidSampleLoop:
+    """A worker frozen (SIGSTOP: alive, its pipe open) halfway through writing a sample larger
+    than the pipe holds, as a hand-run train's worker was when stopped while it sent samples:
+    the trainer's read of that message would wait for the rest forever."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def run(self):
+        import signal
+        import struct
+        import time
+
+        self.kwargs["channels"].heartbeat.value = time.time()
+        writer = self.kwargs["channels"].samples._writer
+        writer._send(struct.pack("!i", 1_000_000) + b"\0" * 100)  # a header promising 1 MB
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class SlowToPickle(float):
     """A value whose pickling takes a while (in the queue's feeder thread, as a large batch
     would on a loaded machine)."""

@@ -55,6 +55,32 @@ def test_a_worker_failure_is_named_by_its_exception_not_by_a_traceback_line(tmp_
     assert "in run\n" in (tmp_path / "error.log").read_text()  # the worker's traceback, in full
 
 
+def test_a_worker_frozen_mid_message_is_called_hung_not_waited_for():
+    """A worker SIGSTOPped while it wrote a sample: the trainer's read of the half-written
+    message blocks where its heartbeat check cannot run. Past rollout_worker_timeout the pull
+    fails as for any hung worker (it used to wait until the queue_pull stall, 30 min by default)."""
+    config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=2.0, seed=0)
+    worker = RolloutWorker(helpers.FreezesMidSampleLoop, config=config, model_name="unused",
+                           dataset=[], reward_funcs=[], processing_class=None)
+    worker.start()
+    failure = []
+
+    def pull():
+        try:
+            worker.pull(timeout=60.0)
+        except RolloutWorkerError as error:
+            failure.append(str(error))
+
+    try:
+        started = time.monotonic()
+        assert _finishes_within(30, pull), "the pull waited for the frozen worker's message"
+        assert failure and "it is hung" in failure[0], failure
+        assert time.monotonic() - started < 2.0 + 15  # the timeout, the margin, a tick, the kill
+    finally:
+        assert _finishes_within(30, worker.stop)
+
+
 def test_the_last_metrics_arrive_when_the_trainer_asks_for_them():
     """The run's last step asks the worker to flush (instead of sleeping through its interval):
     the observation comes back with the flush, before the worker stops."""

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from typing_extensions import Self
@@ -33,6 +34,10 @@ STOP_GRACE_S = 15.0
 # Spawning re-imports torch/transformers and unpickles the dataset: allow for a busy machine.
 MIN_STARTUP_S = 120.0
 PULL_POLL_S = 0.25
+HUNG_READ_CHECK_S = 1.0  # how often a pull checks the heartbeat while a read may block
+# Past rollout_worker_timeout by this much, the pull is blocked in a read (unblocked, it checks
+# every PULL_POLL_S and stops the worker itself, politely): then its watch kills the worker.
+HUNG_READ_MARGIN_S = 5.0
 ORPHAN_POLL_S = 1.0
 MAX_ITEMS_PER_PULL = 4096
 _ENV_LOCK = threading.Lock()
@@ -105,6 +110,7 @@ class RolloutWorker:
         self._trainer_observations: list[Observation] = []
         self._process = None
         self._stopped = False
+        self._killed_as_hung = False
         eos = getattr(processing_class, "eos_token_id", None)
         self._loop_kwargs = {
             "config": config, "model_name": model_name, "dataset": dataset, "reward_funcs": reward_funcs,
@@ -210,6 +216,10 @@ class RolloutWorker:
         """Ask the worker for its observations now and wait up to `timeout_s` until they are
         here (for `drain_metrics`); they are otherwise sent once a second. False on timeout."""
         self.channels.flush_metrics.set()
+        with self._kill_if_hung_while_reading():
+            return self._await_flush(timeout_s)
+
+    def _await_flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0 and not self._stopped:
             try:
@@ -247,6 +257,36 @@ class RolloutWorker:
 
     def pull(self, timeout: float) -> list[TrainingSample | PromptConsumed]:
         """Up to `timeout` s for at least one item; returns [] on timeout. Stale samples drop."""
+        with self._kill_if_hung_while_reading():
+            return self._pull(timeout)
+
+    @contextlib.contextmanager
+    def _kill_if_hung_while_reading(self) -> Iterator[None]:
+        """A queue read that has begun a message blocks until all of it came: a worker frozen
+        halfway through writing one (SIGSTOP, a debugger) held the pull (or a metrics read), and
+        its heartbeat check, until the queue_pull stall (30 min by default). Meanwhile a watch
+        thread kills a worker whose heartbeat is older than rollout_worker_timeout (+
+        HUNG_READ_MARGIN_S): the read gets EOF, and the pull's health check names the hung
+        worker as it would have."""
+        done = threading.Event()
+        process, limit = self._process, self.config.rollout_worker_timeout + HUNG_READ_MARGIN_S
+
+        def watch() -> None:
+            while not done.wait(HUNG_READ_CHECK_S):
+                if time.time() - self.channels.heartbeat.value > limit:
+                    self._killed_as_hung = True
+                    with contextlib.suppress(OSError):
+                        os.kill(process.pid, signal.SIGKILL)
+                    return
+
+        if process is not None:
+            threading.Thread(target=watch, name="grpo-agent-pull-watch", daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
+
+    def _pull(self, timeout: float) -> list[TrainingSample | PromptConsumed]:
         deadline = time.monotonic() + timeout
         items: list = []
         while not items:
@@ -280,7 +320,10 @@ class RolloutWorker:
     def drain_metrics(self) -> list[Observation]:
         """Everything observed since the last call, for `grpo_agent.metrics.MetricWindow.extend`."""
         observations, self._trainer_observations = self._trainer_observations, []
-        return observations if self._stopped else observations + self._read_metrics_queue()
+        if self._stopped:
+            return observations
+        with self._kill_if_hung_while_reading():
+            return observations + self._read_metrics_queue()
 
     def _close_our_write_ends(self) -> None:
         """Only the child writes to the queues. With our copy of each pipe's write end closed,
@@ -317,7 +360,8 @@ class RolloutWorker:
         return kept
 
     def _check_health(self) -> None:
-        self._check_alive()
+        if not self._killed_as_hung:  # killed by the pull's watch: hung, not killed from outside
+            self._check_alive()
         age = time.time() - self.channels.heartbeat.value
         if age > self.config.rollout_worker_timeout:
             self.stop(grace_s=0.0)  # a hung worker will not stop politely
