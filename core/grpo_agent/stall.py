@@ -152,8 +152,13 @@ def check_stall_timeouts(timeouts: dict[str, float]) -> None:
     for stage, seconds in timeouts.items():
         if stage not in STAGES:
             raise ValueError(f"stall_timeouts has unknown stage {stage!r}; use one of: {', '.join(STAGES)}.")
-        if not float(seconds) > 0:
-            raise ValueError(f"stall_timeouts[{stage!r}]={seconds}: a deadline must be > 0 seconds.")
+        try:
+            positive = float(seconds) > 0
+        except (TypeError, ValueError):  # float's own error names neither the field nor the fix
+            positive = False
+        if not positive or isinstance(seconds, bool):
+            raise ValueError(f"stall_timeouts[{stage!r}]={seconds!r}: a deadline must be a "
+                             "number of seconds > 0.")
 
 
 @dataclass

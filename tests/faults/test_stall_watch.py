@@ -36,8 +36,13 @@ def test_deadlines_are_derived_from_the_config_or_set_explicitly(tmp_path):
     assert stall.stage_deadline(config, "vllm_generate") == 100 + stall.OWN_TIMEOUT_MARGIN_S
     with pytest.raises(ValueError, match="unknown stage 'scorng'"):
         _config(tmp_path, stall_timeouts={"scorng": 3})
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a number of seconds > 0"):
         _config(tmp_path, stall_timeouts={"scoring": 0})
+    # Not a number: the field is named (float's own error was "could not convert string to
+    # float: 'abc'" from `grpo-agent train --set 'stall_timeouts={"scoring": "abc"}'`).
+    for value in ("abc", None, [3]):
+        with pytest.raises(ValueError, match=r"stall_timeouts\['scoring'\]=.*number of seconds"):
+            _config(tmp_path, stall_timeouts={"scoring": value})
 
 
 def test_each_derived_deadline_follows_the_timeout_its_stage_uses(tmp_path):
