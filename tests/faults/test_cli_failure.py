@@ -6,6 +6,7 @@ an exit code; the full traceback goes to error.log, and to the terminal only wit
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,31 @@ def test_a_failed_run_prints_what_where_and_what_to_do(monkeypatch, capsys, tmp_
 
 
 def test_a_stall_exits_with_the_stall_code_and_names_its_report(monkeypatch, capsys, tmp_path):
+    from grpo_agent.train import run
+
+    def stalls(**kwargs):  # the run writes its report, then stops
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "stall_report.json").write_text("{}")
+        raise StageStalled("STALL in the trainer: stage 'queue_pull' passed its 1 s deadline.")
+
+    monkeypatch.setattr(run, "run_training", stalls)
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--env", "words", "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 3
+    assert f"stall report: {tmp_path / 'out' / 'stall_report.json'}" in capsys.readouterr().err
+
+
+def test_an_earlier_runs_stall_report_is_not_named(monkeypatch, capsys, tmp_path):
+    """A run resumed into an output dir that holds a report of an earlier run's (recovered)
+    stall fails for another reason: the report is not this failure's. (A hand-run resume whose
+    reward then raised named the 80-minute-old report of a recovered scoring stall.)"""
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "stall_report.json").write_text("{}")
-    error = StageStalled("STALL in the trainer: stage 'queue_pull' passed its 1 s deadline.")
-    code, err = _train(monkeypatch, capsys, tmp_path, error)
-    assert code == 3
-    assert f"stall report: {tmp_path / 'out' / 'stall_report.json'}" in err
+    old = tmp_path / "out" / "stall_report.json"
+    old.write_text("{}")
+    os.utime(old, (time.time() - 4800, time.time() - 4800))
+    code, err = _train(monkeypatch, capsys, tmp_path, RuntimeError("boom"))
+    assert code == 1 and "stall report" not in err
 
 
 def test_when_the_output_dir_cannot_be_written_the_traceback_goes_to_a_temp_file(monkeypatch, capsys, tmp_path):

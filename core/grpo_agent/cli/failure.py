@@ -75,8 +75,11 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
                 f"environment or plugin, then {go_on}.")
     return f"read the traceback in error.log (or run with --debug); then {go_on}."
 
-def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple[str, int]:
-    """Write the traceback; return the short message and the exit code (3 for a stall)."""
+def report_failure(error: BaseException, output_dir: str | Path | None,
+                   since: float | None = None) -> tuple[str, int]:
+    """Write the traceback; return the short message and the exit code (3 for a stall).
+    `since`: when the run began (`time.time()`); a stall report older than that is an earlier
+    run's (one resumed into the same output dir) and is not named."""
     log = write_traceback(error, output_dir)
     lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
     first = lines[0]
@@ -89,8 +92,15 @@ def report_failure(error: BaseException, output_dir: str | Path | None) -> tuple
         what = what[:180] + " [...] " + what[-120:]
     message = [f"Error: the run failed: {what}", f"  full traceback: {log}"]
     stall_report = Path(output_dir) / "stall_report.json" if output_dir is not None else None
-    if stall_report is not None and stall_report.is_file():
+    if stall_report is not None and _written_since(stall_report, since):
         message.append(f"  stall report: {stall_report}")
     message.append(f"  what to do: {advice(error, output_dir)}")
     code = STALL_EXIT_CODE if isinstance(error, StageStalled) else FAILED_EXIT_CODE
     return "\n".join(message), code
+
+
+def _written_since(path: Path, since: float | None) -> bool:
+    try:
+        return since is None or path.stat().st_mtime >= since
+    except OSError:  # not there
+        return False

@@ -6,6 +6,7 @@ The command is thin: it builds the config and hands it to `grpo_agent.train.run.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -80,6 +81,7 @@ def train(
     With --lora-rank the policy is a LoRA adapter; a managed server is started with
     --enable-lora so the trainer pushes the adapter, not merged weights.
     """
+    started = time.time()  # a stall report older than this is an earlier run's
     from grpo_agent.cli.config_files import build_config, parse_plugin_args, read_env_choice
     from grpo_agent.plugins import load_registry
     from grpo_agent.plugins.options import parse_pairs
@@ -137,7 +139,7 @@ def train(
     except Exception as err:
         from grpo_agent.cli.failure import report_failure
 
-        message, code = report_failure(err, config.output_dir)
+        message, code = report_failure(err, config.output_dir, since=started)
         if os.environ.get(DEBUG_ENV) == "1":
             raise
         typer.echo(message, err=True)
