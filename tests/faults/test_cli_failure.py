@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from grpo_agent.cli.main import DEBUG_ENV, main
-from grpo_agent.rollout.worker import RolloutWorkerError
+from grpo_agent.rollout.worker import RolloutWorkerError, RolloutWorkerHung
 from grpo_agent.stall import StageStalled
 
 
@@ -128,11 +128,15 @@ def _advice_cases():
          "fix the reward function named above"),
         (SamplerError("the server answered 500"), "check the vLLM server"),
         (RolloutWorkerError("worker died"), "the rollout worker's traceback is in error.log"),
+        # A hung worker sends no traceback: the advice is the heartbeat's (it pointed at
+        # error.log's worker traceback for a worker SIGSTOPped mid-run).
+        (RolloutWorkerHung("The rollout worker sent no heartbeat for 16 s (rollout_worker_timeout="
+                           "10 s): it is hung."), "find what blocks the rollout worker"),
         (RuntimeError("anything else"), "read the traceback in error.log (or run with --debug)"),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 def test_the_advice_names_the_next_step_for_each_kind_of_failure(tmp_path, index):
     from grpo_agent.cli.failure import report_failure
 

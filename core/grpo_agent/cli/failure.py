@@ -52,7 +52,7 @@ def is_disk_full(error: BaseException) -> bool:
 def advice(error: BaseException, output_dir: str | Path | None) -> str:
     """The next step for a user, by the kind of failure."""
     from grpo_agent.rollout.scoring import RewardFunctionError
-    from grpo_agent.rollout.worker import RolloutWorkerError
+    from grpo_agent.rollout.worker import RolloutWorkerError, RolloutWorkerHung
     from grpo_agent.sampler.errors import SamplerError
     from grpo_agent.train.checkpoint import CLI_RESUME, resume_advice
     from grpo_agent.train.no_progress import NoProgressStalled
@@ -70,6 +70,9 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     go_on = resume_advice(output_dir, CLI_RESUME)
     if isinstance(error, SamplerError):
         return f"check the vLLM server (its log is named above or in error.log), then {go_on}."
+    if isinstance(error, RolloutWorkerHung):
+        return ("find what blocks the rollout worker (the suspects are named above), or raise "
+                f"rollout_worker_timeout if it is only slow; then {go_on}.")
     if isinstance(error, RolloutWorkerError):
         return ("the rollout worker's traceback is in error.log; fix the failing reward, tool, "
                 f"environment or plugin, then {go_on}.")

@@ -47,6 +47,10 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker failed, died or hung; the message carries the reason."""
 
 
+class RolloutWorkerHung(RolloutWorkerError):
+    """No heartbeat within rollout_worker_timeout: something blocks the worker (no traceback)."""
+
+
 def exit_when_orphaned(parent: int, poll_s: float = ORPHAN_POLL_S) -> threading.Thread:
     """End this process when `parent` (the trainer, its pid passed in: it may die before we
     look) is no longer its parent. A trainer killed with SIGKILL (or SIGTERM outside the CLI)
@@ -365,7 +369,7 @@ class RolloutWorker:
         age = time.time() - self.channels.heartbeat.value
         if age > self.config.rollout_worker_timeout:
             self.stop(grace_s=0.0)  # a hung worker will not stop politely
-            raise RolloutWorkerError(
+            raise RolloutWorkerHung(
                 f"The rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout="
                 f"{self.config.rollout_worker_timeout} s): it is hung. Check the vLLM server and "
                 f"{self._hang_suspects()}, or raise rollout_worker_timeout.")
