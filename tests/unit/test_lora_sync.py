@@ -217,10 +217,10 @@ def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_
     assert folders() == []
 
 
-def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_path, monkeypatch):
+def _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch):
+    """An AdapterPusher of a q_proj LoRA whose server calls `_RecordingControl` records:
+    (control, model, pusher, the versions it announced as served)."""
     from types import SimpleNamespace
-
-    from grpo_agent.sampler.errors import SamplerError
 
     control = _RecordingControl()
     monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
@@ -230,6 +230,13 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
     pusher = AdapterPusher(args, model, base_is_stale=False)
     served = []
     pusher.on_served = served.append
+    return control, model, pusher, served
+
+
+def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_path, monkeypatch):
+    from grpo_agent.sampler.errors import SamplerError
+
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
 
     def refuse(name, path):
         raise SamplerError(f"could not load {name}")
@@ -255,18 +262,10 @@ def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_ho
     cannot take merged weights instead: the restore's push stops the run with the flags to
     restart it with (before, vLLM's bare 404 on /v1/load_lora_adapter, read as a missing
     VLLM_SERVER_DEV_MODE). Nothing is loaded or announced; the same server passes once fixed."""
-    from types import SimpleNamespace
 
     from grpo_agent.sampler.errors import WeightSyncError
 
-    control = _RecordingControl()
-    monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
-    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
-                           vllm_server_base_url="http://server", vllm_server_timeout=5)
-    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
-    pusher = AdapterPusher(args, model, base_is_stale=False)
-    served = []
-    pusher.on_served = served.append
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
     pusher.push(model, 1)
     pusher.reopen()  # the server was restarted by hand
     control.info, control.calls = info, []
