@@ -28,6 +28,8 @@ from grpo_agent.sampler.errors import (
 )
 from grpo_agent.sampler.server import find_free_port
 
+from tests.stand_in_http import send_reply
+
 
 class _Health(BaseHTTPRequestHandler):
     def do_GET(self):
@@ -355,20 +357,10 @@ class _ControlRoutes(BaseHTTPRequestHandler):
         self._reply({"success": True} if path == "/reset_prefix_cache" else {})
 
     def _reply_text(self, text):
-        payload = text.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_reply(self, text, content_type="text/plain")
 
     def _reply(self, body, status=200):
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_reply(self, body, status)
 
     def log_message(self, *args):
         pass

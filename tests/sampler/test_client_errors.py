@@ -24,6 +24,8 @@ from grpo_agent.sampler import (
 )
 from grpo_agent.sampler.client import NO_GENERATE_WARNED_ENV
 
+from tests.stand_in_http import send_reply
+
 MODELS = {"object": "list", "data": [{"id": "tiny", "max_model_len": 64}]}
 
 
@@ -53,12 +55,7 @@ class ScriptedServer:
                 self._reply(*outer.replies.pop(0))
 
             def _reply(self, status, body):
-                payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                send_reply(self, body, status)
 
             def log_message(self, *args):
                 pass

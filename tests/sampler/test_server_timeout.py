@@ -4,7 +4,6 @@ waiting for the server to become ready), against real sockets on localhost.
 `LoadingServer` behaves like `vllm serve`: it binds its port at once, but listens (and answers)
 only after `delay` seconds, so until then every connection is refused."""
 import asyncio
-import json
 import logging
 import socket
 import threading
@@ -16,6 +15,8 @@ import pytest
 from grpo_agent.sampler import ServerUnreachableError
 from grpo_agent.sampler.readiness import port_state, wait_until_ready
 from grpo_agent.train import setup
+
+from tests.stand_in_http import send_reply
 
 GENERATED = {"choices": [{"token_ids": [5], "finish_reason": "length",
                           "weight_versions": [{"version": "default", "start": 0, "end": 1}],
@@ -35,12 +36,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(GENERATED)
 
     def _reply(self, body):
-        payload = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_reply(self, body)
 
     def log_message(self, *args):
         pass
