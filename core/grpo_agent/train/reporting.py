@@ -266,9 +266,10 @@ def print_completions(samples: list, tokenizer, limit: int | None, step: int) ->
 # The training-reward summary compares the mean of the first and of the last this many logged
 # windows (fewer when the run logged under twice as many, so the two never overlap).
 REWARD_WINDOW_ROWS = 5
+Window = tuple[int, int, float]  # first step, last step, mean `reward`
 
 
-def reward_points(rows: list[dict]) -> list[tuple[int, int, float]]:
+def reward_points(rows: list[dict]) -> list[Window]:
     """(first step, last step, `reward`) of each training window (a row with `loss`) that scored
     a rollout; a window spans the steps since the previous training row (`logging_steps`)."""
     points, start = [], 1
@@ -281,9 +282,6 @@ def reward_points(rows: list[dict]) -> list[tuple[int, int, float]]:
     return points
 
 
-Window = tuple[int, int, float]  # first step, last step, mean `reward`
-
-
 def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS) -> tuple[Window, Window] | None:
     """The first and the last `size` scored windows (fewer for a short run), each as
     (first step, last step, mean `reward`); None when no window scored a rollout."""
@@ -292,7 +290,7 @@ def reward_windows(rows: list[dict], size: int = REWARD_WINDOW_ROWS) -> tuple[Wi
         return None
     n = max(1, min(size, len(points) // 2))
 
-    def window(part: list[tuple[int, int, float]]) -> Window:
+    def window(part: list[Window]) -> Window:
         return part[0][0], part[-1][1], sum(p[2] for p in part) / len(part)
 
     return window(points[:n]), window(points[-n:])
@@ -358,8 +356,6 @@ def _not_evaluated(out: Path, env_flags: str | None, eval_split: bool | None) ->
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m grpo_agent.train.reporting OUTPUT_DIR (a run's --output-dir)")
     print(run_summary(sys.argv[1]))
