@@ -205,7 +205,8 @@ def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
 
 
 def same_model(model: str, served_id: str) -> bool:
-    """Paths compare resolved; hub ids compare exactly (a server may add a local path)."""
+    """Equal names, or two existing paths that resolve alike, or else the same last path
+    component (a server may serve a hub id from a local folder of that name)."""
     if model == served_id:
         return True
     if os.path.exists(model) and os.path.exists(served_id):
