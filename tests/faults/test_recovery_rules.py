@@ -524,28 +524,46 @@ def test_the_token_budget_after_a_restore_with_another_max_model_len(
     oversize, counted and nothing said) and keeps its size with a shorter one (samples queued
     from before still fit). A configured budget stays, with the start check's warning that
     longer samples will be dropped. A restore in the middle of a step's pull grows the budget
-    of the step being planned too."""
+    of the step being planned too. Whatever was sized from the start budget follows it: the
+    FlashAttention choice (`flash_impl.expect_rows`) and the worker's allowance until its first
+    step reports (before, both kept the start budget); a measured step then stays."""
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.train import flash_impl
+
     monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    monkeypatch.setattr(flash_impl, "_expected_row_tokens", 512)  # as start_pipeline set it
     handler = type("Routes", (_ControlRoutes,), {})
     server, url = _serve(handler)
-    trainer = _pipeline_at(url, tmp_path, token_budget=configured)
+    trainer = _pipeline_at(url, tmp_path, token_budget=configured, gradient_accumulation_steps=2,
+                           max_staleness=1)  # the published allowance: one step of full rows
     assert trainer.token_budget == 512  # as at start, from a server of max_model_len 512
+    worker = RolloutWorker(AsyncRolloutLoop, config=trainer.args, model_name="tiny/Model",
+                           dataset=[], reward_funcs=[], processing_class=None,
+                           token_budget=512)  # its allowance and channels, not started
+    trainer.source = SimpleNamespace(worker=worker)
+
+    def sized():  # the row budget each part of the trainer holds: planner, kernels, allowance
+        return (trainer.token_budget, flash_impl._expected_row_tokens,
+                worker.allowance.step_tokens // 2, worker.channels.token_allowance.value)
+
     try:
         handler.max_model_len = 1024
         with caplog.at_level(logging.WARNING):
             trainer._restore_server()
         if configured is None:
-            assert trainer.token_budget == 1024
+            assert sized() == (1024, 1024, 1024, 2 * 1024)
             assert ("token_budget follows the restored vLLM server's max_model_len: 512 -> "
                     "1024") in caplog.text
         else:
-            assert trainer.token_budget == 512
+            assert sized() == (512, 512, 512, 2 * 512)
             assert ("token_budget=512 is below the restored vLLM server's max_model_len=1024: "
                     "samples longer than the budget will be dropped") in caplog.text
         handler.max_model_len = 256  # shorter: the budget keeps its size
         trainer._restore_server()
         assert trainer.token_budget == (1024 if configured is None else 512)
         assert trainer.pusher.pushed == [3, 3]
+        worker.report_step_tokens(300)  # a measured step: the allowance follows it, not rows
 
         met = []  # the budget the step's samples after the restore meet
 
@@ -554,11 +572,11 @@ def test_the_token_budget_after_a_restore_with_another_max_model_len(
             trainer._restore_server()
             met.append(planner.token_budget)
             return [], 0.0
-        trainer.source = SimpleNamespace(next_step=pull, worker=SimpleNamespace(
-            server_restored=lambda: None))
+        trainer.source.next_step = pull
         trainer.phases.enter = lambda *args, **kwargs: None
         trainer._next_step_plan()
         assert met == [2048 if configured is None else 512]
+        assert sized()[1:3] == ((2048, 150) if configured is None else (512, 150))
     finally:
         server.shutdown()
         server.server_close()

@@ -46,6 +46,7 @@ class TokenAllowance:
     consumed: int = 0  # forwarded tokens pulled so far, stale ones too
     base: int = 0  # max_staleness=0: `consumed` when the last step ended
     held: bool = False
+    measured: bool = False  # a step reported its tokens (`after_step`); before, full rows
     window_frac: float = 1.0  # share of the spec's window in use (see the module doc)
     _met_bound: bool = False  # a sample pulled since the last step was at the bound or dropped
     _stale_groups: set[int] = field(default_factory=set)
@@ -67,10 +68,16 @@ class TokenAllowance:
     def hold(self) -> None:
         self.held = True
 
+    def assume_step(self, tokens: int) -> None:
+        """A new assumed step (full rows of a budget that followed a restored server); a
+        step's measured tokens stay."""
+        if not self.measured:
+            self.step_tokens = int(tokens)
+
     def after_step(self, tokens: int) -> None:
         """The forwarded tokens the last step used; called after its push, so it ends a hold.
         The window in use shrinks if the step's samples met the staleness bound, else grows."""
-        self.step_tokens = int(tokens)
+        self.step_tokens, self.measured = int(tokens), True
         self.base, self.held = self.consumed, False
         floor = 1.0 / max(self.max_staleness, 1)  # one step's worth
         if self._met_bound:

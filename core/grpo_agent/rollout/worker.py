@@ -108,8 +108,7 @@ class RolloutWorker:
         self.channels = WorkerChannels.create(self._context)
         row_tokens = (token_budget or config.token_budget
                       or config.max_completion_length * config.num_generations)
-        self.allowance = TokenAllowance(config.max_staleness, initial_step_tokens(
-            row_tokens, config.gradient_accumulation_steps, getattr(config, "world_size", 1)))
+        self.allowance = TokenAllowance(config.max_staleness, self._full_step(row_tokens))
         self._publish_allowance()
         self._trainer_observations: list[Observation] = []
         self._process = None
@@ -210,6 +209,16 @@ class RolloutWorker:
         Called after the step's weight push, so it also ends a `hold_admission`."""
         self.allowance.after_step(tokens)
         self._publish_allowance()
+
+    def follow_token_budget(self, token_budget: int) -> None:
+        """The trainer's row budget followed a restored server: until the first step reports
+        its tokens, the allowance assumes full rows of the new budget."""
+        self.allowance.assume_step(self._full_step(token_budget))
+        self._publish_allowance()
+
+    def _full_step(self, row_tokens: int) -> int:
+        return initial_step_tokens(row_tokens, self.config.gradient_accumulation_steps,
+                                   getattr(self.config, "world_size", 1))
 
     def hold_admission(self) -> None:
         """Start no new group until the next `report_step_tokens` (see `TokenAllowance`)."""

@@ -44,9 +44,6 @@ class OfflineTrainer(AsyncGRPOTrainer):
     rollout worker."""
 
     def start_pipeline(self):
-        from grpo_agent.train import flash_impl
-
-        self.token_budget = self.args.token_budget
-        flash_impl.expect_rows(self.token_budget, replayed=self.args.cuda_graphs)  # as the real one
+        self._use_token_budget(self.args.token_budget)  # as the real one (before its worker)
         self.pusher = NoPush()
         self.source = self._step_source(ScriptedWorker(list(self.samples)))

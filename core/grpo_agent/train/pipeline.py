@@ -40,9 +40,7 @@ class RolloutPipelineMixin:
         # watches its collective phases (train/collectives.py).
         self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
-        self.token_budget = setup.token_budget(self.args.token_budget, facts.max_model_len)
-        # FlashAttention 4 only for GPU-bound rows (long, or replayed through CUDA graphs)
-        flash_impl.expect_rows(self.token_budget, replayed=self.args.cuda_graphs)
+        self._use_token_budget(setup.token_budget(self.args.token_budget, facts.max_model_len))
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, or a server an earlier run pushed into. A fresh server already has them.
@@ -162,8 +160,8 @@ class RolloutPipelineMixin:
 
     def _server_restored(self) -> None:
         """After a restore: the token budget follows the restored server's max_model_len where
-        it was taken from the server (`setup.token_budget`; rank 0 plans, and has the facts),
-        and the worker re-reads the server's facts before its next group."""
+        it was taken from the server (`setup.token_budget`, `_use_token_budget`; rank 0 plans,
+        and has the facts), and the worker re-reads the server's facts before its next group."""
         facts = self.recovery.facts
         if facts is not None:
             budget = setup.token_budget(self.args.token_budget, facts.max_model_len,
@@ -173,11 +171,21 @@ class RolloutPipelineMixin:
                     "token_budget follows the restored vLLM server's max_model_len: %d -> %d "
                     "(packed rows of up to %d tokens from now on; set token_budget to keep it "
                     "fixed).", self.token_budget, budget, budget)
-                self.token_budget = budget
-                if self._planning is not None:  # restored during this step's pull
-                    self._planning.token_budget = budget  # grows only: its rows still fit
+                self._use_token_budget(budget)
         if self.source is not None:
             self.source.worker.server_restored()
+
+    def _use_token_budget(self, budget: int) -> None:
+        """The one home of the row budget (at start, and when it follows a restored server):
+        the trainer's, the step being planned's, FlashAttention's kernel choice and the worker's
+        allowance before its first step (each kept the start budget after a restore)."""
+        self.token_budget = budget
+        # FlashAttention 4 only for GPU-bound rows (long, or replayed through CUDA graphs)
+        flash_impl.expect_rows(budget, replayed=self.args.cuda_graphs)
+        if self._planning is not None:  # restored during this step's pull
+            self._planning.token_budget = budget  # grows only: its rows still fit
+        if self.source is not None:
+            self.source.worker.follow_token_budget(budget)
 
     def _share_step_plan(self, plan: Any) -> Any:
         """Under FSDP: rank 0's step `plan` on every rank. Before it, rank 0 may send restore
