@@ -10,6 +10,8 @@ import pytest
 from grpo_agent.sampler.client import SamplerClient
 from grpo_agent.sampler.server_facts import LoraServerLimits, ServerFacts, find_key, probe_server
 
+from tests.stand_in_http import send_reply
+
 SERVER_INFO = {
     "vllm_config": {
         "model_config": {"dtype": "torch.bfloat16", "logprobs_mode": "processed_logprobs",
@@ -46,8 +48,8 @@ class FakeServer:
                     self._reply(404, {"detail": "Not Found"})
                 elif self.path.startswith("/server_info"):
                     self._reply(200, SERVER_INFO)
-                else:
-                    self._reply(outer.metrics_status, METRICS)
+                else:  # Prometheus text, as vLLM sends it
+                    send_reply(self, METRICS, outer.metrics_status, content_type="text/plain")
 
             def do_POST(self):
                 outer.calls.append(self.path)
@@ -55,11 +57,7 @@ class FakeServer:
                 self._reply(200, GENERATED)
 
             def _reply(self, status, body):
-                payload = (body if isinstance(body, str) else json.dumps(body)).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                send_reply(self, body, status)
 
             def log_message(self, *args):
                 pass

@@ -14,6 +14,8 @@ from grpo_agent.weight_sync.transports import control as control_module
 from grpo_agent.weight_sync.transports.control import ServerControl, start_update
 from grpo_agent.weight_sync.transports.gloo import RENDEZVOUS_THREAD
 
+from tests.stand_in_http import send_reply
+
 
 class NoTransferEngineHandler(BaseHTTPRequestHandler):
     """A server whose workers have no weight-transfer engine (vLLM answers 500)."""
@@ -26,11 +28,7 @@ class NoTransferEngineHandler(BaseHTTPRequestHandler):
         self._reply(500, {"error": {"message": "Weight transfer not configured."}})
 
     def _reply(self, status, body):
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_reply(self, body, status)
 
     def log_message(self, *args):
         pass
