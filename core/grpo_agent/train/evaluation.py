@@ -21,7 +21,13 @@ from typing import Any, Protocol
 
 from transformers import TrainerCallback
 
-from grpo_agent.rollout.evaluation import EvalResult, EvalSession, EvalSettings, run_evaluation
+from grpo_agent.rollout.evaluation import (
+    EvalResult,
+    EvalSession,
+    EvalSettings,
+    EvaluationInterrupted,
+    run_evaluation,
+)
 
 
 class TrainerView(Protocol):
@@ -47,6 +53,9 @@ class TrainerView(Protocol):
 
     def settle_push(self) -> None:
         """Until the server serves `model_version` (a push may still be sending)."""
+
+    def server_restores(self) -> int:
+        """How many times the run has restored its server (the session re-reads it after one)."""
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +163,8 @@ class TrainingEvaluator:
             reward_funcs=trainer.reward_funcs, settings=self.settings, tools=trainer.tools,
             environment_factory=trainer.environment_factory,
             lora_name=getattr(trainer.pusher, "lora_name", None),
-            model_name=str(trainer.model.config._name_or_path))
+            model_name=str(trainer.model.config._name_or_path),
+            restores=getattr(trainer, "server_restores", None))  # None: a stand-in trainer
 
     @property
     def running(self) -> bool:
@@ -189,13 +199,18 @@ class TrainingEvaluator:
             runner.close()
 
     def take_finished(self) -> dict[str, float] | None:
-        """The last finished evaluation's metrics (once), or None; raises its error."""
+        """The last finished evaluation's metrics (once), or None; raises its error, but one
+        interrupted by a server restore is only said: the run survives the restore."""
         if self._future is not None and self._future.done():
             self.wait()
         if self._future is not None:
             return None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, EvaluationInterrupted):
+                logger.warning("The evaluation of step %d is dropped: %s Training goes on.",
+                               self._step, error)
+                return None
             raise RuntimeError(f"The evaluation of step {self._step} failed: {error}") from error
         if self._result is None:
             return None

@@ -130,6 +130,13 @@ class RolloutPipelineMixin:
         return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
                               ranks=self.phases, needs=setup.server_needs(self.args, self.model))
 
+    def server_restores(self) -> int:
+        """How many times this run restored its server: an evaluation reads the server's facts
+        again after one (`rollout.evaluation.EvalSession`). Its thread calls this, so it never
+        builds `recovery` (that is the trainer's own thread's)."""
+        recovery = self.__dict__.get("recovery")
+        return 0 if recovery is None else recovery.restarts
+
     def push_weights(self) -> None:
         """Push the policy as `model_version`; a failed push is retried once after restoring
         the server (`sampler.recovery`). The push may still be sending when this returns
