@@ -516,3 +516,36 @@ def test_an_estimator_returning_no_numbers_is_named(tiny_tokenizer, tmp_path):
                        r"not numbers; return one float per rollout \(AsyncRolloutLoop, "
                        r"advantage_estimator='.*:worded_estimator'\)"):
         _score_plain(loop, results)
+
+
+def test_every_group_a_raising_reward_costs_is_counted_the_one_that_stops_the_run_too(
+        tiny_tokenizer, tmp_path):
+    """A reward failing 2 groups in a row under a window of 2: the worker's
+    rollout/reward_error_count is 2, as many as the stop message names (it said 1: the group
+    whose failure stopped the run lost its observations with the raise)."""
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.scoring import RewardFunctionError
+
+    def judge(completions, **kwargs):
+        raise ValueError("judge is down")
+
+    loop = AsyncRolloutLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                            reward_funcs=[judge], processing_class=tiny_tokenizer,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+    engine = RolloutEngine(loop, SimpleNamespace(samples=SimpleNamespace(put=lambda item: None)))
+    engine._failures = RewardFailureTracker(window=2)
+    results = [(ROW["prompt"], _plain_rollout(tiny_tokenizer, text), None) for text in "ab"]
+
+    async def main():
+        with ThreadPoolExecutor(2) as executor:
+            loop.tool_executor = executor
+            for group_id in range(2):
+                group = await build_group(loop, PromptSlot(group_id, group_id, 0, ROW), group_id,
+                                          0, results, engine.observe, engine.observe_rate)
+                engine._groups_in_flight += 1
+                await engine._score(group)
+
+    with pytest.raises(RewardFunctionError, match="'judge' raised on 2 groups in a row"):
+        asyncio.run(main())
+    counts = [value for name, value in engine._observations if name == "rollout/reward_error_count"]
+    assert counts == [1.0, 1.0]

@@ -280,6 +280,8 @@ class RolloutEngine:
     async def _score(self, group: RolloutGroup) -> None:
         scored = await score_group(self.loop, group, self._failures)
         self._observations += scored.observations
+        if scored.stops_run is not None:
+            raise scored.stops_run
         if scored.reason == "stalled":
             self._drop_stalled(group.prompt_index, group.row_index)
             return

@@ -24,6 +24,7 @@ from grpo_agent.rollout.prompts import PromptSlot
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.rollout.scoring import (
     RewardFailureTracker,
+    RewardFunctionError,
     add_rollout_sources,
     has_signal,
     run_reward_functions,
@@ -36,11 +37,14 @@ from grpo_agent.types import RolloutGroup, TrainingSample, TurnRecord
 class ScoredGroup:
     """What scoring made of a group: samples to queue, or `reason` (a `PromptConsumed`
     reason: "zero_std", "agent_error", "unscored", "reward_error", "stalled") when it gives
-    none."""
+    none. `stops_run`: the error that stops the run (a reward function failed a window of
+    groups in a row); the engine raises it after keeping `observations`, so the run's counts
+    include the group that stopped it."""
 
     samples: list[TrainingSample]
     reason: str | None
     observations: list[Observation] = field(default_factory=list)
+    stops_run: RewardFunctionError | None = None
 
 
 async def build_group(loop, slot: PromptSlot, group_id: int, version: int, results: list,
@@ -82,12 +86,17 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
             scores, failure = await run_reward_functions(loop.reward_funcs, group, loop.tool_executor)
     except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
         return ScoredGroup([], "stalled")
-    failures.record(list(loop.reward_funcs), failure)
     seen = observations.completion_observations(
         group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
         with_tool_failures=loop.runs_tools)
     if failure is not None:
-        return ScoredGroup([], "reward_error", [*seen, ("rollout/reward_error_count", 1.0)])
+        seen.append(("rollout/reward_error_count", 1.0))
+    try:
+        failures.record(list(loop.reward_funcs), failure)
+    except RewardFunctionError as error:
+        return ScoredGroup([], "reward_error", seen, stops_run=error)
+    if failure is not None:
+        return ScoredGroup([], "reward_error", seen)
     add_rollout_sources(scores, group)
     group.rewards = scores.total(len(group.rollouts))
     where = f"{type(loop).__name__}, advantage_estimator={loop.config.advantage_estimator!r}"
