@@ -387,3 +387,42 @@ def test_an_instance_whose_cancelled_reset_still_runs_is_not_handed_to_the_next_
     first_env = BUILT[0]
     assert second.env is not first_env and len(BUILT) == 2
     assert first_env.resets == 1 and second.env.resets == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_reset_that_holds_most_threads_stops_the_next_rollout_naming_it():
+    """A reset cancelled with its rollout keeps its thread like a timed-out tool call, but the
+    pool did not count it: with an environment whose reset always hangs past the `env_reset`
+    stage, the pool drained one cancelled reset at a time and the next rollout waited for a
+    thread. Now it counts, and the next rollout's start stops the run naming the reset."""
+    from grpo_agent.rollout.concurrency import ToolThreadsHeldError
+
+    pool = RolloutThreadPool(1, "max_concurrent_rollouts")
+    runner = EnvironmentRunner(SlowResetEnv, pool)
+
+    async def cancel_then_start_again():
+        first = asyncio.create_task(runner.start({}))
+        while not BUILT:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(BUILT[0].resetting.wait, 10)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        held = pool.held()
+        with pytest.raises(ToolThreadsHeldError) as stopped:
+            await asyncio.wait_for(runner.start({}), 5)  # not a wait for the held thread
+        return held, str(stopped.value)
+
+    BUILT.clear()
+    PAGE_SERVED.clear()
+    try:
+        held, message = asyncio.run(cancel_then_start_again())
+    finally:
+        PAGE_SERVED.set()
+        pool.shutdown(wait=True)
+    assert held == {"SlowResetEnv.reset": 1}
+    assert message.startswith(
+        "Sync call 'SlowResetEnv.reset' was cancelled with its rollout (its group stalled or was "
+        "dropped) and has not returned: timed-out or cancelled calls ('SlowResetEnv.reset' 1) "
+        "hold 1 of the 1 threads (max_concurrent_rollouts)"), message
+    assert pool.held() == {}  # the reset returned: its thread is free again

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fault_helpers import record_fault_to_outcome
 
 RELEASE = threading.Event()
+LOOKING_UP = threading.Event()  # a `lookup` call runs in its thread
 
 
 def lookup(key: str) -> str:
@@ -33,6 +34,7 @@ def lookup(key: str) -> str:
     Args:
         key: the key.
     """
+    LOOKING_UP.set()
     RELEASE.wait(600)
     return key
 
@@ -123,6 +125,37 @@ def test_a_sync_tool_whose_timed_out_calls_hold_most_of_the_pool_stops_the_run_n
         RELEASE.set()
         pool.shutdown(wait=True)
     assert pool.held() == {}  # the calls returned: their threads are free again
+
+
+@pytest.mark.timeout(30)
+def test_a_sync_call_cancelled_with_its_rollout_counts_toward_the_held_threads():
+    """A rollout cancelled mid-call (its group stalled or dropped) leaves the sync call
+    running in its thread just as a timeout does, but only timed-out calls were counted: here
+    one cancelled and one timed-out call hold 2 of 3 threads and nothing stopped the run."""
+    pool = RolloutThreadPool(3, "max_concurrent_rollouts")
+    tools = {"lookup": lookup}
+
+    async def cancel_mid_call():
+        task = asyncio.create_task(execute_tool_call(ToolCall("lookup", {"key": "x"}), tools, pool, 30))
+        await asyncio.to_thread(LOOKING_UP.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    RELEASE.clear()
+    LOOKING_UP.clear()
+    try:
+        asyncio.run(cancel_mid_call())
+        assert pool.held() == {"lookup": 1}
+        with pytest.raises(ToolThreadsHeldError) as held:  # 1 cancelled + 1 timed out of 3
+            asyncio.run(execute_tool_call(ToolCall("lookup", {"key": "x"}), tools, pool, 0.05))
+        assert str(held.value).startswith(
+            "Sync tool 'lookup' timed out (tool_timeout_s=0.05) and its calls have not returned: "
+            "timed-out or cancelled calls ('lookup' 2) hold 2 of the 3 threads"), str(held.value)
+    finally:
+        RELEASE.set()
+        pool.shutdown(wait=True)
+    assert pool.held() == {}
 
 
 @pytest.mark.timeout(30)

@@ -116,6 +116,9 @@ async def execute_tool_call(
         known = ", ".join(sorted(tools_by_name)) or "none"
         message = f"Unknown tool {call.name!r}. Available tools: {known}."
         return ToolOutcome(call.name, render_tool_error(message), True, unknown_name=True)
+    if not inspect.iscoroutinefunction(tool) and isinstance(executor, RolloutThreadPool):
+        # cancelled calls may already hold most threads: stop, naming them
+        executor.check_held()
     started = time.perf_counter()
     in_thread = None  # a sync tool's call in the pool
     try:
@@ -136,6 +139,7 @@ async def execute_tool_call(
     except asyncio.CancelledError:  # the rollout was cancelled: the thread may still run
         if in_thread is not None and isinstance(executor, RolloutThreadPool):
             executor.busy_until_done(getattr(tool, "__self__", None), in_thread)
+            executor.hold(call.name, in_thread, timeout_s, cancelled=True)  # counts, never raises
         raise
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True

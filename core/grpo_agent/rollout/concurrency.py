@@ -7,8 +7,9 @@ Design decision: the cap follows the spec's rule exactly and is a pure state mac
 (at most once per cap's worth of completed rollouts), and shrinks by 30 % above 80 % usage:
 running rollouts finish, new ones wait. `max_concurrent_rollouts` bounds it always, and is the
 cap itself when the server exposes no `/metrics`. The worker's thread pool
-(`RolloutThreadPool`) lives here too: it counts the threads timed-out sync tools still hold,
-and knows which objects (environment instances) such calls still run on.
+(`RolloutThreadPool`) lives here too: it counts the threads that sync calls their rollouts
+stopped waiting for (timed out or cancelled) still hold, and knows which objects (environment
+instances) such calls still run on.
 """
 from __future__ import annotations
 
@@ -100,17 +101,23 @@ class RolloutSlots:
 
 
 class ToolThreadsHeldError(RuntimeError):
-    """Sync tool calls that timed out and never returned hold most of the rollout threads."""
+    """Sync calls their rollouts stopped waiting for (timed out, or cancelled with the
+    rollout) and that never returned hold most of the rollout threads."""
 
 
 class RolloutThreadPool(ThreadPoolExecutor):
     """The pool for a rollout process's blocking work (sync tools, environments, rewards, chat
-    templates) that counts the threads still held by sync tool calls that timed out.
+    templates) that counts the threads still held by sync calls their rollouts stopped
+    waiting for.
 
     A thread cannot be stopped, so a sync tool that always hangs takes the pool one timed-out
     call at a time; then every rollout waits for a thread and the run ended only at
-    `no_progress_timeout` (30 min), naming nothing. Once such calls hold more than half the
-    threads, `hold` raises `ToolThreadsHeldError` naming the tool and the fix instead.
+    `no_progress_timeout` (30 min), naming nothing. A call cancelled with its rollout (its
+    group stalled or dropped: an environment's `reset` past its deadline) keeps its thread the
+    same way. Both are counted (`hold`); once they hold more than half the threads, a timed-out
+    call's `hold` or the next sync tool or environment call's `check_held` raises
+    `ToolThreadsHeldError` naming the call and the fix. A cancelled call's `hold` only counts:
+    it runs while its rollout is torn down, where a raise would be swallowed.
 
     Such a call also keeps running on its tool's instance (an environment's bound method):
     `busy_until_done` records that, and `is_busy` tells the environment pool not to hand the
@@ -121,28 +128,43 @@ class RolloutThreadPool(ThreadPoolExecutor):
         super().__init__(size, thread_name_prefix=thread_name_prefix)
         self.size, self.setting = size, setting
         self._held: Counter[str] = Counter()
+        self._cancelled: Counter[str] = Counter()  # of those, the calls cancelled with a rollout
+        self._timeout_s: float | None = None  # tool_timeout_s, for the message
         self._busy: dict[int, list] = {}  # id(owner) -> [owner, calls still running on it]
         self._lock = threading.Lock()
 
     def held(self) -> dict[str, int]:
-        """Threads held by timed-out calls, by tool name."""
+        """Threads held by timed-out or cancelled calls, by tool (or environment method) name."""
         with self._lock:
             return +self._held
 
-    def hold(self, tool: str, call: Future, timeout_s: float) -> None:
-        """Count `call`'s thread (a call of `tool` past `timeout_s`) until the call returns."""
+    def hold(self, tool: str, call: Future, timeout_s: float | None, *,
+             cancelled: bool = False) -> None:
+        """Count `call`'s thread until the call returns: a call of `tool` past `timeout_s`
+        (raises once held calls hold more than half the threads), or, `cancelled`, one whose
+        rollout was cancelled mid-call (counts only)."""
         with self._lock:
             if call.done():  # returned meanwhile, or cancelled before it started
                 return
             self._held[tool] += 1
-            held = +self._held
-        call.add_done_callback(lambda _: self._release(tool))
-        if sum(held.values()) * 2 > self.size:
-            raise ToolThreadsHeldError(self._held_message(held, timeout_s))
+            self._cancelled[tool] += cancelled
+            if timeout_s is not None:
+                self._timeout_s = timeout_s
+        call.add_done_callback(lambda _: self._release(tool, cancelled))
+        if not cancelled:
+            self.check_held()
 
-    def _release(self, tool: str) -> None:
+    def check_held(self) -> None:
+        """Raise `ToolThreadsHeldError` when held calls hold more than half the threads."""
+        with self._lock:
+            held, cancelled = +self._held, +self._cancelled
+        if sum(held.values()) * 2 > self.size:
+            raise ToolThreadsHeldError(self._held_message(held, cancelled))
+
+    def _release(self, tool: str, cancelled: bool) -> None:
         with self._lock:
             self._held[tool] -= 1
+            self._cancelled[tool] -= cancelled
 
     def busy_until_done(self, owner: object, call: Future) -> None:
         """Mark `owner` (a bound tool's `__self__`) busy until `call`, which its caller stopped
@@ -167,12 +189,18 @@ class RolloutThreadPool(ThreadPoolExecutor):
         with self._lock:
             return id(owner) in self._busy
 
-    def _held_message(self, held: dict[str, int], timeout_s: float) -> str:
+    def _held_message(self, held: dict[str, int], cancelled: dict[str, int]) -> str:
         worst = max(held, key=held.get)
         calls = ", ".join(f"{name!r} {count}" for name, count in
                           sorted(held.items(), key=lambda item: -item[1]))
-        return (f"Sync tool {worst!r} timed out (tool_timeout_s={timeout_s:g}) and its calls "
-                f"have not returned: timed-out calls ({calls}) hold {sum(held.values())} of the "
+        timeout = "" if self._timeout_s is None else f" (tool_timeout_s={self._timeout_s:g})"
+        if cancelled.get(worst, 0) < held[worst]:
+            what = f"Sync tool {worst!r} timed out{timeout} and its calls have not returned"
+        else:
+            what = (f"Sync call {worst!r} was cancelled with its rollout (its group stalled or "
+                    "was dropped) and has not returned")
+        kind = "timed-out or cancelled calls" if cancelled else "timed-out calls"
+        return (f"{what}: {kind} ({calls}) hold {sum(held.values())} of the "
                 f"{self.size} threads ({self.setting}) that tools, environments and rewards "
                 "share, and a thread cannot be stopped, so rollouts would wait for a thread until "
                 f"no_progress_timeout. Make {worst!r} return within tool_timeout_s (a timeout on "

@@ -138,7 +138,8 @@ class EnvironmentRunner:
 
     async def _run(self, fn: Callable, *args, **kwargs) -> Any:
         """Await `fn` when it is a coroutine function, else run it in the worker's thread pool;
-        cancelled there, its instance stays busy until the thread returns (`_give_back`)."""
+        cancelled there, its instance stays busy until the thread returns (`_give_back`) and
+        its thread counts as held (`RolloutThreadPool.hold`)."""
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs)
         call = self._executor.submit(functools.partial(fn, *args, **kwargs))
@@ -147,6 +148,7 @@ class EnvironmentRunner:
         except asyncio.CancelledError:
             if isinstance(self._executor, RolloutThreadPool):
                 self._executor.busy_until_done(getattr(fn, "__self__", None), call)
+                self._executor.hold(getattr(fn, "__qualname__", repr(fn)), call, None, cancelled=True)
             raise
 
     def _give_back(self, key: str, env: Any) -> None:
@@ -157,6 +159,8 @@ class EnvironmentRunner:
     async def start(self, row: dict[str, Any]) -> EnvEpisode:
         """Take (or build) an instance, reset it with the row and build the rollout's prompt."""
         key, kwargs = self._route(row)
+        if isinstance(self._executor, RolloutThreadPool):  # not in `_run`: reset wraps its errors
+            self._executor.check_held()
         env = self._idle[key].pop() if self._idle[key] else await self._run(self._factories[key])
         started = time.perf_counter()
         try:
