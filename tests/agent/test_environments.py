@@ -314,6 +314,42 @@ def test_an_instance_a_timed_out_sync_tool_still_runs_on_is_not_handed_to_the_ne
 
 
 @pytest.mark.timeout(60)
+def test_a_rollout_whose_own_tool_call_went_late_is_left_unscored_and_its_next_call_refused(
+        scripted_loop):
+    """The instance's own rollout raced its timed-out call too: its next `fetch` ran beside
+    the late one, and `get_reward` read the late write (reward 1.0 or 2.0 for a rollout whose
+    transcript says both fetches failed, depending on the thread timing). Now the next call on
+    the instance is refused while the late one runs, and the environment leaves the rollout
+    unscored whether or not the late call has returned by `finish`."""
+    call = '<tool_call>\n{"name": "fetch", "arguments": {"url": "a"}}\n</tool_call>'
+    loop = scripted_loop([call, call, "Done."], tool_timeout_s=0.05)
+    loop.tool_executor.shutdown(wait=False)
+    loop.tool_executor = pool = RolloutThreadPool(4, "max_concurrent_rollouts")
+
+    async def rollout():
+        runner = EnvironmentRunner(SlowToolEnv, pool)
+        episode = await runner.start({})
+        result = await run_tool_loop(loop, episode.prompt, episode.tools, group_id=0)
+        PAGE_SERVED.set()  # the late call returns now and writes to the instance
+        while pool.is_busy(episode.env):
+            await asyncio.sleep(0.01)
+        return episode, result, await runner.finish(episode)
+
+    PAGE_SERVED.clear()
+    try:
+        episode, result, reward = asyncio.run(rollout())
+    finally:
+        PAGE_SERVED.set()
+        pool.shutdown(wait=True)
+    answers = [json.loads(m["content"]) for m in result.completion if m["role"] == "tool"]
+    assert answers == [{"error": "Tool 'fetch' timed out after 0.05 s."},
+                       {"error": "Tool 'fetch' was not run: the earlier call of 'fetch' timed out "
+                                 "and still runs on the same environment."}]
+    assert episode.env.fetched == ["a"]  # the late write landed, and only one
+    assert reward is None  # get_reward would have read it: 1.0
+
+
+@pytest.mark.timeout(60)
 def test_a_cancelled_sync_tool_call_keeps_its_instance_busy_until_its_thread_returns():
     """A rollout cancelled mid-call (its group dropped) leaves the call's thread running on the
     instance: the pool marks it busy until the call returns, as for a timeout."""

@@ -116,9 +116,15 @@ async def execute_tool_call(
         known = ", ".join(sorted(tools_by_name)) or "none"
         message = f"Unknown tool {call.name!r}. Available tools: {known}."
         return ToolOutcome(call.name, render_tool_error(message), True, unknown_name=True)
-    if not inspect.iscoroutinefunction(tool) and isinstance(executor, RolloutThreadPool):
-        # cancelled calls may already hold most threads: stop, naming them
-        executor.check_held()
+    owner = getattr(tool, "__self__", None)
+    if isinstance(executor, RolloutThreadPool):
+        if not inspect.iscoroutinefunction(tool):  # cancelled calls may hold most threads
+            executor.check_held()
+        late = executor.late_call_running(owner)
+        if late is not None:  # two calls at once on one instance: neither result is to trust
+            message = (f"Tool {call.name!r} was not run: the earlier call of {late!r} timed out "
+                       "and still runs on the same environment.")
+            return ToolOutcome(call.name, render_tool_error(message), True)
     started = time.perf_counter()
     in_thread = None  # a sync tool's call in the pool
     try:
@@ -134,11 +140,11 @@ async def execute_tool_call(
             "" if in_thread is None else
             "; a sync tool's thread cannot be stopped and stays busy until the tool returns"))
         if in_thread is not None and isinstance(executor, RolloutThreadPool):
-            executor.busy_until_done(getattr(tool, "__self__", None), in_thread)
+            executor.busy_until_done(owner, in_thread, call.name)
             executor.hold(call.name, in_thread, timeout_s)  # raises once they hold most threads
     except asyncio.CancelledError:  # the rollout was cancelled: the thread may still run
         if in_thread is not None and isinstance(executor, RolloutThreadPool):
-            executor.busy_until_done(getattr(tool, "__self__", None), in_thread)
+            executor.busy_until_done(owner, in_thread)
             executor.hold(call.name, in_thread, timeout_s, cancelled=True)  # counts, never raises
         raise
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)

@@ -121,7 +121,10 @@ class RolloutThreadPool(ThreadPoolExecutor):
 
     Such a call also keeps running on its tool's instance (an environment's bound method):
     `busy_until_done` records that, and `is_busy` tells the environment pool not to hand the
-    instance to another rollout while the call can still change it."""
+    instance to another rollout while the call can still change it. Its own rollout must not
+    trust the instance either: while `watch`ed (an episode's environment), the names of such
+    calls are kept for `unwatch`, and `late_call_running` tells the tool loop to refuse its
+    next tool calls while one still runs."""
 
     def __init__(self, size: int, setting: str, thread_name_prefix: str = "") -> None:
         """`setting`: the config field that sized the pool, for the error message."""
@@ -131,6 +134,7 @@ class RolloutThreadPool(ThreadPoolExecutor):
         self._cancelled: Counter[str] = Counter()  # of those, the calls cancelled with a rollout
         self._timeout_s: float | None = None  # tool_timeout_s, for the message
         self._busy: dict[int, list] = {}  # id(owner) -> [owner, calls still running on it]
+        self._watched: dict[int, list] = {}  # id(owner) -> [owner, names of its late calls]
         self._lock = threading.Lock()
 
     def held(self) -> dict[str, int]:
@@ -166,12 +170,16 @@ class RolloutThreadPool(ThreadPoolExecutor):
             self._held[tool] -= 1
             self._cancelled[tool] -= cancelled
 
-    def busy_until_done(self, owner: object, call: Future) -> None:
+    def busy_until_done(self, owner: object, call: Future, name: str | None = None) -> None:
         """Mark `owner` (a bound tool's `__self__`) busy until `call`, which its caller stopped
-        waiting for (timed out or cancelled), returns; None or a finished call marks nothing."""
+        waiting for (timed out or cancelled), returns; None or a finished call marks nothing.
+        A watched owner records `name` either way (a call that returned just now wrote too)."""
         if owner is None:
             return
         with self._lock:
+            watched = self._watched.get(id(owner))
+            if watched is not None and name is not None:
+                watched[1].append(name)
             if call.done():
                 return
             self._busy.setdefault(id(owner), [owner, 0])[1] += 1  # keeps owner (and its id) alive
@@ -188,6 +196,24 @@ class RolloutThreadPool(ThreadPoolExecutor):
         """Whether a call its caller stopped waiting for still runs on `owner`."""
         with self._lock:
             return id(owner) in self._busy
+
+    def watch(self, owner: object) -> None:
+        """Record, until `unwatch`, the calls on `owner` (an episode's environment instance)
+        that their callers stop waiting for."""
+        with self._lock:
+            self._watched[id(owner)] = [owner, []]
+
+    def unwatch(self, owner: object) -> list[str]:
+        """Stop watching `owner`; the names of its calls recorded meanwhile."""
+        with self._lock:
+            entry = self._watched.pop(id(owner), None)
+        return [] if entry is None else entry[1]
+
+    def late_call_running(self, owner: object) -> str | None:
+        """The name of a recorded call still running on the watched `owner`, else None."""
+        with self._lock:
+            watched = self._watched.get(id(owner))
+            return watched[1][-1] if watched and watched[1] and id(owner) in self._busy else None
 
     def _held_message(self, held: dict[str, int], cancelled: dict[str, int]) -> str:
         worst = max(held, key=held.get)

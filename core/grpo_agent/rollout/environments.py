@@ -11,7 +11,8 @@ environment's tools. An instance that a sync call its rollout stopped waiting fo
 on (a tool past `tool_timeout_s`, a `reset` / `get_reward` / tool cancelled with its rollout)
 is dropped, not pooled: a thread cannot be stopped, so the next rollout would see its state
 change under it; a fresh instance is built when one is needed (`RolloutThreadPool` bounds how
-many such calls there can be).
+many such calls there can be). Its own rollout, whose transcript says the call failed, is left
+unscored by the environment (`finish` skips `get_reward`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import asyncio
 import copy
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,8 @@ from typing import Any
 from grpo_agent.plugins.schemas import public_tool_names
 from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.scoring import checked_reward
+
+logger = logging.getLogger(__name__)
 
 ROUTING_COLUMN = "environment"
 
@@ -151,6 +155,12 @@ class EnvironmentRunner:
                 self._executor.hold(getattr(fn, "__qualname__", repr(fn)), call, None, cancelled=True)
             raise
 
+    def abandon(self, episode: EnvEpisode) -> None:
+        """The episode's rollout ended without `finish` (cancelled, or it raised): forget its
+        instance (not pooled: a call may still run on it)."""
+        if isinstance(self._executor, RolloutThreadPool):
+            self._executor.unwatch(episode.env)
+
     def _give_back(self, key: str, env: Any) -> None:
         """Pool `env` again, unless a call its rollout stopped waiting for still runs on it."""
         if not (isinstance(self._executor, RolloutThreadPool) and self._executor.is_busy(env)):
@@ -180,10 +190,13 @@ class EnvironmentRunner:
                 "it must return the task text (a str) or None."
             )
         prompt = build_prompt(row, reset_text)
-        return EnvEpisode(
+        episode = EnvEpisode(
             env=env, prompt=prompt, tools=environment_tools(env), reset_s=reset_s, pool_key=key,
             metrics={"env/reset_s": [reset_s]},
         )
+        if isinstance(self._executor, RolloutThreadPool):  # its tools' late calls, for `finish`
+            self._executor.watch(env)
+        return episode
 
     async def finish(self, episode: EnvEpisode) -> tuple[type, float] | None:
         """Score the episode with `get_reward()` (if defined) and return the env to its pool.
@@ -191,10 +204,18 @@ class EnvironmentRunner:
         Returns `(env class, reward)`; the class names the reward source. An exception from
         `get_reward` is raised as `EnvironmentRewardError` after the instance has gone back to
         the pool (dropped instead while a timed-out or cancelled call still runs on it).
+        Returns None (the env leaves the rollout unscored) when one of the episode's own tool
+        calls timed out: its thread went on writing to the instance, so `get_reward` would
+        read a state the transcript (where the call failed) does not show, or read it mid-write.
         """
         get_reward = getattr(episode.env, "get_reward", None)
+        late = (self._executor.unwatch(episode.env)
+                if isinstance(self._executor, RolloutThreadPool) else [])
         try:
             if get_reward is None:
+                return None
+            if late:
+                _warn_unscored(type(episode.env).__name__, late[0])
                 return None
             started = time.perf_counter()
             try:
@@ -209,3 +230,19 @@ class EnvironmentRunner:
             return type(episode.env), checked_reward(reward, who)
         finally:
             self._give_back(episode.pool_key, episode.env)
+
+
+_warned_unscored: set[tuple[str, str]] = set()
+
+
+def _warn_unscored(env_name: str, tool: str) -> None:
+    """Once per environment and tool: a rollout left unscored for a late tool call."""
+    if (env_name, tool) in _warned_unscored:
+        return
+    _warned_unscored.add((env_name, tool))
+    logger.warning(
+        "%s.get_reward() was not called for a rollout whose %r call timed out (tool_timeout_s): "
+        "the call's thread went on changing the instance, so the reward would read a state the "
+        "rollout's transcript does not show. The environment leaves such rollouts unscored "
+        "(said once; tools/%s/failure_count counts the timeouts). Make %r return within "
+        "tool_timeout_s, or make it `async def`.", env_name, tool, tool, tool)

@@ -195,8 +195,13 @@ class AsyncRolloutLoop:
             prompt, tools = episode.prompt, [*self.tools, *episode.tools]
         else:
             prompt, tools = _row_prompt(row), self.tools
-        prompt = self._without_images(prompt, row_index)
-        rollout = await self.generate_one(prompt, tools, group_id)
+        try:
+            prompt = self._without_images(prompt, row_index)
+            rollout = await self.generate_one(prompt, tools, group_id)
+        except BaseException:
+            if episode is not None:
+                self.env_runner.abandon(episode)
+            raise
         env_reward = None
         if episode is not None:
             with self.stalls.stage("env_finish", recover=True, row_index=row_index):
