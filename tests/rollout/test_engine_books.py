@@ -308,13 +308,10 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
     engine, put = make_engine()
     engine.channels.server_down = threading.Event()
 
-    async def lost(error, base_url):
-        return True
-
     async def rollout(slot, group_id, took_slot, shared):
         raise SamplerError("connection refused")
 
-    monkeypatch.setattr(engine_module.recovery, "means_server_lost", lost)
+    monkeypatch.setattr(engine_module.recovery, "means_server_lost", _answers(True))
     monkeypatch.setattr(engine, "_run_rollout", rollout)
     engine._groups_in_flight = engine._groups_generating = 2  # both dispatched, generating
     asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
@@ -326,6 +323,46 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
     assert context["groups_generating"] == 0 and context["groups_awaiting_score"] == 0
     assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 2
     assert caplog.text.count("Lost the vLLM server") == 1
+
+
+def test_a_lost_servers_warning_gives_the_reason_and_a_stopping_run_keeps_the_advice(
+        monkeypatch, caplog):
+    """While the trainer restores a lost server, "Start one (e.g. `vllm serve ...`) or pass
+    the right URL" is wrong: the worker's warning gave the client's whole message. It gives
+    the one-line reason now; with no trainer to restore it the run stops with the advice."""
+    import threading
+
+    from grpo_agent.sampler.errors import exhausted_error
+
+    refused = exhausted_error("POST", "http://x", "/inference/v1/generate",
+                              "ConnectError: [Errno 111] Connection refused", 3)
+
+    async def rollout(slot, group_id, took_slot, shared):
+        raise refused
+
+    monkeypatch.setattr(engine_module.recovery, "means_server_lost", _answers(True))
+    engine, _ = make_engine()
+    engine.channels.server_down = threading.Event()
+    monkeypatch.setattr(engine, "_run_rollout", rollout)
+    engine._groups_in_flight = engine._groups_generating = 1
+    with caplog.at_level("WARNING", logger=engine_module.__name__):
+        asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
+    assert caplog.messages == [(
+        "Lost the vLLM server at http://x (No vLLM server answered at http://x (ConnectError: "
+        "[Errno 111] Connection refused) after 3 attempts); the groups in flight are dropped "
+        "and counted, and new ones wait until the trainer restores it.")]
+
+    engine, _ = make_engine()  # no trainer restores it (server_down is None): the run stops
+    monkeypatch.setattr(engine, "_run_rollout", rollout)
+    engine._groups_in_flight = engine._groups_generating = 1
+    with pytest.raises(type(refused), match=r"after 3 attempts\. Start one \(e\.g\. `vllm serve"):
+        asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
+
+
+def _answers(value):
+    async def answer(error, base_url):
+        return value
+    return answer
 
 
 def test_the_stages_of_a_groups_rollouts_belong_to_that_group(monkeypatch, tmp_path):
@@ -341,15 +378,12 @@ def test_the_stages_of_a_groups_rollouts_belong_to_that_group(monkeypatch, tmp_p
     watch = stall.StallWatch(SimpleNamespace(output_dir=str(tmp_path)), "worker")
     groups = []
 
-    async def lost(error, base_url):
-        return True
-
     async def rollout(slot, group_id, took_slot, shared):
         with watch.stage("env_reset", 60, recover=True) as entry:
             groups.append(entry.group)
         raise SamplerError("connection refused")  # ends the group quickly
 
-    monkeypatch.setattr(engine_module.recovery, "means_server_lost", lost)
+    monkeypatch.setattr(engine_module.recovery, "means_server_lost", _answers(True))
     monkeypatch.setattr(engine, "_run_rollout", rollout)
     engine._groups_in_flight = engine._groups_generating = 1
     asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 17))

@@ -315,14 +315,16 @@ class RolloutEngine:
 
     async def _lost_the_server(self, error: SamplerError) -> bool:
         """Whether `error` means the server is gone (`recovery.means_server_lost`); then ask
-        the trainer to restore it (`server_down`) and dispatch nothing until it has."""
+        the trainer to restore it (`server_down`) and dispatch nothing until it has. The log
+        gives the error's one-line `reason`: its advice (start a server) is wrong while the
+        trainer restores it; a run that stops instead raises the error with its advice."""
         if self.channels.server_down is None or not await recovery.means_server_lost(
                 error, self.config.vllm_server_base_url):
             return False
         if not self.channels.server_down.is_set():
             logger.warning("Lost the vLLM server at %s (%s); the groups in flight are dropped "
                            "and counted, and new ones wait until the trainer restores it.",
-                           self.config.vllm_server_base_url, error)
+                           self.config.vllm_server_base_url, error.reason)
             self.channels.server_down.set()
         return True
 

@@ -11,7 +11,20 @@ RETRYABLE_STATUS = range(500, 600)
 
 
 class SamplerError(RuntimeError):
-    """A sampler call failed after its bounded retries."""
+    """A sampler call failed after its bounded retries.
+
+    `reason`: what failed, in one line and without the advice a message may end with (start
+    a server, pass the right URL), for the logs where that advice is wrong: the rollout
+    worker's note of a lost server while the trainer restores it."""
+
+    def __init__(self, *args: Any, reason: str | None = None) -> None:
+        super().__init__(*args)
+        self._reason = reason
+
+    @property
+    def reason(self) -> str:
+        text = str(self).strip()
+        return self._reason or (text.splitlines()[0] if text else type(self).__name__)
 
 
 class ServerUnreachableError(SamplerError):
@@ -71,8 +84,8 @@ def exhausted_error(method: str, base_url: str, path: str, problem: str,
                     attempts: int) -> SamplerError:
     """What a call that failed `attempts` times raises; `problem` is the last failure."""
     if problem.startswith(("ConnectError", "ConnectTimeout")):
+        reason = f"No vLLM server answered at {base_url} ({problem}) after {attempts} attempts"
         return ServerUnreachableError(
-            f"No vLLM server answered at {base_url} ({problem}) after {attempts} attempts. "
-            f"Start one (e.g. `vllm serve MODEL --enable-scale-out`) or pass the right URL."
-        )
+            f"{reason}. Start one (e.g. `vllm serve MODEL --enable-scale-out`) or pass the right "
+            "URL.", reason=reason)
     return SamplerError(f"{method} {base_url}{path} failed after {attempts} attempts: {problem}")
