@@ -222,6 +222,8 @@ def test_a_reward_that_keeps_raising_stops_the_run_with_its_traceback(
     message = str(raised.value)
     assert "'always_fails' raised on 10 groups in a row" in message
     assert "RuntimeError: this reward function is broken" in message
+    # Every failed group is counted, the one that stopped the run too (it was 9).
+    assert sum(_values(worker.drain_metrics(), "rollout/reward_error_count")) == 10
 
 
 def test_a_worker_killed_by_a_signal_is_reported_by_the_next_pull(rollout_server, rollout_tokenizer, tmp_path):
