@@ -462,3 +462,30 @@ def test_a_cancelled_reset_that_holds_most_threads_stops_the_next_rollout_naming
         "dropped) and has not returned: timed-out or cancelled calls ('SlowResetEnv.reset' 1) "
         "hold 1 of the 1 threads (max_concurrent_rollouts)"), message
     assert pool.held() == {}  # the reset returned: its thread is free again
+
+
+def test_an_episode_whose_rollout_ends_without_finish_is_not_watched_for_good(tiny_tokenizer, tmp_path):
+    """The pool watches an episode's instance for late calls until `finish`; a rollout that
+    raises (or is cancelled) before it is forgotten too, else each such rollout would keep
+    its instance alive in the pool for the rest of the run."""
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none")
+    loop = AsyncRolloutLoop(config=config, model_name="m", dataset=None, reward_funcs=[],
+                            processing_class=tiny_tokenizer, eos_token_ids=[0])
+    pool = RolloutThreadPool(2, "max_concurrent_rollouts")
+    loop.env_runner = EnvironmentRunner(IncrementEnv, pool)
+    started = []
+
+    async def generate_one(prompt, tools, group_id):
+        started.append(tools[0].__self__)
+        raise RuntimeError("the server went away")
+
+    loop.generate_one = generate_one
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            asyncio.run(loop.run_episode({}, 0, 0))
+    finally:
+        pool.shutdown(wait=True)
+    assert started and not pool._watched  # it held the instance (and its id) alive
