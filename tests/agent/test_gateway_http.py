@@ -286,3 +286,22 @@ def test_the_unix_socket_serves_the_same_app_and_a_big_body_is_read(tiny_tokeniz
     assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["m", "served-m"]
     assert big.status_code == 200
     assert not os.path.exists(os.path.dirname(unix_path))
+
+
+def test_the_openai_client_does_not_retry_a_refusal(tiny_tokenizer):
+    """The `openai` SDK with its default retries (a command agent's or a framework's own client)
+    asks once past a spent budget: the gateway's 4xx says `x-should-retry: false`, so the agent
+    gets the 429 at once and the rollout counts one refused call, not three."""
+    import openai
+
+    async def requests(http, gateway, session):
+        async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key) as client:
+            await client.chat.completions.create(model="m", messages=USER)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.chat.completions.create(model="m", messages=USER)
+            return refused.value
+
+    refused, session, sampler = serve(tiny_tokenizer, ["Done."], requests, limits=HarnessLimits(max_calls=1))
+    assert refused.response.headers["x-should-retry"] == "false"
+    assert refused.code == "rollout_call_budget"
+    assert session.rejected_calls == 1 and len(sampler.prompts) == 1

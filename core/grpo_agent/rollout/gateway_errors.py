@@ -16,9 +16,13 @@ class GatewayError(Exception):
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
     def response(self) -> web.Response:
+        """The error body; a 4xx also says `x-should-retry: false`, which the `openai` SDK obeys:
+        it otherwise retries a 429 twice with backoff, and asking again never makes a spent
+        rollout budget answer (a sync client waited 1.2 s a call and was counted 3 times)."""
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
-        return web.json_response(body, status=self.status)
+        headers = {"x-should-retry": "false"} if self.status < 500 else None
+        return web.json_response(body, status=self.status, headers=headers)
 
 
 def check_tool_name(name, param: str) -> None:
