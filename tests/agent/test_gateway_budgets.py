@@ -76,7 +76,7 @@ def test_a_call_is_capped_by_what_the_rollouts_earlier_calls_left(endpoint, body
     gateway = _gateway(max_generated_tokens=100)
     sampled = []
 
-    async def sample(session, messages, tools, tool_choice, max_tokens):
+    async def sample(session, messages, tools, tool_choice, max_tokens, stops=()):
         sampled.append(max_tokens)
         return {"role": "assistant", "content": "ok"}, "stop", (1, 1)
 

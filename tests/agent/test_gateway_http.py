@@ -101,6 +101,9 @@ def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tok
      'tools[1] is "increment"'),
     ({"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"parameters": {}}}]},
      400, "tools[0].function.name", "must be a non-empty string (the function's name), got null"),
+    ({"model": "m", "messages": USER, "stop": ["Observation:", ""]}, 400, "stop",
+     'stop must be a non-empty string or a list of them, got ["Observation:", ""]'),
+    ({"model": "m", "messages": USER, "stop": 3}, 400, "stop", "got 3"),
     ({"model": "m", "messages": "hi"}, 400, "messages", "non-empty list"),
     ({"model": "m", "messages": [{"role": "user", "content": 3}]}, 400, "messages", "got int"),
     ({"model": "m", "messages": [{"role": "system", "content": None}, *USER]}, 400, "messages",
@@ -305,3 +308,33 @@ def test_the_openai_client_does_not_retry_a_refusal(tiny_tokenizer):
     assert refused.response.headers["x-should-retry"] == "false"
     assert refused.code == "rollout_call_budget"
     assert session.rejected_calls == 1 and len(sampler.prompts) == 1
+
+
+def test_stop_strings_end_the_reply_before_them_and_the_unseen_rest_is_not_trained(tiny_tokenizer):
+    """A ReAct-style agent's `stop`: the text ends before the first stop string (finish reason
+    `stop`, streamed too); the recorded turn keeps the sampled tokens up to and including the
+    stop string, so the observation the model invented after it is neither shown nor trained.
+    The token budget counts every sampled token."""
+    react = "Thought: add 3\nAction: increment\nObservation: 7\nThought: done"
+
+    async def requests(http, gateway, session):
+        body = {"model": "m", "messages": USER, "stop": ["Observation:", "Final"]}
+        return [await http.post("/chat/completions", json=body),
+                await http.post("/chat/completions", json={**body, "stop": "\nAct", "stream": True}),
+                await http.post("/chat/completions", json={**body, "stop": "absent"})]
+
+    (plain, streamed, unmatched), session, _ = serve(tiny_tokenizer, [react] * 3, requests)
+    reply = plain.json()
+    assert reply["choices"][0]["message"]["content"] == "Thought: add 3\nAction: increment\n"
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    kept = session.turns[0]
+    decode = tiny_tokenizer.decode
+    assert decode(kept.output_ids).startswith("Thought: add 3\nAction: increment\nObservation:")
+    assert "Observation:" not in decode(kept.output_ids[:-1]) and "7" not in decode(kept.output_ids)
+    assert len(kept.output_log_probs) == len(kept.output_ids) == reply["usage"]["completion_tokens"]
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Thought: add 3"
+    assert unmatched.json()["choices"][0]["message"]["content"] == react
+    whole = len(tiny_tokenizer.encode(react, add_special_tokens=False))
+    assert len(session.turns[2].output_ids) == whole and session.generated_tokens == 3 * whole

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
@@ -268,8 +268,9 @@ class Gateway:
         # the newer name wins, unless sent as null
         param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
         max_tokens = self._max_tokens(body.get(param), session.generated_tokens, param)
+        stops = stop_strings(body.get("stop"))
         message, finish, usage = await self._sample(session, body.get("messages"), tools,
-                                                    body.get("tool_choice"), max_tokens)
+                                                    body.get("tool_choice"), max_tokens, stops)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model,
@@ -301,9 +302,10 @@ class Gateway:
         return model
 
     async def _sample(self, session: AgentSession, raw_messages, tools: list | None, tool_choice,
-                      max_tokens: int) -> tuple[dict, str, tuple[int, int]]:
+                      max_tokens: int, stops: list[str] = ()) -> tuple[dict, str, tuple[int, int]]:
         """Render, sample token-in/token-out, record the turn, parse tool calls: the reply as
-        an OpenAI assistant message, its finish reason, and (prompt, completion) token counts."""
+        an OpenAI assistant message, its finish reason, and (prompt, completion) token counts.
+        `stops`: the request's stop strings (`cut_at_stop`)."""
         messages = template_messages(raw_messages)
         try:  # one hop off the event loop (each hop costs a thread handoff under the GIL)
             renderer, prompt_ids = await asyncio.get_running_loop().run_in_executor(
@@ -323,9 +325,10 @@ class Gateway:
             turn = await self.loop.generate_one_turn(prompt_ids, max_tokens=min(max_tokens, room))
         except SamplerError as error:
             raise GatewayError(502, f"The sampler failed: {error}", "server_error") from error
-        self._record(session, messages, turn)
         tokenizer = self.loop.tokenizer
-        text = _strip_stop_tokens(tokenizer.decode(turn.output_ids, skip_special_tokens=False), tokenizer)
+        generated = len(turn.output_ids)  # tokens cut off after a stop string were generated too
+        turn, text = cut_at_stop(turn, tokenizer, stops)
+        self._record(session, messages, turn, generated)
         parse = tools is not None and tool_choice != "none"
         parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
         malformed = sum(isinstance(call, MalformedCall) for call in parsed.calls)
@@ -373,11 +376,57 @@ class Gateway:
         return min(cap, left, cap if asked is None else asked)
 
     @staticmethod
-    def _record(session: AgentSession, messages: list[dict], turn: TurnRecord) -> None:
+    def _record(session: AgentSession, messages: list[dict], turn: TurnRecord, generated: int) -> None:
         if session.first_messages is None:
             session.first_messages = messages
         session.turns.append(turn)
-        session.generated_tokens += len(turn.output_ids)
+        session.generated_tokens += generated
+
+
+def stop_strings(stop) -> list[str]:
+    """A chat request's `stop` (null, a string or a list of strings) as a list, checked here so
+    a bad one is the agent's 400 naming it."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise GatewayError(400, f"stop must be a non-empty string or a list of them, got "
+                           f"{json.dumps(stop)[:200]}.", param="stop")
+    return stops
+
+
+def _decoded(tokenizer, ids: list[int]) -> str:
+    return _strip_stop_tokens(tokenizer.decode(ids, skip_special_tokens=False), tokenizer)
+
+
+def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
+    """The turn and the text the agent gets, applying the request's stop strings as the OpenAI
+    API does: the text ends before the first stop string, with finish reason `stop`.
+
+    The sampler knows no stop strings (token in, token out), so the turn is sampled whole and
+    cut afterwards: the recorded turn keeps the fewest tokens whose text holds the stop string
+    (the policy wrote it, so it is trained) and drops the rest, which the agent never saw.
+    Ignoring `stop` instead would hand a ReAct-style agent the observation the model invented
+    after "Observation:", and train it."""
+    text = _decoded(tokenizer, turn.output_ids)
+    if not any(stop in text for stop in stops):
+        return turn, text
+
+    def found(keep: int) -> bool:
+        return any(stop in _decoded(tokenizer, turn.output_ids[:keep]) for stop in stops)
+
+    low, high = 1, len(turn.output_ids)  # the text grows with the prefix: bisect the first hit
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if found(middle) else (middle + 1, high)
+    text = _decoded(tokenizer, turn.output_ids[:low])
+    text = text[:min(text.index(stop) for stop in stops if stop in text)]
+
+    def cut(values):
+        return None if values is None else list(values[:low])
+
+    return replace(turn, output_ids=cut(turn.output_ids), output_log_probs=cut(turn.output_log_probs),
+                   output_mask=cut(turn.output_mask), output_sampling_mask=cut(turn.output_sampling_mask),
+                   output_sampler_logprobs=cut(turn.output_sampler_logprobs),
+                   weight_versions=cut(turn.weight_versions), finish_reason="stop"), text
 
 
 def _template_kwargs(config) -> dict:
