@@ -5,6 +5,7 @@ their group. The engine is real; scoring, the loop and the channels are scripted
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -495,3 +496,36 @@ def test_stopping_the_pipeline_cancels_the_groups_still_running(monkeypatch):
 
     assert asyncio.run(main()) == []
     assert started == [0, 1] and sorted(cancelled) == [0, 1]
+
+
+def test_a_cancelled_group_ends_only_after_every_rollout_has(monkeypatch):
+    """At a worker's shutdown a group is cancelled; gather ends at its first cancelled rollout,
+    so a rollout still cleaning up (a command agent being reaped) would outlive its group, and
+    the event loop closed under it ("Loop ... that handles pid N is closed")."""
+    cleaned = []
+
+    async def rollout(slot, group_id, took_slot, shared):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if group_id == 1:  # the second needs a while to clean up, cancelled or not
+                cleanup = asyncio.ensure_future(asyncio.sleep(0.05))
+                while not cleanup.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(cleanup)
+                cleaned.append(group_id)
+            raise
+
+    async def main():
+        engine, _ = make_engine()
+        calls = iter([0, 1])
+        monkeypatch.setattr(engine, "_run_rollout",
+                            lambda slot, group_id, took, shared: rollout(slot, next(calls), took, shared))
+        engine._groups_in_flight = engine._groups_generating = 1
+        group = asyncio.create_task(engine._run_group(PromptSlot(0, 0, 0, {}), 0))
+        await asyncio.sleep(0.01)
+        group.cancel()
+        await asyncio.gather(group, return_exceptions=True)
+        return list(cleaned)
+
+    assert asyncio.run(main()) == [1]

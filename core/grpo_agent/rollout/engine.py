@@ -207,6 +207,12 @@ class RolloutEngine:
                     for _ in range(self.config.num_generations)]
         try:
             results = await asyncio.gather(*rollouts)
+        except asyncio.CancelledError:
+            # gather ends at its first cancelled rollout; the others may still be cleaning up (a
+            # command agent being reaped). Without this the worker's loop closed under them and
+            # asyncio warned "Loop ... that handles pid N is closed" at the end of --agent-cmd runs.
+            await _cancel_all(rollouts)
+            raise
         except StageStalled:  # reported by the watch: drop the group, count it, go on
             await self._cancel_group(rollouts, took_slot)
             self._drop_stalled(slot.prompt_index, slot.row_index)
