@@ -78,7 +78,7 @@ def test_a_call_is_capped_by_what_the_rollouts_earlier_calls_left(endpoint, body
 
     async def sample(session, messages, tools, tool_choice, max_tokens, stops=()):
         sampled.append(max_tokens)
-        return {"role": "assistant", "content": "ok"}, "stop", (1, 1)
+        return {"role": "assistant", "content": "ok"}, "stop", (1, 1), None
 
     gateway._sample = sample
     asyncio.run(getattr(gateway, endpoint)(_session(tokens=90), {"model": "tiny", **body}))

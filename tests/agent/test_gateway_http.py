@@ -34,7 +34,9 @@ class Sampler:
         if isinstance(text, Exception):
             raise text
         output = self.tokenizer.encode(text, add_special_tokens=False)
-        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+        ranked = [{token: -0.1, token + 1: -2.5, token + 2: -3.0} for token in output]  # top-3
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), output_sampler_logprobs=ranked,
+                          finish_reason="stop")
 
 
 def serve(tokenizer, texts=(), requests=None, chat_template_kwargs=None, limits=None):
@@ -104,6 +106,10 @@ def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tok
     ({"model": "m", "messages": USER, "stop": ["Observation:", ""]}, 400, "stop",
      'stop must be a non-empty string or a list of them, got ["Observation:", ""]'),
     ({"model": "m", "messages": USER, "stop": 3}, 400, "stop", "got 3"),
+    ({"model": "m", "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+    ({"model": "m", "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "integer from 0 to 20, got 21"),
+    ({"model": "m", "messages": USER, "logprobs": "yes"}, 400, "logprobs", "true or false"),
     ({"model": "m", "messages": "hi"}, 400, "messages", "non-empty list"),
     ({"model": "m", "messages": [{"role": "user", "content": 3}]}, 400, "messages", "got int"),
     ({"model": "m", "messages": [{"role": "system", "content": None}, *USER]}, 400, "messages",
@@ -338,3 +344,36 @@ def test_stop_strings_end_the_reply_before_them_and_the_unseen_rest_is_not_train
     assert unmatched.json()["choices"][0]["message"]["content"] == react
     whole = len(tiny_tokenizer.encode(react, add_special_tokens=False))
     assert len(session.turns[2].output_ids) == whole and session.generated_tokens == 3 * whole
+
+
+def test_logprobs_are_the_sampled_ones_of_the_text_the_agent_got(tiny_tokenizer):
+    """`logprobs: true` through the real `openai` client: one entry per token of the text the
+    agent got (no end-of-turn token, no stop string) with the sampler's log-prob and, best
+    first, `top_logprobs` of the candidates it recorded; not asked, null."""
+    import openai
+
+    text = "Thought: add 3\nAction: increment"
+
+    async def requests(http, gateway, session):
+        async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key) as client:
+            create = client.chat.completions.create
+            streamed = [chunk async for chunk in await create(
+                model="m", messages=USER, logprobs=True, top_logprobs=2, stream=True)]
+            return [await create(model="m", messages=USER, logprobs=True, top_logprobs=2),
+                    await create(model="m", messages=USER, logprobs=True, stop="Action"),
+                    await create(model="m", messages=USER), streamed]
+
+    (whole, cut, plain, streamed), _, _ = serve(tiny_tokenizer, [text + "<|im_end|>"] * 2 + [text] * 2,
+                                                requests)
+    entries = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == text == whole.choices[0].message.content
+    for entry in entries:
+        assert entry.logprob == -0.1 and bytes(entry.bytes).decode() == entry.token
+        assert [t.logprob for t in entry.top_logprobs] == [-0.1, -2.5]
+        assert entry.top_logprobs[0].token == entry.token
+    shown = "".join(e.token for e in cut.choices[0].logprobs.content)
+    assert cut.choices[0].message.content == "Thought: add 3\n" == shown
+    assert all(e.top_logprobs == [] for e in cut.choices[0].logprobs.content)  # none asked
+    assert plain.choices[0].logprobs is None
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [e.model_dump() for c in chunks for e in c.content] == [e.model_dump() for e in entries]

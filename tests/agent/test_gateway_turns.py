@@ -37,7 +37,7 @@ def _turn(tokenizer, text=CALL, finish="stop", tool_choice=None, max_model_len=4
                            server=SimpleNamespace(max_model_len=max_model_len),
                            config=SimpleNamespace(chat_template_kwargs=None))
     session = AgentSession(version=0)
-    message, finish, usage = asyncio.run(
+    message, finish, usage, _ = asyncio.run(
         Gateway(loop, HarnessLimits())._sample(session, USER, TOOLS, tool_choice, max_tokens))
     return message, finish, usage, session, sampler
 
@@ -91,7 +91,7 @@ def test_each_call_is_recorded_under_the_sessions_version_and_the_history_kept(t
     session = AgentSession(version=7)
     first = [{"role": "user", "content": [{"type": "text", "text": "Increment "},
                                           {"type": "text", "text": "the counter."}]}]
-    reply, _, _ = asyncio.run(gateway._sample(session, first, TOOLS, None, 64))
+    reply, _, _, _ = asyncio.run(gateway._sample(session, first, TOOLS, None, 64))
     call = {"id": "c1", "type": "function", "function": {"name": "increment", "arguments": ""}}
     second = [*first, {"role": "assistant", "content": None, "tool_calls": [call]},
               {"role": "tool", "tool_call_id": "c1", "content": "1"}]

@@ -269,12 +269,14 @@ class Gateway:
         param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
         max_tokens = self._max_tokens(body.get(param), session.generated_tokens, param)
         stops = stop_strings(body.get("stop"))
-        message, finish, usage = await self._sample(session, body.get("messages"), tools,
-                                                    body.get("tool_choice"), max_tokens, stops)
+        top = logprobs_asked(body)
+        message, finish, usage, turn = await self._sample(session, body.get("messages"), tools,
+                                                          body.get("tool_choice"), max_tokens, stops)
+        logprobs = None if top is None else chat_logprobs(turn, self.loop.tokenizer, top, stops)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
                       "total_tokens": sum(usage)},
         }
@@ -287,7 +289,7 @@ class Gateway:
         max_tokens = self._max_tokens(body.get("max_output_tokens"), session.generated_tokens,
                                       "max_output_tokens")
         tool_choice = body.get("tool_choice")
-        message, finish, usage = await self._sample(session, messages, tools, tool_choice, max_tokens)
+        message, finish, usage, _ = await self._sample(session, messages, tools, tool_choice, max_tokens)
         response_id, response = responses_api.response_body(model, message, finish, usage,
                                                             body.get("tools"), tool_choice)
         session.responses[response_id] = [*conversation, message]
@@ -302,10 +304,10 @@ class Gateway:
         return model
 
     async def _sample(self, session: AgentSession, raw_messages, tools: list | None, tool_choice,
-                      max_tokens: int, stops: list[str] = ()) -> tuple[dict, str, tuple[int, int]]:
+                      max_tokens: int, stops: list[str] = ()) -> tuple[dict, str, tuple[int, int], TurnRecord]:
         """Render, sample token-in/token-out, record the turn, parse tool calls: the reply as
-        an OpenAI assistant message, its finish reason, and (prompt, completion) token counts.
-        `stops`: the request's stop strings (`cut_at_stop`)."""
+        an OpenAI assistant message, its finish reason, (prompt, completion) token counts and
+        the recorded turn. `stops`: the request's stop strings (`cut_at_stop`)."""
         messages = template_messages(raw_messages)
         try:  # one hop off the event loop (each hop costs a thread handoff under the GIL)
             renderer, prompt_ids = await asyncio.get_running_loop().run_in_executor(
@@ -344,7 +346,7 @@ class Gateway:
             message["tool_calls"] = _openai_calls(parsed)
             finish = "tool_calls" if finish == "stop" else finish
         session.last_messages = [*raw_messages, message]
-        return message, finish, (len(prompt_ids), len(turn.output_ids))
+        return message, finish, (len(prompt_ids), len(turn.output_ids)), turn
 
     def _render(self, tools: list | None, messages: list[dict]) -> tuple[ConversationRenderer, list[int]]:
         renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config))
@@ -429,20 +431,65 @@ def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
                    weight_versions=cut(turn.weight_versions), finish_reason="stop"), text
 
 
+def logprobs_asked(body: dict) -> int | None:
+    """The request's `logprobs`/`top_logprobs`, checked as the OpenAI API checks them: None when
+    not asked, else the number of alternatives wanted per token."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked not in (None, True, False):
+        raise GatewayError(400, f"logprobs must be true or false, got {json.dumps(asked)[:100]}.",
+                           param="logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise GatewayError(400, f"top_logprobs must be an integer from 0 to 20, got "
+                           f"{json.dumps(top)[:100]}.", param="top_logprobs")
+    if top and not asked:
+        raise GatewayError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
+def chat_logprobs(turn: TurnRecord, tokenizer, top: int, stops=()) -> dict:
+    """OpenAI `logprobs` for the text the agent got from the recorded `turn` (`stops`: the
+    request's): each token's log-prob as the sampler returned it (the one training uses: vLLM's
+    processed log-probs, after the config's temperature) and, as `top_logprobs`, at most `top`
+    of the candidates the sampler recorded for it (`num_sampler_logprobs`, with
+    `score_centering`; else none). The end-of-turn token and a stop string are not text the
+    agent got, so they are not listed."""
+    ids, text = turn.output_ids, cut_at_stop(turn, tokenizer, stops)[1]
+    shown = 0  # the fewest tokens whose text covers the agent's
+    if text:
+        low, high = 1, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = ((low, middle) if len(_decoded(tokenizer, ids[:middle])) >= len(text)
+                         else (middle + 1, high))
+        shown = low
+    ranked = turn.output_sampler_logprobs or [{}] * shown
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": float(logprob), "bytes": list(token.encode())}
+
+    return {"content": [{**entry(ids[i], turn.output_log_probs[i]), "top_logprobs": [
+        entry(t, v) for t, v in sorted(ranked[i].items(), key=lambda kv: -kv[1])[:top]]}
+        for i in range(shown)], "refusal": None}
+
+
 def _template_kwargs(config) -> dict:
     kwargs = getattr(config, "chat_template_kwargs", None) or {}
     return json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)
 
 
 def _chat_chunks(result: dict) -> list[dict]:
-    """The finished turn as Chat Completions chunks: role+content, tool calls, finish."""
+    """The finished turn as Chat Completions chunks: role+content (with the logprobs, if asked),
+    tool calls, finish."""
     choice = result["choices"][0]
     base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
             "model": result["model"]}
     deltas = [{"role": "assistant", "content": choice["message"]["content"] or ""}]
     for index, call in enumerate(choice["message"].get("tool_calls") or []):
         deltas.append({"tool_calls": [{"index": index, **call}]})
-    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None,
+                                    "logprobs": choice["logprobs"] if i == 0 else None}]}
+              for i, d in enumerate(deltas)]
     chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
                    "usage": result["usage"]})
     return chunks
