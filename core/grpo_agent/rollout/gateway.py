@@ -447,12 +447,12 @@ def logprobs_asked(body: dict) -> int | None:
 
 
 def chat_logprobs(turn: TurnRecord, tokenizer, top: int, stops=()) -> dict:
-    """OpenAI `logprobs` for the text the agent got from the recorded `turn` (`stops`: the
-    request's): each token's log-prob as the sampler returned it (the one training uses: vLLM's
-    processed log-probs, after the config's temperature) and, as `top_logprobs`, at most `top`
-    of the candidates the sampler recorded for it (`num_sampler_logprobs`, with
-    `score_centering`; else none). The end-of-turn token and a stop string are not text the
-    agent got, so they are not listed."""
+    """OpenAI `logprobs` for the reply's text (tool-call blocks as written, before parsing) from
+    the recorded `turn` (`stops`: the request's): each token's log-prob as the sampler returned
+    it (the one training uses: vLLM's processed log-probs, after the config's temperature) and,
+    as `top_logprobs`, at most `top` of the candidates the sampler recorded for it
+    (`num_sampler_logprobs`, with `score_centering`; else none). The end-of-turn token and a
+    stop string are not text the agent got, so they are not listed."""
     ids, text = turn.output_ids, cut_at_stop(turn, tokenizer, stops)[1]
     shown = 0  # the fewest tokens whose text covers the agent's
     if text:
