@@ -399,6 +399,16 @@ def _decoded(tokenizer, ids: list[int]) -> str:
     return _strip_stop_tokens(tokenizer.decode(ids, skip_special_tokens=False), tokenizer)
 
 
+def _fewest_tokens(tokenizer, ids: list[int], holds) -> int:
+    """The fewest leading tokens of `ids` whose text `holds` (true of all of them; the decoded
+    text only grows with the prefix, so bisecting needs about log2(len(ids)) decodes)."""
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(_decoded(tokenizer, ids[:middle])) else (middle + 1, high)
+    return low
+
+
 def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
     """The turn and the text the agent gets, applying the request's stop strings as the OpenAI
     API does: the text ends before the first stop string, with finish reason `stop`.
@@ -412,13 +422,7 @@ def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
     if not any(stop in text for stop in stops):
         return turn, text
 
-    def found(keep: int) -> bool:
-        return any(stop in _decoded(tokenizer, turn.output_ids[:keep]) for stop in stops)
-
-    low, high = 1, len(turn.output_ids)  # the text grows with the prefix: bisect the first hit
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if found(middle) else (middle + 1, high)
+    low = _fewest_tokens(tokenizer, turn.output_ids, lambda prefix: any(stop in prefix for stop in stops))
     text = _decoded(tokenizer, turn.output_ids[:low])
     text = text[:min(text.index(stop) for stop in stops if stop in text)]
 
@@ -454,14 +458,7 @@ def chat_logprobs(turn: TurnRecord, tokenizer, top: int, stops=()) -> dict:
     (`num_sampler_logprobs`, with `score_centering`; else none). The end-of-turn token and a
     stop string are not text the agent got, so they are not listed."""
     ids, text = turn.output_ids, cut_at_stop(turn, tokenizer, stops)[1]
-    shown = 0  # the fewest tokens whose text covers the agent's
-    if text:
-        low, high = 1, len(ids)
-        while low < high:
-            middle = (low + high) // 2
-            low, high = ((low, middle) if len(_decoded(tokenizer, ids[:middle])) >= len(text)
-                         else (middle + 1, high))
-        shown = low
+    shown = _fewest_tokens(tokenizer, ids, lambda prefix: len(prefix) >= len(text)) if text else 0
     ranked = turn.output_sampler_logprobs or [{}] * shown
 
     def entry(token_id: int, logprob: float) -> dict:
