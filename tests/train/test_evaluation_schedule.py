@@ -293,12 +293,45 @@ def test_eval_on_start_alone_wants_a_split_and_best_model_settings_are_refused()
         evaluation.check_eval_args(best, EVAL_SPLIT)
 
 
-def test_a_broken_pin_is_warned_about_and_a_kept_one_is_not(caplog):
-    row = EvalRow(0, ["x"], [1.0], [True])
-    evaluation._check_pin(EvalResult(3, {}, [row], {"3"}, 0.1))
-    assert "pin" not in caplog.text
-    evaluation._check_pin(EvalResult(3, {}, [row], {"3", "4"}, 0.1))
-    assert "sampled from weight versions ['3', '4']; its pin was broken" in caplog.text
+def test_an_evaluation_other_weights_answered_is_dropped_with_the_reason(tmp_path, monkeypatch,
+                                                                        caplog):
+    """The real eval session, its loop scripted: at step 2 the server answers with its own
+    weights (labelled "default", a server restarted before the restore's push landed), and
+    the restore count has not moved. That evaluation was scored (a broken pin only warned
+    about); now it is dropped, saying why, and the run goes on."""
+    import logging
+
+    from grpo_agent.rollout import evaluation as rollout_evaluation
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.versions import rollout_version
+    from grpo_agent.sampler.server_facts import ServerFacts
+    from grpo_agent.types import Rollout, TurnRecord
+
+    class RestartedAtVersion2(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            label = "default" if rollout_version() == 2 else str(rollout_version())
+            return Rollout(completion=[{"role": "assistant", "content": "x"}], completion_ids=[1],
+                           turns=[TurnRecord([0], [1], weight_versions=[label])])
+
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=4096)
+
+    def session(self):
+        return EvalSession(RestartedAtVersion2, config=self.trainer.args, processing_class=None,
+                           reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                           settings=EvalSettings(), restores=lambda: 0)
+
+    monkeypatch.setattr(rollout_evaluation, "probe_server", probe)
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.evaluation"):
+        trainer = run_trainer(tmp_path, Timeline(), steps=4, eval_dataset=EVAL_SPLIT,
+                              eval_strategy="steps", eval_steps=2)
+    evals = [row["eval/step"] for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert evals == [4.0]
+    assert ("The evaluation of step 2 is dropped: The vLLM server at http://localhost:8000 "
+            "sampled the evaluation of version 2 with weights labelled ['default'], not ['2']"
+            ) in caplog.text
 
 
 def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path, monkeypatch):

@@ -319,6 +319,80 @@ def test_a_rollout_its_loop_dropped_fails_even_when_the_reward_functions_score_i
     assert result.metrics["eval/pass@1"] == 0.5 and result.metrics["eval/reward"] == 1.0
 
 
+class LabelledLoop(AsyncRolloutLoop):
+    """A scripted loop whose one-turn rollout carries the weight-version labels its prompt
+    names ("3" or "3,4": a push mid-turn; "none": a server that reports no labels)."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        text = prompt[-1]["content"]
+        labels = None if text == "none" else text.split(",")
+        ids = [1] * (1 if labels is None else len(labels))
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=ids,
+                       turns=[TurnRecord([0], ids, weight_versions=labels)])
+
+
+def _evaluate_labelled(tmp_path, monkeypatch, labels, version, *, training=False,
+                       lora_name=None):
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=4096)
+
+    monkeypatch.setattr(evaluation, "probe_server", probe)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url="http://vllm:8000")
+
+    def session():
+        return EvalSession(LabelledLoop, config=config, processing_class=None,
+                           reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                           settings=EvalSettings(), lora_name=lora_name,
+                           restores=(lambda: 0) if training else None)
+
+    rows = [{"prompt": [{"role": "user", "content": text}]} for text in labels]
+    return run_evaluation(session, rows, version)
+
+
+@pytest.mark.parametrize(("labels", "version", "lora_name"), [
+    (["3", "3,3"], 3, None),  # the pushed version, every token
+    (["default", "0"], 0, None),  # the model's own weights: a fresh server's, or pushed as 0
+    (["default", "0"], 3, "run-adapter"),  # LoRA sync: version 3's adapter on the base weights
+    (["none"], 3, None),  # no labels reported (no --enable-scale-out): nothing to check
+])
+def test_an_evaluation_served_by_the_evaluated_weights_is_scored(tmp_path, monkeypatch, labels,
+                                                                  version, lora_name):
+    result = _evaluate_labelled(tmp_path, monkeypatch, labels, version, training=True,
+                                lora_name=lora_name)
+    assert result.metrics["eval/pass@1"] == 1.0 and result.metrics["eval/num_rows"] == len(labels)
+
+
+@pytest.mark.parametrize(("labels", "stray"), [
+    (["3", "default"], "'default'"),  # restarted, the trainer's push not landed yet
+    (["3", "3,4"], "'4'"),  # a push landed during a rollout
+])
+def test_an_evaluation_any_token_of_which_other_weights_sampled_is_not_scored(
+        tmp_path, monkeypatch, labels, stray):
+    """A server restarted before the trainer's restore pushed its weights again samples its own
+    (labelled "default"): an evaluation that ended before the restore count moved was scored,
+    a mixed set of served versions only warned about. Now it is not scored (during training:
+    dropped with this reason, `EvaluationInterrupted`)."""
+    with pytest.raises(evaluation.EvaluationInterrupted, match=(
+            r"^The vLLM server at http://vllm:8000 sampled the evaluation of version 3 with "
+            rf"weights labelled \[{stray}\], not \['3'\] \(vLLM's per-token weight version\)\. "
+            r"None of its rollouts is scored: their answers came from other weights \(a server "
+            r"restarted before the trainer pushed its weights again, or a push during the "
+            r"evaluation; the next evaluation, after the push, is scored\)\.$")):
+        _evaluate_labelled(tmp_path, monkeypatch, labels, 3, training=True)
+
+
+def test_grpo_agent_eval_scores_no_weights_a_trainer_pushed_into_its_server(tmp_path,
+                                                                            monkeypatch):
+    """`grpo-agent eval` evaluates the model's own weights (version 0): a server a trainer
+    pushed into (weights labelled "7") serves that trainer's, under the model's name."""
+    with pytest.raises(evaluation.EvaluationInterrupted, match=(
+            r"with weights labelled \['7'\], not \['0', 'default'\] .* \(the server holds "
+            r"weights a trainer pushed into it, not the model's: restart it from the model, or "
+            r"leave out --vllm-url to evaluate on a server started for it\)\.$")):
+        _evaluate_labelled(tmp_path, monkeypatch, ["default", "7"], 0)
+
+
 def test_an_evaluation_session_tells_its_loop_it_is_evaluating(tmp_path, monkeypatch):
     """The session marks its loop (`loop.evaluating`) before the loop's setup runs: a harness
     loop reads it there to take a gateway port of its own beside the worker's (with

@@ -7,8 +7,10 @@ no prompt stream, no token allowance, no sample queue, no ledger. So an evaluati
 change what trains. It samples with its own settings (greedy by default,
 `eval_num_generations` rollouts per row for pass@k) and every request names the version it
 evaluates (that version's LoRA adapter under adapter sync; the served weights otherwise, which
-the trainer does not replace until the evaluation ends). The versions the server stamps on
-the generated tokens are collected, so the pin is checked, not assumed. A rollout the loop
+the trainer does not replace until the evaluation ends). The pin is checked, not assumed:
+every token must carry the evaluated version's label, as vLLM stamps it, or the evaluation is
+not scored (`EvaluationInterrupted`): a server restarted before the trainer pushed its weights
+again samples its own, and a server a trainer pushed into serves that trainer's. A rollout the loop
 dropped (its own reward NaN: an agent that failed) is unscored, so it fails. A sampled pass@k
 row's first turns go to the server as one request with n, like a training group's.
 
@@ -47,6 +49,7 @@ from grpo_agent.sampler.server_facts import (
     check_completion_room,
     check_serves_model,
     probe_server,
+    served_version_labels,
 )
 from grpo_agent.sampling_limits import check_temperature
 from grpo_agent.types import Rollout, RolloutGroup
@@ -57,8 +60,9 @@ DEFAULT_SUCCESS_THRESHOLD = 1.0
 
 
 class EvaluationInterrupted(RuntimeError):
-    """The vLLM server was lost or restored during an evaluation: none of its rollouts is
-    scored (see the module doc). Training goes on without it (`train.evaluation`)."""
+    """The vLLM server was lost or restored during an evaluation, or sampled it with other
+    weights than the evaluated version's: none of its rollouts is scored (see the module doc).
+    Training goes on without it (`train.evaluation`)."""
 
 
 @dataclass
@@ -169,7 +173,9 @@ class EvalSession:
                  restores: Callable[[], int] | None = None) -> None:
         """`restores`: how many times the run has restored its server so far (the trainer's
         `server_restores`); None for a server nobody restores (`grpo-agent eval`)."""
+        self._training = restores is not None
         self._restores = restores or (lambda: 0)
+        self._adapters = lora_name is not None  # each version is an adapter on version 0's weights
         self._read_at: int | None = None  # the restore count the facts were read at
         eos = getattr(processing_class, "eos_token_id", None)
         self.eos_token_ids = [] if eos is None else [eos]
@@ -328,7 +334,7 @@ class EvalSession:
         version = self.loop.model_version_value.value
         self._check_not_restored(version)
         try:
-            return await self.loop.run_episode(row, index, index)
+            outcome = await self.loop.run_episode(row, index, index)
         except SamplerError as error:
             url = self.loop.config.vllm_server_base_url
             if not await means_server_lost(error, url):
@@ -338,6 +344,30 @@ class EvalSession:
                 f"The vLLM server at {url} was lost during the evaluation of version {version} "
                 f"({error}). None of its rollouts is scored: evaluate again once it answers "
                 "(during training, the next evaluation does, after the restore).") from error
+        self._check_served(outcome[1], version)
+        return outcome
+
+    def _check_served(self, rollout: Rollout, version: int) -> None:
+        """Every token of `rollout` was sampled with the evaluated weights, by the label vLLM
+        stamps on it (a server without --enable-scale-out reports none: nothing to check).
+        Under LoRA adapter sync each request names the version's adapter, on the base weights
+        of version 0, which stay served."""
+        expected = served_version_labels(0 if self._adapters else version)
+        served = {v for turn in rollout.turns for v in (turn.weight_versions or ())}
+        if served <= expected:
+            return
+        self._read_at = None  # a server that changed under us is read and checked first
+        why = ("a server restarted before the trainer pushed its weights again, or a push "
+               "during the evaluation; the next evaluation, after the push, is scored" if
+               self._training else
+               "the server holds weights a trainer pushed into it, not the model's: restart "
+               "it from the model, or leave out --vllm-url to evaluate on a server started "
+               "for it")
+        raise EvaluationInterrupted(
+            f"The vLLM server at {self.loop.config.vllm_server_base_url} sampled the evaluation "
+            f"of version {version} with weights labelled {sorted(served - expected)}, not "
+            f"{sorted(expected)} (vLLM's per-token weight version). None of its rollouts is "
+            f"scored: their answers came from other weights ({why}).")
 
     def _check_not_restored(self, version: int) -> None:
         if self._read_at != self._restores():

@@ -46,6 +46,22 @@ class LoraServerLimits:
         )
 
 
+FRESH_WEIGHT_VERSION = "default"  # vLLM's label for the weights it loaded at start
+
+
+def weight_version_label(version: int) -> str:
+    """The label a push of model version `version` gives the served weights, which vLLM then
+    stamps on every token it samples with them (`TurnRecord.weight_versions`)."""
+    return str(version)
+
+
+def served_version_labels(version: int) -> frozenset[str]:
+    """The labels under which a server serves model version `version`: its push's, and for
+    version 0 (the model's own weights) also a fresh server's, which loaded them itself."""
+    label = weight_version_label(version)
+    return frozenset({label, FRESH_WEIGHT_VERSION} if version == 0 else {label})
+
+
 @dataclass(frozen=True)
 class ServerFacts:
     """The server as every stage needs it, built by `probe_server` and handed down."""
@@ -70,7 +86,7 @@ class ServerFacts:
     @property
     def holds_pushed_weights(self) -> bool:
         """True when an earlier run pushed weights, so the served ones may not be the model's."""
-        return self.weight_version not in (None, "default")
+        return self.weight_version not in (None, FRESH_WEIGHT_VERSION)
 
 
 async def probe_server(client: SamplerClient, *, weight_version: bool = False) -> ServerFacts:

@@ -200,7 +200,8 @@ class TrainingEvaluator:
 
     def take_finished(self) -> dict[str, float] | None:
         """The last finished evaluation's metrics (once), or None; raises its error, but one
-        interrupted by a server restore is only said: the run survives the restore."""
+        not scored (`EvaluationInterrupted`: the server restored or lost during it, or other
+        weights served) is only said: the run survives the restore."""
         if self._future is not None and self._future.done():
             self.wait()
         if self._future is not None:
@@ -216,7 +217,6 @@ class TrainingEvaluator:
             return None
         result, self._result = self._result, None
         self.results.append(result)
-        _check_pin(result)
         return {**result.metrics, "eval/step": float(self._step)}
 
     def log_finished(self) -> None:
@@ -229,13 +229,6 @@ class TrainingEvaluator:
         should_log = control.should_log  # logging resets it: the step's own row must follow
         self.trainer.log(metrics)
         control.should_log = should_log
-
-
-def _check_pin(result: EvalResult) -> None:
-    if len(result.served_versions) > 1:
-        logger.warning("The evaluation of version %d sampled from weight versions %s; its pin "
-                       "was broken (a push ran during it).", result.model_version,
-                       sorted(result.served_versions))
 
 
 class EvaluationCallback(TrainerCallback):
@@ -304,7 +297,6 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
     result = run_evaluation(evaluator.session, rows, trainer.model_version)
     evaluator.results.append(result)
-    _check_pin(result)
     metrics = {**result.metrics, "eval/step": float(trainer.state.global_step)}
     trainer.log(metrics)
     return metrics

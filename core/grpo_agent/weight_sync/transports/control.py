@@ -31,6 +31,7 @@ from grpo_agent.sampler.errors import (
     retry_delay_s,
     server_message,
 )
+from grpo_agent.sampler.server_facts import weight_version_label
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ class ServerControl:
         return self.call("GET", "/server_info", params={"config_format": "json"})
 
     def set_version(self, version: int) -> None:
-        self.call("POST", "/update_weight_version", json_body={"new_version": str(version)})
+        self.call("POST", "/update_weight_version",
+                  json_body={"new_version": weight_version_label(version)})
 
     def reset_prefix_cache(self) -> None:
         """Drop stale KV, preempting running requests so they recompute with the new weights.

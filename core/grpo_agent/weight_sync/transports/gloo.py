@@ -19,6 +19,7 @@ from grpo_agent.sampler.errors import (
     ServerUnreachableError,
     WeightSyncError,
 )
+from grpo_agent.sampler.server_facts import weight_version_label
 from grpo_agent.weight_sync.transports.control import (
     ServerControl,
     SyncTimings,
@@ -164,7 +165,7 @@ class GlooWeightSync:
         with stall.stage("weight_sync/finish", version=version):
             # The version rides on the finish call (vLLM sets it right after the finish).
             self.control.call("POST", "/finish_weight_update",
-                              json_body={"weight_version": str(version)})
+                              json_body={"weight_version": weight_version_label(version)})
         transfer_s = time.perf_counter() - transfer_began
         finish_push(self.control, version, version_set=True)
         return SyncTimings(pause_s=0.0, transfer_s=transfer_s,
