@@ -549,3 +549,58 @@ def test_every_group_a_raising_reward_costs_is_counted_the_one_that_stops_the_ru
         asyncio.run(main())
     counts = [value for name, value in engine._observations if name == "rollout/reward_error_count"]
     assert counts == [1.0, 1.0]
+
+
+def test_a_group_whose_agent_runs_lost_the_server_is_dropped_as_server_lost(scripted_loop,
+                                                                             tmp_path, caplog):
+    """The gateway answered a lost server's failure as a 502, so the worker built and scored a
+    group of failed agent runs and never asked the trainer to restore the server (a tool
+    loop's request raises, and does). Now the agent run raises it: the real engine drops the
+    group as `server_lost` and sets `server_down`, as for the tool loop."""
+    import threading
+
+    import openai
+    from grpo_agent.rollout.concurrency import RolloutSlots
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.versions import VersionValue
+    from grpo_agent.sampler.errors import ServerUnreachableError
+    from grpo_agent.sampler.server import find_free_port
+    from grpo_agent.types import PromptConsumed
+
+    async def agent(client, row):
+        try:  # an agent that catches the 502 and returns a reward is no run of the policy either
+            await client.chat.completions.create(model="m", messages=row["prompt"])
+        except openai.InternalServerError:
+            return 1.0
+        return 0.0
+
+    loop = _harness_loop(scripted_loop([]), tmp_path, agent)
+    loop.config.vllm_server_base_url = f"http://127.0.0.1:{find_free_port()}"  # nothing there
+
+    async def unreachable(prompt_ids, max_tokens=None):
+        raise ServerUnreachableError(f"POST {loop.config.vllm_server_base_url}/inference/v1/"
+                                     "generate failed 6 times")
+
+    loop.generate_one_turn = unreachable
+    put = []
+    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
+                               token_allowance=SimpleNamespace(value=0.0),
+                               model_version=VersionValue(0), server_down=threading.Event(),
+                               server_restores=None)
+    engine = RolloutEngine(loop, channels)
+    engine.slots = RolloutSlots(SimpleNamespace(value=8))
+
+    async def main():
+        engine.score_queue = asyncio.Queue(4)
+        await loop.setup()
+        try:
+            engine._groups_in_flight = engine._groups_generating = 1  # dispatched
+            await engine._run_group(PromptSlot(0, 4, 0, dict(ROW)), 0)
+        finally:
+            await loop.close()
+
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.engine"):
+        asyncio.run(main())
+    assert put == [PromptConsumed(0, 4, "server_lost")] and engine.score_queue.empty()
+    assert channels.server_down.is_set() and "Lost the vLLM server" in caplog.text
+    assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 1

@@ -707,3 +707,93 @@ def test_an_evaluation_reads_a_restored_server_again_and_scores_none_across_a_re
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_agent_run_that_lost_the_server_interrupts_the_evaluation(tmp_path):
+    """The harness gateway answered a lost server's failure as a 502, so the agent run failed
+    and was scored as a failure (a wrong 0 in pass@1), or, caught by the agent, scored as it
+    returned. Now a run whose call lost the server (nothing answered, or /health does not
+    answer either) interrupts the evaluation as a tool loop's request does; a call the server
+    failed while it still answers stays the agent's failure."""
+    import asyncio
+    import functools
+
+    import openai
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings, EvaluationInterrupted
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+    from grpo_agent.sampler.errors import SamplerError
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.types import TurnRecord
+    from transformers import AutoTokenizer
+
+    class Routes(_ControlRoutes):
+        healthy = True
+
+        def do_GET(self):
+            if urlparse(self.path).path == "/health" and not self.healthy:
+                return self._reply({}, status=503)
+            return super().do_GET()
+
+    server, url = _serve(Routes)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+
+    class ScriptedSampler(HarnessRolloutLoop):
+        """The real gateway and agent; the sampler scripted by the row's word."""
+
+        async def generate_one_turn(self, prompt_ids, max_tokens=None):
+            text = self.tokenizer.decode(prompt_ids)
+            if "lose" in text:  # what the client raises once its retries found no server
+                raise ServerUnreachableError(f"POST {url}/inference/v1/generate failed 6 times")
+            if "dies" in text:  # cut short as the server dies: /health stops answering
+                Routes.healthy = False
+                raise SamplerError("the answer was cut short")
+            if "cut" in text:  # cut short, the server still up
+                raise SamplerError("the answer was cut short")
+            ids = tokenizer.encode("done", add_special_tokens=False) + [tokenizer.eos_token_id]
+            return TurnRecord(list(prompt_ids), ids, [-0.1] * len(ids), finish_reason="stop",
+                              weight_versions=["3"] * len(ids))
+
+    async def agent(client, row):
+        word = row["prompt"][0]["content"]
+        try:
+            await client.chat.completions.create(model="tiny/Model", messages=row["prompt"])
+        except openai.InternalServerError:
+            if "caught" not in word:
+                raise
+        return 1.0
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5,
+                             max_completion_length=64,
+                             chat_template_kwargs={"enable_thinking": False})
+    session = EvalSession(functools.partial(ScriptedSampler, agent=agent), config=config,
+                          processing_class=tokenizer, reward_funcs=[], settings=EvalSettings(),
+                          model_name="tiny/Model")
+
+    def rows(*words):
+        return [{"prompt": [{"role": "user", "content": word}]} for word in words]
+
+    async def main():
+        async with session:
+            scored = await session.evaluate(rows("fine", "cut"), 3)  # the server still answers
+            assert scored.metrics["eval/pass@1"] == 0.5
+            assert scored.rows[1].rewards == [None]  # the agent's failure
+            lost = (rf"^The vLLM server at {url} was lost during the evaluation of version 3 "
+                    r"\(POST .* failed 6 times\)\. None of its rollouts is scored")
+            with pytest.raises(EvaluationInterrupted, match=lost):
+                await session.evaluate(rows("fine", "lose"), 3)
+            with pytest.raises(EvaluationInterrupted, match=lost):  # the agent caught the 502
+                await session.evaluate(rows("fine", "lose caught"), 3)
+            with pytest.raises(EvaluationInterrupted, match=(
+                    rf"was lost during the evaluation of version 3 \(the answer was cut short "
+                    rf"\(and {url}/health does not answer\)\)")):
+                await session.evaluate(rows("fine", "dies"), 3)
+            Routes.healthy = True  # back (by hand): read again, and scored
+            assert (await session.evaluate(rows("fine"), 3)).metrics["eval/pass@1"] == 1.0
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -67,6 +67,7 @@ class AgentSession:
     generated_tokens: int = 0
     rejected_calls: int = 0  # calls answered with an error (4xx/5xx)
     last_rejection: str = ""  # the last such error, for the failure of a run that got no reply
+    sampler_error: SamplerError | None = None  # the last call the sampler failed (a 502)
     tool_calls: int = 0
     malformed_calls: int = 0
     parallel_calls: list[int] = field(default_factory=list)
@@ -325,7 +326,8 @@ class Gateway:
         pin_rollout_version(session.version)  # this handler task's own context
         try:
             turn = await self.loop.generate_one_turn(prompt_ids, max_tokens=min(max_tokens, room))
-        except SamplerError as error:
+        except SamplerError as error:  # the run checks it for a lost server once it ends
+            session.sampler_error = error
             raise GatewayError(502, f"The sampler failed: {error}", "server_error") from error
         tokenizer = self.loop.tokenizer
         generated = len(turn.output_ids)  # tokens cut off after a stop string were generated too

@@ -5,7 +5,10 @@ each rollout opens a session (its own key, pinned to its group's model version),
 agent, and turns the session's recorded calls into a `Rollout` whose `turns` go through the
 same fork reconciliation, scoring, staleness and packing as the built-in tool loop. An agent
 that fails, or that never calls the model, gives a rollout with no turns (no samples) and a
-NaN reward, counted in `harness/errors_count` or `harness/timeout_count`.
+NaN reward, counted in `harness/errors_count` or `harness/timeout_count`. A run during which
+the server was lost is no run of the policy: it raises as a tool loop's request would
+(`ServerUnreachableError`), so the worker drops its group as `server_lost` and asks for a
+restore, and an evaluation is interrupted, instead of a failed agent run counted against it.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from grpo_agent.rollout.agent_programs import (
 from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.versions import rollout_version
+from grpo_agent.sampler.errors import SamplerError, ServerUnreachableError
+from grpo_agent.sampler.recovery import means_server_lost
 from grpo_agent.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -125,8 +130,20 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                            "1st, 10th, 100th, ...; harness/errors_count counts them all): %s",
                            seen, message)
 
+    async def _raise_if_server_lost(self, error: SamplerError) -> None:
+        """Raise `error` as a lost server (`recovery.means_server_lost`: nothing answered, or
+        `/health` does not answer now either); a server that still answers refused only that
+        call, which the agent saw as a 502."""
+        url = self.config.vllm_server_base_url
+        if not await means_server_lost(error, url):
+            return
+        if isinstance(error, ServerUnreachableError):
+            raise error
+        raise ServerUnreachableError(f"{error} (and {url}/health does not answer)") from error
+
     async def run_agent_rollout(self, row: dict) -> tuple[list[dict], Rollout]:
-        """Run the agent once with its own gateway session; failures become a dropped rollout.
+        """Run the agent once with its own gateway session; failures become a dropped rollout,
+        but a run that lost the server raises `ServerUnreachableError` (the module doc).
 
         Returns the first call's messages (the rollout's prompt) and the rollout."""
         version = rollout_version()
@@ -145,6 +162,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 self.gateway.close_session(session)
                 while session.in_flight:  # a call still being sampled when the agent gave up
                     await asyncio.sleep(0.01)
+        if session.sampler_error is not None:  # whatever the agent made of the 502
+            await self._raise_if_server_lost(session.sampler_error)
         if failure is None and not session.turns:
             failure = no_reply_failure(self.agent, session)
         metrics = {
