@@ -263,8 +263,14 @@ def test_evaluation_fails_a_dropped_agent_run_even_when_reward_funcs_score_it(wa
     from grpo_agent.rollout.evaluation import EvalSession, EvalSettings
     from transformers import AutoTokenizer
 
+    from tests.conftest import push_original_weights
+
     def always_one(completions, **kwargs):
         return [1.0] * len(completions)
+
+    # Version 0 is evaluated: the model's own weights, which a trainer of this module may have
+    # replaced (the fixture puts them back only after the module).
+    push_original_weights(warm_server)
 
     async def main():
         loop_cls = functools.partial(HarnessRolloutLoop, agent=harness_agents.odd_target_fails_agent,
