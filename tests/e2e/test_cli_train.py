@@ -2,7 +2,8 @@
 
 - The demo task learns: the mean reward of the last windows beats the first ones by at least
   LEARNING_MARGIN, a margin the same run with learning_rate=0 does not produce (measured in
-  docs/quickstart.md), and every metric family of the spec is in metrics.jsonl.
+  docs/quickstart.md), every metric family of the spec is in metrics.jsonl, and every
+  name it logs is in docs/metrics.md.
 - SIGKILL mid-run, then resume: across the two runs no prompt is trained twice and every
   prompt below the final resume point was trained or reported consumed.
 - The agent path: the trainer with `tools=[...]` trains and logs the tool metrics.
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 from grpo_agent.train.checkpoint import last_complete_checkpoint
 from grpo_agent.train.reporting import reward_windows
+
+from tests.unit.test_metrics import undocumented
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -70,6 +73,8 @@ def test_demo_run_improves_reward_and_logs_every_metric_family(cli, tmp_path):
     assert "held-out success: not measured" in log and "declares no eval split" in log
     missing = [name for name in SPEC_METRIC_FAMILIES if not any(name in r for r in logs)]
     assert not missing, f"metrics.jsonl lacks {missing}"
+    logged = set().union(*rows)
+    assert not undocumented(logged), f"logged but not in docs/metrics.md: {undocumented(logged)}"
     assert (out / "reward.png").stat().st_size > 1000
     assert (out / "final" / "config.json").is_file()
 

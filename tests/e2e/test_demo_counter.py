@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_metrics import undocumented
+
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 GAIN_MARGIN = 3 / 9 - 1e-9
@@ -71,3 +73,6 @@ def test_demo_run_raises_held_out_success(cli, tmp_path):
     # `make demo` shows its outcome through the run's own last lines (the Makefile adds none).
     assert (f"held-out success (eval/pass@1 over 9 eval rows): {first:.2f} at step 0 -> "
             in (tmp_path / "cli.log").read_text())
+    # Tools, an env's get_reward and evaluations log names the words run does not.
+    logged = set().union(*read_metrics(out / "metrics.jsonl"))
+    assert not undocumented(logged), f"logged but not in docs/metrics.md: {undocumented(logged)}"

@@ -141,6 +141,33 @@ def documented_metric_names() -> set[str]:
     return names
 
 
+# transformers' own keys of a logged row, which docs/metrics.md names in its prose.
+TRAINER_KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step", "train_runtime",
+                "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
+# A logged name's run-specific part (a reward source, a tool, k) -> the page's placeholder.
+PLACEHOLDERS = [(re.compile(r"^(eval/)?rewards/[^/]+/"), r"\1rewards/{name}/"),
+                (re.compile(r"^tools/[^/]+/(?=latency_s$|call_count$|failure_count$)"), "tools/{tool}/"),
+                (re.compile(r"^eval/pass@(?!1$)\d+$"), "eval/pass@{k}")]
+
+
+def undocumented(logged: set[str]) -> list[str]:
+    """The names of a real run's metrics.jsonl rows that docs/metrics.md does not document."""
+    spans = set(re.findall(r"`([^`]+)`", METRICS_MD.read_text()))
+    documented = documented_metric_names() | (set(TRAINER_KEYS) & spans)
+    def placeheld(name: str) -> str:
+        for pattern, placeholder in PLACEHOLDERS:
+            name = pattern.sub(placeholder, name)
+        return name
+    return sorted(name for name in logged if placeheld(name) not in documented)
+
+
+def test_undocumented_maps_run_specific_parts_to_the_pages_placeholders():
+    logged = {"rewards/letter_fraction/mean", "eval/rewards/CounterEnv/mean", "eval/pass@4",
+              "tools/increment/call_count", "tools/call_frequency", "grad_norm", "train_runtime",
+              "rewards/x/made_up", "made_up/name", "made_up"}
+    assert undocumented(logged) == ["made_up", "made_up/name", "rewards/x/made_up"]
+
+
 def test_every_documented_metric_has_the_reduction_the_spec_rule_gives_it():
     documented = documented_metric_names()
     assert documented == set(EXPECTED_REDUCTIONS), (
