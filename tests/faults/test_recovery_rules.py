@@ -797,3 +797,104 @@ def test_an_agent_run_that_lost_the_server_interrupts_the_evaluation(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _LoraRoutes(_ControlRoutes):
+    """A `--enable-lora` server: /v1/models lists the base model then `adapters`, and
+    /inference/v1/generate answers a request naming one of them (or the base) with two tokens
+    of the base weights' label, any other name with vLLM's 404 for an unknown model."""
+
+    adapters: ClassVar[list[str]] = []
+
+    def do_GET(self):
+        if urlparse(self.path).path == "/v1/models":
+            base = {"id": self.served, "max_model_len": self.max_model_len}
+            return self._reply({"data": [base, *({"id": name} for name in self.adapters)]})
+        return super().do_GET()
+
+    def do_POST(self):
+        if urlparse(self.path).path != "/inference/v1/generate":
+            return super().do_POST()
+        model = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["model"]
+        if model not in (self.served, *self.adapters):
+            return self._reply({"error": {
+                "message": f"The model `{model}` does not exist. Valid aliases: {self.served}.",
+                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        self._reply({"choices": [{"index": 0, "token_ids": [7, 8], "finish_reason": "stop",
+                                  "weight_versions": [{"version": "default", "start": 0, "end": 2}]}]})
+
+
+def test_an_evaluation_a_restarted_server_refuses_the_adapter_of_is_interrupted_not_failed(
+        tmp_path):
+    """Under LoRA sync a server restarted before the restore's push landed refuses the
+    evaluated version's adapter as an unknown model (vLLM's 404); that was no lost server, so
+    the evaluation failed and `take_finished` stopped training. Now a refusal by a server that
+    serves none of the run's adapters (or that one again by now) interrupts the evaluation, for
+    the tool loop's requests and an agent's calls through the gateway alike; one by a server
+    that still serves others of the run's adapters (it ran on, something unloaded that one)
+    still fails, naming the adapter and the likely cause."""
+    import asyncio
+    import functools
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings, EvaluationInterrupted
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.sampler.errors import RequestRejectedError
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.types import Rollout
+    from transformers import AutoTokenizer
+
+    routes = type("Routes", (_LoraRoutes,), {"adapters": ["run-v3"]})
+    server, url = _serve(routes)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5,
+                             max_completion_length=64,
+                             chat_template_kwargs={"enable_thinking": False})
+
+    class OneTurnLoop(AsyncRolloutLoop):
+        """The loop's real request path (`generate_one_turn`, the adapter by name)."""
+
+        async def generate_one(self, prompt, tools, group_id=0):
+            turn = await self.generate_one_turn([5, 6])
+            return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                           completion_ids=turn.output_ids, turns=[turn])
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="tiny/Model", messages=row["prompt"])
+        return 1.0
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    loops = {"tool loop": OneTurnLoop, "agent": functools.partial(HarnessRolloutLoop, agent=agent)}
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}]
+    lost = (rf"^The vLLM server at {url} was lost during the evaluation of version 3 \(POST "
+            rf"{url}/inference/v1/generate was rejected with HTTP 404: The model `run-v3` does "
+            r"not exist\. Valid aliases: tiny/Model\. \(the server now serves none of this run's "
+            r"LoRA adapters: it was restarted, and the trainer's restore pushes the adapter "
+            r"again\)\)\. None of its rollouts is scored")
+
+    async def main(loop_cls):
+        session = EvalSession(loop_cls, config=config, processing_class=tokenizer,
+                              reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                              settings=EvalSettings(), lora_name="run", model_name="tiny/Model",
+                              restores=lambda: 0)
+        async with session:
+            routes.adapters = ["run-v3"]
+            assert (await session.evaluate(rows, 3)).metrics["eval/pass@1"] == 1.0
+            routes.adapters = []  # restarted: the restore's push has not landed yet
+            with pytest.raises(EvaluationInterrupted, match=lost):
+                await session.evaluate(rows, 3)
+            routes.adapters = ["run-v4"]  # running on, version 3's adapter unloaded
+            with pytest.raises(RequestRejectedError, match=(
+                    rf"^The vLLM server at {url} refused the LoRA adapter 'run-v3' as an unknown "
+                    r"model while it still serves this run's run-v4: something unloaded it \(a "
+                    r"run started with the same output_dir on this server unloads the adapters "
+                    r"named after it\)\. Give each run on a server its own output_dir")):
+                await session.evaluate(rows, 3)
+
+    try:
+        for loop_cls in loops.values():
+            asyncio.run(main(loop_cls))
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -19,7 +19,10 @@ checks the server's facts again, as the rollout worker does, before the first ev
 a restore (`restores`: the trainer's count). An evaluation during which the server was lost
 or restored is not scored (`EvaluationInterrupted`): its later rollouts would have run against
 facts it never read (the model id its requests name, the `max_model_len` the tool loop and the
-agent gateway stop at), and a lost rollout is no failure of the model.
+agent gateway stop at), and a lost rollout is no failure of the model. Under LoRA sync a server
+restarted before the restore's push landed refuses the version's adapter as an unknown model:
+lost too (`recovery.restate_adapter_refusal` tells it from an adapter unloaded under a running
+server, which fails the evaluation).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
 from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
 from grpo_agent.sampler.errors import SamplerError
-from grpo_agent.sampler.recovery import means_server_lost
+from grpo_agent.sampler.recovery import means_server_lost, restate_adapter_refusal
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
     check_completion_room,
@@ -337,13 +340,18 @@ class EvalSession:
             outcome = await self.loop.run_episode(row, index, index)
         except SamplerError as error:
             url = self.loop.config.vllm_server_base_url
-            if not await means_server_lost(error, url):
+            # Under adapter sync, a server restarted under us refuses the version's adapter
+            # until the restore's push has landed: lost too, not the model's failure.
+            restated = await restate_adapter_refusal(error, self.loop.sampler, self.loop.lora_name)
+            if not await means_server_lost(restated or error, url):
+                if restated is not None:
+                    raise restated from error
                 raise
             self._read_at = None  # whatever answers next is read and checked first
             raise EvaluationInterrupted(
                 f"The vLLM server at {url} was lost during the evaluation of version {version} "
-                f"({error}). None of its rollouts is scored: evaluate again once it answers "
-                "(during training, the next evaluation does, after the restore).") from error
+                f"({restated or error}). None of its rollouts is scored: evaluate again once it "
+                "answers (during training, the next evaluation does, after the restore).") from error
         self._check_served(outcome[1], version)
         return outcome
 

@@ -9,6 +9,7 @@ NaN reward, counted in `harness/errors_count` or `harness/timeout_count`. A run 
 the server was lost is no run of the policy: it raises as a tool loop's request would
 (`ServerUnreachableError`), so the worker drops its group as `server_lost` and asks for a
 restore, and an evaluation is interrupted, instead of a failed agent run counted against it.
+So does one whose call the server refused for the run's LoRA adapter (`_raise_if_server_lost`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits
 from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.versions import rollout_version
 from grpo_agent.sampler.errors import SamplerError, ServerUnreachableError
-from grpo_agent.sampler.recovery import means_server_lost
+from grpo_agent.sampler.recovery import means_server_lost, restate_adapter_refusal
 from grpo_agent.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,14 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
     async def _raise_if_server_lost(self, error: SamplerError) -> None:
         """Raise `error` as a lost server (`recovery.means_server_lost`: nothing answered, or
-        `/health` does not answer now either); a server that still answers refused only that
-        call, which the agent saw as a 502."""
+        `/health` does not answer now either), and a refusal of the run's LoRA adapter as
+        `recovery.restate_adapter_refusal` restates it (a restarted server: lost; else the
+        platform's error, no failure of the agent); a server that still answers refused only
+        that call, which the agent saw as a 502."""
         url = self.config.vllm_server_base_url
+        restated = await restate_adapter_refusal(error, self.sampler, self.lora_name)
+        if restated is not None:
+            raise restated from error
         if not await means_server_lost(error, url):
             return
         if isinstance(error, ServerUnreachableError):

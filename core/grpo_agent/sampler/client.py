@@ -78,6 +78,12 @@ def adapter_name(lora_name: str | None, version: int) -> str | None:
     return f"{lora_name}-v{version}"
 
 
+def version_adapters(served: list[str], lora_name: str) -> list[str]:
+    """The names among `served` that are `adapter_name`s of `lora_name` (a run's versions)."""
+    prefix = f"{lora_name}-v"
+    return [name for name in served if name.startswith(prefix) and name[len(prefix):].isdigit()]
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and meanings)."""
@@ -228,6 +234,12 @@ class SamplerClient:
             first = data["data"][0]
             self._model_info = ModelInfo(id=first["id"], max_model_len=int(first["max_model_len"]))
         return self._model_info
+
+    async def served_models(self) -> list[str]:
+        """Every model id the server answers to now: the base model, then its LoRA adapters
+        (not cached: adapters come and go)."""
+        data = await self._request_json("GET", "/v1/models", timeout=CONTROL_TIMEOUT_S)
+        return [entry["id"] for entry in data["data"]]
 
     def forget_server(self) -> None:
         """The server was restarted: ask it again for its model and `max_model_len`, and

@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from typing import Any
 
 import httpx
 
-from grpo_agent.sampler.client import SamplerClient
+from grpo_agent.sampler.client import SamplerClient, version_adapters
 from grpo_agent.sampler.errors import (
     RequestRejectedError,
     SamplerError,
@@ -86,6 +87,42 @@ async def means_server_lost(error: BaseException, base_url: str) -> bool:
     if not isinstance(error, SamplerError) or isinstance(error, RequestRejectedError):
         return False
     return not await server_answers_async(base_url)
+
+
+async def restate_adapter_refusal(error: BaseException, sampler: SamplerClient,
+                                  lora_name: str | None) -> SamplerError | None:
+    """`error` restated when it is the server refusing one of the run's LoRA adapters (named
+    after `lora_name`) as an unknown model (vLLM's 404 "The model `run-v3` does not exist"),
+    else None; the server's model list tells why. Holding none of the run's adapters, or that
+    one again by now, it was restarted under the request, before (or while) the trainer's
+    restore pushed the adapter again (the restore count moves only once that has landed): a
+    `ServerUnreachableError`, which `means_server_lost` calls lost. Still holding others of
+    the run's adapters, it ran on and something unloaded that one: a `RequestRejectedError`
+    naming it and the likely cause. Limit: a running server whose every adapter of the run
+    was unloaded by hand reads as restarted."""
+    if lora_name is None or not isinstance(error, RequestRejectedError) or error.status_code != 404:
+        return None
+    refused = re.search(rf"`({re.escape(lora_name)}-v\d+)`", error.server_message)
+    if refused is None:
+        return None
+    adapter = refused.group(1)
+    try:
+        ours = version_adapters(await sampler.served_models(), lora_name)
+    except SamplerError as listing:
+        if not await means_server_lost(listing, sampler.base_url):
+            return None
+        return ServerUnreachableError(f"{error.reason} (and then GET /v1/models: {listing.reason})")
+    if adapter in ours or not ours:
+        now = "serves it again" if ours else "serves none of this run's LoRA adapters"
+        return ServerUnreachableError(
+            f"{error.reason} (the server now {now}: it was restarted, and the trainer's restore "
+            "pushes the adapter again)")
+    return RequestRejectedError(
+        f"The vLLM server at {sampler.base_url} refused the LoRA adapter {adapter!r} as an "
+        f"unknown model while it still serves this run's {', '.join(ours)}: something unloaded "
+        "it (a run started with the same output_dir on this server unloads the adapters named "
+        "after it). Give each run on a server its own output_dir, and unload no run's adapters "
+        "by hand.", status_code=404, server_message=error.server_message)
 
 
 def restore_server(base_url: str, timeout_s: float) -> str:
