@@ -49,6 +49,9 @@ class Rollout:
     rollout_id: str = field(default_factory=_new_rollout_id)
     # Per-rollout metric observations (tools/*, env/*) that the loop aggregates.
     metrics: dict[str, list[float]] = field(default_factory=dict)
+    # The model calls of a run its loop dropped (a failed agent run: `turns` empty, reward NaN):
+    # never trained, kept so an evaluation can check which weights sampled them.
+    dropped_turns: list[TurnRecord] = field(default_factory=list)
 
 
 @dataclass

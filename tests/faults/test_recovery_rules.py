@@ -898,3 +898,63 @@ def test_an_evaluation_a_restarted_server_refuses_the_adapter_of_is_interrupted_
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_failed_agent_run_other_weights_answered_is_not_scored_as_a_failure(tmp_path):
+    """A failed agent run's rollout had no turns, so the served-version check saw none of its
+    tokens: a run whose calls a restarted server's own weights ("default") answered, and whose
+    agent then failed, was scored as a failure of the evaluated version (a wrong 0 in pass@1).
+    Now its calls are kept (`Rollout.dropped_turns`, never trained) and checked: the evaluation
+    is not scored. A failed run the evaluated weights answered still fails its row."""
+    import asyncio
+    import functools
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings, EvaluationInterrupted
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.types import TurnRecord
+    from transformers import AutoTokenizer
+
+    server, url = _serve(type("Routes", (_ControlRoutes,), {}))
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+
+    class ScriptedSampler(HarnessRolloutLoop):
+        """The real gateway and agent; the label of the answer's weights set by the row."""
+
+        async def generate_one_turn(self, prompt_ids, max_tokens=None):
+            label = "default" if "restarted" in self.tokenizer.decode(prompt_ids) else "3"
+            ids = tokenizer.encode("done", add_special_tokens=False) + [tokenizer.eos_token_id]
+            return TurnRecord(list(prompt_ids), ids, [-0.1] * len(ids), finish_reason="stop",
+                              weight_versions=[label] * len(ids))
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="tiny/Model", messages=row["prompt"])
+        raise RuntimeError("the agent's own bug")  # a failed run, after one answered call
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5,
+                             max_completion_length=64,
+                             chat_template_kwargs={"enable_thinking": False})
+    session = EvalSession(functools.partial(ScriptedSampler, agent=agent), config=config,
+                          processing_class=tokenizer, reward_funcs=[], settings=EvalSettings(),
+                          model_name="tiny/Model", restores=lambda: 0)
+
+    def rows(*words):
+        return [{"prompt": [{"role": "user", "content": word}]} for word in words]
+
+    async def main():
+        async with session:
+            with pytest.raises(EvaluationInterrupted, match=(
+                    rf"^The vLLM server at {url} sampled the evaluation of version 3 with "
+                    r"weights labelled \['default'\], not \['3'\]")):
+                await session.evaluate(rows("fine", "restarted"), 3)
+            failed = await session.evaluate(rows("fine"), 3)  # the evaluated weights answered
+            assert failed.rows[0].rewards == [None] and failed.metrics["eval/pass@1"] == 0.0
+            assert failed.served_versions == {"3"}
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+        server.server_close()

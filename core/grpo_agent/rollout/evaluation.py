@@ -11,7 +11,8 @@ the trainer does not replace until the evaluation ends). The pin is checked, not
 every token must carry the evaluated version's label, as vLLM stamps it, or the evaluation is
 not scored (`EvaluationInterrupted`): a server restarted before the trainer pushed its weights
 again samples its own, and a server a trainer pushed into serves that trainer's. A rollout the loop
-dropped (its own reward NaN: an agent that failed) is unscored, so it fails. A sampled pass@k
+dropped (its own reward NaN: an agent that failed) is unscored, so it fails, once the tokens its
+calls sampled (`Rollout.dropped_turns`) passed the same check. A sampled pass@k
 row's first turns go to the server as one request with n, like a training group's.
 
 Design decision: a session outlives server restores (one per training run), so it reads and
@@ -268,7 +269,7 @@ class EvalSession:
         rows_out = [row for row, _, _ in results]
         rollouts = [r for _, rollouts, _ in results for r in rollouts]
         errors = sum(error for _, _, error in results)
-        served = {v for r in rollouts for turn in r.turns for v in (turn.weight_versions or ())}
+        served = {v for r in rollouts for v in _served_labels(r)}
         metrics = eval_metrics(rows_out, rollouts, self.settings.num_generations, errors)
         duration = time.perf_counter() - started
         metrics["eval/model_version"] = float(version)
@@ -356,12 +357,13 @@ class EvalSession:
         return outcome
 
     def _check_served(self, rollout: Rollout, version: int) -> None:
-        """Every token of `rollout` was sampled with the evaluated weights, by the label vLLM
-        stamps on it (a server without --enable-scale-out reports none: nothing to check).
-        Under LoRA adapter sync each request names the version's adapter, on the base weights
-        of version 0, which stay served."""
+        """Every token sampled for `rollout` (a failed agent run's too) was sampled with the
+        evaluated weights, by the label vLLM stamps on it (a server without
+        --enable-scale-out reports none: nothing to check). Under LoRA adapter sync each
+        request names the version's adapter, on the base weights of version 0, which stay
+        served."""
         expected = served_version_labels(0 if self._adapters else version)
-        served = {v for turn in rollout.turns for v in (turn.weight_versions or ())}
+        served = _served_labels(rollout)
         if served <= expected:
             return
         self._read_at = None  # a server that changed under us is read and checked first
@@ -384,6 +386,13 @@ class EvalSession:
                 f"during the evaluation of version {version}. None of its rollouts is scored: "
                 "some ran against a server whose facts (model id, max_model_len) it had not "
                 "read; the next evaluation reads them first.")
+
+
+def _served_labels(rollout: Rollout) -> set[str]:
+    """The weight labels on every token sampled for `rollout`, a dropped run's calls included:
+    a failed agent run that other weights answered is no failure of the evaluated ones."""
+    turns = [*rollout.turns, *rollout.dropped_turns]
+    return {v for turn in turns for v in (turn.weight_versions or ())}
 
 
 def _dropped(rollout: Rollout) -> bool:

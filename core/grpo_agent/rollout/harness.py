@@ -185,7 +185,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         }
         if failure is not None:
             self._warn_dropped(str(failure))
-            rollout = Rollout(completion=[], completion_ids=[], turns=[], reward=math.nan, metrics=metrics)
+            rollout = Rollout(completion=[], completion_ids=[], turns=[], reward=math.nan,
+                              metrics=metrics, dropped_turns=list(session.turns))
         else:
             completion = session.last_messages[len(session.first_messages or []):]
             rollout = Rollout(
