@@ -334,6 +334,51 @@ def test_an_evaluation_other_weights_answered_is_dropped_with_the_reason(tmp_pat
             ) in caplog.text
 
 
+def test_evaluate_raises_an_evaluation_it_cannot_score_saying_to_call_it_again(tmp_path,
+                                                                            monkeypatch):
+    """`trainer.evaluate()` blocks for metrics, so an evaluation it cannot score (here the real
+    session finds the server's own "default" weights answering version 5) is raised, not
+    dropped as during training; it raised the session's message alone, which tells a training
+    run's next evaluation to take over. Now it says to call evaluate() again, and logs nothing."""
+    from types import SimpleNamespace
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout import evaluation as rollout_evaluation
+    from grpo_agent.rollout.evaluation import EvalSession, EvalSettings, EvaluationInterrupted
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.sampler.server_facts import ServerFacts
+    from grpo_agent.types import Rollout, TurnRecord
+
+    class Restarted(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            return Rollout(completion=[{"role": "assistant", "content": "x"}], completion_ids=[1],
+                           turns=[TurnRecord([0], [1], weight_versions=["default"])])
+
+    async def probe(client, **kwargs):
+        return ServerFacts(model_id="scripted", max_model_len=4096)
+
+    def session(self):
+        return EvalSession(Restarted, config=self.trainer.args, processing_class=None,
+                           reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                           settings=EvalSettings(), restores=lambda: 0)
+
+    monkeypatch.setattr(rollout_evaluation, "probe_server", probe)
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
+    logged = []
+    trainer = SimpleNamespace(evaluator=None, pusher=None, model_version=5, log=logged.append,
+                              args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                                                   report_to="none"),
+                              state=SimpleNamespace(global_step=7))
+    with pytest.raises(EvaluationInterrupted, match=(
+            r"^The vLLM server at \S+ sampled the evaluation of version 5 with weights labelled "
+            r"\['default'\], not \['5'\] .* trainer\.evaluate\(\) scored and logged nothing: "
+            r"call it again once the server answers with version 5's weights \(during train\(\), "
+            r"from a later step: the trainer restores a lost server and pushes its weights "
+            r"first\)\.$")):
+        evaluation.evaluate_now(trainer, EVAL_SPLIT)
+    assert logged == []
+
+
 def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path, monkeypatch):
     """`trainer.evaluate(split)` evaluates `split` (not the trainer's own), on the served
     version, and logs it with `eval/step`; without any split it says what to pass."""

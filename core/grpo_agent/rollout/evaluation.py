@@ -66,7 +66,8 @@ DEFAULT_SUCCESS_THRESHOLD = 1.0
 class EvaluationInterrupted(RuntimeError):
     """The vLLM server was lost or restored during an evaluation, or sampled it with other
     weights than the evaluated version's: none of its rollouts is scored (see the module doc).
-    Training goes on without it (`train.evaluation`)."""
+    Training goes on without it (`train.evaluation`); `trainer.evaluate()` raises it, saying to
+    call again."""
 
 
 @dataclass

@@ -282,7 +282,9 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
 
 
 def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, float]:
-    """`trainer.evaluate()`: one blocking evaluation of the served version, logged and returned."""
+    """`trainer.evaluate()`: one blocking evaluation of the served version, logged and returned.
+    One it cannot score raises `EvaluationInterrupted` (a caller waiting for metrics gets none
+    to log), with what to do added: call again."""
     from grpo_agent.rollout.evaluation import dataset_rows
 
     evaluator = trainer.evaluator
@@ -295,7 +297,14 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     if trainer.pusher is not None:  # during train(): the pipeline runs
         trainer.settle_push()
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
-    result = run_evaluation(evaluator.session, rows, trainer.model_version)
+    version = trainer.model_version
+    try:
+        result = run_evaluation(evaluator.session, rows, version)
+    except EvaluationInterrupted as error:
+        raise EvaluationInterrupted(
+            f"{error} trainer.evaluate() scored and logged nothing: call it again once the server "
+            f"answers with version {version}'s weights (during train(), from a later step: the "
+            "trainer restores a lost server and pushes its weights first).") from error
     evaluator.results.append(result)
     metrics = {**result.metrics, "eval/step": float(trainer.state.global_step)}
     trainer.log(metrics)
