@@ -538,3 +538,26 @@ def test_a_position_without_top_logprobs_or_a_candidate_without_rank_still_decod
         {"logprob": -0.5}, {"logprob": -0.25, "top_logprobs": [{"token_id": 6, "logprob": -0.25}]}]}}]})
     positions = decode_generate(body.encode(), "http://x").choices[0].logprobs.content
     assert positions[0].top_logprobs == [] and positions[1].top_logprobs[0].rank is None
+
+
+def _all_subclasses(cls):
+    return [cls] + [sub for child in cls.__subclasses__() for sub in _all_subclasses(child)]
+
+
+def test_every_sampler_error_survives_pickle_with_its_fields():
+    """Errors cross process boundaries (the worker's to the trainer); `RequestRejectedError`'s
+    keyword-only `status_code` once made unpickling fail."""
+    import pickle
+
+    from grpo_agent.sampler import errors
+
+    made = {errors.RequestRejectedError: errors.RequestRejectedError(
+        "POST /x was rejected with HTTP 400: bad", status_code=400, server_message="bad")}
+    classes = _all_subclasses(SamplerError)
+    assert errors.RequestRejectedError in classes and len(classes) >= 6
+    for cls in classes:
+        error = made.get(cls) or cls(f"{cls.__name__} failed\nadvice", reason="what failed")
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is cls
+        assert (copy.args, str(copy), copy.reason, vars(copy)) == (error.args, str(error), error.reason, vars(error))
+    assert pickle.loads(pickle.dumps(made[errors.RequestRejectedError])).status_code == 400

@@ -26,6 +26,19 @@ class SamplerError(RuntimeError):
         text = str(self).strip()
         return self._reason or (text.splitlines()[0] if text else type(self).__name__)
 
+    def __reduce__(self):
+        """Pickle without calling `__init__` again: errors cross process boundaries (the rollout
+        worker's to the trainer), and a subclass with required keyword-only arguments
+        (`RequestRejectedError`) cannot be rebuilt from `args` alone."""
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> SamplerError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class ServerUnreachableError(SamplerError):
     """Nothing answered at the server URL (not started, crashed, or wrong address)."""
