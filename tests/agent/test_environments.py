@@ -102,6 +102,7 @@ def test_increment_env_prompt_tools_reward_and_pool_reuse(executor):
     assert reward == (IncrementEnv, 1.0)
     assert again.env is episode.env and again.env.counter == 0  # reused, reset in between
     assert episode.metrics["env/reset_s"][0] >= 0 and "env/reward_s" in episode.metrics
+    assert episode.metrics["env/late_call_unscored_count"] == [0.0]
 
 
 def test_dict_factory_routes_by_environment_column_without_forwarding_it(executor):
@@ -347,6 +348,7 @@ def test_a_rollout_whose_own_tool_call_went_late_is_left_unscored_and_its_next_c
                                  "and still runs on the same environment."}]
     assert episode.env.fetched == ["a"]  # the late write landed, and only one
     assert reward is None  # get_reward would have read it: 1.0
+    assert episode.metrics["env/late_call_unscored_count"] == [1.0]  # counted, not silent
 
 
 @pytest.mark.timeout(60)

@@ -100,6 +100,7 @@ EXPECTED_REDUCTIONS = {
     "tools/{tool}/failure_count": "sum", "tools/unknown_name_count": "sum",
     "tools/malformed_call_count": "sum", "tools/parallel_calls_mean": "mean",
     "tools/loop_exhausted_frac": "mean", "env/reset_s": "mean", "env/reward_s": "mean",
+    "env/late_call_unscored_count": "sum",
     "harness/calls_per_rollout": "mean", "harness/errors_count": "sum", "harness/timeout_count": "sum",
     "harness/rejected_calls_count": "sum", "harness/dropped_frac": "mean",
     "sample/forwarded_tokens_mean": "mean", "sample/forwarded_tokens_max": "max",

@@ -207,6 +207,7 @@ class EnvironmentRunner:
         Returns None (the env leaves the rollout unscored) when one of the episode's own tool
         calls timed out: its thread went on writing to the instance, so `get_reward` would
         read a state the transcript (where the call failed) does not show, or read it mid-write.
+        Such rollouts are counted in `env/late_call_unscored_count` (0 for those it scores).
         """
         get_reward = getattr(episode.env, "get_reward", None)
         late = (self._executor.unwatch(episode.env)
@@ -214,6 +215,7 @@ class EnvironmentRunner:
         try:
             if get_reward is None:
                 return None
+            episode.metrics["env/late_call_unscored_count"] = [float(bool(late))]
             if late:
                 _warn_unscored(type(episode.env).__name__, late[0])
                 return None
