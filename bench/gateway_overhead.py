@@ -110,7 +110,7 @@ async def bench(base_url: str, model_path: str, args) -> dict:
     session = gateway.open_session(0)
     client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key, max_retries=0)
     items = conversations(args.requests)
-    renderer = ConversationRenderer(tokenizer, None, {})
+    renderer = ConversationRenderer(tokenizer, None, {}, rerenders=True)  # as the gateway renders
     rendered = {id(m): renderer.prompt_ids(m) for m in items}
     results = {"raw": [], "gateway": []}
 

@@ -99,6 +99,20 @@ async def streamed_response(client, request: dict):
     return final
 
 
+async def chat_agent(client, row: dict) -> float:
+    """A multi-turn chat without tools: each reply goes back into the history with a new user
+    message, for `row["turns"]` calls of at most `row["max_tokens"]` tokens."""
+    model = await model_name(client)
+    messages = [{"role": "user", "content": "Increment the counter by 1."}]
+    for number in range(row["turns"]):
+        if number:
+            messages.append({"role": "user", "content": f"Now by {number + 1}."})
+        response = await client.chat.completions.create(model=model, messages=messages,
+                                                         max_tokens=row["max_tokens"])
+        messages.append(response.choices[0].message.model_dump(exclude_none=True))
+    return 1.0
+
+
 async def one_call_agent(client, row: dict) -> None:
     await client.chat.completions.create(model=await model_name(client), messages=row["prompt"])
     # None: reward_funcs score it

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from grpo_agent.rollout.agent import ConversationRenderer
 from grpo_agent.rollout.chat_template import (
     KNOWN_PATCHES,
     check_prefix_preserving,
@@ -44,9 +45,35 @@ def test_prefix_preserving_template_is_kept_as_is(tiny_tokenizer):
     assert chosen.report.describe() == "prefix-preserving: every render extends the previous one"
 
 
+def test_earlier_think_blocks_are_dropped_at_a_new_user_query_and_the_patch_keeps_them(tiny_tokenizer):
+    """A gateway agent's chat sends a new user message each call: the model's template drops
+    the `<think>` block of every assistant turn before it, with or without tools."""
+    for tools in (False, True):
+        for kwargs in ({}, {"enable_thinking": False}):
+            chosen = choose_training_template(tiny_tokenizer, kwargs, tools)
+            assert chosen.family == "qwen3" and chosen.report.preserving, (tools, kwargs)
+    report = check_prefix_preserving(tiny_tokenizer, None, {}, tools=False)
+    assert (report.preserving, report.step, report.conversation) == (False, 3, "the chat without tools")
+    assert "<think>\nMultiply.\n</think>" in report.before and "<think>" not in report.after
+    assert "of the chat without tools rewrites" in report.describe()
+
+
+def test_a_chat_without_tools_renders_its_history_as_sampled(tiny_tokenizer):
+    """The gateway's renderer without tools uses the patched template: the next call's prompt
+    extends the tokens held (prompt + reply + end of turn), as one training sequence needs."""
+    renderer = ConversationRenderer(tiny_tokenizer, None, {}, rerenders=True)
+    reply = "<think>\nCount.\n</think>\n\nOne."
+    held = renderer.prompt_ids([{"role": "user", "content": "Count."}]) + tiny_tokenizer.encode(
+        reply + tiny_tokenizer.eos_token, add_special_tokens=False)
+    following = renderer.prompt_ids([{"role": "user", "content": "Count."}, {"role": "assistant", "content": reply},
+                                     {"role": "user", "content": "Again."}])
+    assert following[: len(held)] == held
+
+
 def test_known_family_patches_recognise_the_official_constructs():
     qwen3, deepseek = KNOWN_PATCHES
     assert qwen3.matches(QWEN3_SNIPPET) and "loop.last" not in qwen3.apply(QWEN3_SNIPPET)
+    assert "ns.last_query_index" not in qwen3.apply(QWEN3_SNIPPET)
     assert deepseek.matches(DEEPSEEK_SNIPPET)
     assert "split('</think>')" not in deepseek.apply(DEEPSEEK_SNIPPET)
     assert not deepseek.matches(QWEN3_SNIPPET)

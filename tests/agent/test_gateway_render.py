@@ -40,7 +40,8 @@ def test_cached_pieces_encode_exactly_as_the_whole_text(tiny_tokenizer):
     assert encoder.marker == "<|im_start|>"  # the cached path is the one under test
     for kwargs in ({}, {"enable_thinking": False}):
         for messages, tools in conversations():
-            text = ConversationRenderer(tiny_tokenizer, tools, kwargs).prompt_text(template_messages(messages))
+            renderer = ConversationRenderer(tiny_tokenizer, tools, kwargs, rerenders=True)  # as the gateway
+            text = renderer.prompt_text(template_messages(messages))
             expected = tiny_tokenizer.encode(text, add_special_tokens=False)
             assert encoder.encode(text) == expected, text  # pieces encoded now
             assert encoder.encode(text) == expected, text  # pieces from the cache

@@ -73,7 +73,7 @@ def render(tokenizer, messages, tools=None):
     from grpo_agent.rollout.agent import ConversationRenderer
     from grpo_agent.rollout.gateway import template_messages
 
-    renderer = ConversationRenderer(tokenizer, tools, {"enable_thinking": False})
+    renderer = ConversationRenderer(tokenizer, tools, {"enable_thinking": False}, rerenders=True)
     return renderer.prompt_ids(template_messages(messages))
 
 
@@ -104,6 +104,31 @@ def test_tokens_are_exactly_what_vllm_sampled_and_multi_turn_is_one_sample(warm_
             assert rollout.completion[0]["tool_calls"][0]["function"]["name"] == "increment"
     assert multi_turn >= 2, [r.completion for _, r in results]
     assert {r.reward for _, r in results} <= {0.0, 1.0}
+
+
+def test_a_multi_turn_chat_without_tools_is_one_sample(warm_server, tmp_path):
+    """Qwen3's own template drops the `<think>` block of every assistant turn before the last
+    user query, so each follow-up message rewrote the tokens the model had sampled (a fork per
+    turn); the training template keeps them, tools or not.
+
+    Replies are capped at 4 tokens: past them the tool-warmed model, off its tools prompt,
+    writes `increment`+`e` where the tokenizer encodes "incremente" as `incre`+`me`+`n`+`te`,
+    and text sent back re-encodes canonically (a fork no template can prevent)."""
+    async def main():  # nearly greedy, as above: a fork can only come from the rendering
+        async with started_loop(warm_server, tmp_path, harness_agents.chat_agent,
+                                config={"temperature": 0.1}) as loop:
+            rows = [{"turns": 3, "max_tokens": 4}] * 3
+            results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
+            return loop, results
+
+    loop, results = asyncio.run(main())
+    for prompt, rollout in results:
+        assert len(rollout.turns) == 3 and rollout.metrics["harness/errors_count"] == [0.0], rollout.metrics
+        assert rollout.turns[0].prompt_ids == render(loop.tokenizer, prompt)
+        sequences, stats = reconcile_turns(rollout.turns)
+        assert (len(sequences), stats.num_forks, stats.drift_tokens) == (1, 0, [0, 0]), stats
+        trained = [t for t, m in zip(sequences[0].token_ids, sequences[0].trained_mask) if m]
+        assert trained == rollout.completion_ids
 
 
 def test_edited_history_forks_streaming_and_sync_clients(warm_server, tmp_path):

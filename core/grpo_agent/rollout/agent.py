@@ -171,13 +171,22 @@ def _strip_stop_tokens(text: str, tokenizer) -> str:
 
 
 class ConversationRenderer:
-    """Renders messages to prompt ids with the training template (off the event loop)."""
+    """Renders messages to prompt ids with the training template (off the event loop).
 
-    def __init__(self, tokenizer, tools: list[Callable], template_kwargs: dict | None):
+    `rerenders`: whether the conversation's history is re-rendered turn after turn, so the
+    prefix-preserving template is wanted (default: with tools, as in the tool loop, where a
+    turn without tools is the last). The gateway passes True: an agent's multi-turn chat
+    without tools re-renders too (Qwen3's own template drops the earlier replies' `<think>`
+    blocks at each new user message: a fork per turn). A single-turn prompt keeps the model's
+    own template."""
+
+    def __init__(self, tokenizer, tools: list[Callable], template_kwargs: dict | None,
+                 rerenders: bool | None = None):
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.template_kwargs = dict(template_kwargs or {})
-        chosen = training_template_for(tokenizer, self.template_kwargs) if tools else None
+        rerenders = bool(tools) if rerenders is None else rerenders
+        chosen = training_template_for(tokenizer, self.template_kwargs, bool(tools)) if rerenders else None
         self.template = chosen.template if chosen else None
         self.parser = parser_for_template(self.template or tokenizer.chat_template)
 

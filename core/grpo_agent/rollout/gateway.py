@@ -5,8 +5,8 @@ OpenAI-compatible server. Each rollout gets its own random API key (`AgentSessio
 call is attributed to exactly one rollout and nothing else on the machine can write into it.
 
 Design decision: the gateway never lets the sampler see text. A call renders the request's
-messages with the training chat template (the prefix-preserving patched one when tools are
-on, as the built-in tool loop does), samples token-in/token-out through the loop's
+messages with the training chat template (the prefix-preserving patched one, with tools or
+without: every call re-renders the agent's history), samples token-in/token-out through the loop's
 `generate_one_turn` (the config's sampling settings, the rollout's model version or adapter)
 and records the exact prompt ids, generated ids, log-probs and top-k as a `TurnRecord`. The
 text the agent gets back is only a view of those tokens; whatever history it sends next is
@@ -351,7 +351,8 @@ class Gateway:
         return message, finish, (len(prompt_ids), len(turn.output_ids)), turn
 
     def _render(self, tools: list | None, messages: list[dict]) -> tuple[ConversationRenderer, list[int]]:
-        renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config))
+        renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config),
+                                        rerenders=True)
         return renderer, self.encoder.encode(renderer.prompt_text(messages))
 
     def _check_budget(self, session: AgentSession) -> None:
