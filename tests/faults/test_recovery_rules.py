@@ -900,6 +900,108 @@ def test_an_evaluation_a_restarted_server_refuses_the_adapter_of_is_interrupted_
         server.server_close()
 
 
+def test_a_training_rollout_whose_adapter_a_restarted_server_refuses_drops_its_group_as_lost(
+        tmp_path, monkeypatch):
+    """In training, a refusal of the worker's newest adapter stopped the worker (a 404 is no
+    lost server to the engine): a server restarted before the trainer's restore pushed the
+    adapter again stopped the run instead of being restored. Now a refusal by a server that
+    serves none of the run's adapters drops the group as `server_lost` and raises
+    `server_down`; under max_staleness=0 one by a server that serves a newer adapter of the
+    run (the push unloaded the newest before it told the worker) finishes on the version the
+    worker learns; any other stops the run naming the adapter."""
+    import asyncio
+    import concurrent.futures
+    import io
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout import loop as loop_module
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.prompts import PromptSlot
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.sampler.client import SamplerClient
+    from grpo_agent.sampler.errors import RequestRejectedError
+    from grpo_agent.types import PromptConsumed, Rollout
+
+    requested = []
+
+    class Routes(_LoraRoutes):
+        def do_POST(self):
+            if urlparse(self.path).path == "/inference/v1/generate":
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                requested.append(json.loads(body)["model"])
+                self.rfile = io.BytesIO(body)  # read again by _LoraRoutes
+            return super().do_POST()
+
+    server, url = _serve(Routes)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5, max_staleness=0,
+                             num_generations=2, max_completion_length=64,
+                             share_first_turn_request=False)  # one request per rollout
+
+    class OneTurnLoop(AsyncRolloutLoop):
+        """The loop's real request path (`generate_one_turn`, the group's adapter by name); the
+        stand-in sends no log-probs, so no turn is kept to train."""
+
+        async def generate_one(self, prompt, tools, group_id=0):
+            turn = await self.generate_one_turn([5, 6])
+            return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                           completion_ids=turn.output_ids, turns=[])
+
+    worker = RolloutWorker(OneTurnLoop, config=config, model_name="tiny/Model", dataset=[],
+                           reward_funcs=[], processing_class=None, lora_name="run")  # not started
+    loop = OneTurnLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels,
+                       lora_name="run")
+    engine = RolloutEngine(loop, worker.channels)
+    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0,
+                      row={"prompt": [{"role": "user", "content": "hi"}]})
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+
+    async def run_group():
+        """A group of version 3 as the dispatcher starts it."""
+        worker.set_model_version(3)
+        requested.clear()
+        engine._groups_in_flight += 1
+        engine._groups_generating += 1
+        engine.slots.promise(config.num_generations)
+        await engine._run_group(slot, 0)
+
+    async def main():
+        async with SamplerClient(url, timeout=5) as sampler:
+            await loop.connect(sampler, executor)
+            engine._start_scheduling()
+            Routes.adapters = []  # restarted: the restore's push has not landed yet
+            await run_group()
+            assert worker.channels.server_down.is_set()
+            assert worker.channels.samples.get(timeout=5) == PromptConsumed(0, 0, "server_lost")
+            worker.channels.server_down.clear()
+
+            Routes.adapters = ["run-v4"]  # a push loaded version 4 and unloaded 3 ...
+            announce = asyncio.get_running_loop().call_later(0.3, worker.set_model_version, 4)
+            await run_group()  # ... and tells the worker a moment later
+            announce.cancel()
+            group = engine.score_queue.get_nowait()
+            assert group.model_version == 3 and requested == ["run-v3"] * 2 + ["run-v4"] * 2
+            assert not worker.channels.server_down.is_set()
+
+            monkeypatch.setattr(loop_module, "ADAPTER_ANNOUNCE_WAIT_S", 0.3)
+            for served in (["run-v4"], ["run-v2"]):  # nothing announced / an older one only
+                Routes.adapters = served
+                with pytest.raises(RequestRejectedError, match=(
+                        rf"^The vLLM server at {url} refused the LoRA adapter 'run-v3' as an "
+                        rf"unknown model while it still serves this run's {served[0]}: "
+                        r"something unloaded it")):
+                    await run_group()
+            assert not worker.channels.server_down.is_set()
+
+    try:
+        asyncio.run(main())
+    finally:
+        executor.shutdown()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_failed_agent_run_other_weights_answered_is_not_scored_as_a_failure(tmp_path):
     """A failed agent run's rollout had no turns, so the served-version check saw none of its
     tokens: a run whose calls a restarted server's own weights ("default") answered, and whose

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -32,13 +33,20 @@ from grpo_agent.rollout.plugins import (
 from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import reward_name
 from grpo_agent.rollout.versions import VersionValue, rollout_version
-from grpo_agent.sampler.client import adapter_name
-from grpo_agent.sampler.errors import RequestRejectedError
+from grpo_agent.sampler.client import adapter_name, version_adapters
+from grpo_agent.sampler.errors import RequestRejectedError, ServerUnreachableError
+from grpo_agent.sampler.recovery import restate_adapter_refusal
 from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.stall import StallWatch
 from grpo_agent.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
+
+# How long a rollout whose adapter a push unloaded waits for the worker to learn the version it
+# loaded (`AsyncRolloutLoop._adapter_after_refusal`): the rest of the push, an FSDP barrier.
+ADAPTER_ANNOUNCE_WAIT_S = 30.0
+ADAPTER_ANNOUNCE_POLL_S = 0.02
+
 
 class AsyncRolloutLoop:
     """Generates and scores rollouts for `AsyncGRPOTrainer` in the spawned rollout worker.
@@ -126,13 +134,42 @@ class AsyncRolloutLoop:
         try:
             return await self._request_turns(prompt_ids, params, model, n)
         except RequestRejectedError as error:
-            newest = adapter_name(self.lora_name, int(self.model_version_value.value))
-            if model is None or error.status_code != 404 or newest == model:
+            if model is None or error.status_code != 404:
                 raise
+            newest = await self._adapter_after_refusal(error, model)
         # The trainer unloaded this rollout's adapter: it is more than max_staleness versions
         # old, so its samples are dropped as stale anyway. Finish it on the newest policy.
         logger.debug("Adapter %s was unloaded mid-rollout; continuing on %s.", model, newest)
         return await self._request_turns(prompt_ids, params, newest, n)
+
+    async def _adapter_after_refusal(self, error: RequestRejectedError, model: str) -> str | None:
+        """The adapter to finish a rollout on after the server refused `model`, its group's, as
+        an unknown model (vLLM's 404). One older than the worker's newest: the trainer's push
+        unloaded it beyond max_staleness, so the newest. The newest itself, in training: a
+        server restarted before the trainer's restore pushed it again raises as lost
+        (`recovery.restate_adapter_refusal`; the engine drops the group as `server_lost` and
+        the trainer restores); under max_staleness=0 a push unloads it just before the worker
+        learns the version it loaded (`AdapterPusher.push`: `_register`, then `on_served`), so
+        while the server serves a newer one of the run's adapters the newest the worker learns
+        within `ADAPTER_ANNOUNCE_WAIT_S`. Any other refusal (and any in an evaluation, pinned to
+        its version) raises, naming the adapter."""
+        newest = adapter_name(self.lora_name, int(self.model_version_value.value))
+        if newest != model:
+            return newest
+        restated = await restate_adapter_refusal(error, self.sampler, self.lora_name)
+        if restated is None:
+            raise error
+        if self.evaluating or isinstance(restated, ServerUnreachableError):
+            raise restated from error
+        refused = int(model.rsplit("-v", 1)[1])
+        served = version_adapters(await self.sampler.served_models(), self.lora_name)
+        if any(int(name.rsplit("-v", 1)[1]) > refused for name in served):
+            deadline = time.monotonic() + ADAPTER_ANNOUNCE_WAIT_S
+            while time.monotonic() < deadline:
+                if int(self.model_version_value.value) > refused:
+                    return adapter_name(self.lora_name, int(self.model_version_value.value))
+                await asyncio.sleep(ADAPTER_ANNOUNCE_POLL_S)
+        raise restated from error
 
     async def _request_turns(self, prompt_ids, params, model, n) -> list[TurnRecord]:
         if n == 1:
