@@ -105,7 +105,8 @@ class AdapterRecorder(TrainerCallback):
         self.samples += list(self.trainer._step_samples)
 
 
-def test_trainer_syncs_adapters_and_rollouts_sample_their_own_version(lora_server, tmp_path):
+def test_trainer_syncs_adapters_and_rollouts_sample_their_own_version(
+        lora_server, tmp_path, monkeypatch):
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
     from grpo_agent.demo import letter_fraction, load_prompts
 
@@ -114,6 +115,7 @@ def test_trainer_syncs_adapters_and_rollouts_sample_their_own_version(lora_serve
         learning_rate=5e-2, num_generations=4, max_completion_length=24, report_to="none",
         save_strategy="no", vllm_server_base_url=lora_server.base_url, use_cpu=True,
         dtype="float32", gradient_checkpointing=False, logging_steps=1,
+        eval_temperature=1.0,  # evaluate() below: its log-probs are the policy's own
     )
     trainer = AsyncGRPOTrainer(model=str(lora_server.model_path), reward_funcs=letter_fraction,
                                train_dataset=load_prompts(), args=args,
@@ -136,6 +138,41 @@ def test_trainer_syncs_adapters_and_rollouts_sample_their_own_version(lora_serve
     assert {"perf/weight_sync_s", "perf/weight_sync_transfer_s"} <= logged
 
     _check_samples_came_from_their_versions(trainer, recorder)
+    _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch, prefix)
+
+
+def _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch, prefix):
+    """train()'s end unloaded the adapters, so evaluate() sampled the base model and always
+    raised EvaluationInterrupted (the base weights' label, not version 4's). Now it loads the
+    trained adapter again for the evaluation (every token's log-prob is the trained policy's)
+    and unloads it after."""
+    from grpo_agent.demo import load_prompts
+
+    sampled = []
+    generate = SamplerClient.generate
+
+    async def recording(self, prompt_ids, params, model=None):
+        turn = await generate(self, prompt_ids, params, model=model)
+        sampled.append((model, turn))
+        return turn
+
+    monkeypatch.setattr(SamplerClient, "generate", recording)
+    metrics = trainer.evaluate(eval_dataset=load_prompts().select(range(2)))
+    assert metrics["eval/model_version"] == 4.0 and metrics["eval/num_rows"] == 2.0
+    assert sampled and {model for model, _ in sampled} == {f"{prefix}-v4"}
+    model = copy.deepcopy(trainer.model).eval()
+    model.set_attn_implementation("sdpa")
+    gaps = [max(abs(a - b) for a, b in zip(
+        _logprobs(model, turn.prompt_ids + turn.output_ids, len(turn.prompt_ids)),
+        turn.output_log_probs)) for _, turn in sampled]
+    with model.disable_adapter():
+        base_gap = max(max(abs(a - b) for a, b in zip(
+            _logprobs(model, turn.prompt_ids + turn.output_ids, len(turn.prompt_ids)),
+            turn.output_log_probs)) for _, turn in sampled)
+    print(json.dumps({"evaluate_after_train_gap_max": max(gaps), "base_gap_max": base_gap}))
+    assert max(gaps) < 2e-3 and base_gap > 2e-2
+    assert _served(trainer.args.vllm_server_base_url)[1:] == []
+    assert list((Path(trainer.args.output_dir) / ".vllm_lora").iterdir()) == []
 
 
 def _check_samples_came_from_their_versions(trainer, recorder):

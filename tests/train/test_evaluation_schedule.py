@@ -365,7 +365,8 @@ def test_evaluate_raises_an_evaluation_it_cannot_score_saying_to_call_it_again(t
     monkeypatch.setattr(rollout_evaluation, "probe_server", probe)
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
     logged = []
-    trainer = SimpleNamespace(evaluator=None, pusher=None, model_version=5, log=logged.append,
+    trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=5,
+                              log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                                                    report_to="none"),
                               state=SimpleNamespace(global_step=7))
@@ -402,8 +403,8 @@ def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path,
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: CountingSession())
     logged = []
     trainer = SimpleNamespace(evaluator=None, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
-                              pusher=None, model_version=5, state=SimpleNamespace(global_step=7),
-                              log=logged.append)
+                              pusher=None, synced_lora_name=None, model_version=5,
+                              state=SimpleNamespace(global_step=7), log=logged.append)
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval split"):
         evaluation.evaluate_now(trainer)
     trainer.evaluator = evaluation.TrainingEvaluator(trainer, EVAL_SPLIT, None)  # 2 rows

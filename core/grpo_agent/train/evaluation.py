@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import torch
 from transformers import TrainerCallback
 
 from grpo_agent.rollout.evaluation import (
@@ -42,6 +45,7 @@ class TrainerView(Protocol):
     tools: Any
     environment_factory: Any
     pusher: Any
+    synced_lora_name: str | None
     model: Any
     model_version: int
     state: Any
@@ -156,13 +160,14 @@ class TrainingEvaluator:
         self.before_next_push = False  # an evaluation started since the last push
         self.results: list[EvalResult] = []  # every finished evaluation of this trainer
 
-    def session(self) -> EvalSession:
+    def session(self, lora_name: str | None = None) -> EvalSession:
+        """`lora_name`: the adapter prefix to sample; default the running pipeline's pusher's."""
         trainer = self.trainer
         return EvalSession(
             trainer.loop_cls, config=trainer.args, processing_class=trainer.processing_class,
             reward_funcs=trainer.reward_funcs, settings=self.settings, tools=trainer.tools,
             environment_factory=trainer.environment_factory,
-            lora_name=getattr(trainer.pusher, "lora_name", None),
+            lora_name=lora_name or getattr(trainer.pusher, "lora_name", None),
             model_name=str(trainer.model.config._name_or_path),
             restores=getattr(trainer, "server_restores", None))  # None: a stand-in trainer
 
@@ -299,7 +304,10 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
     version = trainer.model_version
     try:
-        result = run_evaluation(evaluator.session, rows, version)
+        with adapter_served_after_train(trainer, version) as lora_name:
+            session = (evaluator.session if lora_name is None
+                       else functools.partial(evaluator.session, lora_name))
+            result = run_evaluation(session, rows, version)
     except EvaluationInterrupted as error:
         raise EvaluationInterrupted(
             f"{error} trainer.evaluate() scored and logged nothing: call it again once the server "
@@ -309,6 +317,30 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     metrics = {**result.metrics, "eval/step": float(trainer.state.global_step)}
     trainer.log(metrics)
     return metrics
+
+
+@contextlib.contextmanager
+def adapter_served_after_train(trainer: TrainerView, version: int) -> Iterator[str | None]:
+    """Under LoRA adapter sync the server holds the trained policy only as adapters, and the
+    end of `train()` unloads them (`AdapterPusher.close`): after it, an evaluation would sample
+    the base model. So the trainer's adapter is loaded again as `version`'s for the evaluation
+    (by an `AdapterPusher`, every rank taking part as in a push) and unloaded after it. Yields
+    the adapter prefix to sample; None (nothing loaded) during `train()`, under merged sync, and
+    at version 0 (the base model itself)."""
+    from grpo_agent.train import fsdp
+    from grpo_agent.weight_sync.adapter import AdapterPusher
+
+    if trainer.pusher is not None or trainer.synced_lora_name is None or version <= 0:
+        yield None
+        return
+    pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
+    try:
+        pusher.push(trainer.model, version)
+        yield pusher.lora_name
+    finally:
+        if fsdp.world_size() > 1:
+            torch.distributed.barrier()  # every rank's evaluation ended before the unload
+        pusher.close()
 
 
 def resolve_eval_split(eval_dataset: Any, environment_factory: Any, args: Any) -> tuple[Any, float | None]:

@@ -42,6 +42,8 @@ class RolloutPipelineMixin:
         facts = setup.check_server(self.args, self.model)
         self._use_token_budget(setup.token_budget(self.args.token_budget, facts.max_model_len))
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
+        # Kept after train(): evaluate() then loads the adapter again (train/evaluation.py).
+        self.synced_lora_name = self.pusher.lora_name
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, or a server an earlier run pushed into. A fresh server already has them.
         if self.state.global_step > 0 or self.pusher.needs_initial_push(
