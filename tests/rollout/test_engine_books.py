@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -389,6 +390,32 @@ def test_the_stages_of_a_groups_rollouts_belong_to_that_group(monkeypatch, tmp_p
     engine._groups_in_flight = engine._groups_generating = 1
     asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 17))
     assert groups == [17, 17]
+
+
+def test_the_server_is_first_read_one_poll_interval_after_the_start(monkeypatch):
+    """A read at the start came before the first request: the idle server's zeros went into
+    every run's first window (runs read `rollout/vllm_running_requests` 0 throughout)."""
+    reads = []
+
+    async def metrics():
+        reads.append(time.monotonic())
+        raise asyncio.CancelledError
+
+    sampler = SimpleNamespace(metrics=metrics, base_url="http://x")
+    engine, _ = make_engine(sampler=sampler)
+    engine.cap = SimpleNamespace(update=lambda metrics, completed: None, value=4)
+    monkeypatch.setattr(engine_module, "POLL_INTERVAL_S", 0.3)
+
+    async def main():
+        began = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await engine._poll_server()
+        return began
+
+    began = asyncio.run(main())
+    assert len(reads) == 1 and reads[0] - began >= 0.3
+    # the starting cap (the server's facts) is recorded at once, the gauges only once read
+    assert engine._observations == [("rollout/concurrency_cap", 4)]
 
 
 def test_preemptions_and_retries_are_logged_as_counts_since_the_last_look(monkeypatch):

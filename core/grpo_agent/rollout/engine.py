@@ -376,10 +376,15 @@ class RolloutEngine:
     # ------------------------------------------------------------------ background tasks
 
     async def _poll_server(self) -> None:
-        """Every 5 s: adjust the concurrency cap and record the server's load gauges."""
+        """Every 5 s: adjust the concurrency cap and record the server's load gauges. The first
+        read comes one interval after the start: one at the start came before the first request
+        and put an idle server's zeros into every run's first window (the starting cap, read
+        off the server's facts, is recorded at once)."""
         sampler = self.loop.sampler
         last_preemptions, failing = None, False
+        self.observe("rollout/concurrency_cap", self.cap.value)
         while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
             try:
                 metrics = await sampler.metrics()
                 failing = False
@@ -399,7 +404,6 @@ class RolloutEngine:
                 if last_preemptions is not None:
                     self.observe("rollout/vllm_preemption_count", metrics.preemptions - last_preemptions)
                 last_preemptions = metrics.preemptions
-            await asyncio.sleep(POLL_INTERVAL_S)
 
     def _beat(self) -> None:
         self.channels.heartbeat.value = time.time()
