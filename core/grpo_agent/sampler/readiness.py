@@ -29,6 +29,7 @@ import errno
 import logging
 import socket
 import time
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import httpx
@@ -51,9 +52,12 @@ async def wait_until_ready(
     *,
     refused_grace_s: float = REFUSED_GRACE_S,
     log_every_s: float = LOG_EVERY_S,
+    start_command: Callable[[int], str] | None = None,
 ) -> float:
     """Return the seconds waited once the server answers; raise ServerUnreachableError when
-    it cannot or did not become ready (see the module docstring for the rule)."""
+    it cannot or did not become ready (see the module docstring for the rule).
+    `start_command(port)`: the command that starts the server its caller needs, named where
+    nobody holds the port (default: a GPU training server of some MODEL, `serve_command`)."""
     base_url = base_url.rstrip("/")
     host, port = _host_port(base_url)
     _resolve_or_fail(base_url, host, port)
@@ -74,15 +78,13 @@ async def wait_until_ready(
                     if state == "free":
                         refused_free_since = refused_free_since or now
                         if now - refused_free_since >= refused_grace_s:
+                            command = (start_command or _generic_command)(port)
                             raise ServerUnreachableError(
                                 f"No vLLM server at {base_url}: connections were refused for "
                                 f"{now - refused_free_since:.0f} s and no process on this machine "
-                                f"holds port {port}. Start one with the flags the trainer "
-                                f"needs (`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port {port} "
-                                "--logprobs-mode processed_logprobs --max-logprobs 20 "
-                                "--enable-scale-out`, README 'On a GPU machine'; on CPU through "
-                                "`python -m grpo_agent.sampler.vllm_entry serve`, docs/vllm.md) "
-                                f"or pass the right {URL_SETTING}."
+                                f"holds port {port}. Start one with the flags training needs "
+                                f"(docs/vllm.md, Server flags): `{command}`, or pass the right "
+                                f"{URL_SETTING}.", start_command=command
                             ) from error
                     else:
                         refused_free_since = None
@@ -112,6 +114,12 @@ async def wait_until_ready(
                     "%.0f s): %s", base_url, now - began, timeout, problem,
                 )
             await asyncio.sleep(min(POLL_S, max(0.0, timeout - (now - began))))
+
+
+def _generic_command(port: int) -> str:
+    from grpo_agent.sampler.server import serve_command
+
+    return serve_command("MODEL", port=port, max_model_len=4096, cpu=False)
 
 
 _STATE_TEXT = {

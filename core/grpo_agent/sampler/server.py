@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -46,6 +47,43 @@ _RUNNING: weakref.WeakValueDictionary[str, ManagedVLLMServer] = weakref.WeakValu
 def managed_server_at(base_url: str) -> ManagedVLLMServer | None:
     """The server this process started at `base_url`, if any (None: an external server)."""
     return _RUNNING.get(base_url.rstrip("/"))
+
+
+# What a server that trainers push weights into needs besides its flags (docs/vllm.md, Server
+# flags): set by `ManagedVLLMServer` and named by `serve_command`.
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # pause/resume, collective_rpc, reset_prefix_cache, weight pushes
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600",  # pooled client connections stay usable
+}
+
+
+def training_flags(max_model_len: int, max_logprobs: int, backend: str | None) -> list[str]:
+    """The `vllm serve` flags training needs: the log-prob ones `check_training_server`
+    refuses a server without, the generate route that stamps weight versions, and the
+    weight-transfer engine (`backend` None or "disk": none, the trainer writes to disk)."""
+    flags = ["--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+             "--max-logprobs", str(max_logprobs), "--enable-scale-out"]
+    if backend and backend != "disk":
+        flags += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    return flags
+
+
+def serve_command(model: str, *, port: int, max_model_len: int, max_logprobs: int = 20,
+                  dtype: str | None = None, cpu: bool) -> str:
+    """The shell command that starts a server on this machine that training accepts, for
+    messages that tell a user to start one: on CPU the one `ManagedVLLMServer` runs (gloo,
+    through `vllm_entry`), on a GPU vLLM's own CLI with the NCCL engine (README)."""
+    env = dict(SERVER_ENV)
+    if cpu:
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", WAIT_SLEEP_ENV: str(CPU_WAIT_SLEEP_S)})
+        program = ["python", "-m", "grpo_agent.sampler.vllm_entry", "serve"]
+    else:
+        program = ["vllm", "serve"]
+    args = [*program, model, "--port", str(port),
+            *training_flags(max_model_len, max_logprobs, "gloo" if cpu else "nccl")]
+    if dtype:
+        args += ["--dtype", dtype]
+    return " ".join(f"{name}={value}" for name, value in env.items()) + " " + shlex.join(args)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -134,18 +172,13 @@ class ManagedVLLMServer:
         args = [
             sys.executable, "-m", "grpo_agent.sampler.vllm_entry", "serve", self.model,
             "--host", self.host, "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--logprobs-mode", "processed_logprobs",
-            "--max-logprobs", str(self.max_logprobs),
-            "--enable-scale-out", "--api-server-count", "1",
+            *training_flags(self.max_model_len, self.max_logprobs, self.weight_transfer_backend),
+            "--api-server-count", "1",
         ]
         if self.dtype:
             args += ["--dtype", self.dtype]
         if self.enforce_eager:  # no torch.compile: starts faster, tiny models run faster too
             args.append("--enforce-eager")
-        if self.weight_transfer_backend and self.weight_transfer_backend != "disk":
-            args += ["--weight-transfer-config",
-                     json.dumps({"backend": self.weight_transfer_backend})]
         if self.enable_lora:
             args.append("--enable-lora")
             if self.max_lora_rank is not None:
@@ -156,9 +189,8 @@ class ManagedVLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(SERVER_ENV)
         env.update({
-            "VLLM_SERVER_DEV_MODE": "1",  # pause/resume, collective_rpc, reset_prefix_cache
-            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600",  # pooled client connections stay usable
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(self.kv_cache_gib))),
             "PYTHONUNBUFFERED": "1",
             OWNER_PID_ENV: str(os.getpid()),  # vllm_entry stops the server when we are gone

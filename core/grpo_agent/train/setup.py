@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -83,9 +84,25 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     `max_completion_length`; warn on a small token_budget and on dtype (`check_training_server`,
     whose rules a restored server meets again: `sampler.recovery`). (An evaluation checks the
     model and the length alone: `rollout.evaluation.EvalSession`.)"""
-    facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout))
-    check_training_server(facts, args.vllm_server_base_url, server_needs(args, model))
+    needs = server_needs(args, model)
+    facts = asyncio.run(_server_facts(args.vllm_server_base_url, args.vllm_server_timeout,
+                                      lambda port: serve_command_for(needs, port)))
+    check_training_server(facts, args.vllm_server_base_url, needs)
     return facts
+
+
+def serve_command_for(needs: ServerNeeds, port: int) -> str:
+    """The command that starts, on this machine, a server `check_training_server` accepts for
+    `needs`: what the start check advises where no server answers at the URL."""
+    from grpo_agent.sampler.server import serve_command
+    from grpo_agent.train.run import managed_max_model_len
+
+    cpu = not torch.cuda.is_available()
+    return serve_command(
+        needs.model, port=port,
+        max_model_len=managed_max_model_len(needs.model, needs.max_completion_length),
+        max_logprobs=max(20, needs.logprobs_per_token), cpu=cpu,
+        dtype="bfloat16" if cpu and needs.bf16_only_on_cpu else needs.trainer_dtype)
 
 
 def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
@@ -116,11 +133,13 @@ def token_budget(configured: int | None, max_model_len: int, current: int | None
     return max_model_len if current is None else max(current, max_model_len)
 
 
-async def _server_facts(base_url: str, timeout: float) -> ServerFacts:
+async def _server_facts(base_url: str, timeout: float,
+                        start_command: Callable[[int], str] | None = None) -> ServerFacts:
     from grpo_agent.sampler.client import SamplerClient
     from grpo_agent.sampler.readiness import wait_until_ready
 
-    await wait_until_ready(base_url, timeout)  # a server still loading is waited for
+    # a server still loading is waited for
+    await wait_until_ready(base_url, timeout, start_command=start_command)
     async with SamplerClient(base_url, timeout=timeout) as client:
         return await probe_server(client, weight_version=True)
 
