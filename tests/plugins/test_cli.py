@@ -325,7 +325,7 @@ def test_tiny_model_command_builds_the_model(cli, tmp_path):
 def test_the_managed_server_fits_the_runs_completions(tiny_model_path, completion, expected):
     # The spec's default max_completion_length (2048) must not fail `grpo-agent train --env X`
     # against the managed server; the tiny model's context (4096) caps it.
-    from grpo_agent.train.run import managed_max_model_len
+    from grpo_agent.sampler.server import managed_max_model_len
 
     assert managed_max_model_len(str(tiny_model_path), completion) == expected
 

@@ -105,7 +105,7 @@ def test_the_cli_starts_its_cpu_server_below_the_trainers_priority(tmp_path, mon
             return None
 
     monkeypatch.setattr(server_module, "ManagedVLLMServer", Recorded)
-    monkeypatch.setattr(run, "managed_max_model_len", lambda *args: 64)
+    monkeypatch.setattr(server_module, "managed_max_model_len", lambda *args: 64)
     cores = sorted(os.sched_getaffinity(0))
     config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none")
     for split, nice in ((CoreSplit(server=cores[:1], trainer=cores), SERVER_NICE), (None, None)):

@@ -45,7 +45,7 @@ def servers(monkeypatch):
 
     _Recorded.started = []
     monkeypatch.setattr(server_module, "ManagedVLLMServer", _Recorded)
-    monkeypatch.setattr(run, "managed_max_model_len", lambda *args: 64)
+    monkeypatch.setattr(server_module, "managed_max_model_len", lambda *args: 64)
     monkeypatch.setattr(run, "_core_split", lambda: None)
     return _Recorded.started
 
@@ -182,8 +182,10 @@ def test_a_model_without_a_stated_context_gets_the_wanted_server_length(monkeypa
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
                         lambda path: transformers.PretrainedConfig())
-    assert run.managed_max_model_len("org/model", 16) == run.MANAGED_MAX_MODEL_LEN
-    assert run.managed_max_model_len("org/model", 2048) == 2048 + run.PROMPT_ROOM
+    from grpo_agent.sampler import server
+
+    assert server.managed_max_model_len("org/model", 16) == server.MANAGED_MAX_MODEL_LEN
+    assert server.managed_max_model_len("org/model", 2048) == 2048 + server.PROMPT_ROOM
 
 
 def test_an_env_without_a_dataset_and_without_max_steps_is_refused_before_a_server_starts(

@@ -68,6 +68,22 @@ def training_flags(max_model_len: int, max_logprobs: int, backend: str | None) -
     return flags
 
 
+# The managed server's context: at least this, and room for a prompt of PROMPT_ROOM tokens
+# beside the run's max_completion_length.
+MANAGED_MAX_MODEL_LEN = 1024
+PROMPT_ROOM = 512
+
+
+def managed_max_model_len(model_path: str, max_completion_length: int) -> int:
+    """The managed server's --max-model-len: the run's completions plus a prompt, within the
+    model's context (a model too short for the completions is reported by the server check)."""
+    from transformers import AutoConfig
+
+    wanted = max(MANAGED_MAX_MODEL_LEN, max_completion_length + PROMPT_ROOM)
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return min(wanted, context) if context else wanted
+
+
 def serve_command(model: str, *, port: int, max_model_len: int, max_logprobs: int = 20,
                   dtype: str | None = None, cpu: bool) -> str:
     """The shell command that starts a server on this machine that training accepts, for

@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 # 1e-6); `make demo-words` learns at 3e-4.
 TINY_MODEL_MIN_LEARNING_RATE = 1e-4
 
-# The managed server's context: at least this, and room for a prompt of PROMPT_ROOM tokens
-# beside the run's max_completion_length. fp32 so trainer and sampler log-probs agree.
-MANAGED_MAX_MODEL_LEN = 1024
-PROMPT_ROOM = 512
 
 
 class RunRefused(ValueError):
@@ -339,16 +335,6 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None,
     }
 
 
-def managed_max_model_len(model_path: str, max_completion_length: int) -> int:
-    """The managed server's --max-model-len: the run's completions plus a prompt, within the
-    model's context (a model too short for the completions is reported by the server check)."""
-    from transformers import AutoConfig
-
-    wanted = max(MANAGED_MAX_MODEL_LEN, max_completion_length + PROMPT_ROOM)
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    return min(wanted, context) if context else wanted
-
-
 def tiny_model_advice(learning_rate: float) -> str | None:
     """Why a run of the built-in tiny model would not learn, or None: the config's default rate
     is the spec's, for pretrained models; a random 0.8M-parameter one needs far more."""
@@ -379,7 +365,7 @@ def _server(
     if vllm_url:
         yield vllm_url
         return
-    from grpo_agent.sampler.server import ManagedVLLMServer
+    from grpo_agent.sampler.server import ManagedVLLMServer, managed_max_model_len
     from grpo_agent.weight_sync.adapter import server_lora_rank
 
     lora_flags = {}
@@ -388,7 +374,7 @@ def _server(
                       "max_loras": config.max_staleness + 2}
     split = _core_split()
     server = ManagedVLLMServer(
-        model_path, dtype="float32",
+        model_path, dtype="float32",  # so trainer and sampler log-probs agree
         max_model_len=managed_max_model_len(model_path, config.max_completion_length),
         env=split.server_env() if split else None, nice=SERVER_NICE if split else None,
         **lora_flags

@@ -94,8 +94,7 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
 def serve_command_for(needs: ServerNeeds, port: int) -> str:
     """The command that starts, on this machine, a server `check_training_server` accepts for
     `needs`: what the start check advises where no server answers at the URL."""
-    from grpo_agent.sampler.server import serve_command
-    from grpo_agent.train.run import managed_max_model_len
+    from grpo_agent.sampler.server import managed_max_model_len, serve_command
 
     cpu = not torch.cuda.is_available()
     return serve_command(
