@@ -370,6 +370,22 @@ def test_a_yml_run_file_is_read_and_an_empty_yaml_sets_nothing(cli, tmp_path):
     assert json.loads(out)["max_staleness"] == 4
 
 
+@pytest.mark.parametrize(("name", "text", "message"), [
+    # yaml's error was no CLI error: a traceback; tomllib's did not name the file.
+    ("run.yaml", "max_steps: 3\n  learning_rate: [1\n",
+     "is not valid YAML: mapping values are not allowed here (at line 2, column 16)."),
+    ("run.toml", "max_steps = 3\nlearning_rate =\n", "is not valid TOML: Invalid value (at line 2"),
+    ("folder", None, "is a folder: pass a .toml or .yaml run file."),
+])
+def test_a_run_file_that_cannot_be_read_is_one_line_naming_it(cli, tmp_path, name, text, message):
+    path = tmp_path / name
+    path.mkdir() if text is None else path.write_text(text)
+    code, _, err = cli("config", "show", "--config", str(path))
+    assert code == 1
+    assert err.startswith(f"Error: Config file {path} {message}"), err
+    assert err.count("\n") == 1
+
+
 def test_plugin_arg_splits_at_the_last_dot_so_plugin_names_may_hold_dots():
     from grpo_agent.cli.config_files import parse_plugin_args
 

@@ -22,16 +22,28 @@ ENV_KEYS = ("env", "env_args")
 def read_run_file(path: Path) -> dict[str, Any]:
     """The key/value table of a `.toml`, `.yaml` or `.yml` run file."""
     if not path.is_file():
-        raise CliError(f"Config file {path} does not exist.")
+        raise CliError(f"Config file {path} is a folder: pass a .toml or .yaml run file."
+                       if path.is_dir() else f"Config file {path} does not exist.")
     text = path.read_text()
+    # A syntax error names the file: tomllib's message alone ("Invalid value (at line 2, column
+    # 17)") does not, and yaml's error was no CLI error, so it printed a traceback.
     if path.suffix == ".toml":
         import tomllib
 
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise CliError(f"Config file {path} is not valid TOML: {err}.") from err
     elif path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            at = f" (at line {where.line + 1}, column {where.column + 1})" if where else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise CliError(f"Config file {path} is not valid YAML: {problem}{at}.") from err
     else:
         raise CliError(f"Config file {path}: use a .toml, .yaml or .yml file.")
     if not isinstance(data, dict):
