@@ -35,7 +35,10 @@ class AsyncGRPOConfig(TrainingArguments):
         "Scheduler; constant because the number of optimizer steps is not known in advance.",
         default="constant",
     )
-    logging_steps: float = _help("Optimizer steps per logging window.", default=1)
+    logging_steps: float = _help(
+        "Optimizer steps per logging window; below 1 a fraction of max_steps, as are eval_steps "
+        "and save_steps (refused without max_steps: a run that ends by its prompt epochs has no "
+        "known length in steps).", default=1)
     gradient_checkpointing: bool = _help("Recompute activations in backward.", default=True)
     torch_compile: bool = _help(
         "Compile each decoder layer (dynamic shapes; torch_compile_backend/_mode apply). About "
@@ -253,6 +256,7 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
+        self._check_step_fractions()
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
@@ -289,6 +293,21 @@ class AsyncGRPOConfig(TrainingArguments):
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
+
+    def _check_step_fractions(self) -> None:
+        """transformers reads logging/eval/save steps below 1 as a fraction of max_steps; a run
+        without max_steps ends by its prompt epochs, its length in steps unknown (the Trainer
+        sees 10**9 steps), so such a window never came: no metrics row, evaluation or checkpoint."""
+        if self.max_steps > 0:
+            return
+        for kind in ("logging", "eval", "save"):
+            strategy = getattr(self, f"{kind}_strategy")
+            value = getattr(self, f"{kind}_steps")
+            if str(getattr(strategy, "value", strategy)) == "steps" and value is not None and 0 < value < 1:
+                raise ValueError(
+                    f"{kind}_steps={value} is a fraction of max_steps, but max_steps is not set: the "
+                    "run ends by its prompt epochs, so its length in steps is unknown. Set "
+                    f"{kind}_steps to a number of steps (>= 1), or set max_steps.")
 
     @property
     def effective_epsilon_high(self) -> float:

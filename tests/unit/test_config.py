@@ -150,3 +150,18 @@ def test_prompt_filters_given_as_text_are_comma_separated_names_not_letters(tmp_
     assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters="curriculum").prompt_filters == ["curriculum"]
     assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters="a, b").prompt_filters == ["a", "b"]
     assert AsyncGRPOConfig(output_dir=str(tmp_path), prompt_filters=["a"]).prompt_filters == ["a"]
+
+
+@pytest.mark.parametrize("kind", ["logging", "eval", "save"])
+def test_a_fraction_of_max_steps_without_max_steps_is_refused_and_with_it_kept(tmp_path, kind):
+    # Without max_steps the Trainer sees 10**9 steps: logging_steps=0.5 logged no window and
+    # save_steps=0.5 saved no checkpoint in a whole run (measured: `train --env words
+    # --set num_train_epochs=0.05 --set logging_steps=0.5` wrote no training row).
+    kwargs = {f"{kind}_strategy": "steps", f"{kind}_steps": 0.5}
+    with pytest.raises(ValueError, match=rf"^{kind}_steps=0.5 is a fraction of max_steps, but "
+                                         rf"max_steps is not set.*Set {kind}_steps to a number"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=10, **kwargs)
+    assert getattr(c, f"{kind}_steps") == 0.5
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**kwargs, f"{kind}_steps": 2})
+    assert getattr(c, f"{kind}_steps") == 2
