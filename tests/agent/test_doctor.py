@@ -41,7 +41,10 @@ def test_a_missing_folder_and_bad_json_are_one_line_errors_with_exit_1(tiny_toke
     from grpo_agent.cli.main import main
 
     for args, says in ([str(tmp_path / "nope")], "no such folder"), (
-            [tiny_tokenizer.name_or_path, "--chat-template-kwargs", "enable_thinking=false"], "not valid JSON"):
+            [tiny_tokenizer.name_or_path, "--chat-template-kwargs", "enable_thinking=false"], "not valid JSON"), (
+            # valid JSON, but no object: "cannot convert dictionary update sequence element #0"
+            [tiny_tokenizer.name_or_path, "--chat-template-kwargs", "[1]"], "must be a JSON object"), (
+            [tiny_tokenizer.name_or_path, "--chat-template-kwargs", "5"], "must be a JSON object"):
         with pytest.raises(SystemExit) as exited:
             main(["doctor", "template", *args])
         assert exited.value.code == 1

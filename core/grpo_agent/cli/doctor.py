@@ -46,6 +46,9 @@ def template(
     except json.JSONDecodeError as exc:
         raise CliError(f"--chat-template-kwargs is not valid JSON ({exc}); write e.g. "
                        '\'{"enable_thinking": false}\'.') from exc
+    if not isinstance(kwargs, dict):  # a list or number failed inside the template rendering
+        raise CliError(f"--chat-template-kwargs must be a JSON object of template options, got "
+                       f"{template_kwargs!r}; write e.g. '{{\"enable_thinking\": false}}'.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as exc:  # a missing folder: transformers' text is about Hub
