@@ -569,3 +569,20 @@ def test_set_values_of_the_fields_type_are_kept(cli):
     config = json.loads(out)
     assert (config["max_steps"], config["learning_rate"]) == (3, 1)
     assert (config["token_budget"], config["gradient_checkpointing"]) == (None, False)
+
+
+def test_set_keeps_the_text_of_a_text_field_and_a_run_files_number_there_is_one_line(cli, tmp_path):
+    # `--set output_dir=3` reached the config as the number 3 and failed as "expected str,
+    # bytes or os.PathLike object, not int", naming no field.
+    code, out, err = cli("config", "show", "--set", "output_dir=3", "--set", "run_name=2024",
+                         "--set", "resume_from_checkpoint=true", "--set", "max_steps=3")
+    assert code == 0, err
+    config = json.loads(out)
+    assert (config["output_dir"], config["run_name"], config["max_steps"]) == ("3", "2024", 3)
+    assert config["resume_from_checkpoint"] == "true"  # read as "the newest checkpoint"
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("output_dir = 3\n")
+    code, _, err = cli("config", "show", "--config", str(run_file))
+    assert code == 1
+    assert err.startswith("Error: Config field 'output_dir' takes text, got 3. Quote it in the run "
+                          "file (output_dir = \"3\")."), err

@@ -2,8 +2,9 @@
 
 Design decision: the config dataclass is the only source of truth; the CLI adds no knobs of
 its own. Values given with `--set` are read as JSON when they parse (`3`, `1e-6`, `true`,
-`["a"]`) and as plain strings otherwise; unknown keys fail with close matches, and a bool,
-int or float field given another type (text that did not parse) fails naming the field.
+`["a"]`) and as plain strings otherwise, except that a text-only field (output_dir, run_name)
+keeps its text; unknown keys fail with close matches, and a bool, int or float field given
+another type (text that did not parse) fails naming the field.
 """
 from __future__ import annotations
 
@@ -60,14 +61,17 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def parse_sets(pairs: list[str]) -> dict[str, Any]:
-    """`["lr=1e-6", "num_generations=4"]` -> `{"lr": 1e-06, "num_generations": 4}`."""
+def parse_sets(pairs: list[str], text_fields: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """`["lr=1e-6", "num_generations=4"]` -> `{"lr": 1e-06, "num_generations": 4}`; a field of
+    `text_fields` keeps its text (`--set output_dir=3` is the folder "3", not the number 3)."""
     values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise CliError(f"--set {pair!r}: write it as key=value, e.g. --set max_steps=10.")
-        values[key.strip()] = parse_value(value.strip())
+        parsed = parse_value(value.strip())
+        keep_text = key.strip() in text_fields and parsed is not None and not isinstance(parsed, str)
+        values[key.strip()] = value.strip() if keep_text else parsed
     return values
 
 
@@ -107,7 +111,7 @@ def build_config(config_file: Path | None, sets: list[str], base: dict[str, Any]
     data.update(read_run_file(config_file) if config_file else {})
     for key in ENV_KEYS:
         data.pop(key, None)
-    data.update(parse_sets(sets))
+    data.update(parse_sets(sets, _text_fields(AsyncGRPOConfig)))
     data.update({key: value for key, value in overrides.items() if value is not None})
     known = {f.name for f in fields(AsyncGRPOConfig) if f.init}
     for key in data:
@@ -117,6 +121,22 @@ def build_config(config_file: Path | None, sets: list[str], base: dict[str, Any]
             raise CliError(f"Unknown config field {key!r}.{hint} See docs/config.md for all fields.")
     _check_scalar_types(AsyncGRPOConfig, data)
     return AsyncGRPOConfig(**data)
+
+
+def _allowed_types(config_class: type) -> dict[str, set]:
+    """Each field's allowed types: `int | None` -> {int, NoneType}; a plain type -> {it}."""
+    import types
+    import typing
+
+    return {key: set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            for key, hint in typing.get_type_hints(config_class).items()}
+
+
+def _text_fields(config_class: type) -> frozenset[str]:
+    """Fields that take text only (str, or str or None; enum-or-str ones such as optim too)."""
+    return frozenset(key for key, allowed in _allowed_types(config_class).items()
+                     if str in allowed and not allowed & {int, float, bool, dict, list}
+                     and not any(getattr(kind, "__origin__", None) in (dict, list) for kind in allowed))
 
 
 # Dict fields whose text may also be a path to a JSON file (as in transformers).
@@ -152,15 +172,17 @@ def _check_json_object(key: str, value: Any, allowed: set) -> None:
 def _check_scalar_types(config_class: type, data: dict[str, Any]) -> None:
     """A bool, int or float field given a value of another type (`--set max_steps=ten` arrives as
     the text 'ten') fails here, naming the field, instead of deep inside a run."""
-    import types
-    import typing
-
-    hints = typing.get_type_hints(config_class)
+    hints = _allowed_types(config_class)
+    text = _text_fields(config_class)
     names = {bool: "true or false", int: "an integer", float: "a number"}
     for key, value in data.items():
-        hint = hints.get(key)
-        allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+        allowed = set(hints.get(key, {None}))
         _check_json_object(key, value, allowed)
+        if key in text and isinstance(value, int | float) and not isinstance(value, bool):
+            # a run file's `output_dir = 3` failed as "expected str, bytes or os.PathLike
+            # object, not int", naming no field (true stays: resume_from_checkpoint takes it)
+            raise CliError(f"Config field {key!r} takes text, got {value!r}. Quote it in the run "
+                           f"file ({key} = \"{value}\").")
         optional = type(None) in allowed
         allowed.discard(type(None))
         if len(allowed) != 1 or next(iter(allowed)) not in names or (value is None and optional):
