@@ -285,6 +285,7 @@ class AsyncGRPOConfig(TrainingArguments):
             ("router_aux_loss_coef", 0, False, "null = the model config's, 0 = off"),
             ("num_completions_to_print", 0, False, "null = all"),
             ("epsilon", 0, False, "the lower clip"), ("epsilon_high", 0, False, "null = epsilon"),
+            ("learning_rate", 0, False, "0 = no update"),
             ("repetition_penalty", 0, True, "1.0 = off"),
             ("vllm_server_timeout", 0, True, "seconds"), ("rollout_worker_timeout", 0, True, "seconds"),
         )
@@ -295,11 +296,17 @@ class AsyncGRPOConfig(TrainingArguments):
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
 
     def _check_step_fractions(self) -> None:
-        """transformers reads logging/eval/save steps below 1 as a fraction of max_steps; a run
+        """A run without max_steps is as long as its prompt epochs: none trains nothing.
+        transformers reads logging/eval/save steps below 1 as a fraction of max_steps; a run
         without max_steps ends by its prompt epochs, its length in steps unknown (the Trainer
         sees 10**9 steps), so such a window never came: no metrics row, evaluation or checkpoint."""
         if self.max_steps > 0:
             return
+        if self.num_train_epochs <= 0:  # the run "finished" after one empty step, untrained
+            raise ValueError(
+                f"num_train_epochs={self.num_train_epochs} and max_steps is not set: the run would "
+                "train nothing. Set num_train_epochs > 0 (a fraction such as 0.5 trains on that "
+                "share of the prompts), or set max_steps.")
         for kind in ("logging", "eval", "save"):
             strategy = getattr(self, f"{kind}_strategy")
             value = getattr(self, f"{kind}_steps")
