@@ -1,4 +1,6 @@
 """AsyncGRPOConfig carries the spec's defaults and rejects bad combinations with a fix."""
+from pathlib import Path
+
 import pytest
 from grpo_agent import AsyncGRPOConfig
 
@@ -172,3 +174,20 @@ def test_a_fraction_of_max_steps_without_max_steps_is_refused_and_with_it_kept(t
     assert getattr(c, f"{kind}_steps") == 0.5
     c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**kwargs, f"{kind}_steps": 2})
     assert getattr(c, f"{kind}_steps") == 2
+
+
+def test_the_trainer_sees_a_run_as_one_epoch_as_docs_config_md_says(tmp_path):
+    """docs/config.md: `*_strategy="epoch"` acts once, after the run's last step, because the
+    Trainer's epoch loop runs once (measured: save_strategy=epoch wrote one checkpoint, at the
+    end); the run's prompt epochs are counted by the trainer itself."""
+    from types import SimpleNamespace
+
+    from grpo_agent.train.trainer import UNKNOWN_STEPS, AsyncGRPOTrainer
+
+    stub = SimpleNamespace(get_total_train_batch_size=lambda args: 8)
+    for config, steps in ((AsyncGRPOConfig(output_dir=str(tmp_path), num_train_epochs=2), UNKNOWN_STEPS),
+                          (AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=5), 5)):
+        epochs, per_epoch, *_, max_steps = AsyncGRPOTrainer.set_initial_training_values(stub, config, None)
+        assert (epochs, per_epoch, max_steps) == (1, steps, steps)
+    assert "`save_strategy` `\"epoch\"` act once, after the run's last step" in (
+        Path(__file__).parents[2] / "docs" / "config.md").read_text().replace("\n", " ")
