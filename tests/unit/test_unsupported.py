@@ -59,6 +59,21 @@ def test_a_lora_adapter_on_lm_head_is_refused(tiny_model_path, tmp_path):
         _trainer(str(tiny_model_path), tmp_path, peft_config=saved)
 
 
+def test_a_lora_target_module_that_matches_no_module_is_refused(tiny_model_path, tmp_path):
+    # PEFT adapts the names that match: `--lora-target-modules q_proj,bogus_proj` trained a
+    # q_proj-only adapter and the run finished without a word (measured with grpo-agent train).
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "bogus_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"^LoRA target_modules bogus_proj match no module of the "
+                                         r"model.*named: down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                         r"up_proj, v_proj; name those"):
+        _trainer(str(tiny_model_path), tmp_path, peft_config=lora)
+    for targets in (["q_proj", "v_proj"], "all-linear"):
+        lora = LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM")
+        assert _trainer(str(tiny_model_path), tmp_path, peft_config=lora).model.targeted_module_names
+
+
 def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 is set but .* has no router"
                                          ".*Leave router_aux_loss_coef unset"):
