@@ -257,6 +257,12 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
         self._check_step_fractions()
+        eval_strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+        if eval_strategy == "no" and self.eval_steps is not None:  # transformers ignores it
+            raise ValueError(
+                f"eval_steps={self.eval_steps} is set but eval_strategy='no', so the run never "
+                "evaluates every eval_steps. Add eval_strategy=steps (--set eval_strategy=steps), "
+                "or remove eval_steps.")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."

@@ -74,6 +74,8 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
                         num_completions_to_print=0)
     assert (c.num_sampler_logprobs, c.router_aux_loss_coef, c.num_completions_to_print) == (0, 0.0, 0)
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_k=1, min_p=1.0).min_p == 1.0
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=10)
+    assert c.eval_steps == 10
     c = AsyncGRPOConfig(output_dir=str(tmp_path), learning_rate=0.0, num_train_epochs=0, max_steps=3)
     assert (c.learning_rate, c.num_train_epochs, c.max_steps) == (0.0, 0, 3)
 
@@ -122,6 +124,9 @@ def test_docs_config_md_is_current():
         ({"num_completions_to_print": -1}, r"set num_completions_to_print >= 0 \(null = all\)"),
         # torch refused it only once the server and model were up ("Invalid learning rate: -1")
         ({"learning_rate": -1.0}, r"^learning_rate=-1.0 is out of range: set learning_rate >= 0 \(0 = no"),
+        # transformers' default eval_strategy='no' ignores eval_steps: no evaluation, silently
+        ({"eval_steps": 10}, (r"^eval_steps=10 is set but eval_strategy='no', so the run never "
+                              r"evaluates every eval_steps. Add eval_strategy=steps")),
         # the run "finished" after one empty step, its model untrained
         ({"num_train_epochs": 0}, (r"^num_train_epochs=0 and max_steps is not set: the run would "
                                    r"train nothing. Set num_train_epochs > 0")),
