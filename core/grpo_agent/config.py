@@ -268,6 +268,7 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
             )
         _refuse_unsupported_features(self)
+        self._check_report_to()
         if self.cuda_graphs and self.gradient_checkpointing:
             raise ValueError("cuda_graphs=True needs gradient_checkpointing=False: the "
                              "recomputation in backward is not captured. Turn one of them off.")
@@ -321,6 +322,19 @@ class AsyncGRPOConfig(TrainingArguments):
                     f"{kind}_steps={value} is a fraction of max_steps, but max_steps is not set: the "
                     "run ends by its prompt epochs, so its length in steps is unknown. Set "
                     f"{kind}_steps to a number of steps (>= 1), or set max_steps.")
+
+    def _check_report_to(self) -> None:
+        """An unknown integration (`--set report_to=bogus`, or `wandb,tensorboard` as one text)
+        failed only when the Trainer was built, once the server was up, without naming report_to."""
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
+        unknown = [name for name in names if name not in ("all", "none", *INTEGRATION_TO_CALLBACK)]
+        if unknown:
+            raise ValueError(
+                f"report_to={self.report_to!r}: {', '.join(map(repr, unknown))} is no integration "
+                f"transformers knows. Use none, all or some of {', '.join(INTEGRATION_TO_CALLBACK)} "
+                "(several as a list: --set 'report_to=[\"wandb\", \"tensorboard\"]').")
 
     @property
     def effective_epsilon_high(self) -> float:

@@ -74,6 +74,8 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
                         num_completions_to_print=0)
     assert (c.num_sampler_logprobs, c.router_aux_loss_coef, c.num_completions_to_print) == (0, 0.0, 0)
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_k=1, min_p=1.0).min_p == 1.0
+    for report_to in ("none", "all", "tensorboard", ["wandb", "tensorboard"], None):
+        assert AsyncGRPOConfig(output_dir=str(tmp_path), report_to=report_to).output_dir == str(tmp_path)
     c = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=10)
     assert c.eval_steps == 10
     c = AsyncGRPOConfig(output_dir=str(tmp_path), learning_rate=0.0, num_train_epochs=0, max_steps=3)
@@ -124,6 +126,10 @@ def test_docs_config_md_is_current():
         ({"num_completions_to_print": -1}, r"set num_completions_to_print >= 0 \(null = all\)"),
         # torch refused it only once the server and model were up ("Invalid learning rate: -1")
         ({"learning_rate": -1.0}, r"^learning_rate=-1.0 is out of range: set learning_rate >= 0 \(0 = no"),
+        # failed once the server was up, naming no field ("bogus is not supported, only ...")
+        ({"report_to": "bogus"}, (r"^report_to='bogus': 'bogus' is no integration transformers "
+                                  r"knows. Use none, all or some of azure_ml, ")),
+        ({"report_to": "wandb,tensorboard"}, r"'wandb,tensorboard' is no integration.*as a list"),
         # transformers' default eval_strategy='no' ignores eval_steps: no evaluation, silently
         ({"eval_steps": 10}, (r"^eval_steps=10 is set but eval_strategy='no', so the run never "
                               r"evaluates every eval_steps. Add eval_strategy=steps")),
