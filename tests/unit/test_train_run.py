@@ -417,6 +417,10 @@ class _AgentOnly(_SelfScored):
       "--agent its-agent")),
     (["--env", "words", "--set", "max_steps=1", "--set", "resume_from_checkpoint=last"],
      "Cannot resume: {tmp}/run has no complete checkpoint-N folder"),
+    # a folder without rollout_state.json (a run's final/) was refused only once the server and
+    # model were up (RolloutState.load)
+    (["--env", "words", "--set", "max_steps=1", "--set", "resume_from_checkpoint={tmp}"],
+     "Cannot resume from {tmp}: it holds no rollout_state.json, so it is no complete checkpoint"),
 ])
 def test_a_dry_run_is_refused_where_the_real_run_is(tmp_path, capsys, args, message):
     """`train --dry-run` printed the config and exited 0 for runs that `train` refuses within

@@ -120,6 +120,14 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | Path) -> str |
         raise ResumeError(f"Cannot resume: the checkpoint folder {folder} does not exist. Pass a "
                           f"checkpoint-N folder of an earlier run, or true for the newest in "
                           f"{output_dir}.")
+    if not (folder / ROLLOUT_STATE_NAME).is_file():  # final/, or a checkpoint killed mid-save:
+        # RolloutState.load refused it too, but only once the server and model were up
+        last = last_complete_checkpoint(output_dir)
+        raise ResumeError(
+            f"Cannot resume from {folder}: it holds no {ROLLOUT_STATE_NAME}, so it is no complete "
+            "checkpoint of an AsyncGRPOTrainer run (final/ and a checkpoint cut short by a kill "
+            "have none). Pass a checkpoint-N folder"
+            + (f", e.g. {last}, or true for the newest." if last else " of an earlier run."))
     return str(folder)
 
 
