@@ -211,6 +211,23 @@ def test_every_evaluation_is_logged_when_they_come_faster_than_the_pushes(tmp_pa
     assert waits == [2, 4]
 
 
+def test_the_last_evaluation_and_evaluate_after_train_score_the_last_steps_weights(
+        tmp_path, scripted_eval):
+    """3 steps under weight_sync_steps=2: step 3's weights were never pushed, so the run's last
+    evaluation (eval_steps=3) and trainer.evaluate() after train() scored version 1 (step 2's
+    weights) as eval/step 3. The last step now pushes; an evaluation still running from step 2
+    holds that push as it holds any."""
+    trainer = run_trainer(tmp_path, scripted_eval, steps=3, eval_dataset=EVAL_SPLIT,
+                          eval_strategy="steps", eval_steps=2, weight_sync_steps=2)
+    trainer.evaluate()
+    events = [e for e in scripted_eval.events if e[0] in ("push", "eval_start", "eval_end")]
+    assert events == [("push", 1), ("eval_start", 1), ("eval_end", 1), ("push", 2),
+                      ("eval_start", 2), ("eval_end", 2), ("eval_start", 2), ("eval_end", 2)]
+    evals = [(row["eval/step"], row["eval/model_version"])
+             for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert evals == [(2.0, 1.0), (3.0, 2.0), (3.0, 2.0)]
+
+
 def test_a_failed_evaluation_stops_the_run_naming_its_step(tmp_path, monkeypatch):
     class FailingSession:
         async def __aenter__(self):

@@ -363,7 +363,9 @@ def test_without_max_steps_the_step_bound_is_out_of_reach():
     assert AsyncGRPOTrainer.set_initial_training_values(host, args, None)[1] == 7
 
 
-def test_weights_are_pushed_every_weight_sync_steps_and_settled_at_the_last_step(tmp_path):
+def test_weights_are_pushed_every_weight_sync_steps_and_at_the_last_step(tmp_path):
+    """Step 5 of a weight_sync_steps=2 run was never pushed: the run ended serving step 4's
+    weights, which its last evaluation and trainer.evaluate() then scored as step 5's."""
     events = []
 
     def setup(trainer):
@@ -373,7 +375,7 @@ def test_weights_are_pushed_every_weight_sync_steps_and_settled_at_the_last_step
             ("settle", trainer.state.global_step, trainer.model_version))
 
     train(tmp_path, steps=5, setup=setup, weight_sync_steps=2)
-    assert events == [("push", 2, 1), ("push", 4, 2), ("settle", 5, 2)]
+    assert events == [("push", 2, 1), ("push", 4, 2), ("push", 5, 3), ("settle", 5, 3)]
 
 
 def test_num_tokens_counts_every_forwarded_token_so_far_shared_prefixes_once(tmp_path):

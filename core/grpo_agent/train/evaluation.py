@@ -58,6 +58,9 @@ class TrainerView(Protocol):
     def settle_push(self) -> None:
         """Until the server serves `model_version` (a push may still be sending)."""
 
+    def step_pushes(self, step: int, *, recorded: bool = True) -> bool:
+        """Whether `step` ends with a weight push (every `weight_sync_steps`, and the last)."""
+
     def server_restores(self) -> int:
         """How many times the run has restored its server (the session re-reads it after one)."""
 
@@ -249,7 +252,8 @@ class EvaluationCallback(TrainerCallback):
         evaluator = self.trainer.evaluator
         if evaluator is None:
             return
-        if state.global_step % args.weight_sync_steps == 0 and evaluator.before_next_push:
+        pushes = self.trainer.step_pushes(state.global_step, recorded=False)
+        if pushes and evaluator.before_next_push:
             waited = evaluator.wait()  # the stall: this step's push waits for the evaluation
             evaluator.before_next_push = False
             self.trainer.window.add("perf/eval_push_wait_s", waited)

@@ -288,23 +288,23 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
     def end_step(self, state) -> bool:
         """After the optimizer step: the last part of pull, train, push. In order: the ledger
         records the step's samples as trained (and its line is written); every
-        `weight_sync_steps` steps the weights are pushed and the model version bumped (new
-        groups sample it once the server has it; the push may overlap the next step, not the
-        run's end); the worker learns the step's tokens (its staleness allowance, which also
-        ends a max_staleness=0 hold) and hands over its metrics; epochs are counted in
-        prompts; a finished evaluation is logged (with that epoch). Returns True when the
-        run's prompt epochs are done."""
+        `weight_sync_steps` steps, and at the run's last (`step_pushes`), the weights are
+        pushed and the model version bumped (new groups sample it once the server has it; the
+        push may overlap the next step, not the run's end); the worker learns the step's
+        tokens (its staleness allowance, which also ends a max_staleness=0 hold) and hands over
+        its metrics; epochs are counted in prompts; a finished evaluation is logged (with that
+        epoch). Returns True when the run's prompt epochs are done."""
         self.phases.enter("step end", step=state.global_step)  # push, logging, saves
         samples = self._step_samples
         completed = self.ledger.record_trained(samples)
         if fsdp.is_main_process():
             append_ledger_line(self.args.output_dir, state.global_step, completed,
                                self.ledger.take_noticed(), self.ledger.frontier)
-        if state.global_step % self.args.weight_sync_steps == 0:
-            self.model_version += 1
-            self.push_weights()  # retried once after a server restore (train/pipeline.py)
         done = self.prompt_epochs_done()
         last = is_last_step(self.args.max_steps, state.global_step, done)
+        if self.step_pushes(state.global_step):
+            self.model_version += 1
+            self.push_weights()  # retried once after a server restore (train/pipeline.py)
         if last:
             self.settle_push()  # the run ends with its last weights served
         if self.source is not None:
@@ -315,6 +315,15 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         if self.evaluator is not None:
             self.evaluator.log_finished()  # after the epoch: the row carries this step's
         return done
+
+    def step_pushes(self, step: int, *, recorded: bool = True) -> bool:
+        """Whether `step` ends with a weight push: every `weight_sync_steps`, and the run's last
+        step, whose weights would otherwise never reach the server (the run's last evaluation
+        and `trainer.evaluate()` after `train()` evaluated an older version, labelled as the
+        last step). `recorded=False`: asked before `end_step` recorded the step's samples."""
+        in_hand = () if recorded else self._step_samples
+        return step % self.args.weight_sync_steps == 0 or is_last_step(
+            self.args.max_steps, step, self.prompt_epochs_done(in_hand))
 
     def prompt_limit(self) -> int | None:
         """The run's prompts, `num_train_epochs` of the dataset (without `max_steps`): prompt
