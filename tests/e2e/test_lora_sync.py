@@ -138,14 +138,23 @@ def test_trainer_syncs_adapters_and_rollouts_sample_their_own_version(
     assert {"perf/weight_sync_s", "perf/weight_sync_transfer_s"} <= logged
 
     _check_samples_came_from_their_versions(trainer, recorder)
-    _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch, prefix)
+    # train()'s end unloaded the adapters, so evaluate() sampled the base model and always
+    # raised EvaluationInterrupted (the base weights' label, not version 4's). Now it loads the
+    # trained adapter again for the evaluation and unloads it after.
+    _check_evaluate_samples_the_trainers_adapter(trainer, monkeypatch, f"{prefix}-v4", 4)
+    # A new trainer given that adapter as its model: evaluate() before train() sampled the base
+    # model a fresh run's server serves, as version 0. Now it loads the adapter as version 1
+    # (as train() would before its first rollout) and unloads it after.
+    args = copy.deepcopy(trainer.args)
+    args.output_dir = str(tmp_path / "again")
+    again = AsyncGRPOTrainer(model=copy.deepcopy(trainer.model), reward_funcs=letter_fraction,
+                             train_dataset=load_prompts(), args=args)
+    _check_evaluate_samples_the_trainers_adapter(again, monkeypatch, "again-v1", 1)
 
 
-def _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch, prefix):
-    """train()'s end unloaded the adapters, so evaluate() sampled the base model and always
-    raised EvaluationInterrupted (the base weights' label, not version 4's). Now it loads the
-    trained adapter again for the evaluation (every token's log-prob is the trained policy's)
-    and unloads it after."""
+def _check_evaluate_samples_the_trainers_adapter(trainer, monkeypatch, adapter, version):
+    """`trainer.evaluate()` outside train() samples `adapter` as `version`: every token's
+    log-prob is the trainer's policy's, not the base model's; nothing stays loaded after."""
     from grpo_agent.demo import load_prompts
 
     sampled = []
@@ -153,13 +162,15 @@ def _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch
 
     async def recording(self, prompt_ids, params, model=None):
         turn = await generate(self, prompt_ids, params, model=model)
-        sampled.append((model, turn))
+        if list(prompt_ids) != [0, 0]:  # not the start check's weight-version probe
+            sampled.append((model, turn))
         return turn
 
     monkeypatch.setattr(SamplerClient, "generate", recording)
     metrics = trainer.evaluate(eval_dataset=load_prompts().select(range(2)))
-    assert metrics["eval/model_version"] == 4.0 and metrics["eval/num_rows"] == 2.0
-    assert sampled and {model for model, _ in sampled} == {f"{prefix}-v4"}
+    monkeypatch.setattr(SamplerClient, "generate", generate)
+    assert metrics["eval/model_version"] == float(version) and metrics["eval/num_rows"] == 2.0
+    assert sampled and {model for model, _ in sampled} == {adapter}
     model = copy.deepcopy(trainer.model).eval()
     model.set_attn_implementation("sdpa")
     gaps = [max(abs(a - b) for a, b in zip(
@@ -169,7 +180,8 @@ def _check_evaluate_after_train_samples_the_trained_adapter(trainer, monkeypatch
         base_gap = max(max(abs(a - b) for a, b in zip(
             _logprobs(model, turn.prompt_ids + turn.output_ids, len(turn.prompt_ids)),
             turn.output_log_probs)) for _, turn in sampled)
-    print(json.dumps({"evaluate_after_train_gap_max": max(gaps), "base_gap_max": base_gap}))
+    print(json.dumps({"evaluate_gap_max": max(gaps), "base_gap_max": base_gap,
+                      "adapter": adapter}))
     assert max(gaps) < 2e-3 and base_gap > 2e-2
     assert _served(trainer.args.vllm_server_base_url)[1:] == []
     assert list((Path(trainer.args.output_dir) / ".vllm_lora").iterdir()) == []

@@ -431,3 +431,77 @@ def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path,
     assert metrics["eval/step"] == 7.0 and logged == [metrics]
     evaluation.evaluate_now(trainer)
     assert evaluated == [(3, 5), (2, 5)]  # the trainer's own split
+
+
+def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_it(
+        tmp_path, monkeypatch):
+    """`evaluate()` before `train()` with a trained PEFT adapter as the model evaluated version
+    0, the base model a fresh server serves, under either sync. Now the weights are pushed as
+    version 1 first (as train() does before its first rollout, by the pusher the server calls
+    for) and the pusher closed after (an adapter unloaded); an untrained adapter (the base
+    model itself) pushes nothing."""
+    from types import SimpleNamespace
+
+    import torch
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.train import setup
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    events = []
+
+    class Session:
+        def __init__(self, lora_name=None):
+            self.lora_name = lora_name
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info): ...
+
+        async def evaluate(self, rows, version):
+            events.append(("evaluate", version, self.lora_name))
+            row = EvalRow(0, ["x"], [1.0], [True])
+            metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
+            return EvalResult(version, metrics, [row], {str(version)}, 0.0)
+
+    class Pusher:
+        lora_name = "run"
+
+        def push(self, model, version):
+            events.append(("push", version))
+            return {}
+
+        def wait(self):
+            events.append(("wait",))
+            return {}
+
+        def close(self):
+            events.append(("close",))
+
+    def pusher_factory(args, model, facts):
+        events.append(("pusher for", facts))
+        return Pusher()
+
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session",
+                        lambda self, lora_name=None: Session(lora_name))
+    monkeypatch.setattr(setup, "check_server", lambda args, model: "facts")
+    base = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    logged = []
+    trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=0,
+                              model=model, pusher_factory=pusher_factory, log=logged.append,
+                              args=AsyncGRPOConfig(output_dir=str(tmp_path)),
+                              state=SimpleNamespace(global_step=0))
+    evaluation.evaluate_now(trainer, EVAL_SPLIT)
+    assert events == [("evaluate", 0, None)]  # B is zero: the served base model is the policy
+    events.clear()
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if ".lora_B." in n).fill_(0.1)
+    metrics = evaluation.evaluate_now(trainer, EVAL_SPLIT)
+    assert events == [("pusher for", "facts"), ("push", 1), ("wait",), ("evaluate", 1, "run"),
+                      ("close",)]
+    assert metrics["eval/model_version"] == 1.0 and metrics["eval/step"] == 0.0
+    assert logged[-1] == metrics and trainer.model_version == 0  # train() pushes version 1 again
+

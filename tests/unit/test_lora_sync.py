@@ -62,6 +62,22 @@ def _peft(tiny_path, **lora_kwargs):
     return get_peft_model(base, LoraConfig(**lora_kwargs))
 
 
+def test_a_trained_adapter_passed_in_is_pushed_before_the_first_rollout_under_either_sync(
+        tiny_path):
+    """A fresh server serves the base model. Merged sync pushed first only into a server an
+    earlier run had pushed into, so a trained adapter passed in (non-zero B) without
+    --enable-lora had its first rollouts sampled by the base model, labelled version 0."""
+    from grpo_agent.weight_sync.full import WeightPusher
+
+    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    merged, adapter = WeightPusher.__new__(WeightPusher), AdapterPusher.__new__(AdapterPusher)
+    assert not merged.needs_initial_push(model, False)  # PEFT starts B at zero: the base model
+    assert not adapter.needs_initial_push(model, False)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if ".lora_B." in n).fill_(0.1)
+    assert merged.needs_initial_push(model, False) and adapter.needs_initial_push(model, False)
+
+
 def test_rank_pattern_and_unservable_adapters_are_recognised(tiny_path):
     model = _peft(tiny_path, r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 16})
     assert adapter_rank(model) == 16

@@ -45,6 +45,7 @@ class TrainerView(Protocol):
     tools: Any
     environment_factory: Any
     pusher: Any
+    pusher_factory: Callable[..., Any]
     synced_lora_name: str | None
     model: Any
     model_version: int
@@ -291,8 +292,8 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
 
 
 def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, float]:
-    """`trainer.evaluate()`: one blocking evaluation of the served version, logged and returned.
-    One it cannot score raises `EvaluationInterrupted` (a caller waiting for metrics gets none
+    """`trainer.evaluate()`: one blocking evaluation of the trainer's weights, served first where
+    the server may not hold them (`served_for_evaluate`), logged and returned. One it cannot score raises `EvaluationInterrupted` (a caller waiting for metrics gets none
     to log), with what to do added: call again."""
     from grpo_agent.rollout.evaluation import dataset_rows
 
@@ -308,7 +309,7 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     rows = dataset_rows(eval_dataset) if eval_dataset is not None else evaluator.rows
     version = trainer.model_version
     try:
-        with adapter_served_after_train(trainer, version) as lora_name:
+        with served_for_evaluate(trainer, version) as (lora_name, version):
             session = (evaluator.session if lora_name is None
                        else functools.partial(evaluator.session, lora_name))
             result = run_evaluation(session, rows, version)
@@ -324,23 +325,35 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
 
 
 @contextlib.contextmanager
-def adapter_served_after_train(trainer: TrainerView, version: int) -> Iterator[str | None]:
-    """Under LoRA adapter sync the server holds the trained policy only as adapters, and the
-    end of `train()` unloads them (`AdapterPusher.close`): after it, an evaluation would sample
-    the base model. So the trainer's adapter is loaded again as `version`'s for the evaluation
-    (by an `AdapterPusher`, every rank taking part as in a push) and unloaded after it. Yields
-    the adapter prefix to sample; None (nothing loaded) during `train()`, under merged sync, and
-    at version 0 (the base model itself)."""
-    from grpo_agent.train import fsdp
+def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[str | None, int]]:
+    """The trainer's weights served for `trainer.evaluate()`; yields the adapter prefix to
+    sample (None: the served model itself) and the version they are served as. During
+    `train()` the pipeline serves them (`version`). Outside it the server may not:
+    - after `train()` under LoRA adapter sync the run's end unloaded its adapters
+      (`AdapterPusher.close`), so the evaluation would sample the base model: the trainer's
+      adapter is loaded again as `version`'s and unloaded after;
+    - before `train()` (version 0) with a trained LoRA adapter passed in as the model
+      (non-zero B), a fresh server serves the base model: the weights are pushed as version 1,
+      as `train()` pushes them before its first rollout, by the pusher the server calls for
+      (adapter sync on a LoRA server, else merged); an adapter is unloaded after, merged
+      weights stay served.
+    Every rank takes part, as in a push."""
+    from grpo_agent.train import fsdp, setup
+    from grpo_agent.train.weights import has_trained_adapter
     from grpo_agent.weight_sync.adapter import AdapterPusher
 
-    if trainer.pusher is not None or trainer.synced_lora_name is None or version <= 0:
-        yield None
+    if trainer.pusher is None and trainer.synced_lora_name is not None and version > 0:
+        pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
+    elif trainer.pusher is None and version == 0 and has_trained_adapter(trainer.model):
+        facts = setup.check_server(trainer.args, trainer.model)
+        pusher, version = trainer.pusher_factory(trainer.args, trainer.model, facts), 1
+    else:
+        yield None, version
         return
-    pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
     try:
         pusher.push(trainer.model, version)
-        yield pusher.lora_name
+        pusher.wait()  # a merged push may still be sending
+        yield pusher.lora_name, version
     finally:
         if fsdp.world_size() > 1:
             torch.distributed.barrier()  # every rank's evaluation ended before the unload

@@ -30,6 +30,25 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_adapter")
 
 
+def has_trained_adapter(model: nn.Module) -> bool:
+    """Whether a LoRA adapter of `model` is not zero (a trained one was passed in): a fresh
+    server then serves the base model, not this policy, until the weights are pushed. PEFT
+    starts LoRA B at zero. Under FSDP every rank calls it (the ranks agree on their shards)."""
+    from grpo_agent.train import fsdp
+
+    nonzero = torch.tensor(float(any(
+        bool(_local(param).abs().sum() > 0)
+        for name, param in getattr(model, "module", model).named_parameters()
+        if ".lora_B." in name)))
+    if fsdp.world_size() > 1:
+        torch.distributed.all_reduce(nonzero, op=torch.distributed.ReduceOp.MAX)
+    return bool(nonzero.item())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def is_vision_tower_param(name: str) -> bool:
     """Vision tower or multimodal projector: frozen, never pushed."""
     return any(marker in name for marker in VISION_TOWER_MARKERS + PROJECTOR_MARKERS)

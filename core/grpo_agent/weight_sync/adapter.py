@@ -31,7 +31,7 @@ from grpo_agent.sampler.client import adapter_name
 from grpo_agent.sampler.errors import SamplerError, WeightSyncError
 from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
 from grpo_agent.train import fsdp
-from grpo_agent.train.weights import is_peft_model, lora_adapter_weights
+from grpo_agent.train.weights import has_trained_adapter, is_peft_model, lora_adapter_weights
 from grpo_agent.weight_sync.full import WeightPusher, served_nowhere
 from grpo_agent.weight_sync.transports.control import ServerControl
 
@@ -151,13 +151,7 @@ class AdapterPusher:
         """True when the adapter is not zero (a trained one was passed in): the server's base
         model is then not version 0, so the trainer pushes before the first rollout. (Base
         weights an earlier run pushed were already restored in `__init__`.)"""
-        nonzero = torch.tensor(float(any(
-            bool(_local(param).abs().sum() > 0)
-            for name, param in getattr(model, "module", model).named_parameters()
-            if ".lora_B." in name)))
-        if fsdp.world_size() > 1:
-            torch.distributed.all_reduce(nonzero, op=torch.distributed.ReduceOp.MAX)
-        return bool(nonzero.item())
+        return has_trained_adapter(model)
 
     def push(self, model: nn.Module, version: int) -> dict[str, float]:
         """Write and register version `version`; returns the perf/weight_sync_* timings."""
@@ -323,7 +317,3 @@ class AdapterPusher:
 def _active_config(model: nn.Module) -> Any:
     model = getattr(model, "module", model)
     return model.peft_config[getattr(model, "active_adapter", "default")]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
