@@ -1060,3 +1060,77 @@ def test_a_failed_agent_run_other_weights_answered_is_not_scored_as_a_failure(tm
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_training_agent_run_whose_adapter_the_server_refuses_is_handled_as_the_tool_loops(
+        tmp_path, monkeypatch):
+    """An agent's call through the harness gateway goes through the loop's refusal handling
+    (`AsyncRolloutLoop._adapter_after_refusal`), but in training the run then treated a refusal
+    by a running server as the agent's failed run (its 502), a stale excuse from before the
+    loop waited out the max_staleness=0 push race: a run whose adapters something unloaded
+    went on scoring failed agent runs. Now, as for the tool loop: a restarted server is lost,
+    the race finishes on the version the worker learns, any other refusal stops the run naming
+    the adapter."""
+    import asyncio
+    import concurrent.futures
+    import functools
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout import loop as loop_module
+    from grpo_agent.rollout.harness import HarnessRolloutLoop
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.sampler.client import SamplerClient
+    from grpo_agent.sampler.errors import RequestRejectedError
+    from grpo_agent.testing import build_tiny_model
+    from transformers import AutoTokenizer
+
+    routes = type("Routes", (_LoraRoutes,), {"adapters": []})
+    server, url = _serve(routes)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5, max_staleness=0,
+                             max_completion_length=64,
+                             chat_template_kwargs={"enable_thinking": False})
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="tiny/Model", messages=row["prompt"])
+        return 1.0
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    loop_cls = functools.partial(HarnessRolloutLoop, agent=agent)
+    worker = RolloutWorker(loop_cls, config=config, model_name="tiny/Model", dataset=[],
+                           reward_funcs=[], processing_class=tokenizer, lora_name="run")  # not started
+    loop = loop_cls(config, "tiny/Model", [], [], tokenizer, [tokenizer.eos_token_id],
+                    channels=worker.channels, lora_name="run")
+    row = {"prompt": [{"role": "user", "content": "hi"}]}
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+    monkeypatch.setattr(loop_module, "ADAPTER_ANNOUNCE_WAIT_S", 0.3)
+
+    async def main():
+        async with SamplerClient(url, timeout=5) as sampler:
+            await loop.connect(sampler, executor)
+            await loop.setup()
+            try:
+                worker.set_model_version(3)
+                routes.adapters = []  # restarted: the restore's push has not landed yet
+                with pytest.raises(ServerUnreachableError, match="serves none of this run's"):
+                    await loop.run_agent_rollout(row)
+                routes.adapters = ["run-v4"]  # a push loaded version 4 and unloaded 3 ...
+                announce = asyncio.get_running_loop().call_later(0.1, worker.set_model_version, 4)
+                _, rollout = await loop.run_agent_rollout(row)  # ... and told the worker after
+                announce.cancel()
+                assert len(rollout.turns) == 1 and rollout.reward == 1.0
+                worker.set_model_version(3)  # nothing announces version 4 this time
+                with pytest.raises(RequestRejectedError, match=(
+                        rf"^The vLLM server at {url} refused the LoRA adapter 'run-v3' as an "
+                        r"unknown model while it still serves this run's run-v4: something "
+                        r"unloaded it")):
+                    await loop.run_agent_rollout(row)
+            finally:
+                await loop.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        executor.shutdown()
+        server.shutdown()
+        server.server_close()

@@ -9,7 +9,8 @@ NaN reward, counted in `harness/errors_count` or `harness/timeout_count`. A run 
 the server was lost is no run of the policy: it raises as a tool loop's request would
 (`ServerUnreachableError`), so the worker drops its group as `server_lost` and asks for a
 restore, and an evaluation is interrupted, instead of a failed agent run counted against it.
-So does one whose call a restarted server refused for the run's LoRA adapter (`_raise_if_server_lost`).
+A call the server refused for the run's LoRA adapter is handled as the tool loop's request is
+(`_raise_if_server_lost`): a restarted server is lost, any other refusal stops the run.
 """
 from __future__ import annotations
 
@@ -133,15 +134,15 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
     async def _raise_if_server_lost(self, error: SamplerError) -> None:
         """Raise `error` as a lost server (`recovery.means_server_lost`: nothing answered, or
-        `/health` does not answer now either), as is a refusal of the run's LoRA adapter by a
-        restarted server (`recovery.restate_adapter_refusal`); a server that still answers
-        refused only that call, which the agent saw as a 502. An evaluation also raises a
-        refusal by a running server (no failure of the agent); in training that is the agent's
-        failed run, as before: a push unloads the adapter beyond the staleness window just
-        before the worker learns the new version, so a rollout of it may be refused then."""
+        `/health` does not answer now either); a server that still answers refused only that
+        call, which the agent saw as a 502. A refusal of the run's LoRA adapter is no failure
+        of the agent either: it is raised as the tool loop's request raises it
+        (`recovery.restate_adapter_refusal`): a restarted server is lost, any other refusal
+        stops the run (an evaluation) naming the adapter. (The max_staleness=0 push race never
+        gets here: the call waited for the next version, `AsyncRolloutLoop._adapter_after_refusal`.)"""
         url = self.config.vllm_server_base_url
         restated = await restate_adapter_refusal(error, self.sampler, self.lora_name)
-        if restated is not None and (self.evaluating or isinstance(restated, ServerUnreachableError)):
+        if restated is not None:
             raise restated from error
         if not await means_server_lost(error, url):
             return
