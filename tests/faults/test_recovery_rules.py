@@ -1134,3 +1134,93 @@ def test_a_training_agent_run_whose_adapter_the_server_refuses_is_handled_as_the
         executor.shutdown()
         server.shutdown()
         server.server_close()
+
+
+def test_a_training_rollout_whose_adapter_a_restored_server_serves_again_is_sent_again(tmp_path):
+    """A server restarted under a request refuses its adapter; by the time the rollout asks it
+    what it serves, the trainer's restore has pushed that adapter again. That was restated as
+    a lost server, so the group was dropped and `server_down` raised: the trainer ran a second,
+    needless restore (one more restart counted). Now the request is sent again and the group
+    goes on; an evaluation, pinned, still counts it as lost."""
+    import asyncio
+    import concurrent.futures
+    import io
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.prompts import PromptSlot
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.sampler.client import SamplerClient
+    from grpo_agent.types import Rollout
+
+    requested = []
+
+    class Routes(_LoraRoutes):
+        adapters: ClassVar[list[str]] = ["run-v3"]  # the restore's push of version 3 landed
+        refuse: ClassVar[list[str]] = []  # refused once each: asked of the server before it
+
+        def do_POST(self):
+            if urlparse(self.path).path == "/inference/v1/generate":
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                model = json.loads(body)["model"]
+                requested.append(model)
+                if model in self.refuse:
+                    self.refuse.remove(model)
+                    return self._reply({"error": {
+                        "message": f"The model `{model}` does not exist. Valid aliases: "
+                                   f"{self.served}.", "type": "NotFoundError", "param": "model",
+                        "code": 404}}, status=404)
+                self.rfile = io.BytesIO(body)  # read again by _LoraRoutes
+            return super().do_POST()
+
+    server, url = _serve(Routes)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             vllm_server_base_url=url, vllm_server_timeout=5,
+                             num_generations=2, max_completion_length=64,
+                             share_first_turn_request=False)  # one request per rollout
+
+    class OneTurnLoop(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            turn = await self.generate_one_turn([5, 6])
+            return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                           completion_ids=turn.output_ids, turns=[])
+
+    worker = RolloutWorker(OneTurnLoop, config=config, model_name="tiny/Model", dataset=[],
+                           reward_funcs=[], processing_class=None, lora_name="run")  # not started
+    loop = OneTurnLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels,
+                       lora_name="run")
+    engine = RolloutEngine(loop, worker.channels)
+    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0,
+                      row={"prompt": [{"role": "user", "content": "hi"}]})
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+
+    async def main():
+        async with SamplerClient(url, timeout=5) as sampler:
+            await loop.connect(sampler, executor)
+            engine._start_scheduling()
+            worker.set_model_version(3)
+            Routes.refuse = ["run-v3", "run-v3"]  # both rollouts' first request
+            engine._groups_in_flight += 1
+            engine._groups_generating += 1
+            engine.slots.promise(config.num_generations)
+            await engine._run_group(slot, 0)
+            assert not worker.channels.server_down.is_set()
+            group = engine.score_queue.get_nowait()
+            assert group.model_version == 3 and requested == ["run-v3"] * 4
+            assert worker.channels.samples.empty()  # nothing dropped
+
+            loop.evaluating = True  # an evaluation of version 3 across the restore
+            Routes.refuse = ["run-v3"]
+            with pytest.raises(recovery.AdapterServedAgain, match=(
+                    r"The model `run-v3` does not exist\. Valid aliases: tiny/Model\. \(the "
+                    r"server now serves it again: it was restarted, and the trainer's restore "
+                    r"pushed the adapter again\)")):
+                await loop.generate_one_turn([5, 6])
+
+    try:
+        asyncio.run(main())
+    finally:
+        executor.shutdown()
+        server.shutdown()
+        server.server_close()

@@ -35,7 +35,7 @@ from grpo_agent.rollout.scoring import reward_name
 from grpo_agent.rollout.versions import VersionValue, rollout_version
 from grpo_agent.sampler.client import adapter_name, version_adapters
 from grpo_agent.sampler.errors import RequestRejectedError, ServerUnreachableError
-from grpo_agent.sampler.recovery import restate_adapter_refusal
+from grpo_agent.sampler.recovery import AdapterServedAgain, restate_adapter_refusal
 from grpo_agent.sampler.server_facts import ServerFacts, probe_server
 from grpo_agent.stall import StallWatch
 from grpo_agent.types import Rollout, RolloutGroup, TurnRecord
@@ -138,15 +138,17 @@ class AsyncRolloutLoop:
                 raise
             newest = await self._adapter_after_refusal(error, model)
         # The trainer unloaded this rollout's adapter: it is more than max_staleness versions
-        # old, so its samples are dropped as stale anyway. Finish it on the newest policy.
-        logger.debug("Adapter %s was unloaded mid-rollout; continuing on %s.", model, newest)
+        # old, so its samples are dropped as stale anyway. Finish it on the newest policy (or,
+        # after a restore pushed it again, on the same one).
+        logger.debug("Adapter %s was refused mid-rollout; continuing on %s.", model, newest)
         return await self._request_turns(prompt_ids, params, newest, n)
 
     async def _adapter_after_refusal(self, error: RequestRejectedError, model: str) -> str | None:
         """The adapter to finish a rollout on after the server refused `model`, its group's, as
         an unknown model (vLLM's 404). One older than the worker's newest: the trainer's push
         unloaded it beyond max_staleness, so the newest. The newest itself, in training: a
-        server restarted before the trainer's restore pushed it again raises as lost
+        restarted server that serves it again by now (the restore's push landed), the same one
+        again; a server restarted before the trainer's restore pushed it again raises as lost
         (`recovery.restate_adapter_refusal`; the engine drops the group as `server_lost` and
         the trainer restores); under max_staleness=0 a push unloads it just before the worker
         learns the version it loaded (`AdapterPusher.push`: `_register`, then `on_served`), so
@@ -159,6 +161,8 @@ class AsyncRolloutLoop:
         restated = await restate_adapter_refusal(error, self.sampler, self.lora_name)
         if restated is None:
             raise error
+        if isinstance(restated, AdapterServedAgain) and not self.evaluating:
+            return model  # the restore's push landed: asking for another would restart again
         if self.evaluating or isinstance(restated, ServerUnreachableError):
             raise restated from error
         refused = int(model.rsplit("-v", 1)[1])

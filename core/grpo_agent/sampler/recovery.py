@@ -89,17 +89,25 @@ async def means_server_lost(error: BaseException, base_url: str) -> bool:
     return not await server_answers_async(base_url)
 
 
+class AdapterServedAgain(ServerUnreachableError):
+    """A server refused one of the run's adapters, and serves it again by now: it was restarted
+    under the request and the trainer's restore has pushed the adapter again. Lost to an
+    evaluation (pinned: a restore during it is never scored); a training rollout sends the
+    request again (`AsyncRolloutLoop._adapter_after_refusal`) instead of asking for a second,
+    needless restore."""
+
+
 async def restate_adapter_refusal(error: BaseException, sampler: SamplerClient,
                                   lora_name: str | None) -> SamplerError | None:
     """`error` restated when it is the server refusing one of the run's LoRA adapters (named
     after `lora_name`) as an unknown model (vLLM's 404 "The model `run-v3` does not exist"),
-    else None; the server's model list tells why. Holding none of the run's adapters, or that
-    one again by now, it was restarted under the request, before (or while) the trainer's
-    restore pushed the adapter again (the restore count moves only once that has landed): a
-    `ServerUnreachableError`, which `means_server_lost` calls lost. Still holding others of
-    the run's adapters, it ran on and something unloaded that one: a `RequestRejectedError`
-    naming it and the likely cause. Limit: a running server whose every adapter of the run
-    was unloaded by hand reads as restarted."""
+    else None; the server's model list tells why. Holding none of the run's adapters, it was
+    restarted under the request, before (or while) the trainer's restore pushed the adapter
+    again: a `ServerUnreachableError`, which `means_server_lost` calls lost. Holding that one
+    again by now, it was restarted and the restore's push has landed: `AdapterServedAgain`.
+    Still holding others of the run's adapters, it ran on and something unloaded that one: a
+    `RequestRejectedError` naming it and the likely cause. Limit: a running server whose every
+    adapter of the run was unloaded by hand reads as restarted."""
     if lora_name is None or not isinstance(error, RequestRejectedError) or error.status_code != 404:
         return None
     refused = re.search(rf"`({re.escape(lora_name)}-v\d+)`", error.server_message)
@@ -112,11 +120,14 @@ async def restate_adapter_refusal(error: BaseException, sampler: SamplerClient,
         if not await means_server_lost(listing, sampler.base_url):
             return None
         return ServerUnreachableError(f"{error.reason} (and then GET /v1/models: {listing.reason})")
-    if adapter in ours or not ours:
-        now = "serves it again" if ours else "serves none of this run's LoRA adapters"
+    if adapter in ours:
+        return AdapterServedAgain(
+            f"{error.reason} (the server now serves it again: it was restarted, and the "
+            "trainer's restore pushed the adapter again)")
+    if not ours:
         return ServerUnreachableError(
-            f"{error.reason} (the server now {now}: it was restarted, and the trainer's restore "
-            "pushes the adapter again)")
+            f"{error.reason} (the server now serves none of this run's LoRA adapters: it was "
+            "restarted, and the trainer's restore pushes the adapter again)")
     return RequestRejectedError(
         f"The vLLM server at {sampler.base_url} refused the LoRA adapter {adapter!r} as an "
         f"unknown model while it still serves this run's {', '.join(ours)}: something unloaded "
