@@ -560,9 +560,11 @@ def test_the_token_budget_after_a_restore_with_another_max_model_len(
             assert ("token_budget=512 is below the restored vLLM server's max_model_len=1024: "
                     "samples longer than the budget will be dropped") in caplog.text
         handler.max_model_len = 256  # shorter: the budget keeps its size
+        trainer.state.global_step = 5  # weight_sync_steps > 1: version 3 was pushed earlier
         trainer._restore_server()
         assert trainer.token_budget == (1024 if configured is None else 512)
         assert trainer.pusher.pushed == [3, 3]
+        assert trainer.served_step == 5  # version 3 is now step 5's weights (eval/step)
         worker.report_step_tokens(300)  # a measured step: the allowance follows it, not rows
 
         met = []  # the budget the step's samples after the restore meet

@@ -202,11 +202,14 @@ def test_an_eval_dataset_dict_is_refused_with_what_to_pass():
 def test_every_evaluation_is_logged_when_they_come_faster_than_the_pushes(tmp_path, scripted_eval):
     """eval_steps=1 under weight_sync_steps=2: an evaluation still running when the next one
     starts is awaited and logged, not dropped; the push is held only at push steps (2 and 4),
-    and an evaluation started after a push waits for that push's successor, not the next step."""
+    and an evaluation started after a push waits for that push's successor, not the next step.
+    Each is labelled with the step whose weights it evaluated: those of steps 1 and 3 evaluate
+    the last push's (steps 0 and 2), and were labelled 1 and 3."""
     trainer = run_trainer(tmp_path, scripted_eval, steps=4, eval_dataset=EVAL_SPLIT,
                           eval_strategy="steps", eval_steps=1, weight_sync_steps=2)
-    evals = [row["eval/step"] for row in trainer.state.log_history if "eval/pass@1" in row]
-    assert evals == [1.0, 2.0, 3.0, 4.0]
+    evals = [(row["eval/step"], row["eval/model_version"])
+             for row in trainer.state.log_history if "eval/pass@1" in row]
+    assert evals == [(0.0, 0.0), (2.0, 1.0), (2.0, 1.0), (4.0, 2.0)]
     waits = [log["step"] for log in trainer.state.log_history if "perf/eval_push_wait_s" in log]
     assert waits == [2, 4]
 
@@ -383,7 +386,7 @@ def test_evaluate_raises_an_evaluation_it_cannot_score_saying_to_call_it_again(t
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
     logged = []
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=5,
-                              log=logged.append,
+                              served_step=7, log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                                                    report_to="none"),
                               state=SimpleNamespace(global_step=7))
@@ -421,14 +424,15 @@ def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path,
     logged = []
     trainer = SimpleNamespace(evaluator=None, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
                               pusher=None, synced_lora_name=None, model_version=5,
-                              state=SimpleNamespace(global_step=7), log=logged.append)
+                              served_step=6, state=SimpleNamespace(global_step=7),
+                              log=logged.append)
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval split"):
         evaluation.evaluate_now(trainer)
     trainer.evaluator = evaluation.TrainingEvaluator(trainer, EVAL_SPLIT, None)  # 2 rows
     three = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]] * 3})
     metrics = evaluation.evaluate_now(trainer, three)
     assert evaluated == [(3, 5)]
-    assert metrics["eval/step"] == 7.0 and logged == [metrics]
+    assert metrics["eval/step"] == 6.0 and logged == [metrics]  # version 5 is step 6's weights
     evaluation.evaluate_now(trainer)
     assert evaluated == [(3, 5), (2, 5)]  # the trainer's own split
 
@@ -491,7 +495,8 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
     logged = []
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=0,
-                              model=model, pusher_factory=pusher_factory, log=logged.append,
+                              served_step=0, model=model, pusher_factory=pusher_factory,
+                              log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path)),
                               state=SimpleNamespace(global_step=0))
     evaluation.evaluate_now(trainer, EVAL_SPLIT)

@@ -49,6 +49,7 @@ class TrainerView(Protocol):
     synced_lora_name: str | None
     model: Any
     model_version: int
+    served_step: int
     state: Any
     control: Any
     window: Any
@@ -281,7 +282,7 @@ def start_training_eval(trainer: TrainerView) -> dict[str, float]:
         # first and is logged now; `start` would drop its result (or its error) otherwise.
         trainer.evaluator.wait()
         trainer.evaluator.log_finished()
-        trainer.evaluator.start(trainer.model_version, trainer.state.global_step)
+        trainer.evaluator.start(trainer.model_version, trainer.served_step)
         if trainer.control.should_training_stop:
             # The run's last one is awaited and logged now: `report_to` integrations close their
             # run in on_train_end (trackio's later logs are lost), which runs before ours.
@@ -319,7 +320,7 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
             f"answers with version {version}'s weights (during train(), from a later step: the "
             "trainer restores a lost server and pushes its weights first).") from error
     evaluator.results.append(result)
-    metrics = {**result.metrics, "eval/step": float(trainer.state.global_step)}
+    metrics = {**result.metrics, "eval/step": float(trainer.served_step)}
     trainer.log(metrics)
     return metrics
 

@@ -41,6 +41,7 @@ class RolloutPipelineMixin:
         self.stalls = collectives.rank_watch(self.args, context=self._stall_context)
         facts = setup.check_server(self.args, self.model)
         self._use_token_budget(setup.token_budget(self.args.token_budget, facts.max_model_len))
+        self.served_step = self.state.global_step  # the (restored) model's weights, served now
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
         # Kept after train(): evaluate() then loads the adapter again (train/evaluation.py).
         self.synced_lora_name = self.pusher.lora_name
@@ -170,7 +171,9 @@ class RolloutPipelineMixin:
     def _server_restored(self) -> None:
         """After a restore: the token budget follows the restored server's max_model_len where
         it was taken from the server (`setup.token_budget`, `_use_token_budget`; rank 0 plans,
-        and has the facts), and the worker re-reads the server's facts before its next group."""
+        and has the facts), and the worker re-reads the server's facts before its next group.
+        The restore pushed the weights of now under the current version (`served_step`)."""
+        self.served_step = self.state.global_step
         facts = self.recovery.facts
         if facts is not None:
             budget = setup.token_budget(self.args.token_budget, facts.max_model_len,

@@ -183,6 +183,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.row_clock = RowClock(args.device)
         self.ledger = PromptLedger()
         self.model_version = 0
+        # The step whose weights `model_version` is (an evaluation's `eval/step`): with
+        # weight_sync_steps > 1 an evaluation at a step without a push evaluates an earlier one's.
+        self.served_step = 0
         self.source: StepSource | None = None
         self.pusher: Pusher | None = None
         self.synced_lora_name: str | None = None  # the adapter prefix of the last train()'s pushes
@@ -304,6 +307,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         last = is_last_step(self.args.max_steps, state.global_step, done)
         if self.step_pushes(state.global_step):
             self.model_version += 1
+            self.served_step = state.global_step
             self.push_weights()  # retried once after a server restore (train/pipeline.py)
         if last:
             self.settle_push()  # the run ends with its last weights served
