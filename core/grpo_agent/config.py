@@ -257,6 +257,7 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
         self._check_step_fractions()
+        self._check_save_steps()
         eval_strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
         if eval_strategy == "no" and self.eval_steps is not None:  # transformers ignores it
             raise ValueError(
@@ -301,6 +302,15 @@ class AsyncGRPOConfig(TrainingArguments):
             if value is not None and (value <= low if strict else value < low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
+
+    def _check_save_steps(self) -> None:
+        """transformers saves on a step only `if save_steps > 0`: save_strategy=steps with
+        save_steps <= 0 ran to the end with no checkpoint, and nothing said so."""
+        strategy = str(getattr(self.save_strategy, "value", self.save_strategy))
+        if strategy == "steps" and not self.save_steps > 0:
+            raise ValueError(
+                f"save_steps={self.save_steps} with save_strategy='steps' never saves a checkpoint. "
+                "Set save_steps to a number of steps (>= 1), or save_strategy='no' to save none.")
 
     def _check_step_fractions(self) -> None:
         """A run without max_steps is as long as its prompt epochs: none trains nothing.

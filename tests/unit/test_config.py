@@ -202,3 +202,15 @@ def test_the_trainer_sees_a_run_as_one_epoch_as_docs_config_md_says(tmp_path):
         assert (epochs, per_epoch, max_steps) == (1, steps, steps)
     assert "`save_strategy` `\"epoch\"` act once, after the run's last step" in (
         Path(__file__).parents[2] / "docs" / "config.md").read_text().replace("\n", " ")
+
+
+@pytest.mark.parametrize("save_steps", [0, -1])
+def test_save_steps_that_never_save_are_refused(tmp_path, save_steps):
+    # transformers saves only `if save_steps > 0`: save_steps=0 ran a whole run without a
+    # checkpoint, and the config and --dry-run accepted it.
+    with pytest.raises(ValueError, match=rf"^save_steps={save_steps} with save_strategy='steps' "
+                                         r"never saves a checkpoint\. Set save_steps"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, save_steps=save_steps)
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, save_steps=save_steps,
+                        save_strategy="no")
+    assert c.save_steps == save_steps
