@@ -95,7 +95,10 @@ class AsyncGRPOConfig(TrainingArguments):
     # ---- generation ----
     num_generations: int = _help("Rollouts sampled per prompt (the group size G).", default=8)
     max_completion_length: int = _help("Max tokens generated per vLLM request (per turn).", default=2048)
-    temperature: float = _help("Sampling temperature, 0 to 2 (vLLM's range).", default=1.0)
+    temperature: float = _help(
+        "Sampling temperature, 0 to 2 (vLLM's range). 0 is greedy: a group's rollouts are one "
+        "completion, so on a deterministic env every group is dropped (zero_std; the run warns).",
+        default=1.0)
     top_p: float = _help(
         "Nucleus sampling; < 1 requires top_k. Any of top_k/top_p/min_p wants a server started with "
         "--return-sampling-mask (not possible on CPU): without it the run warns and trains with "

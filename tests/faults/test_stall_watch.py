@@ -384,3 +384,37 @@ def test_a_recoverable_stage_reports_the_await_chain_of_its_task(tmp_path):
     report = asyncio.run(owner_awaiting_the_reward())
     assert "in owner_awaiting_the_reward" in report["stage_stack"]
     assert report["action"] == "cancelled and counted"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_progress_names_temperature_zero_as_the_likely_cause(caplog, temperature):
+    # temperature=0 on a deterministic env: every group's rollouts are one greedy completion,
+    # every group dropped as zero_std until no_progress_timeout (1800 s), whose message sent
+    # the user to the rewards and prompts instead.
+    guard = no_progress.NoProgressGuard(timeout_s=5, watch=None, temperature=temperature)
+    for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("zero_std")
+    guard.last_progress -= 10
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.no_progress"), \
+            pytest.raises(stall.StageStalled) as raised:
+        guard.check()
+    greedy = "Likely cause: temperature=0 samples greedily"
+    for text in (caplog.text, str(raised.value)):
+        assert (greedy in text) == (temperature == 0)
+        assert ("never produces reward variance" in text) == (temperature != 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_greedy_sampling_is_warned_at_the_start_of_a_training_run(caplog, temperature):
+    from types import SimpleNamespace
+
+    from grpo_agent.train.trainer import AsyncGRPOTrainer
+
+    # A stand-in trainer whose args lack output_dir: train() stops right after its start checks.
+    stub = SimpleNamespace(args=SimpleNamespace(temperature=temperature))
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.trainer"), \
+            pytest.raises(AttributeError, match="output_dir"):
+        AsyncGRPOTrainer.train(stub)
+    assert ("Training at temperature=0 samples greedily" in caplog.text) == (temperature == 0)
+    if temperature == 0:
+        assert "no_progress_timeout" in caplog.text

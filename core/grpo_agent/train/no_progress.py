@@ -20,6 +20,21 @@ NO_PROGRESS_WINDOW_GROUPS = 8
 # nearing saturation) otherwise logged it every few groups, each "for 0 s".
 REWARN_IDLE_S = 60.0
 DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored")
+GREEDY_CAUSE = ("temperature=0 samples greedily, so every rollout of a group is the same completion "
+                "and, unless the env or its reward is random, gets the same reward (set temperature "
+                "> 0, e.g. --set temperature=1.0)")
+
+
+def greedy_sampling_warning(temperature: float) -> str | None:
+    """The start warning of a training run at temperature 0, or None.
+
+    Warned, not refused: an env whose tools or reward are random still gives a group reward
+    variance from identical completions; on a deterministic one every group is dropped as
+    zero_std, and without this the run said so only at its no-progress warning."""
+    if temperature != 0:
+        return None
+    return (f"Training at {GREEDY_CAUSE}: each such group is dropped (zero reward std), and a run "
+            "with no trainable group stops at no_progress_timeout.")
 
 
 class NoProgressStalled(StageStalled):
@@ -34,8 +49,11 @@ class NoProgressGuard:
     with the likely cause; after `timeout_s` without a trainable sample it writes the stall
     report and raises `StageStalled` (0 = only warn)."""
 
-    def __init__(self, timeout_s: float, watch: StallWatch | None) -> None:
+    def __init__(self, timeout_s: float, watch: StallWatch | None,
+                 temperature: float | None = None) -> None:
+        """`temperature`: the run's sampling temperature; 0 is named as the likely cause."""
         self.timeout_s = float(timeout_s)
+        self.temperature = temperature
         self.watch = watch
         self.last_progress = time.monotonic()
         self.dropped: dict[str, int] = {}
@@ -74,7 +92,9 @@ class NoProgressGuard:
         """What was dropped since the last trainable sample, and the likely causes."""
         counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
         likely = []
-        if self.dropped.get("zero_std"):
+        if self.dropped.get("zero_std") and self.temperature == 0:
+            likely.append(GREEDY_CAUSE)
+        elif self.dropped.get("zero_std"):
             likely.append("every rollout of a group gets the same reward: the model never produces "
                           "reward variance (check the reward functions and the tools, use easier or "
                           "harder prompts, or warm the model up)")

@@ -75,6 +75,7 @@ class RolloutPipelineMixin:
         return StepSource(worker, ledger=self.ledger, epochs_done=self.prompt_epochs_done,
                           prompt_limit=self.prompt_limit(),
                           window=self.window, no_progress_timeout=self.args.no_progress_timeout,
+                          temperature=self.args.temperature,
                           restore_server=self._restore_server)
 
     def _next_step_plan(self) -> tuple[StepPlan, list[TrainingSample]]:

@@ -49,7 +49,8 @@ class StepSource:
 
     def __init__(self, worker: Any, *, ledger: PromptLedger,
                  epochs_done: Callable[[list[TrainingSample]], bool], window: MetricWindow,
-                 no_progress_timeout: float, prompt_limit: int | None = None,
+                 no_progress_timeout: float, temperature: float | None = None,
+                 prompt_limit: int | None = None,
                  restore_server: Callable[[], None] | None = None) -> None:
         """`restore_server` brings the vLLM server back when the worker lost it."""
         self.worker = worker
@@ -60,7 +61,7 @@ class StepSource:
         self.window = window
         self._carry: list[TrainingSample] = []
         self._last_starved_warning = 0.0
-        self.no_progress = NoProgressGuard(no_progress_timeout, stall.active())
+        self.no_progress = NoProgressGuard(no_progress_timeout, stall.active(), temperature)
 
     def next_step(self, planner: StepPlanner) -> tuple[list[TrainingSample], float]:
         """Fill `planner` with one step: block until its rows are full (the spec: kept groups
@@ -117,7 +118,9 @@ class StepSource:
             return
         self._last_starved_warning = idle
         other = {reason for reason, n in self.no_progress.dropped.items() if n and reason != "zero_std"}
-        if other:  # failing agents, nothing scoring, failing rewards, stalls: not reward variance
+        # Failing agents, nothing scoring, failing rewards, stalls, greedy sampling: the cause
+        # says which, where the advice below would send the user to the rewards and prompts.
+        if other or self.no_progress.temperature == 0:
             logger.warning("No trainable sample for %.0f s (this step holds %d): %s", idle, num_taken,
                            self.no_progress.cause(idle))
             return

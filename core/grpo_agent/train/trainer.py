@@ -40,6 +40,7 @@ from grpo_agent.train.checkpoint import (
 )
 from grpo_agent.train.inputs import resolve_plugins
 from grpo_agent.train.loss import build_loss_config, row_loss
+from grpo_agent.train.no_progress import greedy_sampling_warning
 from grpo_agent.train.packing import PackedRow, pack_row
 from grpo_agent.train.pipeline import RolloutPipelineMixin
 from grpo_agent.train.regional_compile import compile_decoder_layers
@@ -208,6 +209,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
     # ------------------------------------------------------------------ lifecycle
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> Any:
+        if warning := greedy_sampling_warning(self.args.temperature):
+            logger.warning(warning)
         resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         restored = self._restored_rollout_state(resume_from_checkpoint)
         self.ledger = PromptLedger(restored)
