@@ -14,6 +14,15 @@ def test_the_default_rate_gets_the_settings_that_learn_and_a_demo_rate_gets_none
     assert tiny_model_advice(3e-4) is None  # make demo-words' rate
 
 
+def test_the_advice_calls_the_rate_the_default_only_when_it_is():
+    # A user who set learning_rate=1e-5 was told "(the default is for pretrained models)".
+    default_rate = AsyncGRPOConfig.__dataclass_fields__["learning_rate"].default
+    assert "(the default, which is for pretrained models)" in tiny_model_advice(default_rate)
+    set_rate = tiny_model_advice(1e-5)
+    assert "learning_rate=1e-05 (set below 0.0001, a rate for pretrained models)" in set_rate
+    assert "default" not in set_rate
+
+
 def test_the_advice_starts_below_the_minimum_rate():
     from grpo_agent.train.run import TINY_MODEL_MIN_LEARNING_RATE
 

@@ -337,11 +337,15 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None,
 
 def tiny_model_advice(learning_rate: float) -> str | None:
     """Why a run of the built-in tiny model would not learn, or None: the config's default rate
-    is the spec's, for pretrained models; a random 0.8M-parameter one needs far more."""
+    is the spec's, for pretrained models; a random 0.8M-parameter one needs far more. The
+    advice calls the rate the default only when it is (a rate the user set is theirs)."""
     if learning_rate >= TINY_MODEL_MIN_LEARNING_RATE:
         return None
-    return (f"The built-in tiny random model barely moves at learning_rate={learning_rate:g} (the "
-            "default is for pretrained models): its reward stays flat for hours. For a run that "
+    default = AsyncGRPOConfig.__dataclass_fields__["learning_rate"].default
+    why = ("the default, which is for pretrained models" if learning_rate == default else
+           f"set below {TINY_MODEL_MIN_LEARNING_RATE:g}, a rate for pretrained models")
+    return (f"The built-in tiny random model barely moves at learning_rate={learning_rate:g} "
+            f"({why}): its reward stays flat for hours. For a run that "
             "learns in minutes add --set learning_rate=3e-4 --set num_train_epochs=0.5 --set "
             "max_completion_length=16 (make demo-words), or pass --model.")
 
