@@ -64,7 +64,9 @@ class AsyncGRPOConfig(TrainingArguments):
     remove_unused_columns: bool = _help(
         "Must stay False: every dataset column reaches the reward functions.", default=False
     )
-    report_to: Any = _help("Integrations to report to, as in transformers.", default="none")
+    report_to: Any = _help(
+        "Integrations to report to, as in transformers; several as a list or comma-separated text "
+        "(wandb,tensorboard).", default="none")
     optim: str = _help("Optimizer name, as in transformers.", default="adamw_torch_fused")
     logging_nan_inf_filter: bool = _help(
         "Leave optimizer steps whose loss is NaN/inf out of the logged loss. Checked once per "
@@ -217,7 +219,9 @@ class AsyncGRPOConfig(TrainingArguments):
 
     def _check(self) -> None:
         if isinstance(self.prompt_filters, str):  # `--set prompt_filters=a,b` or a run file's "a"
-            self.prompt_filters = [name.strip() for name in self.prompt_filters.split(",") if name.strip()]
+            self.prompt_filters = _comma_separated(self.prompt_filters)
+        if isinstance(self.report_to, str) and "," in self.report_to:  # `--set report_to=wandb,tensorboard`
+            self.report_to = _comma_separated(self.report_to)  # one name stays text, as transformers takes it
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: group-normalised advantages need at "
@@ -337,8 +341,8 @@ class AsyncGRPOConfig(TrainingArguments):
                     f"{kind}_steps to a number of steps (>= 1), or set max_steps.")
 
     def _check_report_to(self) -> None:
-        """An unknown integration (`--set report_to=bogus`, or `wandb,tensorboard` as one text)
-        failed only when the Trainer was built, once the server was up, without naming report_to."""
+        """An unknown integration (`--set report_to=bogus`) failed only when the Trainer was
+        built, once the server was up, without naming report_to."""
         from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
         names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
@@ -347,11 +351,16 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(
                 f"report_to={self.report_to!r}: {', '.join(map(repr, unknown))} is no integration "
                 f"transformers knows. Use none, all or some of {', '.join(INTEGRATION_TO_CALLBACK)} "
-                "(several as a list: --set 'report_to=[\"wandb\", \"tensorboard\"]').")
+                "(several comma-separated: --set report_to=wandb,tensorboard).")
 
     @property
     def effective_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _comma_separated(text: str) -> list[str]:
+    """Names given as one text (`--set`, a run file): `a, b` is ["a", "b"], not its letters."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _refuse_unsupported_features(args: AsyncGRPOConfig) -> None:
