@@ -292,3 +292,25 @@ def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_ho
     pusher.push(model, 3)
     assert served == [1, 3] and control.calls == [("load", "run-v3")]
     pusher.close()
+
+
+def test_a_lora_run_on_a_server_without_enable_lora_says_it_pushes_merged_weights(
+        tiny_path, tmp_path, caplog):
+    # `train --lora-rank 8 --vllm-url URL` on a server started without --enable-lora pushed
+    # every weight each sync, and nothing in the run's output said so.
+    import logging
+
+    from grpo_agent.config import AsyncGRPOConfig
+    from grpo_agent.weight_sync.adapter import use_adapter_sync
+    from transformers import AutoModelForCausalLM
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.weight_sync.adapter"):
+        assert not use_adapter_sync(model, None, args)
+        assert caplog.text.count("runs without --enable-lora: each weight sync pushes the LoRA "
+                                 "adapter merged into every weight") == 1
+        caplog.clear()
+        assert not use_adapter_sync(AutoModelForCausalLM.from_pretrained(tiny_path), None, args)
+        assert use_adapter_sync(model, LoraServerLimits(8, 6, True), args)
+    assert "--enable-lora" not in caplog.text  # no LoRA to sync, or adapter sync: nothing to say

@@ -101,8 +101,15 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *
 
 def use_adapter_sync(model: nn.Module, lora_limits: LoraServerLimits | None,
                      args: AsyncGRPOConfig) -> bool:
-    """Adapter sync for a PEFT model on a LoRA server; merged sync otherwise (the fallback)."""
-    if not is_peft_model(model) or lora_limits is None:
+    """Adapter sync for a PEFT model on a LoRA server; merged sync otherwise (the fallback),
+    said once at start: a `--lora-rank` run on a `--vllm-url` server without --enable-lora
+    pushed every weight each sync, and nothing in its output said so."""
+    if not is_peft_model(model):
+        return False
+    if lora_limits is None:
+        logger.warning("The vLLM server runs without --enable-lora: each weight sync pushes the "
+                       "LoRA adapter merged into every weight, not the adapter alone. For adapter "
+                       "sync restart it with --enable-lora (docs/vllm.md, 'LoRA adapter sync').")
         return False
     reason = unservable_reason(model)
     if reason is not None:
