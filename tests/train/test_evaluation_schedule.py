@@ -510,3 +510,40 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     assert metrics["eval/model_version"] == 1.0 and metrics["eval/step"] == 0.0
     assert logged[-1] == metrics and trainer.model_version == 0  # train() pushes version 1 again
 
+
+def test_the_start_evaluation_is_logged_when_the_run_stalls_before_its_first_step(
+        tmp_path, scripted_eval):
+    """eval_on_start's evaluation is logged at a step's end; a run whose groups were all
+    dropped stopped at no_progress_timeout before any step ended, and its finished start
+    evaluation never reached metrics.jsonl. The worker is scripted, the no-progress stop real."""
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
+    from grpo_agent.train.no_progress import NO_PROGRESS_WINDOW_GROUPS, NoProgressStalled
+    from grpo_agent.train.reporting import METRICS_NAME, JsonlMetricsCallback, read_metrics
+    from grpo_agent.types import PromptConsumed
+
+    from tests.train.test_step_read import TOKEN_BUDGET
+
+    class AllDropped(OfflineTrainer):
+        def start_pipeline(self):
+            self.token_budget = self.args.token_budget
+            self.pusher = RecordingPush(scripted_eval)
+            dropped = [PromptConsumed(i, i, "zero_std") for i in range(NO_PROGRESS_WINDOW_GROUPS)]
+            self.source = self._step_source(ScriptedWorker(dropped))
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=True, eval_on_start=True, per_device_eval_batch_size=2,
+        no_progress_timeout=EVAL_S + 1.0)
+    trainer = AllDropped(build_tiny_model(), args=args, reward_funcs=[],
+                         train_dataset=Dataset.from_dict({"prompt": [[]] * 64}),
+                         eval_dataset=EVAL_SPLIT, callbacks=[JsonlMetricsCallback()])
+    trainer.samples = []
+    with pytest.raises(NoProgressStalled):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    evals = [row for row in read_metrics(tmp_path / METRICS_NAME) if "eval/pass@1" in row]
+    assert [(row["eval/step"], row["eval/model_version"]) for row in evals] == [(0.0, 0.0)]
+    assert scripted_eval.events[-1] == ("close",)  # the evaluation session was closed too

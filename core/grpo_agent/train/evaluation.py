@@ -241,6 +241,21 @@ class TrainingEvaluator:
         control.should_log = should_log
 
 
+    def log_at_stop(self) -> None:
+        """A run stopped by an error or an interrupt logs the evaluation that finished: step
+        ends log them, so eval_on_start's was lost when the run stalled before its first step.
+        One still running is not awaited (the stop would wait for it), and an evaluation's own
+        error is only said: the run's error is the one raised."""
+        if self._future is not None and not self._future.done():
+            return
+        try:
+            self.close()
+            self.log_finished()
+        except Exception as error:  # noqa: BLE001 - never hides the error that stopped the run
+            logger.warning("The evaluation that finished before the run stopped is not logged: %s",
+                           error)
+
+
 class EvaluationCallback(TrainerCallback):
     """Holds a step's weight push until the running evaluation ends; logs the last one at the end.
 

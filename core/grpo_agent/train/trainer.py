@@ -236,6 +236,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             worker_metrics = self._stop_pipeline(at_once=interrupted)
             if failed:
                 self._log_unlogged_window(worker_metrics)
+            if (failed or interrupted) and self.evaluator is not None:
+                self.evaluator.log_at_stop()  # e.g. eval_on_start's, if no step ended since
             heap.thaw()  # frozen at train begin (train/step_callback.py)
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
