@@ -144,7 +144,9 @@ class AsyncGRPOConfig(TrainingArguments):
     # ---- async pipeline ----
     max_concurrent_rollouts: int = _help("Max rollouts in flight.", default=512)
     max_staleness: int = _help("Max weight updates a sample may lag before it is dropped.", default=4)
-    weight_sync_steps: int = _help("Optimizer steps between weight pushes.", default=1)
+    weight_sync_steps: int = _help(
+        "Optimizer steps between weight pushes (the run's last step pushes too, so it ends "
+        "serving its final weights).", default=1)
     rollout_worker_timeout: float = _help(
         "Seconds without a worker heartbeat before the trainer aborts.", default=300.0
     )
