@@ -127,3 +127,14 @@ def test_withdrawing_more_than_was_promised_leaves_no_negative_promise():
     slots.withdraw(3)
     slots.promise(2)
     assert not slots.can_dispatch()
+
+
+def test_a_reading_without_kv_cache_usage_never_grows_the_cap_and_warns_once(caplog):
+    cap = ConcurrencyCap(512, kv_tokens=40_000, max_model_len=1000)
+    unknown = ServerMetrics(kv_cache_usage=None, running=1, waiting=0, preemptions=0)
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.concurrency"):
+        for completed in (40, 100, 1000):
+            assert cap.update(unknown, completed_rollouts=completed) == 40
+    [warning] = caplog.records
+    assert "vllm:kv_cache_usage_perc" in warning.getMessage()
+    assert cap.update(_metrics(0.30), completed_rollouts=1040) == 50  # a reading moves it again

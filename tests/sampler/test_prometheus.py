@@ -35,3 +35,9 @@ def test_waiting_requests_and_preemptions_are_summed_over_engines():
 def test_a_label_value_holding_a_brace_does_not_hide_the_sample_value():
     text = 'vllm:num_requests_running{engine="0",model_name="odd}name"} 7.0\n'
     assert parse_server_metrics(text).running == 7
+
+
+def test_a_missing_kv_cache_usage_gauge_is_unknown_not_zero():
+    text = "\n".join(line for line in VLLM_METRICS.splitlines() if "kv_cache_usage" not in line)
+    metrics = parse_server_metrics(text)
+    assert metrics.running == 20 and metrics.kv_cache_usage is None

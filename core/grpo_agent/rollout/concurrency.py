@@ -14,12 +14,15 @@ instances) such calls still run on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from grpo_agent.sampler.prometheus import ServerMetrics
+from grpo_agent.sampler.prometheus import KV_CACHE_USAGE, ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 5.0
 GROW_BELOW_USAGE = 0.60
@@ -40,10 +43,22 @@ class ConcurrencyCap:
             self.value = max(1, min(self.limit, kv_tokens // max(max_model_len, 1)))
             self.adaptive = True
         self._completed_at_last_growth = 0
+        self._usage_missing_said = False
 
     def update(self, metrics: ServerMetrics | None, completed_rollouts: int) -> int:
-        """Apply one poll's reading; `completed_rollouts` is the running total so far."""
+        """Apply one poll's reading; `completed_rollouts` is the running total so far. A
+        reading without KV-cache usage moves nothing: read as 0 it grew the cap on every poll,
+        up to max_concurrent_rollouts, on a server that does not report it."""
         if not self.adaptive or metrics is None:
+            return self.value
+        if metrics.kv_cache_usage is None:
+            if not self._usage_missing_said:
+                self._usage_missing_said = True
+                logger.warning(
+                    "The vLLM server's /metrics has no %s gauge (renamed, or another server), so "
+                    "the concurrency cap stays at %d (of max_concurrent_rollouts=%d) instead of "
+                    "following its KV-cache usage (said once).", KV_CACHE_USAGE, self.value,
+                    self.limit)
             return self.value
         if metrics.kv_cache_usage > SHRINK_ABOVE_USAGE:
             self.value = max(1, math.floor(self.value * SHRINK_FACTOR))

@@ -398,7 +398,8 @@ class RolloutEngine:
             await self.slots.cap_changed()
             self.observe("rollout/concurrency_cap", self.cap.value)
             if metrics is not None:
-                self.observe("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
+                if metrics.kv_cache_usage is not None:  # unknown is no 0 in the mean
+                    self.observe("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
                 self.observe("rollout/vllm_running_requests", metrics.running)
                 self.observe("rollout/vllm_queued_requests", metrics.waiting)
                 if last_preemptions is not None:

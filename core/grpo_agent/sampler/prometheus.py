@@ -9,12 +9,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+
 
 @dataclass
 class ServerMetrics:
     """The scheduler state the rollout loop's concurrency control reacts to."""
 
-    kv_cache_usage: float  # fraction in [0, 1], the fullest engine
+    # Fraction in [0, 1], the fullest engine; None: the server reports no
+    # `vllm:kv_cache_usage_perc` (a renamed gauge, another server), i.e. unknown, never 0.
+    kv_cache_usage: float | None
     running: int
     waiting: int
     preemptions: int  # cumulative since the server started
@@ -44,8 +48,9 @@ def parse_server_metrics(text: str) -> ServerMetrics | None:
     samples = parse_samples(text)
     if "vllm:num_requests_running" not in samples:
         return None
+    usage = samples.get(KV_CACHE_USAGE)
     return ServerMetrics(
-        kv_cache_usage=max(samples.get("vllm:kv_cache_usage_perc", [0.0])),
+        kv_cache_usage=max(usage) if usage else None,
         running=int(sum(samples["vllm:num_requests_running"])),
         waiting=int(sum(samples.get("vllm:num_requests_waiting", [0.0]))),
         preemptions=int(sum(samples.get("vllm:num_preemptions_total", [0.0]))),
