@@ -13,6 +13,10 @@ def test_reports_divergence_and_the_patched_training_template(tiny_tokenizer):
     assert result.exit_code == 0, result.output
     assert "not prefix-preserving: adding message 5" in result.output
     assert "patched qwen3 training template" in result.output
+    # the gateway renders a multi-turn chat without tools with the patched template too
+    chat = result.output.split("multi-turn chat without tools")[1]
+    assert "adding message 3 of the chat without tools" in chat
+    assert "patched qwen3 training template" in chat
     assert "HermesToolCallParser" in result.output
 
 
@@ -21,7 +25,7 @@ def test_a_prefix_preserving_template_is_kept(tiny_tokenizer, tmp_path):
     (tmp_path / "chat_template.jinja").write_text(choose_training_template(tiny_tokenizer).template)
     result = runner.invoke(app, ["template", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "model template:    prefix-preserving" in result.output
+    assert result.output.count("model template:    prefix-preserving") == 2  # tools and none
 
 
 def test_an_unfixable_template_exits_2_and_a_missing_one_exits_1(tiny_tokenizer, tmp_path):
@@ -33,6 +37,21 @@ def test_an_unfixable_template_exits_2_and_a_missing_one_exits_1(tiny_tokenizer,
     (tmp_path / "chat_template.jinja").unlink()
     result = runner.invoke(app, ["template", str(tmp_path)])
     assert result.exit_code == 1
+
+
+def test_a_template_that_forks_only_without_tools_exits_2(tiny_tokenizer, tmp_path):
+    """A gateway agent's multi-turn chat without tools renders with the training template too
+    (the gateway's ConversationRenderer), so its forks count."""
+    tiny_tokenizer.save_pretrained(tmp_path)
+    forks_without_tools = ("{% for m in messages %}{% if tools or loop.last %}{{ m.role }}:"
+                           "{{ m.content }}\n{% endif %}{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(forks_without_tools)
+    result = runner.invoke(app, ["template", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    tools, chat = result.output.split("multi-turn chat without tools")
+    assert "model template:    prefix-preserving" in tools
+    assert "adding message 2 of the chat without tools" in chat
+    assert "no patched template for this family" in chat
 
 
 def test_a_missing_folder_and_bad_json_are_one_line_errors_with_exit_1(tiny_tokenizer, tmp_path, capsys):
