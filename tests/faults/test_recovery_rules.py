@@ -454,14 +454,26 @@ def test_a_server_that_came_back_serving_another_model_or_a_shorter_length_stops
     try:
         with pytest.raises(ServerChangedError) as refused:
             keeper.restore(pusher, None, 3, cause="the rollout worker lost it")
+        command = refused.value.start_command  # the CLI's "what to do" prints it whole
         assert str(refused.value) == (
             f"The vLLM server at {url} serves 'other/Llama' but this run trains 'tiny/Model'. "
             "It came back so after the run lost it: restart it there with the run's model and "
-            "flags (vllm serve tiny/Model), then resume from the last checkpoint.")
+            f"flags (the run's whole command: `{command}`), then resume from the last checkpoint.")
+        # the whole command, not `vllm serve tiny/Model` (which the other checks then refused)
+        port = urlparse(url).port
+        assert re.search(rf"serve tiny/Model --port {port} --max-model-len 1024 --logprobs-mode "
+                         r"processed_logprobs --max-logprobs 20 --enable-scale-out "
+                         r"--weight-transfer-config .* --dtype float32$", command), command
+        assert command.startswith("VLLM_SERVER_DEV_MODE=1 ")
+        from grpo_agent.cli.failure import report_failure
+
+        message, _ = report_failure(refused.value, tmp_path)  # its summary line cuts it
+        assert f"  what to do: start the server with `{command}`" in message
         handler.served, handler.max_model_len = "tiny/Model", 64
         with pytest.raises(ServerChangedError, match=(
                 rf"max_completion_length=64 leaves no room .* max_model_len is 64\. The vLLM "
-                rf"server at {url} came back so .*--max-model-len, then resume")):
+                rf"server at {url} came back so .*--max-model-len \(its whole command: `.* "
+                rf"--max-model-len 1024 .*`\), then resume")):
             keeper.restore(pusher, None, 3, cause="a weight push failed")
         assert pusher.pushed == [] and keeper.restarts == 0  # nothing reached the server
         handler.max_model_len = 512  # the same model and length again: the push goes on
@@ -491,18 +503,20 @@ def test_a_server_that_came_back_with_flags_that_would_train_wrong_stops_the_run
         assert str(refused.value) == (
             f"The vLLM server at {url} returns --logprobs-mode raw_logprobs, not the log-probs "
             "of the distribution it samples from, which the loss needs. It came back so after "
-            "the run lost it: restart it there with --logprobs-mode processed_logprobs, "
-            f"{resume}.")
+            "the run lost it: restart it there with --logprobs-mode processed_logprobs (the "
+            f"run's whole command: `{refused.value.start_command}`), {resume}.")
+        assert "--logprobs-mode processed_logprobs" in refused.value.start_command
         handler.logprobs_mode, handler.max_logprobs = "processed_logprobs", 5
         with pytest.raises(ServerChangedError, match=(
                 rf"--max-logprobs 5, but num_sampler_logprobs=8 asks for 9 per token\. .*restart "
-                rf"it there with --max-logprobs 9 \(or more\), {resume} \(or lower "
+                rf"it there with --max-logprobs 9 \(or more\) \(the run's whole command: "
+                rf"`.* --max-logprobs 20 .*`\), {resume} \(or lower "
                 r"num_sampler_logprobs\)\.")):
             trainer._restore_server()
         handler.max_logprobs, handler.dev_mode = -1, False
         with pytest.raises(ServerChangedError, match=(
-                rf"/server_info with HTTP 404.*restart it there with VLLM_SERVER_DEV_MODE=1, "
-                rf"{resume}\.")):
+                rf"/server_info with HTTP 404.*restart it there with VLLM_SERVER_DEV_MODE=1 "
+                rf"\(the run's whole command: `VLLM_SERVER_DEV_MODE=1 .*`\), {resume}\.")):
             trainer._restore_server()
         assert trainer.pusher.pushed == [] and trainer.recovery.restarts == 0
         handler.dev_mode, handler.dtype = True, "bfloat16"  # the trainer's weights are float32

@@ -329,8 +329,8 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
 
 def test_a_lost_servers_warning_gives_the_reason_and_a_stopping_run_keeps_the_advice(
         monkeypatch, caplog):
-    """While the trainer restores a lost server, "Start one (e.g. `vllm serve ...`) or pass
-    the right URL" is wrong: the worker's warning gave the client's whole message. It gives
+    """While the trainer restores a lost server, "Start one ... or pass the right URL" is
+    wrong: the worker's warning gave the client's whole message. It gives
     the one-line reason now; with no trainer to restore it the run stops with the advice."""
     import threading
 
@@ -357,7 +357,7 @@ def test_a_lost_servers_warning_gives_the_reason_and_a_stopping_run_keeps_the_ad
     engine, _ = make_engine()  # no trainer restores it (server_down is None): the run stops
     monkeypatch.setattr(engine, "_run_rollout", rollout)
     engine._groups_in_flight = engine._groups_generating = 1
-    with pytest.raises(type(refused), match=r"after 3 attempts\. Start one \(e\.g\. `vllm serve"):
+    with pytest.raises(type(refused), match=r"after 3 attempts\. Start one with the flags"):
         asyncio.run(engine._run_group(PromptSlot(0, 4, 0, {}), 0))
 
 

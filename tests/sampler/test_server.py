@@ -255,17 +255,20 @@ def _facts_of(env, served):
 
 @pytest.mark.parametrize("cpu", [True, False])
 def test_the_advised_server_command_passes_the_training_checks(tiny_model_path, monkeypatch, cpu):
-    """The command the start check names where no server answers (`setup.serve_command_for`)
+    """The command the start check names where no server answers (`serve_command_for`)
     starts a server `check_training_server` accepts, each of its flags needed: dropping the
     dev mode, the log-probs mode or the top-k room makes the check refuse it."""
     import torch
-    from grpo_agent.sampler.server_facts import ServerNeeds, check_training_server
-    from grpo_agent.train import setup
+    from grpo_agent.sampler.server_facts import (
+        ServerNeeds,
+        check_training_server,
+        serve_command_for,
+    )
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: not cpu)
     needs = ServerNeeds(model=str(tiny_model_path), max_completion_length=2048,
                         num_sampler_logprobs=24, logprobs_per_token=25, trainer_dtype="float32")
-    command = setup.serve_command_for(needs, 8123)
+    command = serve_command_for(needs, 8123)
     env, program, served = _parse_served(command)
     assert program == (["python", "-m", "grpo_agent.sampler.vllm_entry"] if cpu else ["vllm"])
     assert served.port == 8123 and served.enable_scale_out
@@ -279,3 +282,40 @@ def test_the_advised_server_command_passes_the_training_checks(tiny_model_path, 
         env, _, served = _parse_served(command.replace(dropped, ""))
         with pytest.raises(ValueError, match=refusal):
             check_training_server(_facts_of(env, served), "http://127.0.0.1:8123", needs)
+
+
+@pytest.mark.parametrize("restored", [False, True], ids=["start", "restored"])
+@pytest.mark.parametrize("unfit", ["model", "dev-mode", "logprobs-mode", "max-logprobs", "length"])
+def test_every_refusal_names_the_whole_command_of_a_server_it_accepts(
+        tiny_model_path, monkeypatch, tmp_path, unfit, restored):
+    """A refused server (at start or after a restore) is answered with the flag that is wrong
+    and the whole command (`ServerUnfitError.start_command`, in the message too), not a partial
+    `vllm serve MODEL`, which started a server the next check refused."""
+    import dataclasses
+
+    import torch
+    from grpo_agent.sampler.errors import ServerUnfitError
+    from grpo_agent.sampler.server_facts import ServerFacts, ServerNeeds, check_training_server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    needs = ServerNeeds(model=str(tiny_model_path), max_completion_length=600,
+                        num_sampler_logprobs=24, logprobs_per_token=25, trainer_dtype="float32",
+                        model_context=4096)
+    fit = ServerFacts(model_id=str(tiny_model_path), max_model_len=2048, dtype="float32",
+                      logprobs_mode="processed_logprobs", max_logprobs=25)
+    facts = dataclasses.replace(fit, **{
+        "model": {"model_id": "other/Model"}, "dev-mode": {"control_routes": False},
+        "logprobs-mode": {"logprobs_mode": "raw_logprobs"}, "max-logprobs": {"max_logprobs": 20},
+        "length": {"max_model_len": 600}}[unfit])
+    url = "http://127.0.0.1:8124"
+    with pytest.raises(ServerUnfitError) as refused:
+        check_training_server(facts, url, needs, restored=restored)
+    command = refused.value.start_command
+    assert command and f"`{command}`" in str(refused.value)
+    env, _, served = _parse_served(command)
+    assert served.port == 8124 and served.max_model_len == 1112  # 600 + a 512-token prompt
+    from grpo_agent.cli.failure import report_failure
+
+    message, _ = report_failure(refused.value, tmp_path)  # the CLI prints it whole
+    assert f"  what to do: start the server with `{command}`" in message
+    check_training_server(_facts_of(env, served), url, needs, restored=restored)

@@ -41,7 +41,7 @@ def _checked(monkeypatch, tmp_path, facts, layer_types=None, **config):
     import torch
     from grpo_agent.sampler.server_facts import ServerFacts
 
-    async def probe(base_url, timeout):
+    async def probe(base_url, timeout, start_command=None):
         return ServerFacts(**facts)
 
     monkeypatch.setattr(setup, "_server_facts", probe)
@@ -57,7 +57,8 @@ def test_the_server_check_refuses_another_model_and_a_length_without_room(monkey
     import pytest
 
     with pytest.raises(ValueError, match=r"serves 'org/other' but the trainer trains 'org/tiny'.*"
-                                         r"vllm serve org/tiny"):
+                                         r"Start the server with it \(`.*serve org/tiny --port "
+                                         r"8000 --max-model-len 2560 .*`\)"):
         _checked(monkeypatch, tmp_path, {"model_id": "org/other", "max_model_len": 64})
     with pytest.raises(ValueError, match="max_completion_length=64 leaves no room.*max_model_len is 64"):
         _checked(monkeypatch, tmp_path, {"model_id": "org/tiny", "max_model_len": 64},

@@ -15,11 +15,15 @@ class SamplerError(RuntimeError):
 
     `reason`: what failed, in one line and without the advice a message may end with (start
     a server, pass the right URL), for the logs where that advice is wrong: the rollout
-    worker's note of a lost server while the trainer restores it."""
+    worker's note of a lost server while the trainer restores it. `start_command`: the command
+    that starts the server the caller needs, where the message names one; the CLI prints it
+    whole (its one-line summary cuts long messages)."""
 
-    def __init__(self, *args: Any, reason: str | None = None) -> None:
+    def __init__(self, *args: Any, reason: str | None = None,
+                 start_command: str | None = None) -> None:
         super().__init__(*args)
         self._reason = reason
+        self.start_command = start_command
 
     @property
     def reason(self) -> str:
@@ -41,15 +45,7 @@ def _rebuild(cls: type, args: tuple, state: dict) -> SamplerError:
 
 
 class ServerUnreachableError(SamplerError):
-    """Nothing answered at the server URL (not started, crashed, or wrong address).
-
-    `start_command`: the command that starts the server the caller needs, where the message
-    names one; the CLI prints it whole (its one-line summary cuts long messages)."""
-
-    def __init__(self, *args: Any, reason: str | None = None,
-                 start_command: str | None = None) -> None:
-        super().__init__(*args, reason=reason)
-        self.start_command = start_command
+    """Nothing answered at the server URL (not started, crashed, or wrong address)."""
 
 
 class RequestRejectedError(SamplerError):
@@ -68,6 +64,16 @@ class ServerStartupError(SamplerError):
 class ServerChangedError(SamplerError):
     """A server that came back mid-run is unfit for the run (another model, a shorter
     max_model_len): training on it would credit another model's samples to this one."""
+
+
+class ServerUnfitError(ValueError):
+    """A server the start checks refuse (`server_facts.check_training_server`): training on it
+    would go wrong. `start_command`: the command that starts one they accept (as on
+    `SamplerError`), which the message names too."""
+
+    def __init__(self, message: str, *, start_command: str | None = None) -> None:
+        super().__init__(message)
+        self.start_command = start_command
 
 
 class WeightSyncError(SamplerError):
@@ -106,7 +112,10 @@ def exhausted_error(method: str, base_url: str, path: str, problem: str,
     """What a call that failed `attempts` times raises; `problem` is the last failure."""
     if problem.startswith(("ConnectError", "ConnectTimeout")):
         reason = f"No vLLM server answered at {base_url} ({problem}) after {attempts} attempts"
+        # Not a command: this client does not know the run's model and lengths, and a partial
+        # one starts a server the run's checks refuse; the start check names the whole one.
         return ServerUnreachableError(
-            f"{reason}. Start one (e.g. `vllm serve MODEL --enable-scale-out`) or pass the right "
-            "URL.", reason=reason)
+            f"{reason}. Start one with the flags training needs (docs/vllm.md, Server flags; a "
+            "run that finds no server at start names the whole command) or pass the right URL.",
+            reason=reason)
     return SamplerError(f"{method} {base_url}{path} failed after {attempts} attempts: {problem}")

@@ -41,6 +41,7 @@ from grpo_agent.sampler.errors import (
     RequestRejectedError,
     SamplerError,
     ServerChangedError,
+    ServerUnfitError,
     ServerUnreachableError,
     WeightSyncError,
 )
@@ -172,8 +173,8 @@ def check_restored_server(base_url: str, timeout_s: float, needs: ServerNeeds) -
     facts = asyncio.run(_probe(base_url, timeout_s))
     try:
         check_training_server(facts, base_url, needs, restored=True)
-    except ValueError as error:
-        raise ServerChangedError(str(error)) from None
+    except ServerUnfitError as error:
+        raise ServerChangedError(str(error), start_command=error.start_command) from None
     return facts
 
 

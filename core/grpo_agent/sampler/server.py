@@ -75,12 +75,18 @@ PROMPT_ROOM = 512
 
 
 def managed_max_model_len(model_path: str, max_completion_length: int) -> int:
-    """The managed server's --max-model-len: the run's completions plus a prompt, within the
-    model's context (a model too short for the completions is reported by the server check)."""
+    """The managed server's --max-model-len for the model at `model_path` (`run_max_model_len`)."""
     from transformers import AutoConfig
 
+    return run_max_model_len(max_completion_length, getattr(
+        AutoConfig.from_pretrained(model_path), "max_position_embeddings", None))
+
+
+def run_max_model_len(max_completion_length: int, context: int | None) -> int:
+    """The --max-model-len of a server started for a run: its completions plus a prompt,
+    within the model's `context` (None: unknown; a model too short for the completions is
+    reported by the server check)."""
     wanted = max(MANAGED_MAX_MODEL_LEN, max_completion_length + PROMPT_ROOM)
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return min(wanted, context) if context else wanted
 
 

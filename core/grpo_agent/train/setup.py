@@ -22,6 +22,7 @@ from grpo_agent.sampler.server_facts import (
     ServerNeeds,
     check_training_server,
     probe_server,
+    serve_command_for,
 )
 from grpo_agent.train.weights import is_vision_tower_param
 
@@ -91,19 +92,6 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     return facts
 
 
-def serve_command_for(needs: ServerNeeds, port: int) -> str:
-    """The command that starts, on this machine, a server `check_training_server` accepts for
-    `needs`: what the start check advises where no server answers at the URL."""
-    from grpo_agent.sampler.server import managed_max_model_len, serve_command
-
-    cpu = not torch.cuda.is_available()
-    return serve_command(
-        needs.model, port=port,
-        max_model_len=managed_max_model_len(needs.model, needs.max_completion_length),
-        max_logprobs=max(20, needs.logprobs_per_token), cpu=cpu,
-        dtype="bfloat16" if cpu and needs.bf16_only_on_cpu else needs.trainer_dtype)
-
-
 def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
     """What this run needs of its server, for the start check and every restore's."""
     from grpo_agent.train.gated_deltanet import text_config
@@ -117,6 +105,8 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
         # the client asks for top-k + 1 per token (a smaller --max-logprobs refuses them all)
         logprobs_per_token=args.num_sampler_logprobs + 1 if args.score_centering else 0,
         token_budget=args.token_budget,
+        # the managed server's source of it (`sampler.server.managed_max_model_len`)
+        model_context=getattr(model.config, "max_position_embeddings", None),
         trainer_dtype=None if param is None else str(param.dtype).removeprefix("torch."),
         bf16_only_on_cpu="linear_attention" in layer_types)
 
