@@ -319,3 +319,13 @@ def test_every_refusal_names_the_whole_command_of_a_server_it_accepts(
     message, _ = report_failure(refused.value, tmp_path)  # the CLI prints it whole
     assert f"  what to do: start the server with `{command}`" in message
     check_training_server(_facts_of(env, served), url, needs, restored=restored)
+
+
+def test_the_advised_command_of_a_lora_run_parses_with_the_lora_flags(tiny_model_path):
+    """vLLM's own parser reads the LoRA flags of a `--lora-rank` run's advised command."""
+    from grpo_agent.sampler.server import serve_command
+
+    env, _, served = _parse_served(serve_command(str(tiny_model_path), port=8126,
+                                                 max_model_len=1024, cpu=True, lora=(16, 5)))
+    assert served.enable_lora and (served.max_lora_rank, served.max_loras) == (16, 5)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"

@@ -314,3 +314,32 @@ def test_a_lora_run_on_a_server_without_enable_lora_says_it_pushes_merged_weight
         assert not use_adapter_sync(AutoModelForCausalLM.from_pretrained(tiny_path), None, args)
         assert use_adapter_sync(model, LoraServerLimits(8, 6, True), args)
     assert "--enable-lora" not in caplog.text  # no LoRA to sync, or adapter sync: nothing to say
+
+
+def test_the_advised_server_command_of_a_lora_run_has_the_lora_flags(tiny_path, tmp_path,
+                                                                      monkeypatch):
+    """The command the start check (and every refusal) names for a `--lora-rank` run starts a
+    server adapter sync accepts (`check_lora_limits`): without --enable-lora and its limits the
+    run fell back to merged weights, and a server restarted by it mid-run was refused by the
+    adapter pusher's own check. A run that pushes merged weights is advised none."""
+    import shlex
+
+    from grpo_agent.config import AsyncGRPOConfig
+    from grpo_agent.sampler.server_facts import LoraServerLimits, serve_command_for
+    from grpo_agent.train.setup import server_needs
+    from grpo_agent.weight_sync.adapter import check_lora_limits
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=3)
+    model = _peft(tiny_path, r=12, target_modules=["q_proj"])
+    words = shlex.split(serve_command_for(server_needs(args, model), 8125))
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in words and "--enable-lora" in words
+    limits = LoraServerLimits(max_lora_rank=int(words[words.index("--max-lora-rank") + 1]),
+                              max_loras=int(words[words.index("--max-loras") + 1]),
+                              runtime_updating=True)
+    assert (limits.max_lora_rank, limits.max_loras) == (16, 5)  # vLLM's ranks; 3 + 2 versions
+    check_lora_limits(limits, 12, args.max_staleness)
+    for merged in (server_needs(args, model, lora_sync=False),
+                   server_needs(args, AutoModelForCausalLM.from_pretrained(tiny_path))):
+        assert "lora" not in serve_command_for(merged, 8125).lower()

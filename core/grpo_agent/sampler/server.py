@@ -57,6 +57,20 @@ SERVER_ENV = {
 }
 
 
+# What a server needs to load LoRA adapters while it runs, besides `lora_flags`.
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+
+
+def lora_flags(max_lora_rank: int | None, max_loras: int | None) -> list[str]:
+    """The `vllm serve` flags of a server that adapter sync pushes LoRA adapters into."""
+    flags = ["--enable-lora"]
+    if max_lora_rank is not None:
+        flags += ["--max-lora-rank", str(max_lora_rank)]
+    if max_loras is not None:
+        flags += ["--max-loras", str(max_loras)]
+    return flags
+
+
 def training_flags(max_model_len: int, max_logprobs: int, backend: str | None) -> list[str]:
     """The `vllm serve` flags training needs: the log-prob ones `check_training_server`
     refuses a server without, the generate route that stamps weight versions, and the
@@ -91,11 +105,13 @@ def run_max_model_len(max_completion_length: int, context: int | None) -> int:
 
 
 def serve_command(model: str, *, port: int, max_model_len: int, max_logprobs: int = 20,
-                  dtype: str | None = None, cpu: bool) -> str:
+                  dtype: str | None = None, cpu: bool,
+                  lora: tuple[int, int] | None = None) -> str:
     """The shell command that starts a server on this machine that training accepts, for
     messages that tell a user to start one: on CPU the one `ManagedVLLMServer` runs (gloo,
-    through `vllm_entry`), on a GPU vLLM's own CLI with the NCCL engine (README)."""
-    env = dict(SERVER_ENV)
+    through `vllm_entry`), on a GPU vLLM's own CLI with the NCCL engine (README). `lora`:
+    the --max-lora-rank and --max-loras of a run with adapter sync (None: merged weights)."""
+    env = dict(SERVER_ENV) | (LORA_ENV if lora else {})
     if cpu:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", WAIT_SLEEP_ENV: str(CPU_WAIT_SLEEP_S)})
         program = ["python", "-m", "grpo_agent.sampler.vllm_entry", "serve"]
@@ -105,6 +121,8 @@ def serve_command(model: str, *, port: int, max_model_len: int, max_logprobs: in
             *training_flags(max_model_len, max_logprobs, "gloo" if cpu else "nccl")]
     if dtype:
         args += ["--dtype", dtype]
+    if lora:
+        args += lora_flags(*lora)
     return " ".join(f"{name}={value}" for name, value in env.items()) + " " + shlex.join(args)
 
 
@@ -202,11 +220,7 @@ class ManagedVLLMServer:
         if self.enforce_eager:  # no torch.compile: starts faster, tiny models run faster too
             args.append("--enforce-eager")
         if self.enable_lora:
-            args.append("--enable-lora")
-            if self.max_lora_rank is not None:
-                args += ["--max-lora-rank", str(self.max_lora_rank)]
-            if self.max_loras is not None:
-                args += ["--max-loras", str(self.max_loras)]
+            args += lora_flags(self.max_lora_rank, self.max_loras)
         return args + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -218,7 +232,7 @@ class ManagedVLLMServer:
             OWNER_PID_ENV: str(os.getpid()),  # vllm_entry stops the server when we are gone
         })
         if self.enable_lora:
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+            env.update(LORA_ENV)
         if WAIT_SLEEP_ENV not in env and not _cuda_available():  # a user's value wins
             env[WAIT_SLEEP_ENV] = str(CPU_WAIT_SLEEP_S)  # vllm_wait: no spinning on CPU
         env.update(self.extra_env)

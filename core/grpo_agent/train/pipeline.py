@@ -131,8 +131,10 @@ class RolloutPipelineMixin:
     def recovery(self) -> ServerRecovery:
         """Brings a dead server back: rank 0 restores it and checks it as `setup.check_server`
         did at start (`setup.server_needs`), every rank pushes again."""
+        needs = setup.server_needs(self.args, self.model,
+                                   lora_sync=getattr(self.pusher, "lora_name", None) is not None)
         return ServerRecovery(self.args.vllm_server_base_url, self.args.vllm_server_timeout,
-                              ranks=self.phases, needs=setup.server_needs(self.args, self.model))
+                              ranks=self.phases, needs=needs)
 
     def server_restores(self) -> int:
         """How many times this run restored its server: an evaluation reads the server's facts

@@ -370,12 +370,12 @@ def _server(
         yield vllm_url
         return
     from grpo_agent.sampler.server import ManagedVLLMServer, managed_max_model_len
-    from grpo_agent.weight_sync.adapter import server_lora_rank
+    from grpo_agent.weight_sync.adapter import needed_loras, server_lora_rank
 
     lora_flags = {}
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next
         lora_flags = {"enable_lora": True, "max_lora_rank": server_lora_rank(lora["r"]),
-                      "max_loras": config.max_staleness + 2}
+                      "max_loras": needed_loras(config.max_staleness)}
     split = _core_split()
     server = ManagedVLLMServer(
         model_path, dtype="float32",  # so trainer and sampler log-probs agree

@@ -92,9 +92,13 @@ def check_server(args: AsyncGRPOConfig, model: nn.Module) -> ServerFacts:
     return facts
 
 
-def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
-    """What this run needs of its server, for the start check and every restore's."""
+def server_needs(args: AsyncGRPOConfig, model: nn.Module, *,
+                 lora_sync: bool = True) -> ServerNeeds:
+    """What this run needs of its server, for the start check and every restore's.
+    `lora_sync=False`: the run pushes merged weights (its pusher chose so at start), so a
+    restart needs no LoRA flags; else a model adapter sync can serve needs them."""
     from grpo_agent.train.gated_deltanet import text_config
+    from grpo_agent.weight_sync.adapter import server_lora_needs
 
     param = next(model.parameters(), None)
     layer_types = getattr(text_config(model.config), "layer_types", None) or []
@@ -108,7 +112,8 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module) -> ServerNeeds:
         # the managed server's source of it (`sampler.server.managed_max_model_len`)
         model_context=getattr(model.config, "max_position_embeddings", None),
         trainer_dtype=None if param is None else str(param.dtype).removeprefix("torch."),
-        bf16_only_on_cpu="linear_attention" in layer_types)
+        bf16_only_on_cpu="linear_attention" in layer_types,
+        lora=server_lora_needs(model, args.max_staleness) if lora_sync else None)
 
 
 def token_budget(configured: int | None, max_model_len: int, current: int | None = None) -> int:

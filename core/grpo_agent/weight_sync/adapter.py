@@ -67,20 +67,33 @@ def server_lora_rank(rank: int) -> int:
     return next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
 
 
+def needed_loras(max_staleness: int) -> int:
+    """The --max-loras adapter sync needs: max_staleness + 1 live versions plus the next."""
+    return max_staleness + 2
+
+
+def server_lora_needs(model: nn.Module, max_staleness: int) -> tuple[int, int] | None:
+    """The --max-lora-rank and --max-loras of a server that syncs this model as adapters, or
+    None when it would get merged weights (no PEFT model, or one vLLM cannot serve)."""
+    if not is_peft_model(model) or unservable_reason(model) is not None:
+        return None
+    return server_lora_rank(adapter_rank(model)), needed_loras(max_staleness)
+
+
 def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *,
                       merged_fallback: bool = True) -> None:
     """Raise with the flags to restart the server with when it cannot hold this run's adapters.
     `merged_fallback`: also say that a server without --enable-lora gets merged weights (true
     at train start only: a run cannot switch modes once its rollouts sample adapters)."""
-    needed_loras = max_staleness + 2
+    needed = needed_loras(max_staleness)
     problems = []
     if rank > limits.max_lora_rank:
         problems.append(f"its --max-lora-rank is {limits.max_lora_rank} but the adapter's rank "
                         f"is {rank}")
-    if limits.max_loras < needed_loras:
+    if limits.max_loras < needed:
         problems.append(
             f"its --max-loras is {limits.max_loras} but max_staleness={max_staleness} needs at "
-            f"least max_staleness + 2 = {needed_loras} (the trainer keeps max_staleness + 1 "
+            f"least max_staleness + 2 = {needed} (the trainer keeps max_staleness + 1 "
             "versions registered and loads the next before unloading the oldest)")
     if not limits.runtime_updating:
         problems.append(f"it was started without {RUNTIME_UPDATING_ENV}=1, so adapters cannot "
@@ -93,7 +106,7 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *
         + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "
         f"{RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
         f"--max-lora-rank {max(server_rank, limits.max_lora_rank)} "
-        f"--max-loras {max(needed_loras, limits.max_loras)}."
+        f"--max-loras {max(needed, limits.max_loras)}."
         + (" (Or start it without --enable-lora: the trainer then pushes merged weights.)"
            if merged_fallback else "")
     )
