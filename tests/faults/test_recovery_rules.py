@@ -916,6 +916,34 @@ def test_an_evaluation_a_restarted_server_refuses_the_adapter_of_is_interrupted_
         server.server_close()
 
 
+def _one_turn_lora_engine(config):
+    """(worker, loop, engine, slot, executor) for one-turn rollouts of the run's adapter "run":
+    the loop's real request path (`generate_one_turn`, the group's adapter by name) behind an
+    unstarted worker's channels; the stand-in sends no log-probs, so no turn is kept to train."""
+    import concurrent.futures
+
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.prompts import PromptSlot
+    from grpo_agent.rollout.worker import RolloutWorker
+    from grpo_agent.types import Rollout
+
+    class OneTurnLoop(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            turn = await self.generate_one_turn([5, 6])
+            return Rollout(completion=[{"role": "assistant", "content": "x"}],
+                           completion_ids=turn.output_ids, turns=[])
+
+    worker = RolloutWorker(OneTurnLoop, config=config, model_name="tiny/Model", dataset=[],
+                           reward_funcs=[], processing_class=None, lora_name="run")
+    loop = OneTurnLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels,
+                       lora_name="run")
+    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0,
+                      row={"prompt": [{"role": "user", "content": "hi"}]})
+    return (worker, loop, RolloutEngine(loop, worker.channels), slot,
+            concurrent.futures.ThreadPoolExecutor(2))
+
+
 def test_a_training_rollout_whose_adapter_a_restarted_server_refuses_drops_its_group_as_lost(
         tmp_path, monkeypatch):
     """In training, a refusal of the worker's newest adapter stopped the worker (a 404 is no
@@ -926,18 +954,13 @@ def test_a_training_rollout_whose_adapter_a_restarted_server_refuses_drops_its_g
     run (the push unloaded the newest before it told the worker) finishes on the version the
     worker learns; any other stops the run naming the adapter."""
     import asyncio
-    import concurrent.futures
     import io
 
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.rollout import loop as loop_module
-    from grpo_agent.rollout.engine import RolloutEngine
-    from grpo_agent.rollout.loop import AsyncRolloutLoop
-    from grpo_agent.rollout.prompts import PromptSlot
-    from grpo_agent.rollout.worker import RolloutWorker
     from grpo_agent.sampler.client import SamplerClient
     from grpo_agent.sampler.errors import RequestRejectedError
-    from grpo_agent.types import PromptConsumed, Rollout
+    from grpo_agent.types import PromptConsumed
 
     requested = []
 
@@ -955,23 +978,7 @@ def test_a_training_rollout_whose_adapter_a_restarted_server_refuses_drops_its_g
                              num_generations=2, max_completion_length=64,
                              share_first_turn_request=False)  # one request per rollout
 
-    class OneTurnLoop(AsyncRolloutLoop):
-        """The loop's real request path (`generate_one_turn`, the group's adapter by name); the
-        stand-in sends no log-probs, so no turn is kept to train."""
-
-        async def generate_one(self, prompt, tools, group_id=0):
-            turn = await self.generate_one_turn([5, 6])
-            return Rollout(completion=[{"role": "assistant", "content": "x"}],
-                           completion_ids=turn.output_ids, turns=[])
-
-    worker = RolloutWorker(OneTurnLoop, config=config, model_name="tiny/Model", dataset=[],
-                           reward_funcs=[], processing_class=None, lora_name="run")  # not started
-    loop = OneTurnLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels,
-                       lora_name="run")
-    engine = RolloutEngine(loop, worker.channels)
-    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0,
-                      row={"prompt": [{"role": "user", "content": "hi"}]})
-    executor = concurrent.futures.ThreadPoolExecutor(2)
+    worker, loop, engine, slot, executor = _one_turn_lora_engine(config)
 
     async def run_group():
         """A group of version 3 as the dispatcher starts it."""
@@ -1159,16 +1166,10 @@ def test_a_training_rollout_whose_adapter_a_restored_server_serves_again_is_sent
     needless restore (one more restart counted). Now the request is sent again and the group
     goes on; an evaluation, pinned, still counts it as lost."""
     import asyncio
-    import concurrent.futures
     import io
 
     from grpo_agent import AsyncGRPOConfig
-    from grpo_agent.rollout.engine import RolloutEngine
-    from grpo_agent.rollout.loop import AsyncRolloutLoop
-    from grpo_agent.rollout.prompts import PromptSlot
-    from grpo_agent.rollout.worker import RolloutWorker
     from grpo_agent.sampler.client import SamplerClient
-    from grpo_agent.types import Rollout
 
     requested = []
 
@@ -1196,20 +1197,7 @@ def test_a_training_rollout_whose_adapter_a_restored_server_serves_again_is_sent
                              num_generations=2, max_completion_length=64,
                              share_first_turn_request=False)  # one request per rollout
 
-    class OneTurnLoop(AsyncRolloutLoop):
-        async def generate_one(self, prompt, tools, group_id=0):
-            turn = await self.generate_one_turn([5, 6])
-            return Rollout(completion=[{"role": "assistant", "content": "x"}],
-                           completion_ids=turn.output_ids, turns=[])
-
-    worker = RolloutWorker(OneTurnLoop, config=config, model_name="tiny/Model", dataset=[],
-                           reward_funcs=[], processing_class=None, lora_name="run")  # not started
-    loop = OneTurnLoop(config, "tiny/Model", [], [], None, [0], channels=worker.channels,
-                       lora_name="run")
-    engine = RolloutEngine(loop, worker.channels)
-    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0,
-                      row={"prompt": [{"role": "user", "content": "hi"}]})
-    executor = concurrent.futures.ThreadPoolExecutor(2)
+    worker, loop, engine, slot, executor = _one_turn_lora_engine(config)
 
     async def main():
         async with SamplerClient(url, timeout=5) as sampler:
