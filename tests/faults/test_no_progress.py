@@ -26,16 +26,16 @@ from fault_helpers import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 
-def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(vllm_server, tmp_path, caplog, monkeypatch,
+def test_a_run_whose_groups_are_all_dropped_says_why_then_stops(trained_server, tmp_path, caplog, monkeypatch,
                                                                  record_property):
     started_file = tmp_path / "fault_started"  # the reward's first call: the first group dropped
     monkeypatch.setenv(FAULT_STARTED_ENV, str(started_file))  # the spawned worker inherits it
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(64)])
     args = AsyncGRPOConfig(
-        output_dir=str(tmp_path), vllm_server_base_url=vllm_server.base_url, num_generations=2,
+        output_dir=str(tmp_path), vllm_server_base_url=trained_server.base_url, num_generations=2,
         max_completion_length=8, token_budget=256, max_steps=5, num_train_epochs=1000,
         save_strategy="no", report_to="none", use_cpu=True, no_progress_timeout=8)
-    trainer = AsyncGRPOTrainer(model=str(vllm_server.model_path), reward_funcs=constant_reward,
+    trainer = AsyncGRPOTrainer(model=str(trained_server.model_path), reward_funcs=constant_reward,
                                train_dataset=dataset, args=args)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING), pytest.raises(stall.StageStalled) as raised:
