@@ -648,11 +648,7 @@ def test_the_worker_reads_the_servers_facts_again_after_each_restore(tmp_path, c
             await asyncio.wait_for(engine._wait_for_room(), 5)
             assert loop.seeds is not None and next(loop.seeds) == first_seed + 1
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.shutdown()
-        server.server_close()
+    _run_then_stop(server, main)
 
 
 def test_an_evaluation_reads_a_restored_server_again_and_scores_none_across_a_restore(
@@ -718,11 +714,7 @@ def test_an_evaluation_reads_a_restored_server_again_and_scores_none_across_a_re
             assert (await session.evaluate(rows("a"), 3)).metrics["eval/pass@1"] == 1.0
             assert limits[-1] == 2048 and trainer.server_restores() == 2
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.shutdown()
-        server.server_close()
+    _run_then_stop(server, main)
 
 
 def test_an_agent_run_that_lost_the_server_interrupts_the_evaluation(tmp_path):
@@ -731,7 +723,6 @@ def test_an_agent_run_that_lost_the_server_interrupts_the_evaluation(tmp_path):
     returned. Now a run whose call lost the server (nothing answered, or /health does not
     answer either) interrupts the evaluation as a tool loop's request does; a call the server
     failed while it still answers stays the agent's failure."""
-    import asyncio
     import functools
 
     import openai
@@ -807,6 +798,13 @@ def test_an_agent_run_that_lost_the_server_interrupts_the_evaluation(tmp_path):
                 await session.evaluate(rows("fine", "dies"), 3)
             Routes.healthy = True  # back (by hand): read again, and scored
             assert (await session.evaluate(rows("fine"), 3)).metrics["eval/pass@1"] == 1.0
+
+    _run_then_stop(server, main)
+
+
+def _run_then_stop(server, main) -> None:
+    """Run the test's `main` coroutine against a stand-in server, then stop the server."""
+    import asyncio
 
     try:
         asyncio.run(main())
@@ -1031,7 +1029,6 @@ def test_a_failed_agent_run_other_weights_answered_is_not_scored_as_a_failure(tm
     agent then failed, was scored as a failure of the evaluated version (a wrong 0 in pass@1).
     Now its calls are kept (`Rollout.dropped_turns`, never trained) and checked: the evaluation
     is not scored. A failed run the evaluated weights answered still fails its row."""
-    import asyncio
     import functools
 
     from grpo_agent import AsyncGRPOConfig
@@ -1078,11 +1075,7 @@ def test_a_failed_agent_run_other_weights_answered_is_not_scored_as_a_failure(tm
             assert failed.rows[0].rewards == [None] and failed.metrics["eval/pass@1"] == 0.0
             assert failed.served_versions == {"3"}
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.shutdown()
-        server.server_close()
+    _run_then_stop(server, main)
 
 
 def test_a_training_agent_run_whose_adapter_the_server_refuses_is_handled_as_the_tool_loops(
