@@ -7,12 +7,16 @@ one part per depth, merged by log-sum-exp) and `masked` (one FlashAttention 4 ca
 as its mask_mod and block lists from the trie). Two timing-only variants of `masked` say what its
 mask work costs (their results are wrong where the tree rule differs, so their differences are
 large): `masked_causal` applies `j <= i` alone in the partial blocks (no per-key load of the
-rule), `masked_full` lists every visible block as full (no mask work at all). torch's flash
+rule), `masked_full` lists every visible block as full (no mask work at all), `masked_noaux`
+is `masked_causal` with no `aux_tensors` passed to FA4 (what handing it the rule's tensor costs
+the host). torch's flash
 ops run FlashAttention 4 when `--flash-impl FA4`, so the first two use the same kernels as the
 third. Per path: median ms of
 `--repeats` (CUDA events), TFLOP/s over the tree's visible pairs (x3.5 for forward+backward, as
 perf counts them), the plan's build time, and the largest output and gradient differences to the
-first path. Eager: the times include the host queueing each path's kernels.
+first path. Eager: the times include the host queueing each path's kernels; `host_ms` is the
+host's own time to queue one forward+backward with the GPU drained before (median), and
+`--host-profile N` prints the N functions holding most of it (cProfile, own time).
 
     PYTHONPATH=core:bench python bench/tree_paths.py --flash-impl FA4
     PYTHONPATH=core:bench python bench/tree_paths.py --heads 8:2:256   # Qwen3.5's attention
@@ -22,9 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import functools
+import io
 import json
+import pstats
+import statistics
 import time
 
 import torch
@@ -62,7 +70,7 @@ def fa4_backward_config(override: dict):
         interface._tile_size_bwd_sm90 = original
 
 
-TIMING_ONLY = ("masked_causal", "masked_full")
+TIMING_ONLY = ("masked_causal", "masked_full", "masked_noaux")
 
 
 @functools.cache
@@ -78,26 +86,60 @@ def _causal_mask_mod():
 
 @contextlib.contextmanager
 def timing_variant(path: str, tree):
-    """`masked_causal` / `masked_full` from a masked plan (see the module docstring)."""
+    """`masked_causal` / `masked_full` / `masked_noaux` from a masked plan (module docstring)."""
+    from flash_attn.cute import interface
     from grpo_agent.train import masked_attention as ma
 
     plan, original = tree.masked, ma.tree_mask_mod
+    calls = interface._flash_attn_fwd, interface._flash_attn_bwd
     if path == "masked_full":
         _, visible, _ = ma.block_pairs(plan.until, plan.key_block)
         none = visible & False
         plan.blocks = [*ma._lists(none), *ma._lists(visible), *ma._lists(none.T),
                        *ma._lists(visible.T)]
-    elif path == "masked_causal":
+    elif path in ("masked_causal", "masked_noaux"):
         ma.tree_mask_mod = _causal_mask_mod
+    if path == "masked_noaux":
+        interface._flash_attn_fwd, interface._flash_attn_bwd = (
+            functools.wraps(call)(functools.partial(_without_aux, call)) for call in calls)
     try:
         yield
     finally:
         ma.tree_mask_mod = original
+        interface._flash_attn_fwd, interface._flash_attn_bwd = calls
+
+
+def _without_aux(call, *args, **kwargs):
+    kwargs["aux_tensors"] = None
+    return call(*args, **kwargs)
+
+
+def host_ms(step, repeats: int, profile_lines: int = 0) -> float:
+    """Median host time to queue `step` with the GPU drained before; with `profile_lines`,
+    print the functions holding it (one cProfile of `repeats` calls, own time)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    if profile_lines:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(repeats):
+            step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile_lines)
+        print(text.getvalue(), flush=True)
+    return statistics.median(times)
 
 
 def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_len: int,
          completion_len: int, heads: tuple[int, int, int] = HEADS,
-         bwd_configs: list[dict] | None = None) -> list[dict]:
+         bwd_configs: list[dict] | None = None, profile_lines: int = 0) -> list[dict]:
     row = pack_row(make_samples(group_size, prompt_len, completion_len, budget, 1000, 0))
     n, (q_heads, kv_heads, dim) = row.num_tokens, heads
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -133,6 +175,7 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
                 out = step()
                 results = [out.float(), *(t.grad.float() for t in leaves)]
                 ms = timed_ms(step, repeats)
+                queue_ms = host_ms(step, repeats, profile_lines)
         except Exception as exc:  # noqa: BLE001 -- a config FA4 cannot build: say so, go on
             print(json.dumps({"path": path, "fa4_bwd_config": bwd_config,
                               "error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
@@ -140,6 +183,7 @@ def case(paths: list[str], group_size: int, budget: int, repeats: int, prompt_le
         line = {"case": f"G={group_size}/{budget}", "heads": "{}:{}:{}".format(*heads),
                 "tokens": n, "path": path,
                 "flash_impl": flash_impl.active(), "fwd_bwd_ms": round(ms, 3),
+                "host_ms": round(queue_ms, 3),
                 "tflops": round(3.5 * 4 * pairs * q_heads * dim / ms / 1e9, 1),
                 "plan_build_ms": round(build_ms, 2)}
         if bwd_config is not None:
@@ -169,13 +213,15 @@ def main() -> None:
     parser.add_argument("--fa4-bwd-configs", type=json.loads, default=None,
                         help="masked path once per entry: fields of FA4's Hopper BwdConfig to "
                         "replace, e.g. '[{}, {\"m_block_size\": 128, \"num_stages_Q\": 1}]'")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="print the N functions holding most host time, per path")
     args = parser.parse_args()
     flash_impl.use(args.flash_impl)
     lines = []
     for spec in args.cases.split(","):
         group_size, budget = (int(x) for x in spec.split(":"))
         lines += case(args.paths.split(","), group_size, budget, args.repeats, args.prompt_len,
-                      args.completion_len, args.heads, args.fa4_bwd_configs)
+                      args.completion_len, args.heads, args.fa4_bwd_configs, args.host_profile)
     print(json.dumps({"summary": [(r["case"], r["path"], r.get("fa4_bwd_config"), r["fwd_bwd_ms"])
                                   for r in lines]}))
 
