@@ -16,7 +16,8 @@ from grpo_agent.weight_sync.adapter import (
 
 # The parts of vLLM 0.32's `GET /server_info?config_format=json` that the trainer reads.
 LORA_SERVER_INFO = {
-    "vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 3, "max_cpu_loras": 3}},
+    "vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 3, "max_cpu_loras": 3},
+                    "device_config": {"device": "cuda"}},
     "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True},
 }
 
@@ -29,17 +30,31 @@ def test_server_limits_come_from_the_lora_config_and_none_without_enable_lora():
     assert not LoraServerLimits.from_server_info(not_updatable).runtime_updating
 
 
+def _lora_command(rank: int, max_staleness: int) -> str:
+    """The whole command adapter sync advises for an adapter of `rank` (`serve_command_for`)."""
+    from grpo_agent.sampler.server_facts import ServerNeeds, serve_command_for
+    from grpo_agent.weight_sync.adapter import needed_loras, server_lora_rank
+
+    return serve_command_for(ServerNeeds(
+        model="org/tiny", max_completion_length=256, num_sampler_logprobs=8, logprobs_per_token=9,
+        lora=(server_lora_rank(rank), needed_loras(max_staleness))), 8000, cpu=False)
+
+
 def test_limits_that_fit_pass_and_too_small_ones_name_the_restart_flags():
-    check_lora_limits(LoraServerLimits(8, 3, True), rank=4, max_staleness=1)
+    check_lora_limits(LoraServerLimits(8, 3, True), rank=4, max_staleness=1,
+                      command=_lora_command(4, 1))
+    command = _lora_command(12, 4)
     with pytest.raises(ValueError) as error:
-        check_lora_limits(LoraServerLimits(8, 3, True), rank=12, max_staleness=4)
+        check_lora_limits(LoraServerLimits(8, 3, True), rank=12, max_staleness=4, command=command)
     message = str(error.value)
     assert "--max-lora-rank is 8 but the adapter's rank is 12" in message
     assert "max_staleness + 2 = 6" in message
+    assert f"Restart it with the run's LoRA flags: `{command}`." in message
     # 16 is the smallest rank vLLM accepts that holds 12
-    assert "--enable-lora --max-lora-rank 16 --max-loras 6" in message
+    assert "--enable-lora --max-lora-rank 16 --max-loras 6" in command
     with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
-        check_lora_limits(LoraServerLimits(8, 3, False), rank=8, max_staleness=1)
+        check_lora_limits(LoraServerLimits(8, 3, False), rank=8, max_staleness=1,
+                          command=_lora_command(8, 1))
 
 
 def test_adapter_names_use_the_base_model_for_version_zero_and_without_a_prefix():
@@ -191,12 +206,12 @@ class _RecordingControl:
 
 def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_sync_late(
         tiny_path, tmp_path, monkeypatch):
-    from types import SimpleNamespace
+    from grpo_agent.config import AsyncGRPOConfig
 
     control = _RecordingControl(served=["run-v7", "run2-v1", "other-v1", "run-probe", "base"])
     monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
-    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
-                           vllm_server_base_url="http://server", vllm_server_timeout=5)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), max_staleness=1, use_cpu=True,
+                           vllm_server_base_url="http://server:8132")
     model = _peft(tiny_path, r=4, target_modules=["q_proj"])
     pusher = AdapterPusher(args, model, base_is_stale=False)
     # An earlier run's adapters of this output_dir are unloaded, others' left; the probe
@@ -236,12 +251,12 @@ def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_
 def _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch):
     """An AdapterPusher of a q_proj LoRA whose server calls `_RecordingControl` records:
     (control, model, pusher, the versions it announced as served)."""
-    from types import SimpleNamespace
+    from grpo_agent.config import AsyncGRPOConfig
 
     control = _RecordingControl()
     monkeypatch.setattr(AdapterPusher, "_control", lambda self: control)
-    args = SimpleNamespace(output_dir=str(tmp_path / "run"), max_staleness=1,
-                           vllm_server_base_url="http://server", vllm_server_timeout=5)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), max_staleness=1, use_cpu=True,
+                           vllm_server_base_url="http://server:8132")
     model = _peft(tiny_path, r=4, target_modules=["q_proj"])
     pusher = AdapterPusher(args, model, base_is_stale=False)
     served = []
@@ -264,20 +279,22 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
 
 
 @pytest.mark.parametrize(("info", "refusal"), [
-    ({"vllm_config": {"lora_config": None}, "vllm_env": {}},
+    ({"vllm_config": {"lora_config": None, "device_config": {"device": "cuda"}}, "vllm_env": {}},
      (r"came back without --enable-lora, but this run pushes LoRA adapters and its rollouts "
       r"sample them by name: it cannot switch to merged weights mid-run\. Restart the server "
-      r"with the run's LoRA flags")),
+      r"with the run's LoRA flags \(its whole command: `[^`]+`\) and resume from the last "
+      r"checkpoint\.$")),
     ({**LORA_SERVER_INFO, "vllm_env": {}},
      (r"came back with other LoRA flags\. .*started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.*"
-      r"--max-loras 3\. Then resume from the last checkpoint\.$")),
+      r"Restart it with the run's LoRA flags: `[^`]+`\. Then resume from the last checkpoint\.$")),
 ])
 def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_how_to_restart_it(
         tiny_path, tmp_path, monkeypatch, info, refusal):
     """The rollouts sample adapters by name, so a server that came back unable to load them
-    cannot take merged weights instead: the restore's push stops the run with the flags to
-    restart it with (before, vLLM's bare 404 on /v1/load_lora_adapter, read as a missing
-    VLLM_SERVER_DEV_MODE). Nothing is loaded or announced; the same server passes once fixed."""
+    cannot take merged weights instead: the restore's push stops the run with the run's whole
+    server command (before, vLLM's bare 404 on /v1/load_lora_adapter, read as a missing
+    VLLM_SERVER_DEV_MODE; then only the LoRA flags, and a server restarted with those alone
+    lacked the others). Nothing is loaded or announced; the same server passes once fixed."""
 
     from grpo_agent.sampler.errors import WeightSyncError
 
@@ -285,13 +302,64 @@ def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_ho
     pusher.push(model, 1)
     pusher.reopen()  # the server was restarted by hand
     control.info, control.calls = info, []
-    with pytest.raises(WeightSyncError, match=r"^The vLLM server at http://server " + refusal):
+    url = "http://server:8132"
+    with pytest.raises(WeightSyncError, match=f"^The vLLM server at {url} " + refusal) as refused:
         pusher.push(model, 2)
+    program, advised = _advised(str(refused.value), pusher.args, model, "cuda")
+    assert program == ["vllm"] and advised.port == 8132  # where the run's server is, on its GPU
+    assert (advised.max_lora_rank, advised.max_loras) == (8, 3)  # r=4; max_staleness 1 + 2
     assert served == [1] and control.calls == []
     control.info = LORA_SERVER_INFO  # restarted again, with the flags
     pusher.push(model, 3)
     assert served == [1, 3] and control.calls == [("load", "run-v3")]
     pusher.close()
+
+
+def _advised(message: str, args, model, device: str):
+    """The one command `message` names (in backticks), parsed by vLLM's own parser and checked
+    whole: a server it starts on `device` passes the training checks and adapter sync's.
+    Returns its program words and vLLM's parse of its arguments."""
+    import dataclasses
+    import re
+
+    from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, check_training_server
+    from grpo_agent.train.setup import server_needs
+
+    from tests.sampler.test_server import _facts_of, _parse_served
+
+    [command] = re.findall(r"`([^`]+)`", message)
+    env, program, served = _parse_served(command)
+    facts = dataclasses.replace(_facts_of(env, served), device=device)
+    check_training_server(facts, args.vllm_server_base_url, server_needs(args, model))
+    limits = LoraServerLimits(served.max_lora_rank, served.max_loras,
+                              env.get(RUNTIME_UPDATING_ENV) == "1")
+    check_lora_limits(limits, adapter_rank(model), args.max_staleness, command=command)
+    return program, served
+
+
+def test_a_lora_refusal_at_start_names_the_whole_command_of_a_server_it_accepts(
+        tiny_path, tmp_path, monkeypatch):
+    """Limits too small for the run's adapters are refused with the run's whole server command
+    (the start check's), on the device the server runs on: it named only the LoRA flags
+    (`vllm serve <model> <your other flags> --enable-lora ...`), and a server started so
+    lacked the dev mode and log-probs flags the next check refused it for."""
+    from grpo_agent.config import AsyncGRPOConfig
+    from grpo_agent.sampler.server_facts import ServerFacts
+    from grpo_agent.weight_sync.adapter import use_adapter_sync
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU trainer box
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=3,
+                           vllm_server_base_url="http://127.0.0.1:8133")
+    model = _peft(tiny_path, r=12, target_modules=["q_proj"])
+    facts = ServerFacts(model_id=str(tiny_path), max_model_len=2048, device="cuda",
+                        lora=LoraServerLimits(max_lora_rank=8, max_loras=3, runtime_updating=True))
+    with pytest.raises(ValueError, match=r"its --max-lora-rank is 8 but the adapter's rank is 12"
+                                         r".* \(Or start it without --enable-lora") as refused:
+        use_adapter_sync(model, facts, args)
+    program, served = _advised(str(refused.value), args, model, "cuda")
+    assert program == ["vllm"] and served.port == 8133  # the GPU server's, not this box's
+    assert served.model_tag == str(tiny_path)
+    assert (served.max_lora_rank, served.max_loras) == (16, 5)  # vLLM's ranks; 3 + 2 versions
 
 
 def test_a_lora_run_on_a_server_without_enable_lora_says_it_pushes_merged_weights(
@@ -301,18 +369,21 @@ def test_a_lora_run_on_a_server_without_enable_lora_says_it_pushes_merged_weight
     import logging
 
     from grpo_agent.config import AsyncGRPOConfig
+    from grpo_agent.sampler.server_facts import ServerFacts
     from grpo_agent.weight_sync.adapter import use_adapter_sync
     from transformers import AutoModelForCausalLM
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     model = _peft(tiny_path, r=4, target_modules=["q_proj"])
     with caplog.at_level(logging.WARNING, logger="grpo_agent.weight_sync.adapter"):
-        assert not use_adapter_sync(model, None, args)
+        assert not use_adapter_sync(model, ServerFacts("m", 64), args)
         assert caplog.text.count("runs without --enable-lora: each weight sync pushes the LoRA "
                                  "adapter merged into every weight") == 1
         caplog.clear()
-        assert not use_adapter_sync(AutoModelForCausalLM.from_pretrained(tiny_path), None, args)
-        assert use_adapter_sync(model, LoraServerLimits(8, 6, True), args)
+        assert not use_adapter_sync(AutoModelForCausalLM.from_pretrained(tiny_path),
+                                    ServerFacts("m", 64), args)
+        lora_server = ServerFacts("m", 64, lora=LoraServerLimits(8, 6, True))
+        assert use_adapter_sync(model, lora_server, args)
     assert "--enable-lora" not in caplog.text  # no LoRA to sync, or adapter sync: nothing to say
 
 
@@ -333,13 +404,14 @@ def test_the_advised_server_command_of_a_lora_run_has_the_lora_flags(tiny_path, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=3)
     model = _peft(tiny_path, r=12, target_modules=["q_proj"])
-    words = shlex.split(serve_command_for(server_needs(args, model), 8125))
+    command = serve_command_for(server_needs(args, model), 8125)
+    words = shlex.split(command)
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in words and "--enable-lora" in words
     limits = LoraServerLimits(max_lora_rank=int(words[words.index("--max-lora-rank") + 1]),
                               max_loras=int(words[words.index("--max-loras") + 1]),
                               runtime_updating=True)
     assert (limits.max_lora_rank, limits.max_loras) == (16, 5)  # vLLM's ranks; 3 + 2 versions
-    check_lora_limits(limits, 12, args.max_staleness)
+    check_lora_limits(limits, 12, args.max_staleness, command=command)
     for merged in (server_needs(args, model, lora_sync=False),
                    server_needs(args, AutoModelForCausalLM.from_pretrained(tiny_path))):
         assert "lora" not in serve_command_for(merged, 8125).lower()

@@ -29,7 +29,13 @@ from torch import nn
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.sampler.client import adapter_name
 from grpo_agent.sampler.errors import SamplerError, WeightSyncError
-from grpo_agent.sampler.server_facts import RUNTIME_UPDATING_ENV, LoraServerLimits
+from grpo_agent.sampler.server_facts import (
+    RUNTIME_UPDATING_ENV,
+    LoraServerLimits,
+    ServerFacts,
+    serve_command_at,
+    server_device,
+)
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import has_trained_adapter, is_peft_model, lora_adapter_weights
 from grpo_agent.weight_sync.full import WeightPusher, served_nowhere
@@ -80,11 +86,12 @@ def server_lora_needs(model: nn.Module, max_staleness: int) -> tuple[int, int] |
     return server_lora_rank(adapter_rank(model)), needed_loras(max_staleness)
 
 
-def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *,
+def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *, command: str,
                       merged_fallback: bool = True) -> None:
-    """Raise with the flags to restart the server with when it cannot hold this run's adapters.
-    `merged_fallback`: also say that a server without --enable-lora gets merged weights (true
-    at train start only: a run cannot switch modes once its rollouts sample adapters)."""
+    """Raise, naming `command` (the run's whole server command: `lora_run_command`), when the
+    server cannot hold this run's adapters. `merged_fallback`: also say that a server without
+    --enable-lora gets merged weights (true at train start only: a run cannot switch modes
+    once its rollouts sample adapters)."""
     needed = needed_loras(max_staleness)
     problems = []
     if rank > limits.max_lora_rank:
@@ -100,26 +107,30 @@ def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *
                         "be loaded while it runs")
     if not problems:
         return
-    server_rank = server_lora_rank(rank)
     raise ValueError(
         "The vLLM server runs with --enable-lora but cannot serve this run's LoRA adapters: "
-        + "; ".join(problems) + ". Restart it with: VLLM_SERVER_DEV_MODE=1 "
-        f"{RUNTIME_UPDATING_ENV}=1 vllm serve <model> <your other flags> --enable-lora "
-        f"--max-lora-rank {max(server_rank, limits.max_lora_rank)} "
-        f"--max-loras {max(needed, limits.max_loras)}."
+        + "; ".join(problems) + f". Restart it with the run's LoRA flags: `{command}`."
         + (" (Or start it without --enable-lora: the trainer then pushes merged weights.)"
            if merged_fallback else "")
     )
 
 
-def use_adapter_sync(model: nn.Module, lora_limits: LoraServerLimits | None,
-                     args: AsyncGRPOConfig) -> bool:
+def lora_run_command(args: AsyncGRPOConfig, model: nn.Module, device: str | None) -> str:
+    """The whole command of a server this run's adapter sync accepts, where the run's server
+    is and on its `device` (`server_facts.serve_command_at`, as the start check advises):
+    the LoRA refusals named only some flags, and the server they started was refused again."""
+    from grpo_agent.train.setup import server_needs
+
+    return serve_command_at(args.vllm_server_base_url, server_needs(args, model), device)
+
+
+def use_adapter_sync(model: nn.Module, facts: ServerFacts, args: AsyncGRPOConfig) -> bool:
     """Adapter sync for a PEFT model on a LoRA server; merged sync otherwise (the fallback),
     said once at start: a `--lora-rank` run on a `--vllm-url` server without --enable-lora
     pushed every weight each sync, and nothing in its output said so."""
     if not is_peft_model(model):
         return False
-    if lora_limits is None:
+    if facts.lora is None:
         logger.warning("The vLLM server runs without --enable-lora: each weight sync pushes the "
                        "LoRA adapter merged into every weight, not the adapter alone. For adapter "
                        "sync restart it with --enable-lora (docs/vllm.md, 'LoRA adapter sync').")
@@ -129,7 +140,8 @@ def use_adapter_sync(model: nn.Module, lora_limits: LoraServerLimits | None,
         logger.warning("The server runs with --enable-lora, but %s: pushing merged weights "
                        "instead.", reason)
         return False
-    check_lora_limits(lora_limits, adapter_rank(model), args.max_staleness)
+    check_lora_limits(facts.lora, adapter_rank(model), args.max_staleness,
+                      command=lora_run_command(args, model, facts.device))
     return True
 
 
@@ -221,17 +233,18 @@ class AdapterPusher:
         be refused. So the run stops here, saying how to restart it, instead of at vLLM's 404."""
         url = self.args.vllm_server_base_url
         with self._control() as control:
-            limits = LoraServerLimits.from_server_info(control.server_info())
+            info = control.server_info()
+        limits = LoraServerLimits.from_server_info(info)
+        command = lora_run_command(self.args, model, server_device(info))
         if limits is None:
             raise WeightSyncError(
                 f"The vLLM server at {url} came back without --enable-lora, but this run pushes "
                 "LoRA adapters and its rollouts sample them by name: it cannot switch to merged "
-                "weights mid-run. Restart the server with the run's LoRA flags "
-                f"({RUNTIME_UPDATING_ENV}=1, --enable-lora, --max-lora-rank, --max-loras as "
-                "before) and resume from the last checkpoint.")
+                "weights mid-run. Restart the server with the run's LoRA flags (its whole "
+                f"command: `{command}`) and resume from the last checkpoint.")
         try:
             check_lora_limits(limits, adapter_rank(model), self.args.max_staleness,
-                              merged_fallback=False)
+                              command=command, merged_fallback=False)
         except ValueError as error:  # a WeightSyncError, so every rank hears of it (recovery)
             raise WeightSyncError(f"The vLLM server at {url} came back with other LoRA flags. "
                                   f"{error} Then resume from the last checkpoint.") from error

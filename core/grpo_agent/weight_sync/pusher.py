@@ -41,7 +41,7 @@ class Pusher(Protocol):
 def build_weight_pusher(args: AsyncGRPOConfig, model: nn.Module, facts: ServerFacts) -> Pusher:
     """An `AdapterPusher` when the server can serve this model's LoRA adapter, else merged;
     raises when a LoRA server's limits are too small."""
-    if use_adapter_sync(model, facts.lora, args):
+    if use_adapter_sync(model, facts, args):
         return AdapterPusher(args, model, base_is_stale=facts.holds_pushed_weights,
                              backend=facts.weight_transfer_backend)
     # Under a max_staleness=0 hold nothing samples until the push lands: nothing to overlap.
