@@ -24,8 +24,9 @@ def tiny_tokenizer():
 class ScriptedLoop:
     """The seam `run_tool_loop` talks to, with `generate_one_turn` replaying queued texts.
 
-    The texts are tokenized with the real tokenizer, so rendering, parsing and tool execution
-    are the real code; only the sampler is scripted.
+    The texts are tokenized with the real tokenizer (or `encode`, for ids the model may sample
+    but the tokenizer never writes), so rendering, parsing and tool execution are the real code;
+    only the sampler is scripted.
     """
 
     def __init__(self, tokenizer, texts: list[str], **config):
@@ -36,11 +37,23 @@ class ScriptedLoop:
         self.tool_executor = ThreadPoolExecutor(4)
         self._texts = list(texts)
         self.prompts: list[list[int]] = []
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         self.prompts.append(prompt_ids)
-        output = self.tokenizer.encode(self._texts.pop(0) + self.tokenizer.eos_token, add_special_tokens=False)
+        output = self.encode(self._texts.pop(0)) + [self.tokenizer.eos_token_id]
         return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+
+
+@pytest.fixture(scope="session")
+def one_token_per_character(tiny_tokenizer):
+    """`text` as ids a model may sample but the tokenizer never writes (it merges characters)."""
+    def encode(text: str) -> list[int]:
+        ids = [i for character in text for i in tiny_tokenizer.encode(character, add_special_tokens=False)]
+        assert ids != tiny_tokenizer.encode(text, add_special_tokens=False), text  # not its own split
+        return ids
+
+    return encode
 
 
 @pytest.fixture

@@ -128,3 +128,50 @@ def test_non_text_parts_are_skipped_and_unreadable_arguments_kept_verbatim():
     assert messages[0] == {"role": "user", "content": "go"}
     assert messages[1]["tool_calls"] == [{"type": "function",
                                          "function": {"name": "f", "arguments": "{not json"}}]
+
+
+def test_a_reply_sent_back_unchanged_keeps_its_sampled_ids_and_an_edited_one_forks(tiny_tokenizer,
+                                                                                   one_token_per_character):
+    """The model sampled its replies as ids the tokenizer does not encode their text to. The
+    agent sends each reply back as it got it: the next prompt keeps the sampled ids, so the
+    conversation stays one sample training the tokens as sampled. A reply the agent edited
+    is encoded from its text (the replies before it keep their ids): a fork."""
+    from grpo_agent.rollout.agent import ConversationRenderer
+    from grpo_agent.rollout.reconcile import reconcile_turns
+
+    eos = tiny_tokenizer.eos_token_id
+    outputs = [one_token_per_character(text) + [eos]
+               for text in (CALL, "Counted to 3.", "Again.", "Edited.")]
+
+    async def generate(prompt_ids, max_tokens):
+        output = outputs.pop(0)
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+
+    loop = SimpleNamespace(tokenizer=tiny_tokenizer, tool_executor=None, generate_one_turn=generate,
+                           server=SimpleNamespace(max_model_len=4096),
+                           config=SimpleNamespace(chat_template_kwargs={"enable_thinking": False}))
+    gateway, session = Gateway(loop, HarnessLimits()), AgentSession(version=0)
+
+    def call(messages):
+        return asyncio.run(gateway._sample(session, messages, TOOLS, None, 64))[0]
+
+    history = [*USER, call(USER)]
+    history += [{"role": "tool", "tool_call_id": history[-1]["tool_calls"][0]["id"], "content": "3"}]
+    history += [call(history), {"role": "user", "content": "And again?"}]
+    assert history[3]["content"] == "Counted to 3."
+    call(history)
+    edited = [*history[:3], {"role": "assistant", "content": "Counted to 4."}, history[4]]
+    call(edited)
+
+    first, second, third, fork = session.turns
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    renderer = ConversationRenderer(tiny_tokenizer, TOOLS, {"enable_thinking": False}, rerenders=True)
+    assert tiny_tokenizer.decode(third.prompt_ids) == renderer.prompt_text(template_messages(history))
+    sequences, stats = reconcile_turns([first, second, third])
+    assert (len(sequences), stats.num_forks, stats.drift_tokens) == (1, 0, [0, 0]), stats
+    trained = [t for t, m in zip(sequences[0].token_ids, sequences[0].trained_mask) if m]
+    assert trained == first.output_ids + second.output_ids + third.output_ids  # as sampled
+    kept = first.prompt_ids + first.output_ids  # the reply the agent did not edit keeps its ids
+    rest = renderer.prompt_text(template_messages(edited))[len(tiny_tokenizer.decode(kept)):]
+    assert "Counted to 4." in rest and fork.prompt_ids == kept + tiny_tokenizer.encode(rest, add_special_tokens=False)
+    assert reconcile_turns(session.turns)[1].num_forks == 1

@@ -111,13 +111,13 @@ def test_a_multi_turn_chat_without_tools_is_one_sample(warm_server, tmp_path):
     user query, so each follow-up message rewrote the tokens the model had sampled (a fork per
     turn); the training template keeps them, tools or not.
 
-    Replies are capped at 4 tokens: past them the tool-warmed model, off its tools prompt,
-    writes `increment`+`e` where the tokenizer encodes "incremente" as `incre`+`me`+`n`+`te`,
-    and text sent back re-encodes canonically (a fork no template can prevent)."""
+    Off its tools prompt the tool-warmed model writes `increment`+`e` where the tokenizer
+    encodes "incremente" as `incre`+`me`+`n`+`te`: each reply the agent sends back keeps the
+    ids it was sampled as (re-encoded, it forked every turn)."""
     async def main():  # nearly greedy, as above: a fork can only come from the rendering
         async with started_loop(warm_server, tmp_path, harness_agents.chat_agent,
                                 config={"temperature": 0.1}) as loop:
-            rows = [{"turns": 3, "max_tokens": 4}] * 3
+            rows = [{"turns": 3, "max_tokens": 32}] * 3
             results = await asyncio.gather(*(loop.run_agent_rollout(row) for row in rows))
             return loop, results
 
@@ -129,6 +129,8 @@ def test_a_multi_turn_chat_without_tools_is_one_sample(warm_server, tmp_path):
         assert (len(sequences), stats.num_forks, stats.drift_tokens) == (1, 0, [0, 0]), stats
         trained = [t for t, m in zip(sequences[0].token_ids, sequences[0].trained_mask) if m]
         assert trained == rollout.completion_ids
+        assert any(t.output_ids != loop.tokenizer.encode(loop.tokenizer.decode(t.output_ids), add_special_tokens=False)
+                   for t in rollout.turns), "no reply sampled off the tokenizer's own split: nothing checked"
 
 
 def test_edited_history_forks_streaming_and_sync_clients(warm_server, tmp_path):

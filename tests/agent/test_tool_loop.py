@@ -165,6 +165,23 @@ def test_patched_template_keeps_the_conversation_one_training_sequence(scripted_
     assert sequences[0].num_trained == len(rollout.completion_ids)
 
 
+def test_replies_keep_the_ids_they_were_sampled_as(scripted_loop, one_token_per_character):
+    """The model sampled its turns as ids the tokenizer does not encode their text to (one token
+    per character): each next prompt keeps them, so the rollout is one sample that trains the
+    tokens as sampled."""
+    loop = scripted_loop(["<think>\nUse the tool.\n</think>\n\n" + call("multiply", a=3, b=4),
+                          "<think>\n\n</think>\n\nIt is 12."])
+    loop.encode = one_token_per_character
+    rollout = run(loop)
+    first, second = rollout.turns
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert "<tool_response>\n12\n</tool_response>" in loop.tokenizer.decode(second.prompt_ids)
+    sequences, stats = reconcile_turns(rollout.turns)
+    assert (len(sequences), stats.num_forks) == (1, 0), stats
+    trained = [t for t, m in zip(sequences[0].token_ids, sequences[0].trained_mask) if m]
+    assert trained == rollout.completion_ids == first.output_ids + second.output_ids
+
+
 RELEASE = threading.Event()  # set when a timeout test ends, so no sleeping tool outlives it
 
 

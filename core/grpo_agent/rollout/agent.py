@@ -35,6 +35,7 @@ from typing import Any
 
 from grpo_agent.rollout.chat_template import training_template_for
 from grpo_agent.rollout.concurrency import RolloutThreadPool
+from grpo_agent.rollout.sampled_turns import SampledTurns
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn, ToolCall, parser_for_template
 from grpo_agent.types import Rollout, TurnRecord
 
@@ -193,6 +194,13 @@ class ConversationRenderer:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.prompt_text(messages), add_special_tokens=False)
 
+    def prompt(self, messages: list[dict], sampled: SampledTurns,
+               encode: Callable[[str], list[int]] | None = None) -> tuple[str, list[int]]:
+        """The prompt's text and ids, the replies sent back unchanged as they were sampled."""
+        text = self.prompt_text(messages)
+        return text, sampled.prompt_ids(text, encode or functools.partial(
+            self.tokenizer.encode, add_special_tokens=False))
+
     def prompt_text(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, chat_template=self.template, tokenize=False,
@@ -263,13 +271,15 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
     stats = _ToolStats()
     context_limit = await _context_limit(loop)
     rounds, exhausted, context_full = 0, False, False
+    sampled = SampledTurns()
     while True:
-        prompt_ids = await aio.run_in_executor(executor, renderer.prompt_ids, messages)
+        prompt_text, prompt_ids = await aio.run_in_executor(executor, renderer.prompt, messages, sampled)
         if turns and not fits_context(len(prompt_ids), turn_tokens, context_limit):
             context_full = True  # end cleanly after the last tool results (not a server error)
             break
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
+        sampled.record(prompt_text, turn, loop.tokenizer)
         text = _strip_stop_tokens(loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False), loop.tokenizer)
         parsed = renderer.parser.parse(text) if tools else ParsedTurn(text.rstrip())
         assistant = _assistant_message(text, parsed)

@@ -10,9 +10,10 @@ without: every call re-renders the agent's history), samples token-in/token-out 
 `generate_one_turn` (the config's sampling settings, the rollout's model version or adapter)
 and records the exact prompt ids, generated ids, log-probs and top-k as a `TurnRecord`. The
 text the agent gets back is only a view of those tokens; whatever history it sends next is
-re-rendered, and fork reconciliation decides whether it extends the sample or starts a new
-one. The request's temperature/top_p are never used: the `x-grpo-agent-sampling` response
-header says so. Streaming sends the finished turn as server-sent-event chunks.
+re-rendered (a reply sent back unchanged keeps the ids it was sampled as: `sampled_turns`), and
+fork reconciliation decides whether it extends the sample or starts a new one. The request's
+temperature/top_p are never used: the `x-grpo-agent-sampling` response header says so.
+Streaming sends the finished turn as server-sent-event chunks.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from grpo_agent.rollout import responses_api
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
 from grpo_agent.rollout.gateway_errors import GatewayError, check_tool_name
 from grpo_agent.rollout.gateway_render import PromptEncoder
+from grpo_agent.rollout.sampled_turns import SampledTurns
 from grpo_agent.rollout.tool_calls import MalformedCall, ParsedTurn
 from grpo_agent.sampler.errors import SamplerError
 from grpo_agent.types import TurnRecord
@@ -62,6 +64,7 @@ class AgentSession:
     key: str = field(default_factory=lambda: "grpo-" + secrets.token_urlsafe(24))
     started: float = field(default_factory=time.monotonic)
     turns: list[TurnRecord] = field(default_factory=list)
+    sampled: SampledTurns = field(default_factory=SampledTurns)  # the turns, by their text
     first_messages: list[dict] | None = None
     last_messages: list[dict] = field(default_factory=list)
     generated_tokens: int = 0
@@ -311,8 +314,8 @@ class Gateway:
         the recorded turn. `stops`: the request's stop strings (`cut_at_stop`)."""
         messages = template_messages(raw_messages)
         try:  # one hop off the event loop (each hop costs a thread handoff under the GIL)
-            renderer, prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                self.loop.tool_executor, self._render, tools, messages)
+            renderer, prompt_text, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self.loop.tool_executor, self._render, session, tools, messages)
         except Exception as error:  # the template refused these messages
             raise GatewayError(400, f"The chat template could not render these messages: "
                                f"{type(error).__name__}: {error}", param="messages") from error
@@ -333,6 +336,7 @@ class Gateway:
         generated = len(turn.output_ids)  # tokens cut off after a stop string were generated too
         turn, text = cut_at_stop(turn, tokenizer, stops)
         self._record(session, messages, turn, generated)
+        session.sampled.record(prompt_text, turn, tokenizer)
         parse = tools is not None and tool_choice != "none"
         parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
         malformed = sum(isinstance(call, MalformedCall) for call in parsed.calls)
@@ -350,10 +354,11 @@ class Gateway:
         session.last_messages = [*raw_messages, message]
         return message, finish, (len(prompt_ids), len(turn.output_ids)), turn
 
-    def _render(self, tools: list | None, messages: list[dict]) -> tuple[ConversationRenderer, list[int]]:
+    def _render(self, session: AgentSession, tools: list | None,
+                messages: list[dict]) -> tuple[ConversationRenderer, str, list[int]]:
         renderer = ConversationRenderer(self.loop.tokenizer, tools, _template_kwargs(self.loop.config),
                                         rerenders=True)
-        return renderer, self.encoder.encode(renderer.prompt_text(messages))
+        return renderer, *renderer.prompt(messages, session.sampled, self.encoder.encode)
 
     def _check_budget(self, session: AgentSession) -> None:
         limits = self.limits
