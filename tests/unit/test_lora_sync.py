@@ -9,10 +9,9 @@ from grpo_agent.weight_sync.adapter import (
     AdapterPusher,
     LoraServerLimits,
     adapter_prefix,
-    adapter_rank,
     check_lora_limits,
-    unservable_reason,
 )
+from grpo_agent.weight_sync.lora_needs import adapter_rank, unservable_reason
 
 # The parts of vLLM 0.32's `GET /server_info?config_format=json` that the trainer reads.
 LORA_SERVER_INFO = {
@@ -33,7 +32,7 @@ def test_server_limits_come_from_the_lora_config_and_none_without_enable_lora():
 def _lora_command(rank: int, max_staleness: int) -> str:
     """The whole command adapter sync advises for an adapter of `rank` (`serve_command_for`)."""
     from grpo_agent.sampler.server_facts import ServerNeeds, serve_command_for
-    from grpo_agent.weight_sync.adapter import needed_loras, server_lora_rank
+    from grpo_agent.weight_sync.lora_needs import needed_loras, server_lora_rank
 
     return serve_command_for(ServerNeeds(
         model="org/tiny", max_completion_length=256, num_sampler_logprobs=8, logprobs_per_token=9,

@@ -69,7 +69,7 @@ def test_starting_a_server_says_so_with_its_log_before_the_wait(tmp_path, server
 
 
 def test_a_lora_run_starts_its_server_with_room_for_every_live_adapter(tmp_path, servers):
-    from grpo_agent.weight_sync.adapter import server_lora_rank
+    from grpo_agent.weight_sync.lora_needs import server_lora_rank
 
     config = AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=3)
     with run._server(str(tmp_path), None, {"r": 8}, config) as url:

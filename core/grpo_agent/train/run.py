@@ -370,7 +370,7 @@ def _server(
         yield vllm_url
         return
     from grpo_agent.sampler.server import ManagedVLLMServer, managed_max_model_len
-    from grpo_agent.weight_sync.adapter import needed_loras, server_lora_rank
+    from grpo_agent.weight_sync.lora_needs import needed_loras, server_lora_rank
 
     lora_flags = {}
     if lora:  # room for the adapter's rank and max_staleness + 1 live versions plus the next

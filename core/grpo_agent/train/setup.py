@@ -98,7 +98,7 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module, *,
     `lora_sync=False`: the run pushes merged weights (its pusher chose so at start), so a
     restart needs no LoRA flags; else a model adapter sync can serve needs them."""
     from grpo_agent.train.gated_deltanet import text_config
-    from grpo_agent.weight_sync.adapter import server_lora_needs
+    from grpo_agent.weight_sync.lora_needs import server_lora_needs
 
     param = next(model.parameters(), None)
     layer_types = getattr(text_config(model.config), "layer_types", None) or []

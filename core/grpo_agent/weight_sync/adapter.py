@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,53 +38,17 @@ from grpo_agent.sampler.server_facts import (
 from grpo_agent.train import fsdp
 from grpo_agent.train.weights import has_trained_adapter, is_peft_model, lora_adapter_weights
 from grpo_agent.weight_sync.full import WeightPusher, served_nowhere
+from grpo_agent.weight_sync.lora_needs import (
+    active_config,
+    adapter_rank,
+    needed_loras,
+    unservable_reason,
+)
 from grpo_agent.weight_sync.transports.control import ServerControl
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_NAME = ".vllm_lora"
-# The values vLLM accepts for --max-lora-rank.
-SERVER_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def adapter_rank(model: nn.Module) -> int:
-    """The largest rank of the active adapter (a `rank_pattern` may raise some layers' rank)."""
-    config = _active_config(model)
-    return max([int(config.r), *(int(r) for r in (config.rank_pattern or {}).values())])
-
-
-def unservable_reason(model: nn.Module) -> str | None:
-    """Why vLLM cannot serve this PEFT adapter as a LoRA adapter, or None when it can."""
-    config = _active_config(model)
-    kind = str(getattr(config.peft_type, "value", config.peft_type))
-    if kind != "LORA":
-        return f"the adapter is {kind}, and vLLM serves LoRA adapters only"
-    if getattr(config, "use_dora", False):
-        return "vLLM does not serve DoRA adapters (use_dora=True)"
-    if config.modules_to_save:
-        return (f"vLLM cannot load fully trained modules_to_save={sorted(config.modules_to_save)} "
-                "from an adapter")
-    return None
-
-
-def server_lora_rank(rank: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that holds an adapter of this rank."""
-    return next((r for r in SERVER_LORA_RANKS if r >= rank), rank)
-
-
-def needed_loras(max_staleness: int) -> int:
-    """The --max-loras adapter sync needs: max_staleness + 1 live versions plus the next."""
-    return max_staleness + 2
-
-
-def server_lora_needs(model: nn.Module, max_staleness: int) -> tuple[int, int] | None:
-    """The --max-lora-rank and --max-loras of a server that syncs this model as adapters, or
-    None when it would get merged weights (no PEFT model, or one vLLM cannot serve)."""
-    if not is_peft_model(model) or unservable_reason(model) is not None:
-        return None
-    return server_lora_rank(adapter_rank(model)), needed_loras(max_staleness)
-
-
 def check_lora_limits(limits: LoraServerLimits, rank: int, max_staleness: int, *, command: str,
                       merged_fallback: bool = True) -> None:
     """Raise, naming `command` (the run's whole server command: `lora_run_command`), when the
@@ -276,7 +239,7 @@ class AdapterPusher:
         temporary.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in state.items()},
                   str(temporary / "adapter_model.safetensors"), metadata={"format": "pt"})
-        _active_config(model).save_pretrained(str(temporary))
+        active_config(model).save_pretrained(str(temporary))
         shutil.rmtree(folder, ignore_errors=True)  # a leftover of a crashed run
         os.replace(temporary, folder)
         return folder
@@ -345,8 +308,3 @@ class AdapterPusher:
             pusher.push(model, 0, merge_adapters=False)
         finally:
             pusher.close()
-
-
-def _active_config(model: nn.Module) -> Any:
-    model = getattr(model, "module", model)
-    return model.peft_config[getattr(model, "active_adapter", "default")]
