@@ -126,6 +126,21 @@ def test_train_dry_run_resolves_env_and_config(cli, tmp_path):
 
 
 
+@pytest.mark.parametrize(("temperature", "warned"), [("0", True), ("0.7", False)])
+def test_train_dry_run_gives_the_greedy_warning_of_a_real_start(cli, tmp_path, caplog,
+                                                                  temperature, warned):
+    # The real start warned that temperature=0 drops every group of a deterministic env; the
+    # dry run, where a user checks a run before starting it, printed the config and said nothing.
+    from grpo_agent.train.no_progress import GREEDY_CAUSE
+
+    code, _, err = cli("train", "--env", "counter", "--set", f"temperature={temperature}",
+                       "--set", "max_steps=1",
+                       "--output-dir", str(tmp_path / "run"), "--dry-run")
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(GREEDY_CAUSE in message for message in warnings) is warned, warnings
+
+
 def test_train_dry_run_shows_the_lora_adapter(cli, tmp_path):
     code, out, _ = cli(
         "train", "--env", "counter", "--set", "max_steps=1", "--lora-rank", "8",

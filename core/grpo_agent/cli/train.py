@@ -64,8 +64,8 @@ def train(
                      "the row as JSON on stdin and its reward on stdout (docs/harness.md, As a command)."),
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Make the run's start-up checks, print the "
-                                "env and config, do not train.")
+        bool, typer.Option("--dry-run", help="Make the run's start-up checks, print their "
+                                "warnings, the env and config; do not train.")
     ] = False,
 ) -> None:
     """Train on a registered environment.
@@ -117,6 +117,7 @@ def train(
                       agent_played=bool(agent or agent_cmd))
         except (RunRefused, ResumeError) as err:
             raise CliError(str(err)) from None
+        _warn_as_the_trainer_would(config)
         options = f"  options: {spec.option_values}" if spec.options else ""
         typer.echo(f"env: {spec.id} [{spec.distribution}]{options}")
         typer.echo(f"model: {model or '(tiny test model)'}  vllm: {vllm_url or '(managed here)'}")
@@ -153,6 +154,17 @@ def train(
         if (Path(out) / METRICS_NAME).is_file():
             typer.echo(run_summary(out, env_flags=_env_flags(env, options),
                                     eval_split=spec.eval_dataset is not None))
+
+
+def _warn_as_the_trainer_would(config) -> None:
+    """The warnings the trainer logs at a real start that need no server or model (a greedy
+    run's): a dry run is where a user checks a run before paying for its start."""
+    import logging
+
+    from grpo_agent.train.no_progress import greedy_sampling_warning
+
+    if warning := greedy_sampling_warning(config.temperature):
+        logging.getLogger(__name__).warning(warning)
 
 
 def _env_flags(env: str, options: dict) -> str:
