@@ -266,7 +266,7 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
         self._check_step_fractions()
-        self._check_save_steps()
+        self._check_step_intervals()
         eval_strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
         if eval_strategy == "no" and self.eval_steps is not None:  # transformers ignores it
             raise ValueError(
@@ -312,14 +312,29 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
 
-    def _check_save_steps(self) -> None:
-        """transformers saves on a step only `if save_steps > 0`: save_strategy=steps with
-        save_steps <= 0 ran to the end with no checkpoint, and nothing said so."""
-        strategy = str(getattr(self.save_strategy, "value", self.save_strategy))
-        if strategy == "steps" and not self.save_steps > 0:
+    def _check_step_intervals(self) -> None:
+        """A `*_steps` interval of a steps strategy must be > 0; transformers misread the others
+        without a word: save_steps <= 0 ran to the end with no checkpoint (it saves only `if
+        save_steps > 0`), eval_steps=0 evaluated every logging_steps (its rule for an unset
+        eval_steps), and a negative eval or logging interval counted steps modulo a negative
+        number (-1 with max_steps=10 acted every 10 steps)."""
+        for kind in ("logging", "eval", "save"):
+            strategy = getattr(self, f"{kind}_strategy")
+            value = getattr(self, f"{kind}_steps")
+            if str(getattr(strategy, "value", strategy)) != "steps" or value is None or value > 0:
+                continue
+            if kind == "save":
+                raise ValueError(
+                    f"save_steps={value} with save_strategy='steps' never saves a checkpoint. "
+                    "Set save_steps to a number of steps (>= 1), or save_strategy='no' to save none.")
+            why = (" (transformers would act on steps modulo a negative number)" if value < 0
+                   else " (transformers would evaluate every logging_steps instead)"
+                   if kind == "eval" else "")
+            unset = ", or leave it unset to evaluate every logging_steps" if kind == "eval" else ""
             raise ValueError(
-                f"save_steps={self.save_steps} with save_strategy='steps' never saves a checkpoint. "
-                "Set save_steps to a number of steps (>= 1), or save_strategy='no' to save none.")
+                f"{kind}_steps={value} with {kind}_strategy='steps' is no interval{why}. Set "
+                f"{kind}_steps to a number of steps (>= 1) or, with max_steps set, a fraction of "
+                f"it below 1{unset}.")
 
     def _check_step_fractions(self) -> None:
         """A run without max_steps is as long as its prompt epochs: none trains nothing.
@@ -413,7 +428,8 @@ def config_reference_markdown() -> str:
         "Fields not listed behave as in `transformers.TrainingArguments`, except that the Trainer",
         "sees a run as one epoch (its prompt epochs are counted apart): `logging_strategy` and",
         "`save_strategy` `\"epoch\"` act once, after the run's last step (`eval_strategy`:",
-        "docs/evaluation.md), and `logging_steps`, `eval_steps` or `save_steps` below 1 need `max_steps`.",
+        "docs/evaluation.md), and `logging_steps`, `eval_steps` or `save_steps` below 1 need `max_steps`",
+        "(under a `\"steps\"` strategy each must be above 0: 0 or less is refused).",
         "",
         "| field | default | meaning |",
         "|---|---|---|",

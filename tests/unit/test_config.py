@@ -217,6 +217,25 @@ def test_save_steps_that_never_save_are_refused(tmp_path, save_steps):
     assert c.save_steps == save_steps
 
 
+@pytest.mark.parametrize(("kind", "steps", "why"), [
+    # transformers reads eval_steps=0 as unset: the run evaluated every logging_steps, silently
+    ("eval", 0, r" \(transformers would evaluate every logging_steps instead\)"),
+    # a negative interval counted steps modulo it: -1 with max_steps=10 acted at step 10 only
+    ("eval", -1, r" \(transformers would act on steps modulo a negative number\)"),
+    ("logging", -1, r" \(transformers would act on steps modulo a negative number\)"),
+])
+def test_eval_and_logging_steps_that_are_no_interval_are_refused(tmp_path, kind, steps, why):
+    with pytest.raises(ValueError, match=(
+            rf"^{kind}_steps={steps} with {kind}_strategy='steps' is no interval{why}\. Set "
+            rf"{kind}_steps to a number of steps \(>= 1\) or, with max_steps set, a fraction of "
+            r"it below 1")):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=10,
+                        **{f"{kind}_strategy": "steps", f"{kind}_steps": steps})
+    unset = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, eval_strategy="steps",
+                            logging_steps=3)
+    assert unset.eval_steps == 3  # unset: every logging_steps, as docs/evaluation.md says
+
+
 def test_report_to_given_as_text_is_comma_separated_names(tmp_path):
     # `--set report_to=wandb,tensorboard` was refused as one unknown integration (55f2947);
     # prompt_filters took the same text as a list.
