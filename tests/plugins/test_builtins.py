@@ -91,3 +91,41 @@ def test_curriculum_records_pass_rates_and_filters_solved_prompts(monkeypatch):
     assert keep(6, {}, 1) is True
     # the declared default (0.9) applies without plugin_args: 0.75 < 0.9 keeps row 4
     assert registry.bind_plugin("prompt_filter", "curriculum", None)(4, {}, 1) is True
+
+
+def test_format_reward_takes_a_think_block_over_several_lines():
+    # A model's reasoning runs over lines; without re.DOTALL every such completion would score 0.
+    assert format_reward(["<think>first\nthen</think>\nanswer", "<think>a\n</think>"]) == [1.0, 1.0]
+    assert format_reward(["<think>a\n<think>b</think>"]) == [0.0]
+
+
+def test_accuracy_reward_reads_a_solution_column_of_numbers_as_text():
+    # A dataset whose `solution` column holds ints (datasets infers int64) reaches the reward
+    # as numbers: math-verify parses text only.
+    assert accuracy_reward(_completions("\\boxed{12}", "\\boxed{13}"), solution=[12, 12]) == [1.0, 0.0]
+
+
+def test_letter_fraction_is_the_share_of_letters_among_non_space_characters():
+    # The `words` demo's reward: spaces are not characters of the answer, digits are not letters.
+    from grpo_agent.demo import letter_fraction
+
+    assert letter_fraction(["forty two", "42", "a1 b2", "", " "]) == [1.0, 0.0, 0.5, 0.0, 0.0]
+    assert letter_fraction(_completions("six 6")) == [0.75]
+
+
+def test_curriculum_records_a_solved_group_and_skips_an_unscored_one(monkeypatch):
+    # compute_advantages runs on groups the run drops: a solved group (all pass, zero std) is the
+    # one whose prompt the filter must skip from then on; a group nothing scored has no pass
+    # rate (np.mean of nothing is NaN, and NaN < cap is False: its prompt would be skipped for good).
+    import grpo_agent_curriculum as curriculum
+    from grpo_agent.plugins import load_registry
+
+    monkeypatch.setattr(curriculum, "PASS_RATES", {})
+    registry = load_registry()
+    keep = registry.bind_plugin("prompt_filter", "curriculum", None)
+    estimate = registry.bind_plugin("advantage_estimator", "curriculum", None)
+    assert not estimate(SimpleNamespace(rewards=np.array([1.0, 1.0, 1.0]), row_index=1)).any()
+    assert not estimate(SimpleNamespace(rewards=np.array([np.nan, np.nan]), row_index=2)).any()
+    assert curriculum.PASS_RATES == {1: 1.0}
+    assert keep(1, {}, 1) is False
+    assert keep(2, {}, 1) is True
