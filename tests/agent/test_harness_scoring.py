@@ -604,3 +604,58 @@ def test_a_group_whose_agent_runs_lost_the_server_is_dropped_as_server_lost(scri
     assert put == [PromptConsumed(0, 4, "server_lost")] and engine.score_queue.empty()
     assert channels.server_down.is_set() and "Lost the vLLM server" in caplog.text
     assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 1
+
+
+class RecordingEstimatorLoop(AsyncRolloutLoop):
+    """A user's `compute_advantages` that records each group's rewards and gives every
+    rollout advantage 1 (a baseline that does not centre)."""
+
+    def compute_advantages(self, group):
+        self.seen = [*getattr(self, "seen", []), list(group.rewards)]
+        return [1.0] * len(group.rewards)
+
+
+def test_a_group_of_equal_rewards_is_dropped_though_its_estimator_runs_and_gives_advantages(
+        tiny_tokenizer, tmp_path):
+    """The spec: compute_advantages runs for every group, the ones dropped for equal rewards too
+    (a curriculum records a solved prompt's pass rate there), and the drop checks the rewards,
+    not the advantages: a group of equal rewards gives no sample whatever the estimator says."""
+    loop = RecordingEstimatorLoop(config=_config(tmp_path), model_name="m", dataset=None,
+                                  reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                                  processing_class=tiny_tokenizer,
+                                  eos_token_ids=[tiny_tokenizer.eos_token_id])
+    rollouts = [_plain_rollout(tiny_tokenizer, text) for text in "ab"]
+    _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in rollouts])
+    assert (scored.samples, scored.reason) == ([], "zero_std")
+    assert loop.seen == [[1.0, 1.0]]
+
+
+def one_too_many(group):
+    return np.ones(len(group.rewards) + 1)
+
+
+def test_more_advantages_than_rollouts_are_refused(tiny_tokenizer, tmp_path):
+    """Fewer advantages are refused (above); more would be zipped onto the rollouts with the
+    extra ones silently left out, so an estimator's off-by-one would train on shifted advantages."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    results = [(ROW["prompt"], _plain_rollout(tiny_tokenizer, text), None) for text in "ab"]
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, advantage_estimator=f"{__name__}:one_too_many")
+    with pytest.raises(PluginCallError, match=r"compute_advantages returned shape \(3,\) for a group "
+                       r"of 2 rollouts; return one advantage per rollout"):
+        _score_plain(loop, results)
+
+
+def worded_filter(row_index, row, epoch):
+    return "skip"
+
+
+def test_a_prompt_filter_returning_text_is_refused_not_read_as_true(tiny_tokenizer, tmp_path):
+    """Any non-empty text is truthy: read as a verdict, a filter answering "skip" would keep
+    every prompt."""
+    from grpo_agent.rollout.plugins import PluginCallError
+
+    loop = _plugin_loop(tiny_tokenizer, tmp_path, prompt_filters=[f"{__name__}:worded_filter"])
+    with pytest.raises(PluginCallError, match=r"The prompt filter '.*:worded_filter' returned 'skip' "
+                       r"for row 1; return True to keep the prompt or False to skip it\."):
+        loop.filter_prompt(1, ROW, 0)
