@@ -54,6 +54,19 @@ def test_an_iterable_dataset_streams_in_its_own_order_epoch_after_epoch():
     assert [s.prompt_index for s in slots] == list(range(8))
 
 
+def test_a_streamed_epoch_whose_every_prompt_is_rejected_raises_after_its_last_prompt():
+    """The stream is endless: without the raise a filter that rejects everything (a curriculum
+    whose every prompt reached its cap) would keep the worker reading epochs with nothing to
+    roll out, the trainer waiting on an empty queue."""
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(3)]
+    dataset = IterableDataset.from_generator(lambda: iter(rows))
+    stream = iterate_prompts(dataset, seed=0, start_index=0, accept=lambda i, row, epoch: epoch == 0)
+    slots = list(itertools.islice(stream, 6))
+    assert [(s.epoch, s.accepted) for s in slots] == [(0, True)] * 3 + [(1, False)] * 3
+    with pytest.raises(AllPromptsFilteredError, match="rejected every prompt of streamed epoch 1"):
+        next(stream)
+
+
 def test_without_a_dataset_the_environment_gets_empty_rows_from_the_start_index():
     slots = list(itertools.islice(iterate_prompts(None, seed=0, start_index=5, accept=_accept_all), 3))
     assert [(s.prompt_index, s.row) for s in slots] == [(5, {}), (6, {}), (7, {})]
