@@ -72,6 +72,22 @@ def test_sync_and_async_rewards_run_concurrently():
     assert scores.total(2).tolist() == [1.5, 1.5]
 
 
+class Judge:
+    """A reward as an object with an async `__call__` (a judge model's client kept on it)."""
+
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [float(len(c[0]["content"])) for c in completions]
+
+
+def test_an_object_whose_call_is_async_is_awaited():
+    # Run in the executor like a sync function, it would return a coroutine, refused as
+    # "returned coroutine": every group's reward failed.
+    scores, failure = _score({"judge": Judge()}, _group(2))
+    assert failure is None
+    assert scores.by_source["judge"].tolist() == [1.0, 2.0]
+
+
 def test_none_drops_out_of_one_source_and_an_unscored_rollout_is_nan():
     def math_reward(completions, **kwargs):
         return [1.0, None, None, 0.0]
@@ -91,6 +107,8 @@ def test_none_drops_out_of_one_source_and_an_unscored_rollout_is_nan():
 
 @pytest.mark.parametrize("result, problem", [
     ([1.0, 2.0], "returned 2 rewards for 4 completions"),
+    # one too many: the extra reward would shift the group's advantages onto other rollouts
+    ([1.0, 2.0, 3.0, 4.0, 5.0], "returned 5 rewards for 4 completions"),
     ("1111", "returned str"),
     ([1.0, "x", 0.0, 0.0], "returned a str"),
     ([True, 1.0, 0.0, 0.0], "returned a bool"),
@@ -188,3 +206,41 @@ def test_groups_without_signal_are_recognised():
     assert not has_signal(np.array([np.nan, np.nan]))
     assert has_signal(np.array([1.0, np.nan, 0.0]))
     assert group_norm(SimpleNamespace(rewards=np.array([2.0, 2.0]))).tolist() == [0.0, 0.0]
+
+
+def _by_name(observations):
+    named = {}
+    for name, value in observations:
+        named.setdefault(name, []).append(value)
+    return named
+
+
+def test_reward_observations_follow_the_spec_metrics():
+    """The spec's reward metrics of one kept and one dropped group: `reward_group_std` is the
+    std the advantages are divided by (population, over scored rollouts) and, as
+    `rewards/{name}/group_std`, is averaged over training samples (one observation per sample);
+    `frac_reward_zero_std` is 1 for a dropped group; `reward_dropped` and the per-source means
+    leave unscored rollouts out."""
+    from grpo_agent.rollout.observations import reward_observations
+    from grpo_agent.rollout.scoring import GroupScores
+
+    scores = GroupScores()
+    scores.by_source.update(a=np.array([1.0, 0.0, np.nan, 1.0]), b=np.array([0.5, 0.5, np.nan, np.nan]))
+    rewards = scores.total(4)  # 1.5, 0.5, unscored, 1.0
+    kept = _by_name(reward_observations(scores, rewards, [2, 1, 0, 1], kept=True))
+    std_a, std = np.std([1.0, 0.0, 1.0]), np.std([1.5, 0.5, 1.0])
+    assert kept.keys() == {"frac_reward_zero_std", "reward", "rewards/a/mean", "rewards/a/group_std",
+                           "rewards/b/mean", "rewards/b/group_std", "reward_group_std", "reward_kept"}
+    assert kept["frac_reward_zero_std"] == [0.0]
+    assert kept["reward"] == [1.5, 0.5, 1.0]
+    assert kept["rewards/a/mean"] == [1.0, 0.0, 1.0] and kept["rewards/b/mean"] == [0.5, 0.5]
+    np.testing.assert_allclose(kept["rewards/a/group_std"], [std_a] * 4)
+    assert kept["rewards/b/group_std"] == [0.0] * 4
+    np.testing.assert_allclose(kept["reward_group_std"], [std] * 4)
+    assert kept["reward_kept"] == [1.5, 1.5, 0.5, 1.0]
+
+    scores = GroupScores()
+    scores.by_source.update(a=np.array([1.0, 1.0, np.nan]))
+    dropped = _by_name(reward_observations(scores, scores.total(3), [0, 0, 0], kept=False))
+    assert dropped == {"frac_reward_zero_std": [1.0], "reward": [1.0, 1.0],
+                       "rewards/a/mean": [1.0, 1.0], "reward_dropped": [1.0, 1.0]}
