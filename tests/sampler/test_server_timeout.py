@@ -98,16 +98,24 @@ def test_a_held_port_is_waited_for_past_the_grace_for_free_ports(loading_server)
     assert waited >= 2.0
 
 
-def test_nothing_listening_on_a_local_port_fails_after_the_grace_not_the_timeout():
+def test_nothing_listening_on_a_local_port_fails_after_the_grace_not_the_timeout(tmp_path):
+    """Without the caller's `start_command` no command is named: a GPU `vllm serve MODEL` was,
+    wrong for a CPU machine and for every real model; the docs and the URL setting are."""
+    from grpo_agent.cli.failure import report_failure
+
     port = _free_port()
     assert port_state("127.0.0.1", port) == "free"
     began = time.monotonic()
     with pytest.raises(ServerUnreachableError,
-                       match=f"(?s)refused for 2 s.*holds port {port}.*`VLLM_SERVER_DEV_MODE=1 "
-                             f".*vllm serve MODEL --port {port} --max-model-len 4096 "
-                             "--logprobs-mode processed_logprobs"):
+                       match=f"(?s)refused for 2 s.*holds port {port}.*docs/vllm.md, Server flags; "
+                             "the model, the run's settings and the server's device are not known "
+                             "here.*--vllm-url") as raised:
         asyncio.run(wait_until_ready(f"http://127.0.0.1:{port}", 1800.0, refused_grace_s=2.0))
     assert time.monotonic() - began < 5
+    assert raised.value.start_command is None
+    assert "vllm serve" not in str(raised.value) and "`" not in str(raised.value)
+    message, _ = report_failure(raised.value, tmp_path)
+    assert "what to do: check the vLLM server" in message
 
 
 def test_the_cli_prints_the_whole_command_that_starts_a_server_this_run_accepts(tiny_model_path,

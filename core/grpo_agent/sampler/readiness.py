@@ -57,7 +57,8 @@ async def wait_until_ready(
     """Return the seconds waited once the server answers; raise ServerUnreachableError when
     it cannot or did not become ready (see the module docstring for the rule).
     `start_command(port)`: the command that starts the server its caller needs, named where
-    nobody holds the port (default: a GPU training server of some MODEL, `serve_command`)."""
+    nobody holds the port; without it the model, flags and device are unknown here, so the
+    error names docs/vllm.md instead of a command (a guessed one would start a wrong server)."""
     base_url = base_url.rstrip("/")
     host, port = _host_port(base_url)
     _resolve_or_fail(base_url, host, port)
@@ -78,12 +79,15 @@ async def wait_until_ready(
                     if state == "free":
                         refused_free_since = refused_free_since or now
                         if now - refused_free_since >= refused_grace_s:
-                            command = (start_command or _generic_command)(port)
+                            command = start_command(port) if start_command else None
+                            how = (f"): `{command}`" if command else
+                                   "; the model, the run's settings and the server's device "
+                                   "are not known here, so no command)")
                             raise ServerUnreachableError(
                                 f"No vLLM server at {base_url}: connections were refused for "
                                 f"{now - refused_free_since:.0f} s and no process on this machine "
                                 f"holds port {port}. Start one with the flags training needs "
-                                f"(docs/vllm.md, Server flags): `{command}`, or pass the right "
+                                f"(docs/vllm.md, Server flags{how}, or pass the right "
                                 f"{URL_SETTING}.", start_command=command
                             ) from error
                     else:
@@ -114,12 +118,6 @@ async def wait_until_ready(
                     "%.0f s): %s", base_url, now - began, timeout, problem,
                 )
             await asyncio.sleep(min(POLL_S, max(0.0, timeout - (now - began))))
-
-
-def _generic_command(port: int) -> str:
-    from grpo_agent.sampler.server import serve_command
-
-    return serve_command("MODEL", port=port, max_model_len=4096, cpu=False)
 
 
 _STATE_TEXT = {
