@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -109,8 +110,12 @@ def test_the_weight_version_costs_a_generate_only_when_asked(server):
 
 
 @pytest.mark.parametrize("server", [True], indirect=True)
-def test_a_server_without_server_info_or_metrics_gets_the_defaults(server):
+def test_a_server_without_server_info_or_metrics_gets_the_defaults(server, caplog):
+    caplog.set_level(logging.INFO, logger="grpo_agent.sampler.server_facts")
     facts = probe(server.url)
+    # the log says what is assumed: the device is not known (it said "a GPU server")
+    said = " ".join(r.getMessage() for r in caplog.records if "No /server_info" in r.message)
+    assert "its device is unknown" in said and "GPU server" not in said, said
     assert (facts.model_id, facts.max_model_len) == ("tiny", 64)
     assert facts.dtype is None and facts.kv_tokens is None and facts.lora is None
     assert facts.device is None and not facts.on_cpu  # not said: the refusal's command says so

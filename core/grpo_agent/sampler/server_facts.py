@@ -4,7 +4,7 @@ Design decision: every stage that needs to know the server (the trainer's start-
 weight sync's choice of transport and LoRA mode, the rollout worker's concurrency cap, seeds and
 sampling masks) gets a frozen `ServerFacts` from `probe_server`, so the server's JSON is parsed
 in one place. `/server_info` and `/metrics` are optional: a server without them gives the
-defaults below (a GPU server without sampling masks, `disk` weight sync, no LoRA).
+defaults below (device unknown, no sampling masks, `disk` weight sync, no LoRA).
 """
 from __future__ import annotations
 
@@ -108,8 +108,10 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
         server_info = await client.server_info()
     except SamplerError as error:
         control_routes = not (isinstance(error, RequestRejectedError) and error.status_code == 404)
-        logger.info("No /server_info on %s (%s); assuming a GPU server without sampling masks, "
-                    "no LoRA and disk weight sync; skipping the dtype check.", client.base_url, error)
+        logger.info("No /server_info on %s (%s): its device is unknown, so requests carry "
+                    "seeds as on a GPU (on a CPU server a preempted seeded request kills the "
+                    "engine); taking no sampling masks, no LoRA and disk weight sync; skipping "
+                    "the dtype check.", client.base_url, error)
         server_info = {}
     return ServerFacts(
         model_id=info.id,
