@@ -375,9 +375,14 @@ def test_a_lora_run_on_a_server_without_enable_lora_says_it_pushes_merged_weight
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     model = _peft(tiny_path, r=4, target_modules=["q_proj"])
     with caplog.at_level(logging.WARNING, logger="grpo_agent.weight_sync.adapter"):
-        assert not use_adapter_sync(model, ServerFacts("m", 64), args)
+        assert not use_adapter_sync(model, ServerFacts("m", 64, device="cpu"), args)
         assert caplog.text.count("runs without --enable-lora: each weight sync pushes the LoRA "
                                  "adapter merged into every weight") == 1
+        # the restart it advises starts a server adapter sync accepts: it said "--enable-lora"
+        # alone, and such a server lacks the limits and the runtime-updating variable
+        [record] = caplog.records
+        program, _ = _advised(record.getMessage(), args, model, "cpu")
+        assert "grpo_agent.sampler.vllm_entry" in program  # the CPU server's command
         caplog.clear()
         assert not use_adapter_sync(AutoModelForCausalLM.from_pretrained(tiny_path),
                                     ServerFacts("m", 64), args)

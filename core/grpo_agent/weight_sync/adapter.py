@@ -94,9 +94,13 @@ def use_adapter_sync(model: nn.Module, facts: ServerFacts, args: AsyncGRPOConfig
     if not is_peft_model(model):
         return False
     if facts.lora is None:
+        # The whole command: --enable-lora alone lacks the limits and the runtime-updating
+        # variable, so a server restarted with only it was refused by `check_lora_limits`.
         logger.warning("The vLLM server runs without --enable-lora: each weight sync pushes the "
                        "LoRA adapter merged into every weight, not the adapter alone. For adapter "
-                       "sync restart it with --enable-lora (docs/vllm.md, 'LoRA adapter sync').")
+                       "sync restart it with the run's LoRA flags (its whole command: `%s`; "
+                       "docs/vllm.md, 'LoRA adapter sync').",
+                       lora_run_command(args, model, facts.device))
         return False
     reason = unservable_reason(model)
     if reason is not None:
