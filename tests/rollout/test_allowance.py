@@ -89,7 +89,8 @@ def test_stale_samples_drop_at_pull_and_their_prompt_is_noticed_once_per_group()
     assert kept[1:] == [PromptConsumed(0, 0, "stale")]  # one notice for the group's two samples
     assert allowance.consumed == 12  # stale samples count: they were generated
     assert ("sample/dropped_stale_count", 2.0) in observations
-    assert ("sample/staleness_max", 0.0) in observations
+    # a kept sample's staleness is counted where a step takes it (StepSource), not here
+    assert not [name for name, _ in observations if name.startswith("sample/staleness")]
 
 
 def test_a_carry_the_push_made_stale_drops_without_counting_its_tokens_twice():
@@ -153,3 +154,58 @@ def test_before_the_first_step_a_step_is_full_rows_on_every_rank():
     accumulation step, per rank (a world size of 0, no process group, counts as one rank)."""
     assert initial_step_tokens(256, grad_accum_steps=3, world_size=2) == 256 * 3 * 2
     assert initial_step_tokens(256, grad_accum_steps=3, world_size=0) == 256 * 3
+
+
+def test_staleness_counts_from_the_version_that_trains_the_step_not_the_served_one():
+    """A step planned ahead is pulled while the last push is still in flight: the served
+    version (the worker's) lags the trainer's by one. Counted from the served one, a step
+    trained by version 1 on version-0 samples logged `sample/staleness_max` 0 (the demo's step
+    2: 0, with a float32 log-prob gap of 0.6), a carry trained a push after its pull kept its
+    pull's count, and a carry one version past max_staleness was trained."""
+    import time
+
+    from grpo_agent.metrics import MetricWindow
+    from grpo_agent.train.batching import StepPlanner
+    from grpo_agent.train.checkpoint import PromptLedger
+    from grpo_agent.train.step_source import StepSource
+
+    config = SimpleNamespace(max_staleness=1, token_budget=None, gradient_accumulation_steps=1,
+                             rollout_worker_timeout=60.0, seed=0, max_completion_length=8,
+                             num_generations=1)
+    worker = RolloutWorker(object, config=config, model_name="unused", dataset=[],
+                           reward_funcs=[], processing_class=None, token_budget=8)
+    worker._process = SimpleNamespace(pid=None, is_alive=lambda: True)  # no child: we queue
+    worker.channels.heartbeat.value = time.time()
+    trainer = SimpleNamespace(version=1)  # pushed version 1; the server still serves 0
+    window = MetricWindow()
+    ledger = PromptLedger()
+    source = StepSource(worker, ledger=ledger, epochs_done=lambda taken=(): False, window=window,
+                        no_progress_timeout=0, trained_version=lambda: trainer.version)
+
+    def queue(prompt: int, version: int) -> None:
+        seq = TrainingSequence([1, 2, 3], [0, 1, 1], [0.0] * 3)
+        worker.channels.samples.put(TrainingSample(
+            seq, advantage=1.0, model_version=version, group_id=prompt, row_index=prompt,
+            prompt_index=prompt, group_num_samples=1))
+
+    def step() -> tuple[list[int], dict[str, float]]:
+        taken, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
+        ledger.record_trained(taken)
+        source.finish_step(taken, last=False)
+        return [s.prompt_index for s in taken], window.summarize()
+
+    for prompt in range(3):
+        queue(prompt, version=0)
+    time.sleep(0.5)  # the queue's feeder thread
+    taken, metrics = step()  # one pull takes all three; two fit, prompt 2 is carried
+    assert taken == [0, 1]
+    assert metrics["sample/staleness_max"] == metrics["sample/staleness_mean"] == 1.0
+    worker.set_model_version(1)
+    trainer.version = 2  # the next push is in flight: the carry is 2 versions old now
+    for prompt in (3, 4, 5):  # the third overflows, so the step is full
+        queue(prompt, version=1)
+    time.sleep(0.5)
+    taken, metrics = step()
+    assert taken == [3, 4]  # the carry dropped (2 > max_staleness=1); it was trained
+    assert ledger.take_noticed() == {2: "stale"}
+    assert metrics["sample/staleness_max"] == 1.0 and metrics["sample/dropped_stale_count"] == 1.0

@@ -332,7 +332,7 @@ def test_a_run_without_max_steps_ends_when_its_prompt_epochs_are_trained(
     second step has one group)."""
     from grpo_agent.testing.offline import ScriptedWorker
 
-    def pull(self, timeout):
+    def pull(self, timeout, version=None):
         if not self.batches:
             raise AssertionError("pulled again after the run's prompt epochs were all in hand")
         return self.batches.pop(0)

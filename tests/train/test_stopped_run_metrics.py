@@ -29,7 +29,7 @@ class LosesTheServer(ScriptedWorker):
         self.server_down = False
         self._observations = []
 
-    def pull(self, timeout):
+    def pull(self, timeout, version=None):
         items = super().pull(timeout)
         self.server_down = not items
         return items

@@ -114,10 +114,8 @@ class TokenAllowance:
                     self._stale_groups.add(item.group_id)
                     kept.append(PromptConsumed(item.prompt_index, item.row_index, "stale"))
                 continue
-            if now is not None:
-                observations += [
-                    ("sample/staleness_mean", float(staleness)), ("sample/staleness_max", float(staleness)),
-                    ("sample/time_in_queue_s", now - item.queued_at)]
+            if now is not None:  # its staleness: where a step takes it (`StepSource`)
+                observations.append(("sample/time_in_queue_s", now - item.queued_at))
             kept.append(item)
         observations.append(("sample/dropped_stale_count", float(dropped)))
         if now is not None:

@@ -268,10 +268,12 @@ class RolloutWorker:
         except NotImplementedError:  # macOS has no sem_getvalue
             return -1
 
-    def pull(self, timeout: float) -> list[TrainingSample | PromptConsumed]:
-        """Up to `timeout` s for at least one item; returns [] on timeout. Stale samples drop."""
+    def pull(self, timeout: float, version: int | None = None) -> list[TrainingSample | PromptConsumed]:
+        """Up to `timeout` s for at least one item; returns [] on timeout. Samples more than
+        max_staleness behind `version` drop: the version that will train them (the trainer's,
+        ahead of the served one while a push is in flight); None: the served one."""
         with self._kill_if_hung_while_reading():
-            return self._pull(timeout)
+            return self._pull(timeout, self.model_version if version is None else version)
 
     @contextlib.contextmanager
     def _kill_if_hung_while_reading(self) -> Iterator[None]:
@@ -299,7 +301,7 @@ class RolloutWorker:
         finally:
             done.set()
 
-    def _pull(self, timeout: float) -> list[TrainingSample | PromptConsumed]:
+    def _pull(self, timeout: float, version: int) -> list[TrainingSample | PromptConsumed]:
         deadline = time.monotonic() + timeout
         items: list = []
         while not items:
@@ -321,12 +323,15 @@ class RolloutWorker:
             except (queue.Empty, EOFError, OSError):  # a broken queue shows at the next pull
                 break
         self._trainer_observations.append(("rollout/queue_size", float(self.queue_size)))
-        return self._drop_stale(items)
+        return self._drop_stale(items, version)
 
-    def recheck_carry(self, samples: list[TrainingSample]) -> list[TrainingSample | PromptConsumed]:
-        """A step's carry against the version now trained: the last step's push may have made
-        some of it more than max_staleness versions old (under max_staleness=0, all of it)."""
-        kept, observations = self.allowance.recheck_carry(samples, self.model_version)
+    def recheck_carry(self, samples: list[TrainingSample],
+                      version: int | None = None) -> list[TrainingSample | PromptConsumed]:
+        """A step's carry against the version now trained (`version`, as `pull`'s): the last
+        step's push may have made some of it more than max_staleness versions old (under
+        max_staleness=0, all of it)."""
+        version = self.model_version if version is None else version
+        kept, observations = self.allowance.recheck_carry(samples, version)
         self._trainer_observations += observations
         return kept
 
@@ -366,8 +371,8 @@ class RolloutWorker:
     def _publish_allowance(self) -> None:
         self.channels.token_allowance.value = self.allowance.value()
 
-    def _drop_stale(self, items: list) -> list:
-        kept, observations = self.allowance.after_pull(items, self.model_version, time.time())
+    def _drop_stale(self, items: list, version: int) -> list:
+        kept, observations = self.allowance.after_pull(items, version, time.time())
         self._trainer_observations += observations
         self._publish_allowance()
         return kept

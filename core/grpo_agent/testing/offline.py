@@ -15,11 +15,11 @@ class ScriptedWorker:
     def __init__(self, samples):
         self.batches = [samples]
 
-    def pull(self, timeout):
+    def pull(self, timeout, version=None):
         return self.batches.pop(0) if self.batches else []
 
     def set_model_version(self, version): ...
-    def recheck_carry(self, carry): return carry  # version 0 throughout: never stale
+    def recheck_carry(self, carry, version=None): return carry  # version 0 throughout: never stale
     def hold_admission(self): ...
     def report_step_tokens(self, tokens): ...
     def drain_metrics(self): return []

@@ -76,7 +76,8 @@ class RolloutPipelineMixin:
                           prompt_limit=self.prompt_limit(),
                           window=self.window, no_progress_timeout=self.args.no_progress_timeout,
                           temperature=self.args.temperature,
-                          restore_server=self._restore_server)
+                          restore_server=self._restore_server,
+                          trained_version=lambda: self.model_version)
 
     def _next_step_plan(self) -> tuple[StepPlan, list[TrainingSample]]:
         """Rank 0 pulls the step's samples from the worker and plans them into packed rows;

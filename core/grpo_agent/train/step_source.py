@@ -51,9 +51,18 @@ class StepSource:
                  epochs_done: Callable[[list[TrainingSample]], bool], window: MetricWindow,
                  no_progress_timeout: float, temperature: float | None = None,
                  prompt_limit: int | None = None,
-                 restore_server: Callable[[], None] | None = None) -> None:
-        """`restore_server` brings the vLLM server back when the worker lost it."""
+                 restore_server: Callable[[], None] | None = None,
+                 trained_version: Callable[[], int] | None = None) -> None:
+        """`restore_server` brings the vLLM server back when the worker lost it.
+        `trained_version()`: the model version that trains the step being filled (the
+        trainer's); None: the worker's served one. A step planned ahead is pulled while the
+        last push may still be in flight, the server (and the worker) a version behind: against
+        the served version its samples counted one version fresher than trained, so
+        `sample/staleness_*` said 0 where the log-probs differed as at 1, and the drop rule
+        kept samples one past max_staleness."""
         self.worker = worker
+        self.trained_version = trained_version
+        self._staleness: list[tuple[str, float]] = []  # the taken samples', until finish_step
         self.restore_server = restore_server
         self.ledger = ledger
         self.epochs_done = epochs_done
@@ -72,8 +81,10 @@ class StepSource:
         (every group dropped), so a run on a task its model never scores still ends.
         """
         taken: list[TrainingSample] = []
+        version = self.trained_version() if self.trained_version is not None else None
+        at = {} if version is None else {"version": version}
         # The carry passed the staleness rule at its pull, a push ago: it passes it again.
-        pending = self._accept(self.worker.recheck_carry(self._carry)) if self._carry else []
+        pending = self._accept(self.worker.recheck_carry(self._carry, **at)) if self._carry else []
         self._carry = []
         waited = 0.0
         last_progress = time.perf_counter()
@@ -86,7 +97,7 @@ class StepSource:
                     if self.restore_server is not None and getattr(self.worker, "server_down", False):
                         self._restore(pull_stage)
                     started = time.perf_counter()
-                    items = self.worker.pull(timeout=PULL_POLL_S)
+                    items = self.worker.pull(timeout=PULL_POLL_S, **at)
                     waited += time.perf_counter() - started
                     if items and pull_stage is not None:
                         pull_stage.touch()  # the deadline bounds the wait for the *next* item
@@ -102,7 +113,15 @@ class StepSource:
                     self._carry = [sample, *pending]
                     break
                 taken.append(sample)
-        # Staleness, time in queue and queue size are recorded once, by the worker's pull.
+        # Time in queue and queue size are recorded by the worker's pull; staleness here, against
+        # the version that trains the step (a carried sample is trained a push after its pull).
+        if version is None:
+            version = getattr(self.worker, "model_version", None)
+        if version is not None:
+            for sample in taken:
+                staleness = float(version - sample.model_version)
+                self._staleness += [("sample/staleness_mean", staleness),
+                                    ("sample/staleness_max", staleness)]
         return taken, waited
 
     def _restore(self, pull_stage: Any) -> None:
@@ -154,4 +173,5 @@ class StepSource:
         if last and not self.worker.flush_metrics(LAST_FLUSH_TIMEOUT_S):
             logger.warning("The rollout worker did not send its last metrics within %.0f s; the "
                            "last step's rollout metrics may be incomplete.", LAST_FLUSH_TIMEOUT_S)
-        self.window.extend(self.worker.drain_metrics())
+        observations, self._staleness = self._staleness, []
+        self.window.extend(observations + self.worker.drain_metrics())
