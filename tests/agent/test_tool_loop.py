@@ -351,6 +351,24 @@ def test_the_first_failure_of_each_tool_is_logged_with_its_traceback(scripted_lo
     assert "test_tool_loop.py" in caplog.text  # the traceback points into the tool
 
 
+def test_arguments_that_do_not_fit_the_tool_are_the_models_error_not_a_broken_tool(
+        scripted_loop, caplog, monkeypatch):
+    """A model's made-up argument (the counter demo's tiny model: `increment(action=...)`) was
+    logged as a broken tool, with a traceback, on the terminal of a run that went on fine; the
+    model now reads the tool's signature, and the failure is counted, as for an unknown name."""
+    from grpo_agent.rollout import agent
+
+    monkeypatch.setattr(agent, "_warned_tools", set(), raising=False)
+    with caplog.at_level("WARNING", logger="grpo_agent.rollout.agent"):
+        rollout = run(scripted_loop([call("multiply", a=3, b=4, c=5), call("multiply", a=3), "ok"]))
+    assert rollout.tool_call_count == 2 and rollout.tool_failure_count == 2
+    answers = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert "Tool 'multiply' takes multiply(a: int, b: int) -> int" in answers[0]
+    assert "unexpected keyword argument 'c'" in answers[0]
+    assert "missing a required argument: 'b'" in answers[1]
+    assert not [r for r in caplog.records if r.name == "grpo_agent.rollout.agent"], caplog.text
+
+
 @pytest.mark.timeout(30)
 def test_the_first_timeout_of_a_sync_tool_says_its_thread_stays_busy(scripted_loop, caplog, monkeypatch):
     from grpo_agent.rollout import agent

@@ -126,6 +126,9 @@ async def execute_tool_call(
             message = (f"Tool {call.name!r} was not run: the earlier call of {late!r} timed out "
                        "and still runs on the same environment.")
             return ToolOutcome(call.name, render_tool_error(message), True)
+    misfit = _arguments_misfit(tool, call.arguments)
+    if misfit is not None:  # the model's arguments, not the tool: no traceback on the terminal
+        return ToolOutcome(call.name, render_tool_error(f"Tool {call.name!r} {misfit}."), True)
     started = time.perf_counter()
     in_thread = None  # a sync tool's call in the pool
     try:
@@ -152,6 +155,24 @@ async def execute_tool_call(
         content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
         _warn_once(call.name, f"raised {type(exc).__name__}: {exc}", exc)
     return ToolOutcome(call.name, content, failed, latency_s=time.perf_counter() - started)
+
+
+def _arguments_misfit(tool: Callable, arguments: dict) -> str | None:
+    """Why `arguments` cannot be passed to `tool` (a name it lacks, a required one missing),
+    else None. Checked before the call: the tool's own TypeError was logged as a broken tool,
+    with a traceback, for a model that only made up an argument (`increment(action=...)`)."""
+    try:
+        signature = inspect.signature(tool)
+    except (TypeError, ValueError):  # a builtin or C callable without one: the call decides
+        return None
+    with contextlib.suppress(Exception):  # `int`, not 'int', under `from __future__ import annotations`
+        signature = inspect.signature(tool, eval_str=True)
+    try:
+        signature.bind(**arguments)
+    except TypeError as error:
+        name = getattr(tool, "__name__", "tool")
+        return f"takes {name}{signature}; the call's arguments do not fit: {error}"
+    return None
 
 
 def _warn_once(name: str, what: str, error: BaseException | None = None) -> None:
