@@ -155,3 +155,19 @@ def test_find_key_searches_past_subtrees_without_the_key():
     assert find_key(tree, "key") is False
     assert find_key({"a": {"b": 1}, "e": [{"key": 3}]}, "key") == 3
     assert find_key({"a": 1}, "key") is None
+
+
+def test_a_server_of_another_model_is_refused_naming_both_fixes_as_a_user_gives_them():
+    """The fix said "pass the served model to the trainer", which a CLI user does with
+    --model: it names the flag (and the Python argument) with the served model's id."""
+    from grpo_agent.sampler.errors import ServerUnfitError
+    from grpo_agent.sampler.server_facts import ServerNeeds, check_training_server
+
+    facts = ServerFacts(model_id="/models/served", max_model_len=1024, device="cpu")
+    needs = ServerNeeds(model="/models/mine", max_completion_length=16, num_sampler_logprobs=8,
+                        logprobs_per_token=9)
+    with pytest.raises(ServerUnfitError, match=r"serves '/models/served' but the trainer trains "
+                       r"'/models/mine'\. Start the server with it \(`.*vllm_entry serve "
+                       r"/models/mine .*`\) or train the served model \(`--model /models/served`, "
+                       r"or the trainer's model=\)\.$"):
+        check_training_server(facts, "http://127.0.0.1:8000", needs)

@@ -280,8 +280,8 @@ def _check_training_server(facts: ServerFacts, base_url: str, needs: ServerNeeds
             "then resume from the last checkpoint."))
     else:
         check_serves_model(facts, base_url, needs.model, fix=(
-            f"Start the server with it (`{command()}`) or pass the served model "
-            "to the trainer."))
+            f"Start the server with it (`{command()}`) or train the served model "
+            f"(`--model {facts.model_id}`, or the trainer's model=)."))
         check_completion_room(facts, needs.max_completion_length, fix=(
             "Lower max_completion_length or restart the server with a larger --max-model-len "
             f"(for this run: `{command()}`)."))
