@@ -321,6 +321,24 @@ def test_train_ends_with_the_runs_summary(cli, tmp_path, monkeypatch, env, advic
     assert lines[2].startswith("held-out success: not measured") and advice.format(tmp_path) in lines[2]
 
 
+def test_the_summary_of_a_lora_run_does_not_advise_evaluating_its_adapter_folder(tmp_path):
+    """A `--lora-rank` run's final/ holds the adapter alone: the summary said to run
+    `grpo-agent eval --model RUN/final`, which refuses an adapter-only folder; it says to merge."""
+    from grpo_agent.train.eval_run import check_model_folder
+    from grpo_agent.train.reporting import run_summary
+
+    rows = [{"step": 1, "loss": 0.1, "reward": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="LoRA adapter only"):
+        check_model_folder(str(tmp_path / "final"))  # what the old advice led to
+    held_out = run_summary(tmp_path, "--env counter", eval_split=True).splitlines()[1]
+    assert f"--model {tmp_path / 'final'}" not in held_out
+    assert (f"merge the LoRA adapter in {tmp_path / 'final'} into its base model" in held_out
+            and "`grpo-agent eval --env counter --model MERGED`" in held_out)
+
+
 def test_the_summarys_eval_advice_repeats_the_runs_env_options():
     from grpo_agent.cli.train import _env_flags
 

@@ -350,9 +350,16 @@ def _not_evaluated(out: Path, env_flags: str | None, eval_split: bool | None) ->
         return (f"{text}; the env declares no eval split: pass eval_dataset= to "
                 "AsyncGRPOTrainer, or declare one with @environment(..., eval_dataset=...) "
                 "(docs/evaluation.md).")
+    final, env = out / "final", env_flags or "--env ENV"
+    if (final / "adapter_config.json").is_file() and not (final / "config.json").is_file():
+        # a LoRA run saves the adapter alone, which `grpo-agent eval` cannot serve (it said
+        # to run it on this folder, and eval refused it)
+        return (f"{text}. Train with --set eval_strategy=steps --set eval_on_start=true, or "
+                f"merge the LoRA adapter in {final} into its base model (peft merge_and_unload, "
+                f"then save_pretrained to a folder MERGED) and run `grpo-agent eval {env} "
+                "--model MERGED` (docs/evaluation.md).")
     return (f"{text}. Train with --set eval_strategy=steps --set eval_on_start=true, or run "
-            f"`grpo-agent eval {env_flags or '--env ENV'} --model {out / 'final'}` "
-            "(docs/evaluation.md).")
+            f"`grpo-agent eval {env} --model {final}` (docs/evaluation.md).")
 
 
 if __name__ == "__main__":
