@@ -110,6 +110,39 @@ def test_eval_runs_at_start_and_every_eval_steps_pinned_and_leaves_training_alon
         print(f"mean {key} with eval {_mean(trainer, key):.3f}, without {_mean(plain, key):.3f}")
 
 
+@pytest.mark.vllm
+def test_evaluate_before_train_on_a_server_an_earlier_run_pushed_into_serves_the_model_first(
+        server, tmp_path):
+    """`trainer.evaluate()` before `train()` of a plain model on a server holding other weights
+    an earlier run pushed (here the model's, scaled, as version 7) raised EvaluationInterrupted,
+    telling the caller to call it again, which met the same weights. Now it pushes the
+    trainer's weights first, as train() does at its start, and scores them as version 1."""
+    import torch
+    from datasets import Dataset
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.weight_sync.transports import build_weight_sync
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.float32)
+    sync = build_weight_sync(server.base_url, backend="disk")
+    try:
+        with torch.no_grad():
+            sync.push(((name, param * 1.5) for name, param in other.named_parameters()), version=7)
+    finally:
+        sync.close()
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.base_url,
+                           num_generations=2, max_completion_length=8, token_budget=48,
+                           report_to="none", use_cpu=True)
+    trainer = AsyncGRPOTrainer(
+        model=str(server.model_path), reward_funcs=letter_share, args=args,
+        train_dataset=Dataset.from_dict(_prompts(["A cat"])),
+        eval_dataset=Dataset.from_dict(_prompts([f"{MARK} one", f"{MARK} two"])))
+    metrics = trainer.evaluate()
+    assert metrics["eval/model_version"] == 1.0 and metrics["eval/num_rows"] == 2.0
+    assert trainer.evaluator.results[-1].served_versions == {"1"}  # our push, not version 7
+    assert trainer.model_version == 0  # train() pushes at its start again
+
+
 def _mean(trainer, key):
     values = [row[key] for row in trainer.state.log_history if key in row]
     return sum(values) / len(values)

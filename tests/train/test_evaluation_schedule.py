@@ -450,6 +450,7 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     from grpo_agent import AsyncGRPOConfig
     from grpo_agent.testing import build_tiny_model
     from grpo_agent.train import setup
+    from grpo_agent.train.weights import has_trained_adapter
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -473,6 +474,9 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     class Pusher:
         lora_name = "run"
 
+        def needs_initial_push(self, model, holds_pushed_weights):
+            return has_trained_adapter(model)
+
         def push(self, model, version):
             events.append(("push", version))
             return {}
@@ -490,7 +494,8 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
 
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session",
                         lambda self, lora_name=None: Session(lora_name))
-    monkeypatch.setattr(setup, "check_server", lambda args, model: "facts")
+    facts = SimpleNamespace(holds_pushed_weights=False)
+    monkeypatch.setattr(setup, "check_server", lambda args, model: facts)
     base = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
     logged = []
@@ -500,12 +505,13 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
                               args=AsyncGRPOConfig(output_dir=str(tmp_path)),
                               state=SimpleNamespace(global_step=0))
     evaluation.evaluate_now(trainer, EVAL_SPLIT)
-    assert events == [("evaluate", 0, None)]  # B is zero: the served base model is the policy
+    # B is zero: the served base model is the policy (the pusher asked, and closed unused)
+    assert events == [("pusher for", facts), ("close",), ("evaluate", 0, None)]
     events.clear()
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if ".lora_B." in n).fill_(0.1)
     metrics = evaluation.evaluate_now(trainer, EVAL_SPLIT)
-    assert events == [("pusher for", "facts"), ("push", 1), ("wait",), ("evaluate", 1, "run"),
+    assert events == [("pusher for", facts), ("push", 1), ("wait",), ("evaluate", 1, "run"),
                       ("close",)]
     assert metrics["eval/model_version"] == 1.0 and metrics["eval/step"] == 0.0
     assert logged[-1] == metrics and trainer.model_version == 0  # train() pushes version 1 again

@@ -348,21 +348,26 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
     - after `train()` under LoRA adapter sync the run's end unloaded its adapters
       (`AdapterPusher.close`), so the evaluation would sample the base model: the trainer's
       adapter is loaded again as `version`'s and unloaded after;
-    - before `train()` (version 0) with a trained LoRA adapter passed in as the model
-      (non-zero B), a fresh server serves the base model: the weights are pushed as version 1,
-      as `train()` pushes them before its first rollout, by the pusher the server calls for
-      (adapter sync on a LoRA server, else merged); an adapter is unloaded after, merged
-      weights stay served.
+    - before `train()` (version 0) the server serves the model's weights only where `train()`
+      would not push them before its first rollout (the pusher's `needs_initial_push`: not
+      with a trained LoRA adapter passed in, nor on a server an earlier run pushed into, where
+      calling again would meet the same weights): else they are pushed as version 1 first, by
+      the pusher the server calls for (adapter sync on a LoRA server, else merged); an adapter
+      is unloaded after, merged weights stay served.
     Every rank takes part, as in a push."""
     from grpo_agent.train import fsdp, setup
-    from grpo_agent.train.weights import has_trained_adapter
     from grpo_agent.weight_sync.adapter import AdapterPusher
 
     if trainer.pusher is None and trainer.synced_lora_name is not None and version > 0:
         pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
-    elif trainer.pusher is None and version == 0 and has_trained_adapter(trainer.model):
+    elif trainer.pusher is None and version == 0:
         facts = setup.check_server(trainer.args, trainer.model)
-        pusher, version = trainer.pusher_factory(trainer.args, trainer.model, facts), 1
+        pusher = trainer.pusher_factory(trainer.args, trainer.model, facts)
+        if not pusher.needs_initial_push(trainer.model, facts.holds_pushed_weights):
+            pusher.close()
+            yield None, version
+            return
+        version = 1
     else:
         yield None, version
         return
