@@ -42,3 +42,74 @@ def test_vision_tower_names_are_recognised():
     assert is_vision_tower_param("model.visual.blocks.0.attn.qkv.weight")
     assert not is_vision_tower_param("model.language_model.layers.0.mlp.up_proj.weight")
 
+
+
+def alternating_reward(completions, **kwargs):
+    """0, 1, 0, 1, ...: every group has reward variance, so every group trains."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def _served_fresh(server) -> None:
+    """`server` as a fresh start left it: the checkpoint's weights under vLLM's start label."""
+    from grpo_agent.sampler.server_facts import FRESH_WEIGHT_VERSION
+    from grpo_agent.weight_sync.transports.control import ServerControl
+
+    from tests.conftest import push_original_weights
+
+    push_original_weights(server)
+    with ServerControl(server.base_url, 60.0) as control:
+        control.call("POST", "/update_weight_version", json_body={"new_version": FRESH_WEIGHT_VERSION})
+
+
+def _sampled_gap(model, samples) -> float:
+    """The largest gap between a trained token's sampler log-prob and `model`'s."""
+    gaps = []
+    for sample in samples:
+        seq = sample.sequence
+        with torch.no_grad():
+            logits = model(torch.tensor([seq.token_ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        gaps += [abs(logprobs[i - 1, seq.token_ids[i]].item() - seq.sampler_logprobs[i])
+                 for i in range(1, len(seq.token_ids)) if seq.trained_mask[i]]
+    return max(gaps)
+
+
+@pytest.mark.vllm
+def test_a_model_changed_in_memory_is_pushed_before_the_first_rollout_an_unchanged_one_is_not(
+        trained_server, tmp_path, record_trained):
+    """On a fresh server (the checkpoint's weights, vLLM's start label), a model loaded and
+    changed in memory, then passed to the trainer, was never pushed at start: its first
+    rollouts were sampled by the checkpoint's weights and labelled version 0. Now they are its
+    own, as version 1. A model the trainer loads itself and nobody changed is not pushed: the
+    fresh server already serves it (no cold push, DESIGN 6c)."""
+    from datasets import Dataset
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    def changed():
+        model = AutoModelForCausalLM.from_pretrained(trained_server.model_path, dtype=torch.float32)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.5)
+        return model
+
+    def run(model, name):
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / name), vllm_server_base_url=trained_server.base_url,
+            num_generations=2, max_completion_length=8, token_budget=64, max_steps=1,
+            learning_rate=0.0, save_strategy="no", report_to="none", use_cpu=True)
+        trainer = AsyncGRPOTrainer(
+            model=model, args=args, reward_funcs=alternating_reward,
+            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "A cat"}]] * 4}))
+        trained = record_trained(trainer)
+        trainer.train()
+        return [s for s in trained if s.sequence.num_trained]
+
+    _served_fresh(trained_server)
+    samples = run(changed(), "changed")
+    assert samples and {s.model_version for s in samples} == {1}
+    checkpoint = AutoModelForCausalLM.from_pretrained(trained_server.model_path, dtype=torch.float32)
+    assert _sampled_gap(changed(), samples) < 2e-3 and _sampled_gap(checkpoint, samples) > 2e-2
+    _served_fresh(trained_server)
+    samples = run(str(trained_server.model_path), "unchanged")
+    assert samples and {s.model_version for s in samples} == {0}
+    assert _sampled_gap(checkpoint, samples) < 2e-3

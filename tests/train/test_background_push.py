@@ -189,11 +189,42 @@ def test_close_logs_a_last_push_that_did_not_land_and_closes_the_transport(pushe
     assert "did not land" in caplog.text and closed == [True]
 
 
-def test_only_a_server_an_earlier_run_pushed_into_needs_the_initial_push(pusher):
+def test_the_initial_push_is_skipped_only_for_weights_loaded_from_the_checkpoint_and_unchanged(
+        pusher):
+    """A fresh server serves the checkpoint it loaded. The initial push was skipped on every
+    fresh server, so a model edited or fine-tuned in memory before train() had its first
+    rollouts sampled by the checkpoint's weights, labelled version 0. Now it is skipped only
+    for weights the trainer loaded itself (`remember_loaded_weights`) that did not change
+    since; any edit (one element through `.data`, a row swap that keeps every sum) or a model
+    passed in as an object pushes, and a changed torch thread count does not."""
+    from grpo_agent.testing import build_tiny_model
+    from grpo_agent.train.weights import remember_loaded_weights
+    from transformers import AutoModelForCausalLM
+
     made, _ = pusher
-    model = torch.nn.Linear(2, 2)
+
+    def loaded():
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.bfloat16)
+        remember_loaded_weights(model)
+        return model
+
+    model = loaded()
     assert made.needs_initial_push(model, holds_pushed_weights=True)
-    assert not made.needs_initial_push(model, holds_pushed_weights=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert not made.needs_initial_push(model, holds_pushed_weights=False)
+    finally:
+        torch.set_num_threads(threads)
+    model.model.layers[1].mlp.down_proj.weight.data[3, 5] += 0.5  # no version-counter bump
+    assert made.needs_initial_push(model, holds_pushed_weights=False)
+    model = loaded()
+    with torch.no_grad():
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        weight[[0, 1]] = weight[[1, 0]]
+    assert made.needs_initial_push(model, holds_pushed_weights=False)
+    passed_in = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.bfloat16)
+    assert made.needs_initial_push(passed_in, holds_pushed_weights=False)
 
 
 def test_a_wrapped_model_is_pushed_under_its_own_parameter_names(pusher):

@@ -81,9 +81,11 @@ def test_a_trained_adapter_passed_in_is_pushed_before_the_first_rollout_under_ei
     """A fresh server serves the base model. Merged sync pushed first only into a server an
     earlier run had pushed into, so a trained adapter passed in (non-zero B) without
     --enable-lora had its first rollouts sampled by the base model, labelled version 0."""
+    from grpo_agent.train.weights import remember_loaded_weights
     from grpo_agent.weight_sync.full import WeightPusher
 
     model = _peft(tiny_path, r=4, target_modules=["q_proj"])
+    remember_loaded_weights(model)  # as the trainer does with a model it loads itself
     merged, adapter = WeightPusher.__new__(WeightPusher), AdapterPusher.__new__(AdapterPusher)
     assert not merged.needs_initial_push(model, False)  # PEFT starts B at zero: the base model
     assert not adapter.needs_initial_push(model, False)

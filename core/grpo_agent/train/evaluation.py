@@ -351,7 +351,8 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
     - before `train()` (version 0) the server serves the model's weights only where `train()`
       would not push them before its first rollout (the pusher's `needs_initial_push`: not
       with a trained LoRA adapter passed in, nor on a server an earlier run pushed into, where
-      calling again would meet the same weights): else they are pushed as version 1 first, by
+      calling again would meet the same weights, nor for a model not known to be the served
+      checkpoint's): else they are pushed as version 1 first, by
       the pusher the server calls for (adapter sync on a LoRA server, else merged); an adapter
       is unloaded after, merged weights stay served.
     Every rank takes part, as in a push."""

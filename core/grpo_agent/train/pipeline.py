@@ -46,7 +46,8 @@ class RolloutPipelineMixin:
         # Kept after train(): evaluate() then loads the adapter again (train/evaluation.py).
         self.synced_lora_name = self.pusher.lora_name
         # Push before the first rollout only when the served weights can differ from ours: a
-        # resumed run, or a server an earlier run pushed into. A fresh server already has them.
+        # resumed run, a server an earlier run pushed into, a model not known to be the
+        # checkpoint a fresh server loaded (`weights.served_weights_may_differ`).
         if self.state.global_step > 0 or self.pusher.needs_initial_push(
                 self.model, facts.holds_pushed_weights):
             self.model_version += 1

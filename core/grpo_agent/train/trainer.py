@@ -50,6 +50,7 @@ from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
 from grpo_agent.train.step_source import StepSource, is_last_step
 from grpo_agent.train.update_guard import UpdateGuard
+from grpo_agent.train.weights import remember_loaded_weights
 from grpo_agent.types import TrainingSample
 from grpo_agent.weight_sync.pusher import Pusher, build_weight_pusher
 
@@ -124,6 +125,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
+        loads_itself = isinstance(model, str)  # else its weights may not be the checkpoint's
         model = setup.load_model(model, args)
         processing_class = setup.load_processing_class(model, processing_class, args)
         if peft_config is not None:
@@ -203,6 +205,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                           if eval_dataset is not None else None)
         self.add_callback(evaluation.EvaluationCallback(self))
         self.add_callback(AsyncStepCallback(self))
+        if loads_itself:  # on the weights' device, sharded: as the start push compares them
+            remember_loaded_weights(self.model)
         if self.pop_callback(ProgressCallback) is not None:  # only where tqdm is on
             self.add_callback(StepProgressCallback())
 

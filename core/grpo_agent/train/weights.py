@@ -14,6 +14,7 @@ Three things stand between a training model and the names a vLLM model loads:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -43,6 +44,72 @@ def has_trained_adapter(model: nn.Module) -> bool:
     if fsdp.world_size() > 1:
         torch.distributed.all_reduce(nonzero, op=torch.distributed.ReduceOp.MAX)
     return bool(nonzero.item())
+
+
+# Elements per block of a fingerprint pass: its int64 copy is at most 128 MiB.
+FINGERPRINT_BLOCK = 1 << 24
+# Models whose weights the trainer loaded itself from the checkpoint they name, with the
+# fingerprint they had then (`remember_loaded_weights`).
+_AS_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_loaded_weights(model: nn.Module) -> None:
+    """The trainer loaded `model` itself from the checkpoint it names, the one a fresh server
+    loads: keep a fingerprint of its pushed weights for `served_weights_may_differ`. Under FSDP
+    every rank keeps its shards'."""
+    _AS_LOADED[getattr(model, "module", model)] = _fingerprint(model)
+
+
+def served_weights_may_differ(model: nn.Module, holds_pushed_weights: bool) -> bool:
+    """Whether the server may serve other (base) weights than `model`'s, so the trainer pushes
+    them before its first rollout: a server an earlier run pushed into, or a fresh one (it
+    loaded the checkpoint) while `model`'s weights are not known to be that checkpoint's. They
+    are known only where the trainer loaded them itself and they did not change since
+    (`remember_loaded_weights`), so an unchanged model is not pushed cold. A model object passed
+    in may have been edited or fine-tuned in memory, and telling it from the checkpoint would
+    mean reading the checkpoint, about what the push costs: it is pushed. The fingerprint reads
+    the weights once where they are (the test model: 9.5 ms, its push 47-68 ms; docs/vllm.md,
+    "Weight sync"). Under FSDP every rank calls it (each compares its shards; the ranks agree)."""
+    from grpo_agent.train import fsdp
+
+    if holds_pushed_weights:
+        return True
+    loaded = _AS_LOADED.get(getattr(model, "module", model))
+    changed = torch.tensor(float(loaded is None or _changed(loaded, _fingerprint(model))))
+    if fsdp.world_size() > 1:
+        torch.distributed.all_reduce(changed, op=torch.distributed.ReduceOp.MAX)
+    return bool(changed.item())
+
+
+def _fingerprint(model: nn.Module) -> list[torch.Tensor]:
+    """The row and column sums of every pushed weight's raw bits, as integers: exact, so the
+    same whatever the thread count or the order of the reduction, and changed by any edit
+    short of one that keeps every row's and every column's sum."""
+    sums = []
+    with torch.no_grad():
+        for name, param in getattr(model, "module", model).named_parameters():
+            if not (_is_adapter_param(name) or is_vision_tower_param(name)):
+                sums.extend(_bit_sums(_local(param.detach())))
+    return sums
+
+
+def _bit_sums(tensor: torch.Tensor) -> list[torch.Tensor]:
+    if tensor.numel() == 0:
+        return []
+    bits = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}[bits.element_size()]
+    bits = bits.contiguous().view(as_int)  # 8-byte elements as two int32s: no int64 overflow
+    rows, columns = [], torch.zeros(bits.shape[1], dtype=torch.int64, device=bits.device)
+    for block in bits.split(max(1, FINGERPRINT_BLOCK // bits.shape[1])):
+        wide = block.to(torch.int64)
+        rows.append(wide.sum(dim=1))
+        columns += wide.sum(dim=0)
+    return [torch.cat(rows), columns]
+
+
+def _changed(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    return len(before) != len(after) or not all(
+        a.shape == b.shape and torch.equal(a, b.to(a.device)) for a, b in zip(before, after))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,7 @@ class AdapterPusher:
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
         """True when the adapter is not zero (a trained one was passed in): the server's base
         model is then not version 0, so the trainer pushes before the first rollout. (Base
-        weights an earlier run pushed were already restored in `__init__`.)"""
+        weights the server may not share, `base_is_stale`, were already pushed in `__init__`.)"""
         return has_trained_adapter(model)
 
     def push(self, model: nn.Module, version: int) -> dict[str, float]:
@@ -304,8 +304,10 @@ class AdapterPusher:
         return ServerControl(self.args.vllm_server_base_url, self.args.vllm_server_timeout)
 
     def _restore_base_weights(self, model: nn.Module) -> None:
-        """An earlier merged-sync run changed the served base weights: put ours back, once."""
-        logger.info("The server holds weights an earlier run pushed; restoring the base model "
+        """The served base weights may not be ours (an earlier merged-sync run changed them, or
+        the model was not loaded from the checkpoint by the trainer): push ours, once."""
+        logger.info("The server may serve other base weights than the model's (an earlier run "
+                    "pushed, or the model was passed in as an object); pushing the base model "
                     "before serving LoRA adapters on it.")
         pusher = WeightPusher(self.args, backend=self._backend, background=False)
         try:

@@ -33,7 +33,12 @@ from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train import fsdp
-from grpo_agent.train.weights import full_weights, has_trained_adapter, merged_adapters
+from grpo_agent.train.weights import (
+    full_weights,
+    has_trained_adapter,
+    merged_adapters,
+    served_weights_may_differ,
+)
 from grpo_agent.weight_sync.transports import build_weight_sync, server_backend
 from grpo_agent.weight_sync.transports.control import SyncTimings
 
@@ -78,9 +83,11 @@ class WeightPusher:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
     def needs_initial_push(self, model: nn.Module, holds_pushed_weights: bool) -> bool:
-        """A fresh server already serves the model's weights, unless a trained LoRA adapter
-        was passed in (it serves the base model then); one an earlier run pushed into may not."""
-        return holds_pushed_weights or has_trained_adapter(model)
+        """Unless the server serves the model's weights already: a fresh one does when the
+        trainer loaded them from its checkpoint and they did not change since, and no trained
+        LoRA adapter was passed in (it serves the base model then); see
+        `served_weights_may_differ`."""
+        return served_weights_may_differ(model, holds_pushed_weights) or has_trained_adapter(model)
 
     def push(self, model: nn.Module, version: int, *, merge_adapters: bool = True) -> dict[str, float]:
         """Send all weights as `version` (LoRA merged in unless `merge_adapters` is False);

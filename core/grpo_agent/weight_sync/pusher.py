@@ -14,6 +14,7 @@ from torch import nn
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.sampler.server_facts import ServerFacts
+from grpo_agent.train.weights import served_weights_may_differ
 from grpo_agent.weight_sync.adapter import AdapterPusher, use_adapter_sync
 from grpo_agent.weight_sync.full import WeightPusher
 
@@ -42,7 +43,8 @@ def build_weight_pusher(args: AsyncGRPOConfig, model: nn.Module, facts: ServerFa
     """An `AdapterPusher` when the server can serve this model's LoRA adapter, else merged;
     raises when a LoRA server's limits are too small."""
     if use_adapter_sync(model, facts, args):
-        return AdapterPusher(args, model, base_is_stale=facts.holds_pushed_weights,
+        return AdapterPusher(args, model,
+                             base_is_stale=served_weights_may_differ(model, facts.holds_pushed_weights),
                              backend=facts.weight_transfer_backend)
     # Under a max_staleness=0 hold nothing samples until the push lands: nothing to overlap.
     return WeightPusher(args, backend=facts.weight_transfer_backend,
