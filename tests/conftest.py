@@ -95,6 +95,17 @@ def push_original_weights(server) -> None:
         sync.close()
 
 
+def serve_fresh(server) -> None:
+    """`server` as a fresh start (or a restart) leaves it: the model folder's weights under
+    vLLM's start label, so a trainer sees no earlier run's push."""
+    from grpo_agent.sampler.server_facts import FRESH_WEIGHT_VERSION
+    from grpo_agent.weight_sync.transports.control import ServerControl
+
+    push_original_weights(server)
+    with ServerControl(server.base_url, 60.0) as control:
+        control.call("POST", "/update_weight_version", json_body={"new_version": FRESH_WEIGHT_VERSION})
+
+
 @pytest.fixture(scope="module")
 def trained_server(vllm_server):
     """The session's server for a module whose trainers push weights into it.

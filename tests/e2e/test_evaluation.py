@@ -143,6 +143,29 @@ def test_evaluate_before_train_on_a_server_an_earlier_run_pushed_into_serves_the
     assert trainer.model_version == 0  # train() pushes at its start again
 
 
+@pytest.mark.vllm
+def test_evaluate_after_train_on_a_restarted_server_serves_the_trained_weights_first(
+        server, tmp_path, record_trained):
+    """After `train()` under merged sync, `trainer.evaluate()` sampled whatever the server
+    held: restarted (here made so: the model folder's weights under vLLM's start label) it
+    raised EvaluationInterrupted, saying to call it again, which met the same weights. Now it
+    pushes the trainer's weights again as their version first; on a server that still serves
+    them it pushes nothing."""
+    from datasets import Dataset
+
+    from tests.conftest import serve_fresh
+
+    trainer, _ = _run(server, tmp_path, record_trained, "restarted")
+    split = Dataset.from_dict(_prompts([f"{MARK} one"]))
+    serve_fresh(server)
+    metrics = trainer.evaluate(eval_dataset=split)  # the pin: every token labelled the version
+    assert metrics["eval/model_version"] == float(trainer.model_version) > 0
+    pushes = []
+    trainer.pusher_factory = lambda *args: pushes.append(args)
+    assert trainer.evaluate(eval_dataset=split)["eval/model_version"] == metrics["eval/model_version"]
+    assert pushes == []
+
+
 def _mean(trainer, key):
     values = [row[key] for row in trainer.state.log_history if key in row]
     return sum(values) / len(values)

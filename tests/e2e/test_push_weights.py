@@ -49,18 +49,6 @@ def alternating_reward(completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
 
 
-def _served_fresh(server) -> None:
-    """`server` as a fresh start left it: the checkpoint's weights under vLLM's start label."""
-    from grpo_agent.sampler.server_facts import FRESH_WEIGHT_VERSION
-    from grpo_agent.weight_sync.transports.control import ServerControl
-
-    from tests.conftest import push_original_weights
-
-    push_original_weights(server)
-    with ServerControl(server.base_url, 60.0) as control:
-        control.call("POST", "/update_weight_version", json_body={"new_version": FRESH_WEIGHT_VERSION})
-
-
 def _sampled_gap(model, samples) -> float:
     """The largest gap between a trained token's sampler log-prob and `model`'s."""
     gaps = []
@@ -85,6 +73,8 @@ def test_a_model_changed_in_memory_is_pushed_before_the_first_rollout_an_unchang
     from datasets import Dataset
     from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
 
+    from tests.conftest import serve_fresh
+
     def changed():
         model = AutoModelForCausalLM.from_pretrained(trained_server.model_path, dtype=torch.float32)
         with torch.no_grad():
@@ -104,12 +94,12 @@ def test_a_model_changed_in_memory_is_pushed_before_the_first_rollout_an_unchang
         trainer.train()
         return [s for s in trained if s.sequence.num_trained]
 
-    _served_fresh(trained_server)
+    serve_fresh(trained_server)
     samples = run(changed(), "changed")
     assert samples and {s.model_version for s in samples} == {1}
     checkpoint = AutoModelForCausalLM.from_pretrained(trained_server.model_path, dtype=torch.float32)
     assert _sampled_gap(changed(), samples) < 2e-3 and _sampled_gap(checkpoint, samples) > 2e-2
-    _served_fresh(trained_server)
+    serve_fresh(trained_server)
     samples = run(str(trained_server.model_path), "unchanged")
     assert samples and {s.model_version for s in samples} == {0}
     assert _sampled_gap(checkpoint, samples) < 2e-3

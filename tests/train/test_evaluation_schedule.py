@@ -386,16 +386,16 @@ def test_evaluate_raises_an_evaluation_it_cannot_score_saying_to_call_it_again(t
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
     logged = []
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=5,
-                              served_step=7, log=logged.append,
+                              synced_merged=False, served_step=7, log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                                                    report_to="none"),
                               state=SimpleNamespace(global_step=7))
     with pytest.raises(EvaluationInterrupted, match=(
             r"^The vLLM server at \S+ sampled the evaluation of version 5 with weights labelled "
             r"\['default'\], not \['5'\] .* trainer\.evaluate\(\) scored and logged nothing: "
-            r"call it again once the server answers with version 5's weights \(during train\(\), "
-            r"from a later step: the trainer restores a lost server and pushes its weights "
-            r"first\)\.$")):
+            r"call it again once the server answers \(outside train\(\) it serves version 5's "
+            r"weights first where the server lost them; during train\(\), from a later step: "
+            r"the trainer restores a lost server and pushes its weights first\)\.$")):
         evaluation.evaluate_now(trainer, EVAL_SPLIT)
     assert logged == []
 
@@ -423,7 +423,8 @@ def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path,
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: CountingSession())
     logged = []
     trainer = SimpleNamespace(evaluator=None, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
-                              pusher=None, synced_lora_name=None, model_version=5,
+                              pusher=None, synced_lora_name=None, synced_merged=False,
+                              model_version=5,
                               served_step=6, state=SimpleNamespace(global_step=7),
                               log=logged.append)
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval split"):
@@ -499,7 +500,8 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     base = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
     logged = []
-    trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=0,
+    trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None,
+                              synced_merged=False, model_version=0,
                               served_step=0, model=model, pusher_factory=pusher_factory,
                               log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path)),

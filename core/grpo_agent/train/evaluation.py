@@ -47,6 +47,7 @@ class TrainerView(Protocol):
     pusher: Any
     pusher_factory: Callable[..., Any]
     synced_lora_name: str | None
+    synced_merged: bool
     model: Any
     model_version: int
     served_step: int
@@ -332,8 +333,9 @@ def evaluate_now(trainer: TrainerView, eval_dataset: Any = None) -> dict[str, fl
     except EvaluationInterrupted as error:
         raise EvaluationInterrupted(
             f"{error} trainer.evaluate() scored and logged nothing: call it again once the server "
-            f"answers with version {version}'s weights (during train(), from a later step: the "
-            "trainer restores a lost server and pushes its weights first).") from error
+            f"answers (outside train() it serves version {version}'s weights first where the "
+            "server lost them; during train(), from a later step: the trainer restores a lost "
+            "server and pushes its weights first).") from error
     evaluator.results.append(result)
     metrics = {**result.metrics, "eval/step": float(trainer.served_step)}
     trainer.log(metrics)
@@ -348,6 +350,10 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
     - after `train()` under LoRA adapter sync the run's end unloaded its adapters
       (`AdapterPusher.close`), so the evaluation would sample the base model: the trainer's
       adapter is loaded again as `version`'s and unloaded after;
+    - after `train()` under merged sync the server serves `version` unless it was restarted
+      (its start label) or another run pushed into it since (another version's label): then
+      the weights are pushed again as `version` (a server without labels cannot tell, and
+      the evaluation's label check cannot either: nothing is pushed);
     - before `train()` (version 0) the server serves the model's weights only where `train()`
       would not push them before its first rollout (the pusher's `needs_initial_push`: not
       with a trained LoRA adapter passed in, nor on a server an earlier run pushed into, where
@@ -356,11 +362,18 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
       the pusher the server calls for (adapter sync on a LoRA server, else merged); an adapter
       is unloaded after, merged weights stay served.
     Every rank takes part, as in a push."""
+    from grpo_agent.sampler.server_facts import served_version_labels
     from grpo_agent.train import fsdp, setup
     from grpo_agent.weight_sync.adapter import AdapterPusher
 
     if trainer.pusher is None and trainer.synced_lora_name is not None and version > 0:
         pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
+    elif trainer.pusher is None and trainer.synced_merged and version > 0:
+        facts = setup.check_server(trainer.args, trainer.model)
+        if facts.weight_version in {None, *served_version_labels(version)}:
+            yield None, version
+            return
+        pusher = trainer.pusher_factory(trainer.args, trainer.model, facts)
     elif trainer.pusher is None and version == 0:
         facts = setup.check_server(trainer.args, trainer.model)
         pusher = trainer.pusher_factory(trainer.args, trainer.model, facts)

@@ -192,6 +192,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.source: StepSource | None = None
         self.pusher: Pusher | None = None
         self.synced_lora_name: str | None = None  # the adapter prefix of the last train()'s pushes
+        self.synced_merged = False  # the last train() pushed merged weights
         self._step_samples: list[TrainingSample] = []
         self._planned_ahead = None  # the next step's (plan, samples), from `plan_ahead`
         self._planning = None  # the step planner while rank 0 pulls its samples
