@@ -6,11 +6,12 @@ from pathlib import Path
 
 import fsdp_lora_worker
 import fsdp_metrics_worker
+import fsdp_start_push_worker
 import fsdp_worker
 import torch.distributed as dist
 
 CHECKS = {"loss": fsdp_worker.check, "metrics": fsdp_metrics_worker.check,
-          "lora": fsdp_lora_worker.check}
+          "lora": fsdp_lora_worker.check, "start_push": fsdp_start_push_worker.check}
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")

@@ -62,3 +62,13 @@ def test_fsdp2_ranks_gather_the_full_adapter_and_agree_it_needs_a_push(fsdp_resu
     assert result["max_error"] == 0.0
     assert result["needs_push_when_zero"] is False
     assert result["needs_push_when_trained"] is True
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_agree_on_the_start_push_of_an_edit_only_one_shard_holds(fsdp_result):
+    """The start push rule compares each rank's own shards with their fingerprint at load:
+    an edit only rank 1 holds makes rank 0 push too (they all-reduce), unchanged shards don't."""
+    result = fsdp_result("start_push")
+    assert result["sharded"] == "DTensor"
+    assert result["push_when_unchanged"] is False
+    assert result["push_when_edited_on_rank_1"] is True
