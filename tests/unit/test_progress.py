@@ -5,6 +5,7 @@ import io
 import math
 from types import SimpleNamespace
 
+import pytest
 from grpo_agent.train import reporting
 from grpo_agent.train.reporting import ProgressCallback, bar_extent, position_text, train_status
 from rich.console import Console
@@ -36,7 +37,7 @@ def test_a_window_without_a_scored_rollout_shows_the_last_known_reward_not_nan()
 def test_the_bar_keeps_the_last_reward_and_counts_to_max_steps():
     bar = ProgressCallback(Console(file=io.StringIO(), force_terminal=True))
     run_args = args(max_steps=4)
-    bar.on_train_begin(run_args, state(0, 0.0), None)
+    bar.on_epoch_begin(run_args, state(0, 0.0), None)
     try:
         task = bar._progress.tasks[0]
         assert task.total == 4 and task.fields["position"] == "step 0/4"
@@ -56,7 +57,7 @@ def test_off_a_terminal_progress_goes_out_as_plain_lines_throttled_but_every_eva
     bar = ProgressCallback(Console(file=out, width=200))
     run_args = args(max_steps=4)
     monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 3600.0)
-    bar.on_train_begin(run_args, state(0, 0.0), None)
+    bar.on_epoch_begin(run_args, state(0, 0.0), None)
     bar.on_log(run_args, state(1, 0.1), None, logs={"loss": 0.1, "reward": 0.5})  # held back
     bar.on_log(run_args, state(2, 0.2), None, logs={"eval/pass@1": 0.75, "eval/step": 2.0})
     monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 0.0)
@@ -77,7 +78,7 @@ def test_off_a_terminal_the_final_state_is_printed_when_throttling_held_it_back(
     out = io.StringIO()
     bar = ProgressCallback(Console(file=out, width=200))
     monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 3600.0)
-    bar.on_train_begin(args(max_steps=2), state(0, 0.0), None)
+    bar.on_epoch_begin(args(max_steps=2), state(0, 0.0), None)
     bar.on_log(args(max_steps=2), state(2, 0.2), None, logs={"loss": 0.1, "reward": 0.5})
     bar.on_train_end(args(max_steps=2), state(2), None)
     assert out.getvalue().splitlines()[-1].startswith("train step 2/2  reward 0.500  [")
@@ -87,7 +88,7 @@ def test_other_processes_show_nothing():
     out = io.StringIO()
     bar = ProgressCallback(Console(file=out, width=200))
     other_rank = SimpleNamespace(global_step=1, epoch=0.1, is_world_process_zero=False)
-    bar.on_train_begin(args(max_steps=4), other_rank, None)
+    bar.on_epoch_begin(args(max_steps=4), other_rank, None)
     bar.on_log(args(max_steps=4), other_rank, None, logs={"loss": 0.1, "reward": 0.5})
     bar.on_train_end(args(max_steps=4), other_rank, None)
     assert out.getvalue() == ""
@@ -110,7 +111,7 @@ def test_an_evaluation_keeps_the_train_status_and_logs_after_the_run_print_nothi
     bar = ProgressCallback(Console(file=out, width=200))
     run_args = args(max_steps=4)
     monkeypatch.setattr(reporting, "PLAIN_LINE_INTERVAL_S", 0.0)
-    bar.on_train_begin(run_args, state(0, 0.0), None)
+    bar.on_epoch_begin(run_args, state(0, 0.0), None)
     bar.on_log(run_args, state(1, 0.1), None, logs={"loss": 0.1, "reward": 0.5, "perf/step_s": 1.5})
     bar.on_log(run_args, state(1, 0.1), None, logs={"eval/pass@1": 0.75, "eval/step": 1.0})
     bar.on_train_end(run_args, state(1), None)
@@ -152,3 +153,24 @@ def test_the_python_trainer_uses_that_bar(tiny_model_path, tmp_path):
         args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
     bars = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TqdmBar)]
     assert [type(cb) for cb in bars] == [StepProgressCallback]
+
+
+def test_a_run_whose_start_check_refuses_the_server_never_says_it_waits_for_rollouts(
+        tiny_model_path, tmp_path, monkeypatch):
+    """`train step 0/N  waiting for rollouts` was printed just before the start check's refusal
+    (the pipeline starts at train begin, after this callback's): the run never waited."""
+    from grpo_agent import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grpo_agent.train import setup
+
+    def refuse(args, model):
+        raise ValueError("the start check refuses the server")
+
+    monkeypatch.setattr(setup, "check_server", refuse)
+    out = io.StringIO()
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_path), reward_funcs=[_zero_reward], train_dataset=[{"prompt": "2+2?"}],
+        args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2),
+        callbacks=[ProgressCallback(Console(file=out, width=200))])
+    with pytest.raises(ValueError, match="refuses the server"):
+        trainer.train()
+    assert out.getvalue() == ""

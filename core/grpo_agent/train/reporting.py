@@ -61,7 +61,10 @@ class ProgressCallback(TrainerCallback):
     """One rich progress bar: steps (of `max_steps`, or the run's prompt epochs), the last known
     reward, step time, queue state and the last evaluation. When the output is not a terminal
     (a log file, a batch job) a live bar shows nothing until the end, so the same text goes out
-    as plain lines instead: every evaluation, and a step at most every `PLAIN_LINE_INTERVAL_S`."""
+    as plain lines instead: every evaluation, and a step at most every `PLAIN_LINE_INTERVAL_S`.
+    Nothing shows before the first epoch begins, where the run starts waiting for rollouts:
+    the pipeline's start check runs at train begin after this callback's, and "waiting for
+    rollouts" was printed just before its refusal of the server."""
 
     def __init__(self, console=None) -> None:
         """`console`: a `rich.console.Console` to write to (default: stdout's)."""
@@ -76,8 +79,8 @@ class ProgressCallback(TrainerCallback):
         self._eval_status = ""  # the last evaluation, kept beside the training status
         self._last_reward: float | None = None  # a window without a scored rollout keeps it
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or self._plain or self._progress is not None:
             return
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -98,7 +101,7 @@ class ProgressCallback(TrainerCallback):
             status=self._train_status)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if (self._progress is None and not self._plain) or not logs:
+        if not logs or not state.is_world_process_zero:
             return
         evaluated = "eval/pass@1" in logs
         if evaluated:
@@ -108,6 +111,8 @@ class ProgressCallback(TrainerCallback):
             if reward is not None and math.isfinite(reward):
                 self._last_reward = reward
             self._train_status = train_status(logs, self._last_reward)
+        if self._progress is None and not self._plain:  # not shown (yet, or any more)
+            return
         if self._plain:
             if evaluated or time.perf_counter() - self._line_at >= PLAIN_LINE_INTERVAL_S:
                 self._print_line(args, state)
