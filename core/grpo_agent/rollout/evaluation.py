@@ -178,9 +178,15 @@ class EvalSession:
     def __init__(self, loop_cls: type, *, config: Any, processing_class: Any, reward_funcs: Any,
                  settings: EvalSettings, tools: list | None = None, environment_factory: Any = None,
                  lora_name: str | None = None, model_name: str = "",
-                 restores: Callable[[], int] | None = None) -> None:
+                 restores: Callable[[], int] | None = None, dtype: str | None = None,
+                 bf16_only_on_cpu: bool = False) -> None:
         """`restores`: how many times the run has restored its server so far (the trainer's
-        `server_restores`); None for a server nobody restores (`grpo-agent eval`)."""
+        `server_restores`); None for a server nobody restores (`grpo-agent eval`). `dtype`
+        and `bf16_only_on_cpu` (`ServerNeeds`'): the dtype the evaluated weights are served in
+        (the trainer's; `grpo-agent eval`'s managed server's), which a refusal's command names:
+        without it a CPU server started from the advice served float32 weights in bfloat16,
+        whose answers differ."""
+        self._dtype_needs = {"trainer_dtype": dtype, "bf16_only_on_cpu": bf16_only_on_cpu}
         self._training = restores is not None
         self._restores = restores or (lambda: 0)
         self._adapters = lora_name is not None  # each version is an adapter on version 0's weights
@@ -237,7 +243,7 @@ class EvalSession:
         url, length = self.loop.config.vllm_server_base_url, self.loop.config.max_completion_length
         model = getattr(self.loop, "model_name", "")
         needs = ServerNeeds(model=model or facts.model_id, max_completion_length=length,
-                            num_sampler_logprobs=0, logprobs_per_token=0)
+                            num_sampler_logprobs=0, logprobs_per_token=0, **self._dtype_needs)
         command = serve_command_at(url, needs, facts.device)
         try:
             if model:

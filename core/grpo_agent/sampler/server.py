@@ -86,6 +86,9 @@ def training_flags(max_model_len: int, max_logprobs: int, backend: str | None) -
 # beside the run's max_completion_length.
 MANAGED_MAX_MODEL_LEN = 1024
 PROMPT_ROOM = 512
+# The dtype a server started without --vllm-url serves in (`grpo-agent train` and `eval`): the
+# trainer's float32 weights, so trainer and sampler log-probs agree.
+MANAGED_DTYPE = "float32"
 
 
 def managed_max_model_len(model_path: str, max_completion_length: int) -> int:

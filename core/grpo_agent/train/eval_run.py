@@ -62,7 +62,7 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
              vllm_url: str | None = None, env_args: dict[str, Any] | None = None,
              out_path: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Evaluate `model` on the env's eval split; returns the result (as JSON) and its path."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from grpo_agent.plugins import load_registry
     from grpo_agent.rollout.evaluation import (
@@ -72,8 +72,10 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
         run_evaluation,
     )
     from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.sampler.server import MANAGED_DTYPE
     from grpo_agent.train.reporting import quiet_library_bars_off_terminal
     from grpo_agent.train.run import _server, _tiny_model_path
+    from grpo_agent.train.setup import bf16_only_on_cpu
 
     quiet_library_bars_off_terminal()  # a hub model's tokenizer download, as in run_training
     registry = load_registry()
@@ -86,6 +88,7 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
     rows = dataset_rows(split)
     model_path = check_model_folder(model) if model else _tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    hybrid = bf16_only_on_cpu(AutoConfig.from_pretrained(model_path))
     settings = EvalSettings.from_config(config, spec.success_threshold)
     with _server(model_path, vllm_url, None, config) as base_url:
         config.vllm_server_base_url = base_url
@@ -94,7 +97,8 @@ def run_eval(env: str, config: AsyncGRPOConfig, model: str | None = None,
             return EvalSession(
                 AsyncRolloutLoop, config=config, processing_class=tokenizer,
                 reward_funcs=spec.reward_funcs(registry, config.plugin_args), settings=settings,
-                environment_factory=spec.environment_factory, model_name=model_path)
+                environment_factory=spec.environment_factory, model_name=model_path,
+                dtype=MANAGED_DTYPE, bf16_only_on_cpu=hybrid)  # as the managed server serves
 
         result = run_evaluation(session, rows, version=0)
     report = {"env": spec.id, "env_args": spec.option_values, "model": model_path,

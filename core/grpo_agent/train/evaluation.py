@@ -168,14 +168,18 @@ class TrainingEvaluator:
 
     def session(self, lora_name: str | None = None) -> EvalSession:
         """`lora_name`: the adapter prefix to sample; default the running pipeline's pusher's."""
+        from grpo_agent.train.setup import server_needs
+
         trainer = self.trainer
+        needs = server_needs(trainer.args, trainer.model, lora_sync=False)  # its dtype, as training's
         return EvalSession(
             trainer.loop_cls, config=trainer.args, processing_class=trainer.processing_class,
             reward_funcs=trainer.reward_funcs, settings=self.settings, tools=trainer.tools,
             environment_factory=trainer.environment_factory,
             lora_name=lora_name or getattr(trainer.pusher, "lora_name", None),
             model_name=str(trainer.model.config._name_or_path),
-            restores=getattr(trainer, "server_restores", None))  # None: a stand-in trainer
+            restores=getattr(trainer, "server_restores", None),  # None: a stand-in trainer
+            dtype=needs.trainer_dtype, bf16_only_on_cpu=needs.bf16_only_on_cpu)
 
     @property
     def running(self) -> bool:

