@@ -140,13 +140,11 @@ def check_serves_model(facts: ServerFacts, base_url: str, model: str, *, fix: st
             f"The vLLM server at {base_url} serves {facts.model_id!r} but {user} {model!r}. {fix}")
 
 
-def check_completion_room(facts: ServerFacts, max_completion_length: int, *,
-                          fix: str | None = None) -> None:
+def check_completion_room(facts: ServerFacts, max_completion_length: int, *, fix: str) -> None:
     """Refuse a `max_completion_length` that leaves no room for a prompt in the server's
-    `max_model_len`: every request would be rejected. `fix` replaces the fix sentence."""
+    `max_model_len`: every request would be rejected. `fix` is the fix sentence, which names
+    the caller's whole server command (as `check_serves_model`'s)."""
     if max_completion_length >= facts.max_model_len:
-        fix = fix or ("Lower max_completion_length or restart the server with a larger "
-                      "--max-model-len.")
         raise ValueError(
             f"max_completion_length={max_completion_length} leaves no room for a prompt: the "
             f"server's max_model_len is {facts.max_model_len}. {fix}")
