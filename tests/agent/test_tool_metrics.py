@@ -1,13 +1,20 @@
 """`tools/*` metrics are logged only when the trainer has tools (the spec's rule), though the
-tool loop counts calls either way."""
+tool loop counts calls either way; every kind of tool failure reaches its per-tool count."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from types import SimpleNamespace
 
+import pytest
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.group_scoring import build_group, score_group
 from grpo_agent.rollout.observations import completion_observations
-from test_tool_loop import call, multiply
+from grpo_agent.rollout.prompts import PromptSlot
+from grpo_agent.rollout.scoring import RewardFailureTracker
+from grpo_agent.stall import StageStalled
+from test_tool_loop import call, lookup, multiply
 
 
 def rollout_of(loop, tools):
@@ -40,3 +47,69 @@ def test_with_tools_every_tools_metric_is_logged_with_its_value(scripted_loop):
         "tools/multiply/call_count": 1.0,
         "tools/multiply/failure_count": 0.0,
     }
+
+
+async def wait_a_while(seconds: float) -> str:
+    """
+    Waits, then says so.
+
+    Args:
+        seconds: How long to wait.
+    """
+    await asyncio.sleep(seconds)
+    return "waited"
+
+
+def _position_reward(completions, **kwargs):
+    return [float(i % 2) for i in range(len(completions))]
+
+
+class _Stalls:
+    """The stall watch at the seam: the scoring stage passes its deadline (`stalled`) or not."""
+
+    def __init__(self, stalled: bool):
+        self.stalled = stalled
+
+    @contextlib.contextmanager
+    def stage(self, name, **detail):
+        if self.stalled and name == "scoring":
+            raise StageStalled(f"{name} passed its deadline")
+        yield
+
+
+@pytest.mark.parametrize("scoring", ["scored", "stalled"])
+def test_every_kind_of_tool_failure_reaches_its_tools_failure_count(scripted_loop, scoring):
+    """Arguments that do not fit the signature, a tool that raises and one that times out, each
+    through the real tool loop, then the real group building and scoring: each failure is in
+    `tools/{name}/failure_count` of the window the group's observations reach, also for a group
+    whose reward hung past the scoring deadline (dropped as stalled: its observations, tool
+    failures included, were lost with it)."""
+    tools = [multiply, lookup, wait_a_while]
+    scripts = [[call("multiply", x=1), "?"], [call("lookup", key="boom"), "?"],
+               [call("wait_a_while", seconds=30), "?"], [call("multiply", a=2, b=3), "6"]]
+    loops = [scripted_loop(script, tool_timeout_s=0.05) for script in scripts]
+    results = [(None, rollout_of(loop, tools), None) for loop in loops]
+    failed = [m["content"] for _, r, _ in results for m in r.completion if m["role"] == "tool"]
+    assert "do not fit" in failed[0] and "on fire" in failed[1] and "timed out" in failed[2]
+
+    loop = SimpleNamespace(
+        tools=tools, env_runner=None, reports_tools=False, runs_tools=True,
+        tool_executor=loops[0].tool_executor, stalls=_Stalls(scoring == "stalled"),
+        reward_funcs={"position": _position_reward},
+        config=SimpleNamespace(advantage_estimator="grpo"),
+        compute_advantages=lambda group: group.rewards - group.rewards.mean())
+    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0, row={"prompt": []})
+
+    async def build_and_score():
+        group = await build_group(loop, slot, 0, 0, results, lambda *a: None, lambda *a: None)
+        return await score_group(loop, group, RewardFailureTracker())
+
+    scored = asyncio.run(build_and_score())
+    assert scored.reason == (None if scoring == "scored" else "stalled")
+    window = MetricWindow()
+    window.extend(scored.observations)
+    logged = window.summarize()
+    counts = {name: (logged[f"tools/{name}/call_count"], logged[f"tools/{name}/failure_count"])
+              for name in ("multiply", "lookup", "wait_a_while")}
+    assert counts == {"multiply": (2.0, 1.0), "lookup": (1.0, 1.0), "wait_a_while": (1.0, 1.0)}
+    assert logged["tools/failure_frequency"] == 3 / 4

@@ -79,16 +79,18 @@ async def build_group(loop, slot: PromptSlot, group_id: int, version: int, resul
 
 async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker) -> ScoredGroup:
     """Reward `group` with the loop's reward functions (under the "scoring" stage deadline),
-    turn rewards into advantages with `loop.compute_advantages`, keep the rollouts with signal."""
+    turn rewards into advantages with `loop.compute_advantages`, keep the rollouts with signal.
+    The rollouts' own observations (`completions/*`, `tools/*`, ...) are kept whatever becomes
+    of the group: a group whose reward hung lost them, and with them its tool failures."""
+    seen = observations.completion_observations(
+        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
+        with_tool_failures=loop.runs_tools)
     try:
         with loop.stalls.stage("scoring", recover=True, group_id=group.group_id,
                                row_index=group.row_index, rewards=list(loop.reward_funcs)):
             scores, failure = await run_reward_functions(loop.reward_funcs, group, loop.tool_executor)
     except StageStalled:  # the hung reward's thread is abandoned; the group is unscored
-        return ScoredGroup([], "stalled")
-    seen = observations.completion_observations(
-        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
-        with_tool_failures=loop.runs_tools)
+        return ScoredGroup([], "stalled", seen)
     if failure is not None:
         seen.append(("rollout/reward_error_count", 1.0))
     try:
