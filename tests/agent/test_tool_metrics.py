@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from types import SimpleNamespace
 
 import pytest
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.concurrency import RolloutSlots
+from grpo_agent.rollout.engine import RolloutEngine
+from grpo_agent.rollout.environments import EnvironmentRewardError
 from grpo_agent.rollout.group_scoring import build_group, score_group
 from grpo_agent.rollout.observations import completion_observations
 from grpo_agent.rollout.prompts import PromptSlot
 from grpo_agent.rollout.scoring import RewardFailureTracker
+from grpo_agent.rollout.versions import VersionValue
 from grpo_agent.stall import StageStalled
+from grpo_agent.types import PromptConsumed
 from test_tool_loop import call, lookup, multiply
 
 
@@ -113,3 +119,46 @@ def test_every_kind_of_tool_failure_reaches_its_tools_failure_count(scripted_loo
               for name in ("multiply", "lookup", "wait_a_while")}
     assert counts == {"multiply": (2.0, 1.0), "lookup": (1.0, 1.0), "wait_a_while": (1.0, 1.0)}
     assert logged["tools/failure_frequency"] == 3 / 4
+
+
+def test_a_group_dropped_for_a_siblings_error_keeps_the_finished_rollouts_tool_failures(
+        scripted_loop):
+    """One rollout ran the real tool loop (its `lookup` call raised), then its sibling's env
+    `get_reward` raised: the group is dropped (`env_error`), and the finished rollout's tool call
+    and failure were dropped with it. The spec counts a dropped group's tool calls."""
+    tool_loop = scripted_loop([call("lookup", key="boom"), "?"])
+    episodes = itertools.count()
+    finished = asyncio.Event()
+
+    async def run_episode(row, row_index, group_id):
+        if next(episodes) == 0:
+            prompt = [{"role": "user", "content": "Look up boom."}]
+            rollout = await run_tool_loop(tool_loop, prompt, [lookup], group_id)
+            finished.set()
+            return prompt, rollout, None
+        await finished.wait()
+        await asyncio.sleep(0.05)  # the sibling's task has returned
+        raise EnvironmentRewardError("CounterEnv.get_reward() raised KeyError: 'target'")
+
+    config = SimpleNamespace(max_staleness=1, num_generations=2, seed=0,
+                             share_first_turn_request=False, vllm_server_base_url="http://x")
+    put = []
+    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
+                               token_allowance=SimpleNamespace(value=0.0),
+                               model_version=VersionValue(0), server_down=None,
+                               server_restores=None)
+    loop = SimpleNamespace(config=config, server=None, tools=[lookup], env_runner=None,
+                           reports_tools=False, runs_tools=True, run_episode=run_episode)
+    engine = RolloutEngine(loop, channels)
+    engine.slots = RolloutSlots(SimpleNamespace(value=64))
+    engine._groups_in_flight = 1
+    engine.slots.promise(2)  # as the dispatcher does
+    slot = PromptSlot(prompt_index=0, row_index=0, epoch=0, row={})
+    asyncio.run(engine._run_group(slot, 0))
+    assert put == [PromptConsumed(0, 0, "env_error")]
+    window = MetricWindow()
+    window.extend(engine._observations)
+    logged = window.summarize()
+    assert logged["rollout/env_error_group_count"] == 1.0
+    assert (logged["tools/lookup/call_count"], logged["tools/lookup/failure_count"]) == (1.0, 1.0)
+    assert logged["tools/failure_frequency"] == 1.0

@@ -33,7 +33,7 @@ from grpo_agent.rollout.concurrency import (
 )
 from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.rollout.first_turns import SharedFirstTurns
-from grpo_agent.rollout.group_scoring import build_group, score_group
+from grpo_agent.rollout.group_scoring import build_group, rollout_observations, score_group
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.scoring import RewardFailureTracker
 from grpo_agent.rollout.versions import pin_rollout_version
@@ -245,9 +245,15 @@ class RolloutEngine:
 
     async def _cancel_group(self, rollouts: list[asyncio.Future], took_slot: list[int]) -> None:
         """Cancel a dropped group's rollouts; those that never ran give their promise back
-        (else each drop would shrink the dispatcher's room for good)."""
+        (else each drop would shrink the dispatcher's room for good). Those that finished keep
+        their own observations: their tool calls and failures happened (`tools/*`), whichever
+        sibling's error dropped the group."""
         await _cancel_all(rollouts)
         self.slots.withdraw(len(rollouts) - took_slot[0])
+        finished = [task.result()[1] for task in rollouts
+                    if not task.cancelled() and task.exception() is None]
+        if finished:
+            self._observations += rollout_observations(self.loop, finished)
 
     async def _run_rollout(self, slot: PromptSlot, group_id: int, took_slot: list[int],
                            shared: SharedFirstTurns | None = None) -> tuple:

@@ -30,7 +30,7 @@ from grpo_agent.rollout.scoring import (
     run_reward_functions,
 )
 from grpo_agent.stall import StageStalled
-from grpo_agent.types import RolloutGroup, TrainingSample, TurnRecord
+from grpo_agent.types import Rollout, RolloutGroup, TrainingSample, TurnRecord
 
 
 @dataclass
@@ -82,9 +82,7 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
     turn rewards into advantages with `loop.compute_advantages`, keep the rollouts with signal.
     The rollouts' own observations (`completions/*`, `tools/*`, ...) are kept whatever becomes
     of the group: a group whose reward hung lost them, and with them its tool failures."""
-    seen = observations.completion_observations(
-        group.rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
-        with_tool_failures=loop.runs_tools)
+    seen = rollout_observations(loop, group.rollouts)
     try:
         with loop.stalls.stage("scoring", recover=True, group_id=group.group_id,
                                row_index=group.row_index, rewards=list(loop.reward_funcs)):
@@ -109,6 +107,15 @@ async def score_group(loop, group: RolloutGroup, failures: RewardFailureTracker)
     seen += observations.reward_observations(scores, group.rewards, per_rollout, kept)
     seen += observations.sample_observations(samples)
     return ScoredGroup(samples, None if samples else _why_untrained(group), seen)
+
+
+def rollout_observations(loop, rollouts: list[Rollout]) -> list[Observation]:
+    """The rollouts' own observations (`completions/*`, `rollout/turns_*`, `tools/*` where the
+    loop has tools, `env/*`), whatever becomes of their group: scored, or dropped (the spec
+    counts a dropped group's tool calls in `tools/failure_frequency`)."""
+    return observations.completion_observations(
+        rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
+        with_tool_failures=loop.runs_tools)
 
 
 def _why_untrained(group: RolloutGroup) -> str:
