@@ -10,17 +10,16 @@ from types import SimpleNamespace
 import pytest
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.agent import run_tool_loop
-from grpo_agent.rollout.concurrency import RolloutSlots
-from grpo_agent.rollout.engine import RolloutEngine
 from grpo_agent.rollout.environments import EnvironmentRewardError
 from grpo_agent.rollout.group_scoring import build_group, score_group
 from grpo_agent.rollout.observations import completion_observations
 from grpo_agent.rollout.prompts import PromptSlot
 from grpo_agent.rollout.scoring import RewardFailureTracker
-from grpo_agent.rollout.versions import VersionValue
 from grpo_agent.stall import StageStalled
 from grpo_agent.types import PromptConsumed
 from test_tool_loop import call, lookup, multiply
+
+from tests.stand_in_engine import make_engine
 
 
 def rollout_of(loop, tools):
@@ -140,17 +139,8 @@ def test_a_group_dropped_for_a_siblings_error_keeps_the_finished_rollouts_tool_f
         await asyncio.sleep(0.05)  # the sibling's task has returned
         raise EnvironmentRewardError("CounterEnv.get_reward() raised KeyError: 'target'")
 
-    config = SimpleNamespace(max_staleness=1, num_generations=2, seed=0,
-                             share_first_turn_request=False, vllm_server_base_url="http://x")
-    put = []
-    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
-                               token_allowance=SimpleNamespace(value=0.0),
-                               model_version=VersionValue(0), server_down=None,
-                               server_restores=None)
-    loop = SimpleNamespace(config=config, server=None, tools=[lookup], env_runner=None,
-                           reports_tools=False, runs_tools=True, run_episode=run_episode)
-    engine = RolloutEngine(loop, channels)
-    engine.slots = RolloutSlots(SimpleNamespace(value=64))
+    engine, put = make_engine(tools=[lookup], env_runner=None, reports_tools=False,
+                              runs_tools=True, run_episode=run_episode)
     engine._groups_in_flight = 1
     engine.slots.promise(2)  # as the dispatcher does
     slot = PromptSlot(prompt_index=0, row_index=0, epoch=0, row={})

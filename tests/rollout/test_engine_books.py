@@ -11,27 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 from grpo_agent.rollout import engine as engine_module
-from grpo_agent.rollout.concurrency import RolloutSlots
 from grpo_agent.rollout.group_scoring import ScoredGroup
 from grpo_agent.rollout.prompts import PromptSlot
-from grpo_agent.rollout.versions import VersionValue
 from grpo_agent.sampler.errors import RequestRejectedError
 from grpo_agent.types import PromptConsumed
 
-
-def make_engine(num_generations=2, cap=64, **loop):
-    config = SimpleNamespace(max_staleness=1, num_generations=num_generations, seed=0,
-                             share_first_turn_request=False, vllm_server_base_url="http://x")
-    put = []
-    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
-                               token_allowance=SimpleNamespace(value=0.0),
-                               model_version=VersionValue(0), server_down=None,
-                               server_restores=None)
-    engine = engine_module.RolloutEngine(SimpleNamespace(config=config, server=None, **loop),
-                                         channels)
-    engine.slots = RolloutSlots(SimpleNamespace(value=cap))
-    engine.score_queue = asyncio.Queue(16)
-    return engine, put
+from tests.stand_in_engine import make_engine
 
 
 def room_at(engine, value):
