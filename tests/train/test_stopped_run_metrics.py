@@ -1,4 +1,4 @@
-"""A run that stops on an error logs what it counted since its last logged step.
+"""A run that stops on an error or a signal logs what it counted since its last logged step.
 
 Found in a new-user trial: an external vLLM server was SIGKILLed mid-run, the trainer waited
 `vllm_server_timeout` for it and stopped, and `rollout/server_lost_group_count` never reached
@@ -7,7 +7,13 @@ dead run's files did not say that groups were lost. The trainer is real (tiny mo
 so is the restore that gives up; the rollout worker is a stand-in."""
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from grpo_agent import AsyncGRPOConfig
@@ -15,6 +21,7 @@ from grpo_agent.sampler.errors import ServerUnreachableError
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
 from grpo_agent.train.reporting import METRICS_NAME, JsonlMetricsCallback, read_metrics
+from grpo_agent.train.trainer import STOP_WINDOW_STEPS
 
 from .test_step_read import TOKEN_BUDGET, group
 
@@ -76,6 +83,7 @@ def test_a_run_stopped_by_a_lost_server_logs_the_groups_it_lost(tmp_path, save_e
     assert [row["step"] for row in rows] == ([1, 1] if save_each_step else [1])
     assert rows[-1].get("rollout/server_lost_group_count") == 1.0
     assert "loss" not in rows[-1]
+    assert rows[-1][STOP_WINDOW_STEPS] == (0 if save_each_step else 1)  # step 1 logged or not
     assert ("loss" in rows[0]) is save_each_step
 
 
@@ -153,7 +161,7 @@ class FinishingTrainer(OfflineTrainer):
 
 
 def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
-    """Only a failed run logs what was counted since its last step: a finished run's last row
+    """Only a stopped run logs what was counted since its last step: a finished run's last row
     is its last step (what the worker counts while it is stopped trains nothing)."""
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=1, logging_steps=1, token_budget=TOKEN_BUDGET,
@@ -167,3 +175,41 @@ def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
     rows = read_metrics(tmp_path / METRICS_NAME)
     assert "loss" in rows[0] and "train_runtime" in rows[-1]  # step 1, then HF's run summary
     assert all("rollout/after_the_end" not in row for row in rows)
+
+
+SIGNAL_SCRIPT = Path(__file__).parent / "stop_by_signal_script.py"
+
+
+@pytest.mark.parametrize(("sig", "named", "exit_code"), [
+    (signal.SIGTERM, "SIGTERM", 128 + signal.SIGTERM),  # `grpo-agent train`'s handler
+    (signal.SIGINT, "KeyboardInterrupt", None),  # Ctrl-C: the traceback's exit (1 or -2)
+])
+def test_a_run_stopped_by_a_signal_logs_the_steps_it_had_not_logged(tmp_path, sig, named, exit_code):
+    """With logging_steps=2, step 2 is logged, step 3 trains, and the run waits for samples
+    when the signal comes from outside: the last row holds step 3's window, marked as a stop's
+    (`stop/window_steps`, no `loss`), and every tool failure the worker counted is in exactly
+    one row. Before, an interrupted run logged nothing after step 2."""
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(SIGNAL_SCRIPT), str(tmp_path)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "waiting").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never ran dry"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        assert code == exit_code if exit_code else code != 0, log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+    assert f"The run was interrupted ({named}) at step 3" in log.read_text()
+    rows = read_metrics(tmp_path / METRICS_NAME)
+    assert [row["step"] for row in rows] == [2, 3]
+    assert "loss" in rows[0] and STOP_WINDOW_STEPS not in rows[0]
+    assert "loss" not in rows[1] and rows[1][STOP_WINDOW_STEPS] == 1
+    handed = int((tmp_path / "waiting").read_text())
+    assert sum(row.get("tools/search/failure_count", 0) for row in rows) == handed

@@ -124,7 +124,7 @@ EXPECTED_REDUCTIONS = {
     "eval/reward": "mean", "eval/rewards/{name}/mean": "mean", "eval/pass@1": "mean",
     "eval/pass@{k}": "mean", "eval/completions/mean_length": "mean", "eval/model_version": "mean",
     "eval/step": "mean", "eval/duration_s": "mean", "eval/num_rows": "mean",
-    "eval/reward_error_count": "sum",
+    "eval/reward_error_count": "sum", "stop/window_steps": "mean",
 }
 
 

@@ -72,6 +72,8 @@ class _NoBatches:
         return iter(())
 
 
+# Marks the row a stopped run logs last (`_log_unlogged_window`): the optimizer steps it covers.
+STOP_WINDOW_STEPS = "stop/window_steps"
 UNKNOWN_STEPS = 10**9  # the Trainer's max_steps when the prompt epochs, not max_steps, end a run
 
 
@@ -239,10 +241,10 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         finally:
             self.args.logging_nan_inf_filter = self.nan_inf_filter  # if a step raised
             worker_metrics = self._stop_pipeline(at_once=interrupted)
-            if failed:
+            if failed or interrupted:
                 self._log_unlogged_window(worker_metrics)
-            if (failed or interrupted) and self.evaluator is not None:
-                self.evaluator.log_at_stop()  # e.g. eval_on_start's, if no step ended since
+                if self.evaluator is not None:
+                    self.evaluator.log_at_stop()  # e.g. eval_on_start's, if no step ended since
             heap.thaw()  # frozen at train begin (train/step_callback.py)
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
@@ -438,14 +440,18 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         super().log(logs, start_time)
 
     def _log_unlogged_window(self, worker_metrics: list[Observation]) -> None:
-        """A run that stops on an error logs what it counted since its last logged step (e.g.
-        `rollout/server_lost_group_count` of a lost server): whoever debugs the dead run needs
-        it. The row has no `loss` (a step whose rows were not read has none), so the plot and
-        the progress line skip it. It never hides the error being raised."""
+        """A run that stops on an error or an interrupt (Ctrl-C, SIGTERM) logs what it counted
+        since its last logged step (e.g. `rollout/server_lost_group_count` of a lost server, or
+        the rewards of the steps a `logging_steps` window had not logged yet): whoever debugs or
+        resumes the stopped run needs it. The row is marked `stop/window_steps` (the steps it
+        covers) and has no `loss`, so the plot and the progress line skip it. It never hides
+        the error or the interrupt being raised (a second Ctrl-C still cuts it short)."""
         try:
             self.window.extend(worker_metrics)
             if self.window:
-                self.log(self.window_summary())
+                step = self.state.global_step
+                covered = step - getattr(self, "_globalstep_last_logged", step)  # transformers'
+                self.log({**self.window_summary(), STOP_WINDOW_STEPS: float(max(covered, 0))})
         except Exception:  # the run's own error is the one to see
             logger.exception("Logging the metrics counted since the last logged step failed.")
 
