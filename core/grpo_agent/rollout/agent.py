@@ -180,9 +180,10 @@ def _warn_once(name: str, what: str, error: BaseException | None = None) -> None
         return
     _warned_tools.add(name)
     logger.warning(
-        "Tool %r %s. The model reads the error as the tool's answer and the call counts in "
-        "tools/%s/failure_count; if the tool is at fault rather than the model's arguments, fix "
-        "it. Later failures of this tool are only counted.", name, what, name, exc_info=error)
+        "Tool %r %s. The model reads the error as the tool's answer; the call is counted in "
+        "tools/%s/failure_count once its group is scored or dropped (not if the run ends "
+        "first). If the tool is at fault rather than the model's arguments, fix it. Later "
+        "failures of this tool are only counted.", name, what, name, exc_info=error)
 
 
 def _strip_stop_tokens(text: str, tokenizer) -> str:
