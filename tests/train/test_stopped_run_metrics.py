@@ -22,6 +22,7 @@ from grpo_agent.testing import build_tiny_model
 from grpo_agent.testing.offline import OfflineTrainer, ScriptedWorker
 from grpo_agent.train.reporting import METRICS_NAME, JsonlMetricsCallback, read_metrics
 from grpo_agent.train.trainer import STOP_WINDOW_STEPS
+from transformers import TrainerCallback
 
 from .test_step_read import TOKEN_BUDGET, group
 
@@ -213,3 +214,46 @@ def test_a_run_stopped_by_a_signal_logs_the_steps_it_had_not_logged(tmp_path, si
     assert "loss" not in rows[1] and rows[1][STOP_WINDOW_STEPS] == 1
     handed = int((tmp_path / "waiting").read_text())
     assert sum(row.get("tools/search/failure_count", 0) for row in rows) == handed
+
+
+class CtrlCAtStep3(TrainerCallback):
+    """Ctrl-C once, after step 3 was read (its loss is in the unlogged window)."""
+
+    def __init__(self):
+        self.armed = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.armed and state.global_step == 3:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def saving_trainer(output_dir):
+    """Steps 1-4 of one group each, logged every 2 steps, saved every 2."""
+    args = AsyncGRPOConfig(
+        output_dir=str(output_dir), max_steps=4, logging_steps=2, token_budget=TOKEN_BUDGET,
+        gradient_checkpointing=False, optim="adamw_torch", report_to="none", disable_tqdm=True,
+        use_cpu=True, save_strategy="steps", save_steps=2)
+    trainer = OfflineTrainer(build_tiny_model(), args=args, reward_funcs=[],
+                             train_dataset=[{"prompt": []}] * 64)
+    trainer.samples = [s for g in range(5) for s in group(g)]
+    return trainer
+
+
+def test_a_resume_after_ctrl_c_in_the_same_process_logs_only_its_own_losses(tmp_path):
+    """Ctrl-C at step 3, then `trainer.train(resume_from_checkpoint=True)` (the interrupt's
+    advice to a Python run): the resume trains steps 3 and 4 from checkpoint-2, and its step-4
+    loss is that of a fresh trainer resumed from checkpoint-2. Before, the stopped run's step-3
+    loss was averaged into it as well (counted twice: step 3 is trained again)."""
+    trainer = saving_trainer(tmp_path)
+    trainer.add_callback(CtrlCAtStep3())
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    trainer.train(resume_from_checkpoint=True)
+    fresh = saving_trainer(tmp_path / "fresh")
+    fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    def step_4_loss(trainer):
+        return next(row["loss"] for row in trainer.state.log_history
+                    if row["step"] == 4 and "loss" in row)
+
+    assert step_4_loss(trainer) == pytest.approx(step_4_loss(fresh))

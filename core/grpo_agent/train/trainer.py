@@ -445,7 +445,10 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         the rewards of the steps a `logging_steps` window had not logged yet): whoever debugs or
         resumes the stopped run needs it. The row is marked `stop/window_steps` (the steps it
         covers) and has no `loss`, so the plot and the progress line skip it. It never hides
-        the error or the interrupt being raised (a second Ctrl-C still cuts it short)."""
+        the error or the interrupt being raised (a second Ctrl-C still cuts it short).
+        The covered steps' losses are dropped with it: a resume by a later `train()` call would
+        average them into its first row, and it trains those steps again."""
+        self._window_losses = []
         try:
             self.window.extend(worker_metrics)
             if self.window:
