@@ -221,3 +221,30 @@ def test_flash_bounds_cover_every_padded_range(monkeypatch, shared_samples, back
     for d, shape in enumerate(bucket.depths):
         assert int(t[f"depth{d}_cu_q"].diff().max()) <= shape.max_q
         assert int(t[f"depth{d}_cu_k"].diff().max()) <= shape.max_k
+
+
+@pytest.mark.parametrize("score_centering", [True, False])
+def test_the_trainers_graph_loss_is_the_eager_row_loss(model, shared_samples, score_centering):
+    """`cuda_graphs=True` trains through `loss.padded_policy_loss` over the bucket's padded
+    entries, and the trainer's tests of it need a GPU. On CPU: its padded step gives the loss
+    and gradients of `row_loss` on the same row (the sampler's log-probs, score centering's
+    top-k term, the temperature), the padded entries adding nothing."""
+    from grpo_agent.train.loss import LossConfig, padded_policy_loss, row_loss
+
+    # clip_min below the padded entries' ratios (about 1/vocab): only their zero advantage keeps
+    # them out of the loss
+    cfg = LossConfig(score_centering=score_centering, temperature=0.7, clip_min=1e-3, clip_max=3.0)
+    row = pack_row(shared_samples)
+    model.zero_grad(set_to_none=True)
+    ref, _ = row_loss(model, row, cfg, num_trained_tokens_global=row.num_trained)
+    ref.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert max(g.abs().max().item() for g in grads) > 1e-3  # not a comparison of zeros
+    model.zero_grad(set_to_none=True)
+    graphs = RowGraphs(model, padded_policy_loss(cfg), temperature=cfg.temperature, capture=False)
+    assert graphs.bucket(row).trained > row.num_trained  # padded entries take part
+    step = graphs.step(row, scale=1.0 / row.num_trained)
+    # log-probs are float32 on either path (`logprobs.gathered_logits`)
+    torch.testing.assert_close(step.loss, ref.detach(), atol=1e-7, rtol=1e-5)
+    for (name, p), g in zip(model.named_parameters(), grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-7, rtol=1e-5, msg=name)
