@@ -199,6 +199,42 @@ def test_the_steps_loss_is_the_sum_of_its_rows_losses():
     assert step.read(torch.device("cpu")).loss == pytest.approx(1.75)
 
 
+def test_a_step_averages_its_micro_batches_and_weighs_metrics_by_trained_tokens(tmp_path):
+    """gradient_accumulation_steps=2 over rows of unequal trained tokens: the step's loss is
+    the mean of the micro-batches' token-mean losses (the spec averages over the accumulation
+    steps; their sum doubles the update), and a loss metric, through the trainer's own rows,
+    is the mean over the step's trained tokens, not the mean of its rows."""
+    import copy
+
+    short = group(1, sampler_shift=2.0)[:1]  # one sample, its last 4 tokens trained
+    short[0].sequence.trained_mask = [0] * 12 + [1] * 4
+
+    def setup(trainer):
+        trainer.samples = group(0) + short + group(2)
+        setup.before, setup.rows = copy.deepcopy(trainer.model), []
+        inner = trainer.compute_loss
+
+        def compute_loss(model, inputs, **kwargs):
+            setup.rows.append(inputs.row)
+            return inner(model, inputs, **kwargs)
+
+        trainer.compute_loss = compute_loss
+
+    trainer, (log,), _ = train(tmp_path, steps=1, grad_accum=2, setup=setup)
+    rows = setup.rows
+    assert len(rows) == 2 and rows[0].num_trained != rows[1].num_trained
+    cfg = build_loss_config(trainer.args, setup.before)
+    losses = [row_loss(setup.before, row, cfg, row.num_trained)[0].item() for row in rows]
+    assert log["loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+    assert abs(sum(losses) / 2) > 1e-3  # the mean and the sum differ
+    with torch.no_grad():
+        diffs = [(forward_row(setup.before, row, temperature=1.0).token.logprobs
+                  - row.sampler_logprobs).abs() for row in rows]
+    logged = log["sampling/sampling_logp_difference/mean"]
+    assert logged == pytest.approx(torch.cat(diffs).mean().item(), rel=1e-5)
+    assert abs(logged - (diffs[0].mean() + diffs[1].mean()).item() / 2) > 0.1
+
+
 def test_steps_are_planned_with_the_cyclic_collector_off_and_the_heap_thawed_after(
         tmp_path, monkeypatch):
     """A step's trie (a node per token, built as samples are placed) is built and planned with
