@@ -50,3 +50,25 @@ def test_each_ranks_loss_is_scaled_by_the_number_of_ranks(monkeypatch):
         model=SimpleNamespace(grpo_row_loss=lambda row, cfg, total: (torch.tensor(0.25), {})))
     loss = AsyncGRPOTrainer.compute_loss(host, host.model, Microbatch(row, 12))
     assert loss.item() == pytest.approx(1.0)
+
+
+def test_a_graphed_row_is_scaled_and_weighed_as_an_eager_one():
+    """cuda_graphs=True backpropagates inside the row's graph, so `_graphed_training_step` scales
+    the loss itself: by 1 / (the micro-batch's trained tokens x the accumulation steps), what
+    compute_loss and transformers' division give an eager row; its metrics count the row's
+    trained tokens. (The graphed path's own tests need a GPU.)"""
+    row = _row(3)
+    scales, weights = [], []
+
+    def step(row, scale):
+        scales.append(scale)
+        return torch.tensor(0.25), {}
+
+    host = SimpleNamespace(
+        model=SimpleNamespace(train=lambda: None), loss_is_scaled_for_ga=None,
+        model_accepts_loss_kwargs=True, compute_loss_func=None,
+        current_gradient_accumulation_steps=4, graphed_rows=SimpleNamespace(step=step),
+        row_clock=SimpleNamespace(forward_unseen=lambda: None),
+        step_rows=SimpleNamespace(add_metrics=lambda metrics, n: weights.append(n)))
+    AsyncGRPOTrainer._graphed_training_step(host, Microbatch(row, 12), num_items_in_batch=None)
+    assert scales == [pytest.approx(1 / (12 * 4))] and weights == [3]
