@@ -502,6 +502,22 @@ def test_a_prompt_filter_must_return_a_bool(tiny_tokenizer, tmp_path):
     assert [loop.filter_prompt(i, ROW, 0) for i in range(3)] == [True, False, True]
 
 
+def even_rows(row_index, row, epoch):
+    return row_index % 2 == 0
+
+
+def early_rows(row_index, row, epoch):
+    return row_index < 2
+
+
+def test_a_prompt_is_kept_only_when_every_prompt_filter_keeps_it(tiny_tokenizer, tmp_path):
+    """docs/config.md: all of `prompt_filters` must accept a prompt. Row 0 passes both filters,
+    rows 1 and 2 one each, row 3 neither: only row 0 is rolled out."""
+    loop = _plugin_loop(tiny_tokenizer, tmp_path,
+                        prompt_filters=[f"{__name__}:even_rows", f"{__name__}:early_rows"])
+    assert [loop.filter_prompt(i, ROW, 0) for i in range(4)] == [True, False, False, False]
+
+
 def worded_estimator(group):
     return ["good", "bad"]
 
