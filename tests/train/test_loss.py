@@ -321,21 +321,22 @@ def test_a_ratio_on_the_trust_region_bound_is_not_clipped():
 
 def test_without_score_centering_clip_metrics_count_only_where_the_clip_binds():
     """The surrogate's min(r A, clip(r) A) only takes the clipped value for r < 1 - epsilon
-    when A < 0 and for r > 1 + epsilon_high when A > 0 (as GRPO counts them); with score
-    centering nothing is clipped and every token outside the trust region counts."""
-    ratios = torch.tensor([0.5, 0.5, 2.0, 2.0, 0.5, 2.0])
-    inp = LossInputs(logprobs=ratios.log(), sampler_logprobs=torch.zeros(6),
-                     advantages=torch.tensor([-1.0, 1.0, 1.0, -1.0, -1.0, 0.0]),
-                     token_sample=torch.tensor([0, 0, 0, 0, 1, 1]))
-    surrogate = metric_floats(loss_metrics(inp, LossConfig(score_centering=False), torch.ones(6)))
-    assert surrogate["clip_ratio/low_mean"] == pytest.approx(2 / 6)  # tokens 0 and 4
-    assert surrogate["clip_ratio/high_mean"] == pytest.approx(1 / 6)  # token 2
-    assert surrogate["clip_ratio/region_mean"] == pytest.approx(3 / 6)
-    assert surrogate["clip_ratio/low_min"] == pytest.approx(0.25)  # sample 0: 1 of 4
+    when A < 0 and for r > 1 + epsilon_high when A > 0 (as GRPO counts them), so a zero
+    advantage is clipped on neither side; with score centering nothing is clipped and every
+    token outside the trust region counts."""
+    ratios = torch.tensor([0.5, 0.5, 2.0, 2.0, 0.5, 2.0, 0.5])
+    inp = LossInputs(logprobs=ratios.log(), sampler_logprobs=torch.zeros(7),
+                     advantages=torch.tensor([-1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0]),
+                     token_sample=torch.tensor([0, 0, 0, 0, 1, 1, 1]))
+    surrogate = metric_floats(loss_metrics(inp, LossConfig(score_centering=False), torch.ones(7)))
+    assert surrogate["clip_ratio/low_mean"] == pytest.approx(2 / 7)  # tokens 0 and 4
+    assert surrogate["clip_ratio/high_mean"] == pytest.approx(1 / 7)  # token 2
+    assert surrogate["clip_ratio/region_mean"] == pytest.approx(3 / 7)
+    assert surrogate["clip_ratio/low_min"] == pytest.approx(0.25)  # sample 0: 1 of 4 (1: 1 of 3)
     assert surrogate["clip_ratio/high_max"] == pytest.approx(0.25)  # sample 1 has none
-    centred = metric_floats(loss_metrics(inp, LossConfig(score_centering=True), torch.ones(6)))
-    assert centred["clip_ratio/low_mean"] == pytest.approx(3 / 6)
-    assert centred["clip_ratio/high_mean"] == pytest.approx(3 / 6)
+    centred = metric_floats(loss_metrics(inp, LossConfig(score_centering=True), torch.ones(7)))
+    assert centred["clip_ratio/low_mean"] == pytest.approx(4 / 7)
+    assert centred["clip_ratio/high_mean"] == pytest.approx(3 / 7)
     assert centred["clip_ratio/region_mean"] == pytest.approx(1.0)
 
 
