@@ -273,6 +273,19 @@ def test_moe_aux_loss_is_added_with_its_coefficient():
     assert "aux_loss" not in m0 and m1["aux_loss"] > 0
     # the row holds half the micro-batch's trained tokens -> half of coef * aux
     assert (with_aux - plain).item() == pytest.approx(0.1 * m1["aux_loss"] * 0.5, rel=1e-5)
+    # and it trains: its gradient (the router's, above all) is added with the same weight
+    grads = []
+    for loss in (plain, with_aux):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    forward_row(model, row, temperature=1.0, with_aux_loss=True).aux_loss.backward()
+    aux_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert max(aux_grads[n].abs().max().item() for n in aux_grads if ".mlp.gate." in n) > 0
+    for name, grad in aux_grads.items():
+        torch.testing.assert_close(grads[1][name] - grads[0][name], 0.1 * 0.5 * grad,
+                                   atol=1e-7, rtol=1e-4, msg=name)
 
 
 def test_score_centering_ignores_padded_topk_entries():
