@@ -61,6 +61,8 @@ def test_score_centering_gradient_is_the_closed_form():
         (ratio >= cfg.clip_min) & (ratio <= cfg.clip_max), ratio, torch.zeros_like(ratio)
     )
     assert 0 < (f == 0).sum() < f.numel()  # both branches of f are exercised
+    # and a sampled token outside the bounds, whose centering term still applies
+    assert 0 < (f[torch.arange(P), sampled] == 0).sum() < P
     eye = torch.eye(V, dtype=torch.float64)
     expected = torch.zeros(P, V, dtype=torch.float64)
     for t in range(P):
