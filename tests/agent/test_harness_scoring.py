@@ -334,7 +334,8 @@ def test_one_scored_rollout_beside_a_failed_agent_run_is_an_agent_error(tiny_tok
 
 def test_a_group_whose_scoring_stalls_is_dropped_as_stalled(tiny_tokenizer, tmp_path):
     """A reward that passes the "scoring" stage deadline leaves the group unscored as
-    "stalled" (not "reward_error": no reward function failed, and none is blamed)."""
+    "stalled" (not "reward_error": no reward function failed, and none is blamed); it keeps
+    its rollouts' own observations (lengths, turns) and logs no reward."""
     from contextlib import contextmanager
 
     from grpo_agent.stall import StageStalled
@@ -352,7 +353,10 @@ def test_a_group_whose_scoring_stalls_is_dropped_as_stalled(tiny_tokenizer, tmp_
     loop.stalls = SimpleNamespace(stage=stalled_stage)
     rollouts = [_plain_rollout(tiny_tokenizer, text) for text in ("12", "It is 12.")]
     _, scored = _score_plain(loop, [(ROW["prompt"], r, None) for r in rollouts])
-    assert (scored.samples, scored.reason, scored.observations) == ([], "stalled", [])
+    assert (scored.samples, scored.reason) == ([], "stalled")
+    keys = [key for key, _ in scored.observations]
+    assert keys.count("completions/mean_length") == 2  # one per rollout
+    assert not [key for key in keys if key.startswith(("reward", "rollout/reward"))]
 
 
 def test_an_evaluation_gateway_beside_the_workers_takes_a_port_of_its_own(scripted_loop, tmp_path):

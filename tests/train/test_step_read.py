@@ -381,6 +381,19 @@ def test_a_run_without_max_steps_ends_when_its_prompt_epochs_are_trained(
     assert all(math.isfinite(log["loss"]) for log in logs)
 
 
+@pytest.mark.parametrize("ends_by", ["max_steps", "prompt epochs"])
+def test_the_last_steps_are_logged_though_logging_steps_does_not_divide_the_run(tmp_path,
+                                                                                ends_by):
+    """transformers logs at multiples of logging_steps only: a run of 3 steps at
+    logging_steps=2 lost its third step's row (its loss, rewards, tool failures)."""
+    ends, groups = (({"max_steps": 3}, 4) if ends_by == "max_steps"  # one group closes step 3
+                    else ({"max_steps": -1, "num_train_epochs": 1}, 3))
+    trainer, logs = run_offline(tmp_path, dataset_size=3, groups=groups, logging_steps=2, **ends)
+    assert trainer.state.global_step == 3
+    assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [2, 3]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+
+
 def test_max_steps_wins_over_the_prompt_epochs(tmp_path):
     trainer, _ = run_offline(tmp_path, dataset_size=2, groups=4, max_steps=3, num_train_epochs=1)
     assert trainer.state.global_step == 3

@@ -44,6 +44,10 @@ class AsyncStepCallback(TrainerCallback):
             heap.freeze_long_lived()  # what the first step built: compiled graphs, buffers
         if done:
             control.should_training_stop = True
+        if control.should_training_stop and args.logging_strategy != "no":
+            # transformers logs every logging_steps only: the steps since the last row (3 of
+            # max_steps=3 at logging_steps=2, or a prompt epoch's end) were never logged
+            control.should_log = True
         self.trainer.plan_ahead(control)
         self.trainer.read_step_rows()
         self._record_step_metrics()
