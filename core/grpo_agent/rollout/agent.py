@@ -165,11 +165,13 @@ def _arguments_misfit(tool: Callable, arguments: dict) -> str | None:
         signature = inspect.signature(tool)
     except (TypeError, ValueError):  # a builtin or C callable without one: the call decides
         return None
-    with contextlib.suppress(Exception):  # `int`, not 'int', under `from __future__ import annotations`
-        signature = inspect.signature(tool, eval_str=True)
     try:
         signature.bind(**arguments)
     except TypeError as error:
+        # annotations evaluated for the message only (`int`, not 'int', under
+        # `from __future__ import annotations`): a call that fits pays nothing for them
+        with contextlib.suppress(Exception):
+            signature = inspect.signature(tool, eval_str=True)
         name = getattr(tool, "__name__", "tool")
         return f"takes {name}{signature}; the call's arguments do not fit: {error}"
     return None
