@@ -24,3 +24,22 @@ def make_engine(num_generations=2, cap=64, **loop):
     engine.slots = RolloutSlots(SimpleNamespace(value=cap))
     engine.score_queue = asyncio.Queue(16)
     return engine, put
+
+
+def engine_on(loop, cap=64):
+    """A RolloutEngine driving the real rollout `loop` on stand-in channels, as the worker's
+    pipeline sees them (stop and flush events, a heartbeat, an open allowance); returns the
+    engine, the list its samples and notices are put on, and the list of metric batches sent."""
+    import threading
+
+    put, batches = [], []
+    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
+                               metrics=SimpleNamespace(put=batches.append),
+                               token_allowance=SimpleNamespace(value=1e9),
+                               model_version=VersionValue(0), server_down=None,
+                               server_restores=None, heartbeat=SimpleNamespace(value=0.0),
+                               stop=threading.Event(), flush_metrics=threading.Event())
+    engine = engine_module.RolloutEngine(loop, channels)
+    engine.cap = SimpleNamespace(value=cap)
+    engine.slots = RolloutSlots(engine.cap)
+    return engine, put, batches

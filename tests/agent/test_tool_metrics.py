@@ -5,21 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from grpo_agent import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.agent import run_tool_loop
 from grpo_agent.rollout.environments import EnvironmentRewardError
 from grpo_agent.rollout.group_scoring import build_group, score_group
+from grpo_agent.rollout.loop import AsyncRolloutLoop
 from grpo_agent.rollout.observations import completion_observations
 from grpo_agent.rollout.prompts import PromptSlot
 from grpo_agent.rollout.scoring import RewardFailureTracker
+from grpo_agent.sampler.errors import RequestRejectedError
 from grpo_agent.stall import StageStalled
-from grpo_agent.types import PromptConsumed
+from grpo_agent.types import PromptConsumed, TurnRecord
 from test_tool_loop import call, lookup, multiply
 
-from tests.stand_in_engine import make_engine
+from tests.stand_in_engine import engine_on, make_engine
 
 
 def rollout_of(loop, tools):
@@ -152,3 +156,149 @@ def test_a_group_dropped_for_a_siblings_error_keeps_the_finished_rollouts_tool_f
     assert logged["rollout/env_error_group_count"] == 1.0
     assert (logged["tools/lookup/call_count"], logged["tools/lookup/failure_count"]) == (1.0, 1.0)
     assert logged["tools/failure_frequency"] == 1.0
+
+
+class StandInSampler:
+    """The server at the loop's seam (`AsyncRolloutLoop.generate_one_turn` calls `generate`):
+    each rollout (its task) follows the script `script_for` gives for its first prompt's text;
+    a script's step is a reply's text, or a coroutine function awaited instead (to hang or
+    raise, or to return the text once something else happened)."""
+
+    retry_count = 0
+
+    def __init__(self, tokenizer, script_for):
+        self.tokenizer, self.script_for = tokenizer, script_for
+        self.scripts = {}
+
+    async def generate(self, prompt_ids, params, model=None):
+        task = asyncio.current_task()
+        if task not in self.scripts:
+            self.scripts[task] = list(self.script_for(self.tokenizer.decode(prompt_ids)))
+        step = self.scripts[task].pop(0)
+        text = step if isinstance(step, str) else await step()
+        output = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
+
+
+def _tool_loop_on(tiny_tokenizer, tmp_path, script_for, tools, rows=(), reward_funcs=()):
+    """A real `AsyncRolloutLoop` with `tools`, sampling from a `StandInSampler`."""
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", num_generations=2,
+                             max_completion_length=64, share_first_turn_request=False,
+                             chat_template_kwargs={"enable_thinking": False})
+    loop = AsyncRolloutLoop(config=config, model_name="m", dataset=list(rows),
+                            reward_funcs=list(reward_funcs), processing_class=tiny_tokenizer,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id], tools=list(tools))
+    loop.sampler = StandInSampler(tiny_tokenizer, script_for)
+    loop.tool_executor = ThreadPoolExecutor(4)
+    return loop
+
+
+TOO_LONG = RequestRejectedError(
+    "POST http://x/inference/v1/generate was rejected with HTTP 400", status_code=400,
+    server_message="The decoder prompt (length 3001) is longer than the maximum model length.")
+
+
+def test_a_dropped_groups_unfinished_rollouts_keep_their_tool_failures(tiny_tokenizer, tmp_path):
+    """The real engine and tool loop; only the server is a stand-in. One rollout's `lookup`
+    call fails, then it waits for its next turn; its sibling's `multiply` call fails, then its
+    next request is rejected as too long, which drops the group. Both failures happened, and
+    the spec counts every one; the rollout cancelled part-way and the one whose own error
+    dropped the group logged neither (only finished rollouts kept their observations)."""
+    waiting = asyncio.Event()
+
+    async def wait_forever():
+        waiting.set()
+        await asyncio.Event().wait()
+
+    async def rejected():
+        await waiting.wait()
+        raise TOO_LONG
+
+    scripts = [[call("lookup", key="boom"), wait_forever], [call("multiply", x=1), rejected]]
+    loop = _tool_loop_on(tiny_tokenizer, tmp_path, lambda text: scripts.pop(0), [lookup, multiply])
+    engine, put, _ = engine_on(loop)
+    engine._groups_in_flight = engine._groups_generating = 1
+    engine.slots.promise(2)  # as the dispatcher does
+    try:
+        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {"prompt": [
+            {"role": "user", "content": "Look up boom, then multiply."}]}), 0))
+    finally:
+        loop.tool_executor.shutdown(wait=False)
+    assert put == [PromptConsumed(0, 0, "prompt_too_long")]
+    window = MetricWindow()
+    window.extend(engine._observations)
+    logged = window.summarize()
+    assert logged["rollout/prompt_too_long_group_count"] == 1.0
+    assert (logged["tools/lookup/call_count"], logged["tools/lookup/failure_count"]) == (1.0, 1.0)
+    assert (logged["tools/multiply/call_count"], logged["tools/multiply/failure_count"]) == (1.0, 1.0)
+    assert logged["tools/failure_frequency"] == 1.0
+    # Only what the calls observed: a rollout cut short has no length, turns or calls per rollout.
+    assert not [key for key in logged if key.startswith("completions/")]
+    assert "tools/call_frequency" not in logged and "rollout/turns_mean" not in logged
+
+
+def test_the_tool_failures_of_groups_in_flight_when_the_run_ends_are_sent(tiny_tokenizer,
+                                                                          tmp_path):
+    """The real pipeline (dispatch, scoring, flushes) until the trainer stops it, with groups
+    of both rows in flight: a "finish" row's group finished and hangs in its reward (any later
+    one would queue), "hang" rows' groups wait for their second turn. Every rollout's `broken`
+    call failed first. The worker's last flush carries each failure once; groups neither
+    scored nor dropped logged none of theirs."""
+    failed = []
+
+    def broken(key: str) -> str:
+        """
+        Always fails.
+
+        Args:
+            key: Anything.
+        """
+        failed.append(key)
+        raise RuntimeError("broken on purpose")
+
+    hung, scoring = [], asyncio.Event()
+
+    async def wait_forever():
+        hung.append(1)
+        await asyncio.Event().wait()
+
+    async def hung_reward(completions, **kwargs):
+        scoring.set()
+        await asyncio.Event().wait()
+
+    def script_for(text):
+        return [call("broken", key="x"), "done" if "finish" in text else wait_forever]
+
+    rows = [{"prompt": [{"role": "user", "content": word}]} for word in ("finish", "hang")]
+    loop = _tool_loop_on(tiny_tokenizer, tmp_path, script_for, [broken], rows, [hung_reward])
+    loop.score_queue_maxsize = 1
+    engine, _, batches = engine_on(loop, cap=4)
+    engine._groups_done, engine._group_tokens_total = 1, 10  # room for more than one group
+
+    async def main():
+        engine.score_queue = asyncio.Queue(loop.score_queue_maxsize)
+        engine._fatal = asyncio.get_running_loop().create_future()
+        pipeline = asyncio.create_task(engine._run_pipeline())
+        slots = engine.slots
+
+        async def settled():  # no call can be under way, nor start: the count is exact
+            while not (scoring.is_set() and len(hung) >= 2 and len(hung) == slots.in_flight
+                       and not slots.promised
+                       and (engine.score_queue.full() or not slots.can_dispatch())):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(settled(), 30)
+        engine.channels.stop.set()
+        await asyncio.wait_for(pipeline, 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        loop.tool_executor.shutdown(wait=False)
+    window = MetricWindow()
+    for batch in batches:
+        window.extend(batch)
+    logged = window.summarize()
+    assert len(failed) >= 4  # two groups at least, one of each row
+    assert (logged["tools/broken/call_count"], logged["tools/broken/failure_count"]) == (
+        len(failed), len(failed))

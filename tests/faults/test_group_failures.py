@@ -140,6 +140,7 @@ def test_a_dropped_group_gives_back_the_slots_its_rollouts_never_took():
 
     from grpo_agent.rollout.concurrency import RolloutSlots
     from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.unfinished import CallsSoFar
 
     async def hang(*args):
         await asyncio.sleep(3600)
@@ -150,10 +151,11 @@ def test_a_dropped_group_gives_back_the_slots_its_rollouts_never_took():
         engine.slots.promise(2)
         took_slot = [0]
         slot = SimpleNamespace(row={}, row_index=0)
-        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot)) for _ in range(2)]
+        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot, None, CallsSoFar()))
+                    for _ in range(2)]
         await asyncio.sleep(0.2)
         assert took_slot == [1]
-        await engine._cancel_group(rollouts, took_slot)
+        await engine._cancel_group(rollouts, took_slot, 0)
         return engine.slots.in_flight, engine.slots.promised, engine.slots.can_dispatch()
 
     assert asyncio.run(main()) == (0, 0, True)

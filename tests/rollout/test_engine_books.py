@@ -13,6 +13,7 @@ import pytest
 from grpo_agent.rollout import engine as engine_module
 from grpo_agent.rollout.group_scoring import ScoredGroup
 from grpo_agent.rollout.prompts import PromptSlot
+from grpo_agent.rollout.unfinished import CallsSoFar
 from grpo_agent.sampler.errors import RequestRejectedError
 from grpo_agent.types import PromptConsumed
 
@@ -33,7 +34,7 @@ def scored_as(monkeypatch, samples, reason, observations=()):
 
 def group_of(*sequence_lengths):
     """A finished group whose rollouts built sequences of these token lengths."""
-    return SimpleNamespace(prompt_index=3, row_index=7, completions_sequences=[
+    return SimpleNamespace(prompt_index=3, row_index=7, group_id=0, completions_sequences=[
         [SimpleNamespace(token_ids=[0] * n) for n in lengths] for lengths in sequence_lengths])
 
 
@@ -216,9 +217,10 @@ def test_a_dropped_group_withdraws_only_its_own_promises():
         engine.slots.promise(3)  # another group's, still to run
         took_slot = [0]
         slot = SimpleNamespace(row={}, row_index=0)
-        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot)) for _ in range(2)]
+        rollouts = [asyncio.ensure_future(engine._run_rollout(slot, 0, took_slot, None, CallsSoFar()))
+                    for _ in range(2)]
         await asyncio.sleep(0.1)
-        await engine._cancel_group(rollouts, took_slot)
+        await engine._cancel_group(rollouts, took_slot, 0)
         return engine.slots.promised
 
     assert asyncio.run(main()) == 3
@@ -230,7 +232,7 @@ def test_a_rejected_request_that_is_no_group_failure_stops_the_run(monkeypatch):
     rejected = RequestRejectedError("POST /generate was rejected with HTTP 401", status_code=401,
                                     server_message="unauthorised")
 
-    async def rollout(slot, group_id, took_slot, shared):
+    async def rollout(slot, group_id, took_slot, shared, calls):
         raise rejected
 
     monkeypatch.setattr(engine, "_run_rollout", rollout)
@@ -295,7 +297,7 @@ def test_a_lost_server_drops_its_groups_as_server_lost_and_asks_the_trainer_once
     engine, put = make_engine()
     engine.channels.server_down = threading.Event()
 
-    async def rollout(slot, group_id, took_slot, shared):
+    async def rollout(slot, group_id, took_slot, shared, calls):
         raise SamplerError("connection refused")
 
     monkeypatch.setattr(engine_module.recovery, "means_server_lost", _answers(True))
@@ -324,7 +326,7 @@ def test_a_lost_servers_warning_gives_the_reason_and_a_stopping_run_keeps_the_ad
     refused = exhausted_error("POST", "http://x", "/inference/v1/generate",
                               "ConnectError: [Errno 111] Connection refused", 3)
 
-    async def rollout(slot, group_id, took_slot, shared):
+    async def rollout(slot, group_id, took_slot, shared, calls):
         raise refused
 
     monkeypatch.setattr(engine_module.recovery, "means_server_lost", _answers(True))
@@ -365,7 +367,7 @@ def test_the_stages_of_a_groups_rollouts_belong_to_that_group(monkeypatch, tmp_p
     watch = stall.StallWatch(SimpleNamespace(output_dir=str(tmp_path)), "worker")
     groups = []
 
-    async def rollout(slot, group_id, took_slot, shared):
+    async def rollout(slot, group_id, took_slot, shared, calls):
         with watch.stage("env_reset", 60, recover=True) as entry:
             groups.append(entry.group)
         raise SamplerError("connection refused")  # ends the group quickly
@@ -530,9 +532,9 @@ def test_a_cancelled_group_ends_only_after_every_rollout_has(monkeypatch):
 
     async def main():
         engine, _ = make_engine()
-        calls = iter([0, 1])
-        monkeypatch.setattr(engine, "_run_rollout",
-                            lambda slot, group_id, took, shared: rollout(slot, next(calls), took, shared))
+        numbers = iter([0, 1])
+        monkeypatch.setattr(engine, "_run_rollout", lambda slot, group_id, took, shared, calls:
+                            rollout(slot, next(numbers), took, shared))
         engine._groups_in_flight = engine._groups_generating = 1
         group = asyncio.create_task(engine._run_group(PromptSlot(0, 0, 0, {}), 0))
         await asyncio.sleep(0.01)

@@ -20,7 +20,7 @@ def test_a_push_mid_group_leaves_the_groups_rollouts_on_its_version(monkeypatch)
     engine = engine_module.RolloutEngine(SimpleNamespace(config=config), channels)
     seen = []
 
-    async def rollout(slot, group_id, took_slot, shared):
+    async def rollout(slot, group_id, took_slot, shared, calls):
         if not seen:
             channels.model_version.value = 6  # the trainer pushed while the group runs
         await asyncio.sleep(0)

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_agent.metrics import Observation
+from grpo_agent.rollout import unfinished
 from grpo_agent.rollout.chat_template import training_template_for
 from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.sampled_turns import SampledTurns
@@ -91,16 +93,30 @@ class _ToolStats:
             self.observations["tools/latency_s"].append(outcome.latency_s)
             self.observations[f"tools/{outcome.name}/latency_s"].append(outcome.latency_s)
 
-    def as_metrics(self, exhausted: bool) -> dict[str, list[float]]:
+    def of_calls(self) -> dict[str, list[float]]:
+        """The calls' own observations (per call, per turn) and counts: all that a rollout
+        ending unfinished has (`tools/call_frequency`, `tools/loop_exhausted_frac` need its end)."""
         metrics = dict(self.observations)
-        metrics["tools/call_frequency"] = [float(self.calls)]
         metrics["tools/unknown_name_count"] = [float(self.unknown)]
         metrics["tools/malformed_call_count"] = [float(self.malformed)]
-        metrics["tools/loop_exhausted_frac"] = [float(exhausted)]
         for name, count in self.per_tool_calls.items():
             metrics[f"tools/{name}/call_count"] = [float(count)]
             metrics[f"tools/{name}/failure_count"] = [float(self.per_tool_failures[name])]
         return metrics
+
+    def as_metrics(self, exhausted: bool) -> dict[str, list[float]]:
+        return {**self.of_calls(), "tools/call_frequency": [float(self.calls)],
+                "tools/loop_exhausted_frac": [float(exhausted)]}
+
+    def so_far(self) -> list[Observation]:
+        """`of_calls` for a rollout that did not return (`rollout.unfinished`), its failure
+        frequency as `completion_observations` logs a finished one's: failures over calls."""
+        if not self.calls:
+            return []
+        rate = (float(self.failures), float(self.calls))
+        return [("tools/failure_frequency", rate)] + [
+            (name, value) for name, values in self.of_calls().items()
+            if name != "tools/failure_frequency" for value in values]  # its 0/1s: in the rate
 
 
 async def execute_tool_call(
@@ -183,8 +199,8 @@ def _warn_once(name: str, what: str, error: BaseException | None = None) -> None
     _warned_tools.add(name)
     logger.warning(
         "Tool %r %s. The model reads the error as the tool's answer; the call is counted in "
-        "tools/%s/failure_count once its group is scored or dropped (not if the run ends "
-        "first). If the tool is at fault rather than the model's arguments, fix it. Later "
+        "tools/%s/failure_count whatever becomes of its rollout (finished, or cut short with "
+        "its group). If the tool is at fault rather than the model's arguments, fix it. Later "
         "failures of this tool are only counted.", name, what, name, exc_info=error)
 
 
@@ -293,6 +309,7 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
     completion: list[dict] = []
     turns: list[TurnRecord] = []
     stats = _ToolStats()
+    unfinished.record(stats.so_far)  # its calls count even if it never returns
     context_limit = await _context_limit(loop)
     rounds, exhausted, context_full = 0, False, False
     sampled = SampledTurns()

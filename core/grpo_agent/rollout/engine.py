@@ -6,7 +6,9 @@ dispatcher starts a group only while the token allowance has room (`rollout.allo
 rollout slot is free and the bounded score queue in front of the scorer is not full, so slow
 rewards block generation (`rollout/score_block_s`) instead of piling up memory; what scoring makes of
 a group (samples or the reason it has none) is `rollout.group_scoring`, the books it moves
-(tokens queued, groups in flight) are kept here. Blocking work (chat
+(tokens queued, groups in flight) are kept here. A group that ends unscored (dropped, or in
+flight when the run ends) logs what its rollouts observed, those cut short included
+(`rollout.unfinished`), once. Blocking work (chat
 templates, sync rewards, reconciliation, environment calls) runs in the loop's
 `tool_executor`, never on the loop thread. A group's equal first turns go to the server as one
 request with `n` (`rollout.first_turns`). The engine calls the user's hooks on the
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpo_agent import stall
 from grpo_agent.metrics import Observation
-from grpo_agent.rollout import allowance, group_failures
+from grpo_agent.rollout import allowance, group_failures, unfinished
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
 from grpo_agent.rollout.concurrency import (
     POLL_INTERVAL_S,
@@ -33,9 +37,15 @@ from grpo_agent.rollout.concurrency import (
 )
 from grpo_agent.rollout.environments import EnvironmentEpisodeError
 from grpo_agent.rollout.first_turns import SharedFirstTurns
-from grpo_agent.rollout.group_scoring import build_group, rollout_observations, score_group
+from grpo_agent.rollout.group_scoring import (
+    build_group,
+    rollout_observations,
+    score_group,
+    unfinished_observations,
+)
 from grpo_agent.rollout.prompts import PromptSlot, iterate_prompts
 from grpo_agent.rollout.scoring import RewardFailureTracker
+from grpo_agent.rollout.unfinished import CallsSoFar
 from grpo_agent.rollout.versions import pin_rollout_version
 from grpo_agent.sampler import recovery
 from grpo_agent.sampler.client import SamplerClient
@@ -65,6 +75,9 @@ class RolloutEngine:
         self._failures = RewardFailureTracker()
         self._group_failures = group_failures.GroupFailureTracker()
         self._observations: list[Observation] = []
+        # group_id -> what the group observed so far, for each group dispatched whose
+        # observations are not logged yet (`_log_unlogged`): read when it is dropped or the run ends
+        self._unlogged: dict[int, Callable[[], list[Observation]]] = {}
         self._group_tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
         self._groups_in_flight = 0  # dispatched, not yet scored or dropped (the allowance's)
@@ -144,6 +157,8 @@ class RolloutEngine:
             for task in [*tasks, *self._group_tasks]:
                 task.cancel()
             await asyncio.gather(*tasks, *self._group_tasks, return_exceptions=True)
+            for group_id in list(self._unlogged):  # generating, queued or being scored
+                self._log_unlogged(group_id)
             self._send_observations()
 
     # ------------------------------------------------------------------ dispatch
@@ -203,8 +218,10 @@ class RolloutEngine:
         took_slot = [0]  # rollouts that took their slot: the rest are withdrawn if the group drops
         shared = (SharedFirstTurns(self.config.num_generations)
                   if self.config.share_first_turn_request else None)
-        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id, took_slot, shared))
-                    for _ in range(self.config.num_generations)]
+        calls = [CallsSoFar() for _ in range(self.config.num_generations)]
+        rollouts = [asyncio.ensure_future(self._run_rollout(slot, group_id, took_slot, shared, record))
+                    for record in calls]
+        self._unlogged[group_id] = functools.partial(self._seen_by, rollouts, calls)
         try:
             results = await asyncio.gather(*rollouts)
         except asyncio.CancelledError:
@@ -214,21 +231,21 @@ class RolloutEngine:
             await _cancel_all(rollouts)
             raise
         except StageStalled:  # reported by the watch: drop the group, count it, go on
-            await self._cancel_group(rollouts, took_slot)
+            await self._cancel_group(rollouts, took_slot, group_id)
             self._drop_stalled(slot.prompt_index, slot.row_index)
             return
         except (EnvironmentEpisodeError, RequestRejectedError) as error:
             reason = group_failures.failure_reason(error)
             if reason is None:
                 raise
-            await self._cancel_group(rollouts, took_slot)  # one bad row costs its group
+            await self._cancel_group(rollouts, took_slot, group_id)  # one bad row costs its group
             self._group_failures.failed(reason, error, slot.prompt_index, slot.row_index)
             self._drop_group(slot.prompt_index, slot.row_index, reason)
             return
         except SamplerError as error:
             if not await self._lost_the_server(error):
                 raise
-            await self._cancel_group(rollouts, took_slot)  # lost with the server: counted
+            await self._cancel_group(rollouts, took_slot, group_id)  # lost with the server: counted
             self._drop_group(slot.prompt_index, slot.row_index, "server_lost")
             return
         finally:
@@ -243,24 +260,40 @@ class RolloutEngine:
         self.observe("rollout/score_block_s", time.perf_counter() - started)
         self.observe("rollout/score_queue_size", self.score_queue.qsize())
 
-    async def _cancel_group(self, rollouts: list[asyncio.Future], took_slot: list[int]) -> None:
+    async def _cancel_group(self, rollouts: list[asyncio.Future], took_slot: list[int],
+                            group_id: int) -> None:
         """Cancel a dropped group's rollouts; those that never ran give their promise back
-        (else each drop would shrink the dispatcher's room for good). Those that finished keep
-        their own observations: their tool calls and failures happened (`tools/*`), whichever
-        sibling's error dropped the group."""
+        (else each drop would shrink the dispatcher's room for good). What they observed is
+        logged (`_seen_by`)."""
         await _cancel_all(rollouts)
         self.slots.withdraw(len(rollouts) - took_slot[0])
-        finished = [task.result()[1] for task in rollouts
-                    if not task.cancelled() and task.exception() is None]
-        if finished:
-            self._observations += rollout_observations(self.loop, finished)
+        self._log_unlogged(group_id)
+
+    def _seen_by(self, rollouts: list[asyncio.Future], calls: list[CallsSoFar]) -> list[Observation]:
+        """What a group's rollouts observed, whatever ends the group unscored (dropped, or the
+        run's end): the own observations of those that finished, the tool calls of those that
+        did not (cancelled part-way, or raising the error that dropped the group). Their calls
+        and failures happened, and the spec counts every one (`tools/*`)."""
+        returned = [task.done() and not task.cancelled() and task.exception() is None
+                    for task in rollouts]
+        finished = [task.result()[1] for task, done in zip(rollouts, returned) if done]
+        cut_short = [record for record, done in zip(calls, returned) if not done]
+        seen = rollout_observations(self.loop, finished) if finished else []
+        return seen + unfinished_observations(self.loop, cut_short)
+
+    def _log_unlogged(self, group_id: int) -> None:
+        """Log what a group observed so far (`_unlogged`), once."""
+        read = self._unlogged.pop(group_id, None)
+        if read is not None:
+            self._observations += read()
 
     async def _run_rollout(self, slot: PromptSlot, group_id: int, took_slot: list[int],
-                           shared: SharedFirstTurns | None = None) -> tuple:
-        if shared is None:
-            return await self._run_episode(slot, group_id, took_slot)
-        with shared.ticket():  # its first turn may go out in one request with its siblings'
-            return await self._run_episode(slot, group_id, took_slot, shared)
+                           shared: SharedFirstTurns | None, calls: CallsSoFar) -> tuple:
+        with unfinished.recording(calls):  # its tool calls count should it not return
+            if shared is None:
+                return await self._run_episode(slot, group_id, took_slot)
+            with shared.ticket():  # its first turn may go out in one request with its siblings'
+                return await self._run_episode(slot, group_id, took_slot, shared)
 
     async def _run_episode(self, slot: PromptSlot, group_id: int, took_slot: list[int],
                            shared: SharedFirstTurns | None = None) -> tuple:
@@ -291,6 +324,7 @@ class RolloutEngine:
 
     async def _score(self, group: RolloutGroup) -> None:
         scored = await score_group(self.loop, group, self._failures)
+        self._unlogged.pop(group.group_id, None)  # its observations are these
         self._observations += scored.observations
         if scored.stops_run is not None:
             raise scored.stops_run

@@ -246,6 +246,5 @@ def _warn_unscored(env_name: str, tool: str) -> None:
         "%s.get_reward() was not called for a rollout whose %r call timed out (tool_timeout_s): "
         "the call's thread went on changing the instance, so the reward would read a state the "
         "rollout's transcript does not show. The environment leaves such rollouts unscored "
-        "(said once; tools/%s/failure_count counts the timeouts of groups scored or dropped "
-        "before the run ends). Make %r return within "
+        "(said once; tools/%s/failure_count counts each such timeout). Make %r return within "
         "tool_timeout_s, or make it `async def`.", env_name, tool, tool, tool)

@@ -29,6 +29,7 @@ from grpo_agent.rollout.scoring import (
     has_signal,
     run_reward_functions,
 )
+from grpo_agent.rollout.unfinished import CallsSoFar
 from grpo_agent.stall import StageStalled
 from grpo_agent.types import Rollout, RolloutGroup, TrainingSample, TurnRecord
 
@@ -114,8 +115,23 @@ def rollout_observations(loop, rollouts: list[Rollout]) -> list[Observation]:
     loop has tools, `env/*`), whatever becomes of their group: scored, or dropped (the spec
     counts a dropped group's tool calls in `tools/failure_frequency`)."""
     return observations.completion_observations(
-        rollouts, with_tools=bool(loop.tools or loop.env_runner or loop.reports_tools),
-        with_tool_failures=loop.runs_tools)
+        rollouts, with_tools=_logs_tools(loop), with_tool_failures=loop.runs_tools)
+
+
+def unfinished_observations(loop, calls: list[CallsSoFar]) -> list[Observation]:
+    """The tool calls of rollouts that did not return (`rollout.unfinished`) under the rules
+    `rollout_observations` applies: `tools/*` only where the loop logs them, no failure
+    frequency where it does not run the tools."""
+    seen = [observation for record in calls for observation in record.observations()]
+    if not seen or not _logs_tools(loop):
+        return []
+    return [(name, value) for name, value in seen
+            if loop.runs_tools or name != "tools/failure_frequency"]
+
+
+def _logs_tools(loop) -> bool:
+    """The spec logs `tools/*` only when the trainer has tools (the harness gateway's too)."""
+    return bool(loop.tools or loop.env_runner or loop.reports_tools)
 
 
 def _why_untrained(group: RolloutGroup) -> str:
