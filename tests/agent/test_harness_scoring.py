@@ -626,6 +626,73 @@ def test_a_group_whose_agent_runs_lost_the_server_is_dropped_as_server_lost(scri
     assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 1
 
 
+def test_agent_runs_cut_short_by_a_lost_server_keep_the_calls_the_gateway_parsed(scripted_loop,
+                                                                                 tmp_path):
+    """Each agent run's first reply holds a readable and an unreadable tool call; its next
+    call finds the server gone, so the run raises and the real engine drops the group as
+    `server_lost`. The calls were made and parsed: `tools/malformed_call_count` counts the
+    three unreadable ones (the runs never returned, so they logged nothing before)."""
+    import threading
+
+    import openai
+    from grpo_agent.metrics import MetricWindow
+    from grpo_agent.rollout.concurrency import RolloutSlots
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.versions import VersionValue
+    from grpo_agent.sampler.errors import ServerUnreachableError
+    from grpo_agent.sampler.server import find_free_port
+    from grpo_agent.types import PromptConsumed
+
+    increment = {"type": "function", "function": {"name": "increment", "parameters": {
+        "type": "object", "properties": {"step": {"type": "integer"}}, "required": ["step"]}}}
+    reply = ('<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call>\n'
+             '<tool_call>\n{not json\n</tool_call>')
+    texts = scripted_loop([reply] * 3)
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="m", messages=row["prompt"], tools=[increment])
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "again"}], tools=[increment])
+        except openai.InternalServerError:
+            return 1.0
+
+    loop = _harness_loop(texts, tmp_path, agent)
+    loop.config.vllm_server_base_url = f"http://127.0.0.1:{find_free_port()}"  # nothing there
+
+    async def server_gone_on_second_call(prompt_ids, max_tokens=None):
+        if "again" in texts.tokenizer.decode(prompt_ids):
+            raise ServerUnreachableError(f"POST {loop.config.vllm_server_base_url}/inference/v1/"
+                                         "generate failed 6 times")
+        return await texts.generate_one_turn(prompt_ids)
+
+    loop.generate_one_turn = server_gone_on_second_call
+    put = []
+    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
+                               token_allowance=SimpleNamespace(value=0.0),
+                               model_version=VersionValue(0), server_down=threading.Event(),
+                               server_restores=None)
+    engine = RolloutEngine(loop, channels)
+    engine.slots = RolloutSlots(SimpleNamespace(value=8))
+
+    async def main():
+        engine.score_queue = asyncio.Queue(4)
+        await loop.setup()
+        try:
+            engine._groups_in_flight = engine._groups_generating = 1  # dispatched
+            await engine._run_group(PromptSlot(0, 4, 0, dict(ROW)), 0)
+        finally:
+            await loop.close()
+
+    asyncio.run(main())
+    assert put == [PromptConsumed(0, 4, "server_lost")]
+    window = MetricWindow()
+    window.extend(engine._observations)
+    logged = window.summarize()
+    assert (logged["tools/malformed_call_count"], logged["tools/parallel_calls_mean"]) == (3.0, 2.0)
+    assert "tools/failure_frequency" not in logged  # the agent ran its tools: none seen here
+
+
 class RecordingEstimatorLoop(AsyncRolloutLoop):
     """A user's `compute_advantages` that records each group's rewards and gives every
     rollout advantage 1 (a baseline that does not centre)."""

@@ -23,6 +23,8 @@ import os
 
 import numpy as np
 
+from grpo_agent.metrics import Observation
+from grpo_agent.rollout import unfinished
 from grpo_agent.rollout.agent_programs import (
     AgentCommand,
     AgentFailure,
@@ -162,6 +164,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         reward = None
         async with self.command_slots or contextlib.nullcontext():  # its budgets start here
             session = self.gateway.open_session(version)
+            unfinished.record(lambda: _calls_so_far(session))  # should the run not return
             try:
                 reward = await run_agent(self.agent, self.gateway.base_url, session.key, row,
                                          self.limits.timeout_s, self.gateway.unix_path, self.http_client)
@@ -181,8 +184,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             "harness/timeout_count": [float(failure is not None and failure.kind == "timeout")],
             FAILED_METRIC: [float(failure is not None)],
             "harness/rejected_calls_count": [float(session.rejected_calls)],
-            "tools/malformed_call_count": [float(session.malformed_calls)],
-            "tools/parallel_calls_mean": [float(n) for n in session.parallel_calls],
+            **_tool_metrics(session),
         }
         if failure is not None:
             self._warn_dropped(str(failure))
@@ -196,3 +198,17 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 turns=session.turns, tool_call_count=session.tool_calls, reward=reward,
                 metrics=metrics)
         return session.first_messages or [], rollout
+
+
+def _tool_metrics(session: AgentSession) -> dict[str, list[float]]:
+    """The `tools/*` of an agent run's calls that the gateway parsed (their outcomes happen in
+    the agent, unseen here)."""
+    return {"tools/malformed_call_count": [float(session.malformed_calls)],
+            "tools/parallel_calls_mean": [float(n) for n in session.parallel_calls]}
+
+
+def _calls_so_far(session: AgentSession) -> list[Observation]:
+    """`_tool_metrics` of a run that did not return (`rollout.unfinished`)."""
+    if not session.tool_calls:
+        return []
+    return [(name, value) for name, values in _tool_metrics(session).items() for value in values]

@@ -5,8 +5,9 @@ so one that never returns (cancelled with its dropped group or at the run's end,
 error that drops its group) took its tool calls and their failures with it, though they
 happened and the spec counts every one in `tools/*`. The engine hands each rollout a
 `CallsSoFar` through a context variable, so the hooks keep the spec's signatures; the tool loop
-registers a reader of its counts as it starts, and the engine reads it only for a rollout that
-did not return (one that did logs its own `Rollout.metrics`), so each call is counted once.
+and an agent run's gateway session register a reader of their counts as they start, and the
+engine reads it only for a rollout that did not return (one that did logs its own
+`Rollout.metrics`), so each call is counted once.
 """
 from __future__ import annotations
 
