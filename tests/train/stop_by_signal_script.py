@@ -3,9 +3,11 @@
 An offline trainer (tiny model, CPU, `logging_steps=2`) under `grpo-agent train`'s own SIGTERM
 handler. Its stand-in rollout worker hands one group per pull and counts a tool failure for
 each, then runs dry: it writes how many groups it handed to `<output_dir>/waiting` and waits.
+It takes Ctrl-C as a run started in a terminal does, even where it inherits SIGINT ignored.
 Usage: python stop_by_signal_script.py OUTPUT_DIR"""
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +52,10 @@ class DryTrainer(OfflineTrainer):
 
 
 if __name__ == "__main__":
+    # A test runner started as a background job (`make test &` in a script) ignores SIGINT and
+    # its children inherit that; Python then installs no KeyboardInterrupt handler, and the
+    # SIGINT the test sends would be dropped (the run waited for samples until killed).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = AsyncGRPOConfig(
         output_dir=sys.argv[1], max_steps=10, logging_steps=2, token_budget=TOKEN_BUDGET,
         gradient_checkpointing=False, optim="adamw_torch", report_to="none",

@@ -8,7 +8,6 @@ so is the restore that gives up; the rollout worker is a stand-in."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -182,22 +181,35 @@ def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
 SIGNAL_SCRIPT = Path(__file__).parent / "stop_by_signal_script.py"
 
 
-@pytest.mark.parametrize(("sig", "named", "exit_code"), [
-    (signal.SIGTERM, "SIGTERM", 128 + signal.SIGTERM),  # `grpo-agent train`'s handler
-    # Ctrl-C: the traceback's exit (1 or -2). Off in `make test`: under the full suite's load
-    # (a CI rehearsal, 2 cores) the run once did not exit within 60 s of the SIGINT (open);
-    # test_a_resume_after_ctrl_c_in_the_same_process_... covers a Ctrl-C in process.
-    pytest.param(signal.SIGINT, "KeyboardInterrupt", None, marks=pytest.mark.skipif(
-        os.environ.get("GRPO_AGENT_LONG_FAULTS") != "1",
-        reason="SIGINT from outside: once hung past 60 s under the full suite's load")),
-])
-def test_a_run_stopped_by_a_signal_logs_the_steps_it_had_not_logged(tmp_path, sig, named, exit_code):
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored here, so a child started meanwhile inherits it ignored, as every child of
+    a test runner started as a background job (`make test &`) does."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize(("sig", "named", "exit_codes"), [
+    (signal.SIGTERM, "SIGTERM", {128 + signal.SIGTERM}),  # `grpo-agent train`'s handler
+    # Ctrl-C: an uncaught KeyboardInterrupt, exit 1 (not -2: torch._dynamo's exit hook runs an
+    # exec, which clears CPython's note to die by SIGINT). `grpo-agent train` exits 130.
+    (signal.SIGINT, "KeyboardInterrupt", {1, -signal.SIGINT}),
+], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_a_signal_logs_the_steps_it_had_not_logged(tmp_path, sig, named, exit_codes):
     """With logging_steps=2, step 2 is logged, step 3 trains, and the run waits for samples
     when the signal comes from outside: the last row holds step 3's window, marked as a stop's
     (`stop/window_steps`, no `loss`), and every tool failure the worker counted is in exactly
-    one row. Before, an interrupted run logged nothing after step 2."""
+    one row. Before, an interrupted run logged nothing after step 2.
+
+    The run starts with SIGINT ignored, as under a test runner started as a background job:
+    before the script set its handler, such a run never saw the Ctrl-C and waited for samples
+    past the 60 s guard: the likely cause of its failure in the CI rehearsal at acd112f (load
+    alone never kept it past 13 s)."""
     log = tmp_path / "run.log"
-    with log.open("w") as out:
+    with log.open("w") as out, sigint_ignored():
         proc = subprocess.Popen([sys.executable, str(SIGNAL_SCRIPT), str(tmp_path)],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -208,7 +220,7 @@ def test_a_run_stopped_by_a_signal_logs_the_steps_it_had_not_logged(tmp_path, si
             time.sleep(0.1)
         proc.send_signal(sig)
         code = proc.wait(timeout=60)
-        assert code == exit_code if exit_code else code != 0, log.read_text()[-3000:]
+        assert code in exit_codes, log.read_text()[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
