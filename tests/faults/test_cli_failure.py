@@ -6,6 +6,7 @@ an exit code; the full traceback goes to error.log, and to the terminal only wit
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -70,6 +71,15 @@ def test_a_stall_exits_with_the_stall_code_and_names_its_report(monkeypatch, cap
         main(["train", "--env", "words", "--output-dir", str(tmp_path / "out")])
     assert exited.value.code == 3
     assert f"stall report: {tmp_path / 'out' / 'stall_report.json'}" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_without_an_error_line(monkeypatch, capsys, tmp_path):
+    """Ctrl-C exits 128 + SIGINT, as SIGTERM exits 143 (train/run.py): the run already logged
+    that it was interrupted and how to go on, so no error line follows (typer >= 0.13 does
+    this; 0.12 printed "Aborted!" and exited 1)."""
+    code, err = _train(monkeypatch, capsys, tmp_path, KeyboardInterrupt())
+    assert code == 128 + signal.SIGINT
+    assert err == ""
 
 
 def test_an_earlier_runs_stall_report_is_not_named(monkeypatch, capsys, tmp_path):
