@@ -242,6 +242,33 @@ def test_a_rejected_request_that_is_no_group_failure_stops_the_run(monkeypatch):
     assert put == []
 
 
+def test_an_error_that_stops_the_run_cancels_the_groups_other_rollouts(monkeypatch):
+    """gather ends at the first rollout's error; a sibling still in a tool call was left running
+    (calling tools and the server after the run stopped) until the worker's loop closed."""
+    cancelled = []
+
+    async def rollout(slot, group_id, took_slot, shared, calls):
+        if not cancelled and group_id == "first":
+            raise ValueError("a bug in the user's hook")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(group_id)
+            raise
+
+    async def main():
+        engine, _ = make_engine()
+        names = iter(["first", "second"])
+        monkeypatch.setattr(engine, "_run_rollout", lambda slot, group_id, took, shared, calls:
+                            rollout(slot, next(names), took, shared, calls))
+        engine._groups_in_flight = engine._groups_generating = 1
+        with pytest.raises(ValueError, match="user's hook"):
+            await engine._run_group(PromptSlot(0, 0, 0, {}), 0)
+        return list(cancelled)
+
+    assert asyncio.run(main()) == ["second"]
+
+
 def test_a_failed_group_task_fails_the_engine():
     async def main():
         engine, _ = make_engine()

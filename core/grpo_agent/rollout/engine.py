@@ -250,6 +250,10 @@ class RolloutEngine:
             return
         finally:
             self._groups_generating -= 1
+            if not all(rollout.done() for rollout in rollouts):
+                # an error that stops the run ended gather: its siblings would go on calling
+                # tools and the server until the worker's loop closed, after its last metrics
+                await _cancel_all(rollouts)
             if shared is not None:
                 await shared.close()
         self._group_failures.succeeded()
