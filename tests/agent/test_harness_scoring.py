@@ -577,12 +577,8 @@ def test_a_group_whose_agent_runs_lost_the_server_is_dropped_as_server_lost(scri
     group of failed agent runs and never asked the trainer to restore the server (a tool
     loop's request raises, and does). Now the agent run raises it: the real engine drops the
     group as `server_lost` and sets `server_down`, as for the tool loop."""
-    import threading
 
     import openai
-    from grpo_agent.rollout.concurrency import RolloutSlots
-    from grpo_agent.rollout.engine import RolloutEngine
-    from grpo_agent.rollout.versions import VersionValue
     from grpo_agent.sampler.errors import ServerUnreachableError
     from grpo_agent.sampler.server import find_free_port
     from grpo_agent.types import PromptConsumed
@@ -602,25 +598,8 @@ def test_a_group_whose_agent_runs_lost_the_server_is_dropped_as_server_lost(scri
                                      "generate failed 6 times")
 
     loop.generate_one_turn = unreachable
-    put = []
-    channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
-                               token_allowance=SimpleNamespace(value=0.0),
-                               model_version=VersionValue(0), server_down=threading.Event(),
-                               server_restores=None)
-    engine = RolloutEngine(loop, channels)
-    engine.slots = RolloutSlots(SimpleNamespace(value=8))
-
-    async def main():
-        engine.score_queue = asyncio.Queue(4)
-        await loop.setup()
-        try:
-            engine._groups_in_flight = engine._groups_generating = 1  # dispatched
-            await engine._run_group(PromptSlot(0, 4, 0, dict(ROW)), 0)
-        finally:
-            await loop.close()
-
     with caplog.at_level("WARNING", logger="grpo_agent.rollout.engine"):
-        asyncio.run(main())
+        engine, put, channels = _run_one_group(loop)
     assert put == [PromptConsumed(0, 4, "server_lost")] and engine.score_queue.empty()
     assert channels.server_down.is_set() and "Lost the vLLM server" in caplog.text
     assert engine._observations.count(("rollout/server_lost_group_count", 1.0)) == 1
@@ -632,13 +611,9 @@ def test_agent_runs_cut_short_by_a_lost_server_keep_the_calls_the_gateway_parsed
     call finds the server gone, so the run raises and the real engine drops the group as
     `server_lost`. The calls were made and parsed: `tools/malformed_call_count` counts the
     three unreadable ones (the runs never returned, so they logged nothing before)."""
-    import threading
 
     import openai
     from grpo_agent.metrics import MetricWindow
-    from grpo_agent.rollout.concurrency import RolloutSlots
-    from grpo_agent.rollout.engine import RolloutEngine
-    from grpo_agent.rollout.versions import VersionValue
     from grpo_agent.sampler.errors import ServerUnreachableError
     from grpo_agent.sampler.server import find_free_port
     from grpo_agent.types import PromptConsumed
@@ -667,6 +642,25 @@ def test_agent_runs_cut_short_by_a_lost_server_keep_the_calls_the_gateway_parsed
         return await texts.generate_one_turn(prompt_ids)
 
     loop.generate_one_turn = server_gone_on_second_call
+    engine, put, _ = _run_one_group(loop)
+
+    assert put == [PromptConsumed(0, 4, "server_lost")]
+    window = MetricWindow()
+    window.extend(engine._observations)
+    logged = window.summarize()
+    assert (logged["tools/malformed_call_count"], logged["tools/parallel_calls_mean"]) == (3.0, 2.0)
+    assert "tools/failure_frequency" not in logged  # the agent ran its tools: none seen here
+
+
+def _run_one_group(loop):
+    """Run one dispatched group of `loop` through the real engine on stand-in channels;
+    returns the engine, what it put on the samples channel, and the channels."""
+    import threading
+
+    from grpo_agent.rollout.concurrency import RolloutSlots
+    from grpo_agent.rollout.engine import RolloutEngine
+    from grpo_agent.rollout.versions import VersionValue
+
     put = []
     channels = SimpleNamespace(samples=SimpleNamespace(put=put.append),
                                token_allowance=SimpleNamespace(value=0.0),
@@ -685,12 +679,7 @@ def test_agent_runs_cut_short_by_a_lost_server_keep_the_calls_the_gateway_parsed
             await loop.close()
 
     asyncio.run(main())
-    assert put == [PromptConsumed(0, 4, "server_lost")]
-    window = MetricWindow()
-    window.extend(engine._observations)
-    logged = window.summarize()
-    assert (logged["tools/malformed_call_count"], logged["tools/parallel_calls_mean"]) == (3.0, 2.0)
-    assert "tools/failure_frequency" not in logged  # the agent ran its tools: none seen here
+    return engine, put, channels
 
 
 class RecordingEstimatorLoop(AsyncRolloutLoop):
