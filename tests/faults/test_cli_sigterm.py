@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_helpers import record_fault_to_outcome
+from grpo_agent.testing.processes import left_in_session
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(os.environ.get("GRPO_AGENT_LONG_FAULTS") != "1",
@@ -51,25 +52,10 @@ def test_sigterm_stops_a_stuck_run_with_a_message(vllm_server, tmp_path, record_
         assert code == 128 + signal.SIGTERM, text[-3000:]
         assert "The run was interrupted (SIGTERM) at step 0" in text, text[-3000:]
         assert "To go on, run it again (no checkpoint was written yet" in text  # none at step 0
-        left = _left_in_session(proc.pid)
+        left = left_in_session(proc.pid)
         assert not left, f"still running in the run's session: {left}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-
-def _left_in_session(session: int, guard_s: float = 30.0) -> list[str]:
-    """The command lines of processes still in `session` once `guard_s` passed (multiprocessing's
-    resource tracker cleans up for a moment after its parent is gone)."""
-    deadline = time.monotonic() + guard_s
-    while True:
-        left = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[3]) == session and fields[0] != "Z":  # pgrp, not a zombie
-                    left.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(1)

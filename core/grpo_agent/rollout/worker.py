@@ -78,7 +78,14 @@ def failure_text(error: BaseException) -> str:
 
 
 def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels, trainer_pid: int) -> None:
-    """Entry of the spawned process: build the loop, run it, report any failure."""
+    """Entry of the spawned process: build the loop, run it, report any failure.
+
+    Ctrl-C is the trainer's to handle: a terminal sends SIGINT to the whole foreground group,
+    and a worker that took it died with a traceback (while importing) or reported a failure of
+    its own. It was spawned with SIGINT blocked (`start`): ignore it, then unblock, dropping
+    one that came meanwhile. Its own children (the math-verify helper) inherit the ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     exit_when_orphaned(trainer_pid)
     try:
@@ -132,9 +139,13 @@ class RolloutWorker:
         with _ENV_LOCK:  # the child must never see the trainer's GPUs, even while importing
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            # The child inherits the mask: a Ctrl-C while it imports waits for `_child_main` to
+            # ignore it. Ours stays pending until the unblock, not lost as with SIG_IGN here.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self._process.start()
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
                 _restore_env("CUDA_VISIBLE_DEVICES", saved)
         self._close_our_write_ends()
         startup_s = max(self.config.rollout_worker_timeout, MIN_STARTUP_S)

@@ -45,6 +45,24 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def left_in_session(session: int, guard_s: float = 30.0) -> list[str]:
+    """The command lines of processes still in process group `session` once `guard_s` passed
+    (multiprocessing's resource tracker cleans up for a moment after its parent is gone)."""
+    deadline = time.monotonic() + guard_s
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session and fields[0] != "Z":  # pgrp, not a zombie
+                    left.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+            except (OSError, IndexError):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(1)
+
+
 def descendants(pid: int) -> list[int]:
     found, frontier = [], [pid]
     while frontier:
