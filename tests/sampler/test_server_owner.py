@@ -55,3 +55,28 @@ def test_the_owner_pid_reaches_the_server(tmp_path):
 
     server = ManagedVLLMServer(str(tmp_path), log_path=tmp_path / "server.log")
     assert server.environment()[OWNER_PID_ENV] == str(os.getpid())
+
+
+def test_a_second_ctrl_c_during_the_stop_kills_the_server_at_once():
+    """Ctrl-C while the server takes its SIGTERM grace (here it ignores SIGTERM) gives up the
+    wait and SIGKILLs the group: the run exits at once and leaves no server."""
+    import _thread
+    import threading
+
+    import pytest
+    from grpo_agent.sampler.server import _stop_process_group
+
+    server = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal("
+                               "signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    server.stdout.readline()  # it ignores SIGTERM now
+    timer = threading.Timer(0.5, _thread.interrupt_main)  # the second Ctrl-C
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _stop_process_group(server)
+        assert gone_within(server.pid, 2.0)
+    finally:
+        timer.cancel()
+        kill_quietly(server.pid, signal.SIGKILL)
+        server.wait()

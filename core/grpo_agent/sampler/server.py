@@ -336,7 +336,9 @@ def _new_log_path() -> Path:
 
 
 def _stop_process_group(process: subprocess.Popen) -> None:
-    """Signal the session we created for `process` (its PID is the group id)."""
+    """Signal the session we created for `process` (its PID is the group id). A second Ctrl-C
+    while the server takes its grace period kills the group at once: before, it cut the wait
+    short and left the server running until its owner watch noticed (`vllm_entry`)."""
     if process.poll() is not None:  # killed from outside: its engine may still run
         _reap_group_leftovers(process.pid)
         return
@@ -350,6 +352,9 @@ def _stop_process_group(process: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
+        except BaseException:
+            _reap_group_leftovers(process.pid)
+            raise
     _reap_group_leftovers(process.pid)
 
 
