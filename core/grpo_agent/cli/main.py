@@ -7,10 +7,15 @@ traceback instead. Plugins add commands through the `register_commands` hook.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import importlib.util
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get(DEBUG_ENV) == "1"
     warned = broken is None
     try:
-        app(args=args, prog_name="grpo-agent")  # typer reports usage errors and exits itself
+        with _ends_by_ctrl_c():
+            app(args=args, prog_name="grpo-agent")  # typer reports usage errors and exits itself
     except _known_errors() as err:
         warned = warned or str(err) == broken
         if debug:
@@ -125,6 +131,46 @@ def main(argv: list[str] | None = None) -> None:
         if not warned:
             typer.echo(f"Warning: plugin commands not loaded: {broken}", err=True)
 
+
+@contextlib.contextmanager
+def _ends_by_ctrl_c() -> Iterator[None]:
+    """A command that Ctrl-C stopped (typer turns the KeyboardInterrupt into exit 130, after the
+    run's cleanup) ends by SIGINT itself, as a program should that a signal ended: a shell tells
+    the two apart, and `for ...; do grpo-agent train ...; done` went on to the next run after a
+    plain exit 130 (bash takes it as a child that handled Ctrl-C). Only a real SIGINT counts,
+    not a KeyboardInterrupt raised in code; a SIGINT the process ignores stays ignored. (Python's
+    own exit by SIGINT for an uncaught KeyboardInterrupt was lost in a run's interpreter
+    teardown: it exited 1.)"""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    except SystemExit as done:
+        if received and done.code == 128 + signal.SIGINT:
+            _die_by_sigint()
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _die_by_sigint() -> None:
+    """What the interpreter's exit would do (atexit handlers: multiprocessing's, finalizers;
+    flushed output), then SIGINT with its default action."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 if __name__ == "__main__":
     main()
