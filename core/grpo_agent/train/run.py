@@ -63,7 +63,7 @@ def run_training(
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_agent.train import fsdp
-    from grpo_agent.train.checkpoint import CLI_RESUME
+    from grpo_agent.train.checkpoint import CLI_RESUME, resume_advice
     from grpo_agent.train.reporting import (
         METRICS_NAME,
         PLOT_NAME,
@@ -72,7 +72,7 @@ def run_training(
         plot_reward_and_length,
         quiet_library_bars_off_terminal,
     )
-    from grpo_agent.train.trainer import AsyncGRPOTrainer
+    from grpo_agent.train.trainer import AsyncGRPOTrainer, interruption
 
     fsdp.quiet_other_ranks()  # before check_run: its warnings too
     quiet_library_bars_off_terminal()  # weight loading and save_model: as our progress line
@@ -82,22 +82,30 @@ def run_training(
     model_path = model or _tiny_model_path()
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
-    with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config) as base_url:
-        config.vllm_server_base_url = base_url
-        config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
-        (output_dir / "config.json").write_text(config.to_json_string())
-        common = {"model": model_path, "reward_funcs": task["reward_funcs"], "args": config,
-                  "train_dataset": task["dataset"], "eval_dataset": eval_dataset,
-                  "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
-                  "peft_config": peft_config}
-        if agent is None:
-            trainer = AsyncGRPOTrainer(**common, environment_factory=task["environment_factory"])
-        else:
-            trainer = _harness_trainer(agent, task, common)
-        trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
-        trainer.resume_setting = CLI_RESUME  # Ctrl-C/SIGTERM advise the --set this command takes
-        trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(str(output_dir / "final"))
+    interrupt_said = False
+    try:
+        with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config) as base_url:
+            config.vllm_server_base_url = base_url
+            config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
+            (output_dir / "config.json").write_text(config.to_json_string())
+            common = {"model": model_path, "reward_funcs": task["reward_funcs"], "args": config,
+                      "train_dataset": task["dataset"], "eval_dataset": eval_dataset,
+                      "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
+                      "peft_config": peft_config}
+            if agent is None:
+                trainer = AsyncGRPOTrainer(**common, environment_factory=task["environment_factory"])
+            else:
+                trainer = _harness_trainer(agent, task, common)
+            trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
+            trainer.resume_setting = CLI_RESUME  # Ctrl-C/SIGTERM advise the --set this command takes
+            interrupt_said = True  # from here on by train() itself
+            trainer.train(resume_from_checkpoint=resume)
+            trainer.save_model(str(output_dir / "final"))
+    except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (_exit_on_sigterm)
+        if not interrupt_said:  # the server start takes minutes on CPU: a user may give up
+            logger.warning("The run was interrupted (%s) before training began. To go on, %s.",
+                           interruption(stop), resume_advice(config.output_dir, CLI_RESUME))
+        raise
     metrics = output_dir / METRICS_NAME
     if metrics.is_file():
         plot_reward_and_length(metrics, output_dir / PLOT_NAME)

@@ -235,7 +235,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (`grpo-agent train`)
             interrupted = True
             logger.warning("The run was interrupted (%s) at step %d: stopping the rollout worker "
-                           "at once. To go on, %s.", _interruption(stop), self.state.global_step,
+                           "at once. To go on, %s.", interruption(stop), self.state.global_step,
                            resume_advice(self.args.output_dir, self.resume_setting))
             raise
         finally:
@@ -476,7 +476,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         return {k: v for k, v in summary.items() if not (k.startswith("perf/") and math.isnan(v))}
 
 
-def _interruption(stop: BaseException) -> str:
+def interruption(stop: BaseException) -> str:
     """What interrupted the run: SystemExit(128 + signal number) is how the CLI turns SIGTERM
     into an exit that runs the cleanup."""
     code = getattr(stop, "code", None)
