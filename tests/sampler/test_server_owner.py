@@ -66,9 +66,8 @@ def test_a_second_ctrl_c_during_the_stop_kills_the_server_at_once():
     import pytest
     from grpo_agent.sampler.server import _stop_process_group
 
-    server = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal("
-                               "signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"],
-                              stdout=subprocess.PIPE, start_new_session=True)
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+    server = subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE, start_new_session=True)
     server.stdout.readline()  # it ignores SIGTERM now
     timer = threading.Timer(0.5, _thread.interrupt_main)  # the second Ctrl-C
     timer.start()
