@@ -45,6 +45,9 @@ def test_full_row_spills_to_an_empty_row_then_closes_the_microbatch(sample_facto
     assert plan.metrics["batch/microbatches_per_step"] == 2
     assert plan.metrics["batch/pad_frac"] > 0  # the empty row of micro-batch 2
     assert plan.trained_tokens(0) == 16 and plan.leftover == []
+    # batch/row_imbalance is the micro-batches' mean: 1.0 (two equal rows) and 2.0 (one row
+    # beside an empty one, whose process idles)
+    assert plan.metrics["batch/row_imbalance"] == pytest.approx(1.5)
 
 
 def test_step_full_returns_leftovers_in_order(sample_factory):
@@ -104,9 +107,68 @@ def test_streaming_planner_says_when_full(sample_factory):
     second = sample_factory(list(range(11, 19)), [0] * 4 + [1] * 4, group_id=1)
     assert planner.add(first) is True
     assert planner.add(second) is False and planner.full
+    # a full step stays full: a sample that would still fit waits for the next step
+    assert planner.add(sample_factory([30, 31], [0, 1], group_id=2)) is False
     assert planner.plan().samples == 1
 
 
 def test_bad_arguments_are_named(sample_factory):
     with pytest.raises(ValueError, match="token_budget=0"):
         StepPlanner(token_budget=0, num_processes=1, grad_accum_steps=1)
+    with pytest.raises(ValueError, match="num_processes=0"):
+        StepPlanner(token_budget=8, num_processes=0, grad_accum_steps=1)
+    with pytest.raises(ValueError, match="grad_accum_steps=0"):
+        StepPlanner(token_budget=8, num_processes=1, grad_accum_steps=0)
+
+
+def test_a_new_group_goes_to_the_row_where_it_adds_least_cost(sample_factory):
+    """Placement rule 2 counts what the sample adds, not the row's cost alone: a new group
+    whose prompt is another row's (a shared system prompt) costs one token there."""
+    planner = StepPlanner(token_budget=100, num_processes=2, grad_accum_steps=1)
+    planner.add(sample_factory(list(range(1, 11)), [0] * 8 + [1, 1], group_id=0))  # row 0: 55
+    planner.add(sample_factory(list(range(201, 209)), [0, 0] + [1] * 6, group_id=1))  # row 1: 36
+    # row 0 shares its 10 tokens: 55 + 11; row 1 would forward all 11: 36 + 66
+    planner.add(sample_factory(list(range(1, 12)), [0] * 10 + [1], group_id=2))
+    assert [r.group_ids for r in planner.plan().microbatches[0]] == [[0, 2], [1]]
+
+
+def test_a_group_spills_into_an_empty_row_even_past_the_costliest_row(sample_factory):
+    """Rule 3: while some process has an empty row, a sample whose group's row is full goes
+    there, whatever it costs; closing the micro-batch instead would leave that process idle."""
+    planner = StepPlanner(token_budget=10, num_processes=2, grad_accum_steps=2)
+    planner.add(sample_factory(list(range(100, 106)), [0, 0] + [1] * 4, group_id=0))  # cost 21
+    planner.add(sample_factory(list(range(200, 210)), [0, 0] + [1] * 8, group_id=0))  # cost 55
+    assert [[r.num_samples for r in mb] for mb in planner.plan().microbatches] == [[1, 1]]
+
+
+def test_plan_step_places_a_group_whole_before_the_next_group(sample_factory):
+    """Samples are planned group by group, groups in order of their first sample: a group
+    that arrived interleaved with another still trains together (its prompt forwarded once),
+    and the group that does not fit waits whole."""
+    g0a, g0b = _group(sample_factory, 0, completion_lens=(4, 4))
+    (g1,) = _group(sample_factory, 1, completion_lens=(4,))
+    # 17 tokens hold g0a and g0b (12 + 5 past their shared prompt), not g0a and g1 (12 + 12)
+    plan = plan_step([g0a, g1, g0b], token_budget=17, num_processes=1, grad_accum_steps=1)
+    assert plan.microbatches[0][0].group_ids == [0, 0]
+    assert plan.leftover == [g1]
+
+
+def test_metrics_of_a_step_that_leaves_a_process_row_empty(sample_factory):
+    """An empty row is a process forwarding padding: row_fill_frac, pad_frac and row_imbalance
+    count it; samples_per_row and row_tokens_mean describe the rows that hold samples."""
+    one = sample_factory(list(range(1, 11)), [0, 0] + [1] * 8)
+    m = plan_step([one], token_budget=20, num_processes=2, grad_accum_steps=1).metrics
+    assert m["batch/samples_per_row"] == 1.0
+    assert m["batch/row_tokens_mean"] == 10.0 and m["batch/row_tokens_max"] == 10.0
+    assert m["batch/row_fill_frac"] == pytest.approx(10 / 20 / 2)
+    assert m["batch/pad_frac"] == pytest.approx(0.5)  # 10 pad tokens of 2 x 10
+    assert m["batch/row_imbalance"] == pytest.approx(2.0)  # costs 55 and 0
+
+
+def test_a_step_whose_samples_were_all_dropped_plans_no_microbatch(sample_factory):
+    big = sample_factory(list(range(1, 40)), [0] * 4 + [1] * 35)
+    plan = plan_step([big], token_budget=16, num_processes=2, grad_accum_steps=2)
+    assert plan.microbatches == [] and plan.dropped == [big]
+    m = plan.metrics
+    assert m["batch/microbatches_per_step"] == 0 and m["batch/forwarded_tokens_per_step"] == 0
+    assert m["batch/packing_ratio"] == 1.0  # nothing shared
