@@ -265,6 +265,26 @@ def test_the_starved_step_warning_names_a_cause_other_than_reward_variance(caplo
     assert "If frac_reward_zero_std is near 1" in caplog.text, caplog.text
 
 
+def test_the_starved_step_warning_comes_once_a_minute_and_knows_greedy_sampling(caplog):
+    """Under temperature=0 equal rewards come from sampling, not the reward functions: the
+    warning gives the guard's greedy cause. It repeats each STARVED_WARNING_S of idling, not
+    at every one-second pull."""
+    from grpo_agent.train.no_progress import NoProgressGuard
+    from grpo_agent.train.step_source import StepSource
+
+    guard = NoProgressGuard(timeout_s=0, watch=None, temperature=0)
+    guard.record("zero_std")
+    source = SimpleNamespace(_last_starved_warning=0.0, no_progress=guard)
+    with caplog.at_level("WARNING"):
+        for idle in (30.0, 61.0, 62.0, 100.0, 122.0):
+            StepSource._warn_if_starved(source, idle, 0)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert [w.split(" s ")[0] for w in warnings] == ["No trainable sample for 61",
+                                                     "No trainable sample for 122"]
+    assert "temperature=0 samples greedily" in warnings[0]
+    assert "frac_reward_zero_std" not in warnings[0]
+
+
 class FixedAdvantageLoop(AsyncRolloutLoop):
     """A user's `compute_advantages` that gives every rollout, unscored ones too, a fixed value."""
 

@@ -78,6 +78,21 @@ class ScriptedWorker:
         self.pulls += 1
         return self.batches.pop(0) if self.batches else []
 
+    # finish_step's side: the served version, the step tokens it reports, its metrics
+    model_version = 0
+    reported: list[int] = []
+    flushes: list[float] = []
+
+    def report_step_tokens(self, tokens):
+        self.reported = [*self.reported, tokens]
+
+    def flush_metrics(self, timeout_s):
+        self.flushes = [*self.flushes, timeout_s]
+        return False  # the worker did not answer in time
+
+    def drain_metrics(self):
+        return []
+
 
 def step_source(batches, epoch_prompts):
 
@@ -117,6 +132,57 @@ def test_a_carry_the_push_made_stale_is_noticed_as_consumed_not_trained():
     step, _ = source.next_step(StepPlanner(token_budget=7, num_processes=1, grad_accum_steps=1))
     assert step == []  # version 0 is stale under version 1: not trained
     assert source.ledger.frontier == 3  # prompt 2 counted consumed, so the epoch ends
+
+
+def _plan(budget):
+    from grpo_agent.train.batching import StepPlanner
+
+    return StepPlanner(token_budget=budget, num_processes=1, grad_accum_steps=1)
+
+
+def test_a_carry_opens_the_next_step_oldest_first():
+    """The sample that did not fit comes before the rest of its pull: arrival order, so the
+    oldest (the first to go stale) trains first."""
+    source = step_source([[sample(i, 1) for i in range(4)]], epoch_prompts=10)
+    assert [s.prompt_index for s in source.next_step(_plan(7))[0]] == [0, 1]
+    assert [s.prompt_index for s in source.next_step(_plan(4))[0]] == [2]  # one 3-token sample
+
+
+def test_samples_of_prompts_trained_before_a_resume_are_discarded():
+    """The resumed worker starts at the frontier (0) and samples prompt 1 again, which the
+    checkpoint's run already trained out of order: those samples are not trained twice."""
+    source = step_source([[sample(i, 1) for i in range(4)]], epoch_prompts=10)
+    source.ledger = PromptLedger(RolloutState(first_untrained_prompt_index=0, consumed_after_first=[1]))
+    assert [s.prompt_index for s in source.next_step(_plan(7))[0]] == [0, 2]
+
+
+def test_a_trainable_sample_resets_the_no_progress_count():
+    """The no-progress guard counts groups dropped in a row: a sample that trains ends the row."""
+    dropped = [PromptConsumed(prompt_index=i, row_index=i, reason="stalled") for i in (0, 1)]
+    source = step_source([[*dropped, *(sample(i, 1) for i in (2, 3, 4))]], epoch_prompts=10)
+    assert [s.prompt_index for s in source.next_step(_plan(7))[0]] == [2, 3]
+    assert source.no_progress.dropped == {}
+
+
+def test_staleness_is_counted_per_step_against_the_served_version_by_default(caplog):
+    """Without `trained_version`, a step's staleness counts from the worker's served version;
+    each step logs its own samples' staleness, and reports its forwarded tokens (the worker's
+    staleness allowance); the last step asks the worker to flush and says if it did not."""
+    import dataclasses
+
+    stale = dataclasses.replace(sample(0, 1), model_version=0)
+    fresh = [dataclasses.replace(sample(i, 1), model_version=2) for i in (1, 2, 3, 4)]
+    source = step_source([[stale, *fresh]], epoch_prompts=10)
+    source.worker.model_version = 2
+    for expected in (1.0, 0.0):  # step 1: versions 0 and 2; step 2: the carry (2) and 2
+        taken, _ = source.next_step(_plan(7))
+        source.finish_step(taken, last=False)
+        assert source.window.summarize()["sample/staleness_max"] == 2 * expected
+    assert source.worker.reported == [6, 6]  # forwarded tokens: 2 samples of 3 (2 trained)
+    assert source.worker.flushes == []
+    with caplog.at_level("WARNING"):
+        source.finish_step([], last=True)
+    assert source.worker.flushes and "did not send its last metrics" in caplog.text
 
 
 def test_rollout_state_round_trips_every_field_through_the_checkpoint(tmp_path):
