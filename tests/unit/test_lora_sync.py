@@ -42,6 +42,10 @@ def _lora_command(rank: int, max_staleness: int) -> str:
 def test_limits_that_fit_pass_and_too_small_ones_name_the_restart_flags():
     check_lora_limits(LoraServerLimits(8, 3, True), rank=4, max_staleness=1,
                       command=_lora_command(4, 1))
+    # exact fits pass: rank 8 on --max-lora-rank 8, whose advised command asks for 8 again
+    check_lora_limits(LoraServerLimits(8, 3, True), rank=8, max_staleness=1,
+                      command=_lora_command(8, 1))
+    assert "--max-lora-rank 8 --max-loras 3" in _lora_command(8, 1)
     command = _lora_command(12, 4)
     with pytest.raises(ValueError) as error:
         check_lora_limits(LoraServerLimits(8, 3, True), rank=12, max_staleness=4, command=command)
