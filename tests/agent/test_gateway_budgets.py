@@ -58,6 +58,8 @@ def test_max_tokens_is_capped_by_the_completion_length_and_what_is_left_of_the_t
     assert gateway._max_tokens(50, spent=70) == 30
     assert gateway._max_tokens(500) == 100
     assert _gateway()._max_tokens(500) == 256
+    roomy = _gateway(max_generated_tokens=1000)  # a budget larger than one completion
+    assert roomy._max_tokens(None) == roomy._max_tokens(500) == 256
     for bad in (0, -1, True, "3", 2.5):
         with pytest.raises(GatewayError, match="max_tokens must be a positive integer"):
             gateway._max_tokens(bad)

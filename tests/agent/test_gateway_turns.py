@@ -62,6 +62,15 @@ def test_calls_in_a_turn_cut_off_by_length_are_not_counted(tiny_tokenizer):
     assert finish == "length" and session.tool_calls == 0 and session.parallel_calls == []
 
 
+def test_an_unreadable_call_is_answered_as_its_text_and_counted_malformed(tiny_tokenizer):
+    """As in the tool loop: the agent sees what the model wrote (no call it cannot run) and the
+    rollout counts the call and that it was malformed."""
+    broken = '<tool_call>\n{"name": "increment", "arguments": {\n</tool_call>'
+    message, finish, _, session, _ = _turn(tiny_tokenizer, text=broken)
+    assert message == {"role": "assistant", "content": broken} and finish == "stop"
+    assert session.tool_calls == 1 and session.malformed_calls == 1
+
+
 def test_the_context_left_bounds_max_tokens_and_a_full_context_is_refused(tiny_tokenizer):
     _, _, (prompt_tokens, _), _, _ = _turn(tiny_tokenizer)
     *_, sampler = _turn(tiny_tokenizer, max_model_len=prompt_tokens + 1)
