@@ -25,6 +25,8 @@ def test_content_and_calls_are_split_in_order():
     [
         ('<tool_call>{"name": "a", "arguments": {</tool_call>', "not valid JSON"),
         ('<tool_call>["a"]</tool_call>', 'string "name"'),
+        ('<tool_call>{"arguments": {"x": 1}}</tool_call>', 'string "name"'),
+        ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', 'string "name"'),
         ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "must be a JSON object"),
         ('<tool_call>{"name": "a", "arguments": {}}', "not closed"),
         ('<tool_call>{"name": "a", "arguments": "{x: 1"}</tool_call>', '"arguments" is a string that is not valid JSON'),
@@ -57,3 +59,15 @@ def test_plugins_can_register_a_parser_selected_by_template_marker():
         register_tool_call_parser("bracket-test", HermesToolCallParser)
     with pytest.raises(KeyError, match="Unknown tool-call parser 'x'"):
         get_tool_call_parser("x")
+
+
+def test_a_plugins_marker_wins_over_the_built_in_one_in_the_same_template():
+    """A family whose calls sit inside `<tool_call>` in another format (Qwen3-Coder's
+    `<function=...>` XML) registers its own marker: its template emits both, and the plugin's
+    parser, not Hermes', must read it."""
+    class XmlParser:
+        def parse(self, text):
+            return ParsedTurn(text, [])
+
+    register_tool_call_parser("xml-function-test", XmlParser, template_marker="<function=")
+    assert isinstance(parser_for_template("<tool_call>\n<function=multiply>"), XmlParser)

@@ -83,10 +83,12 @@ def test_sync_and_async_tools_run_and_results_feed_the_next_turn(scripted_loop):
 
 
 def test_tool_results_are_json_and_sync_tools_run_off_the_event_loop(scripted_loop):
-    loop = scripted_loop([call("lookup", key="x"), "done"])
+    """Non-ASCII text stays itself in the JSON: the model reads "Zürich", not "Z\\u00fcrich"."""
+    loop = scripted_loop([call("lookup", key="Zürich"), "done"])
     rollout = run(loop)
     result = json.loads(rollout.completion[1]["content"])  # JSON, not a Python repr
-    assert result["ok"] is True and result["key"] == "x"
+    assert result["ok"] is True and result["key"] == "Zürich"
+    assert '"key": "Zürich"' in rollout.completion[1]["content"]
     assert result["thread"] != threading.main_thread().name
 
 
