@@ -7,8 +7,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits, template_messages
+from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits, cut_at_stop, template_messages
 from grpo_agent.rollout.gateway_errors import GatewayError
+from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.types import TurnRecord
 
 TOOLS = [{"type": "function", "function": {
@@ -69,6 +70,28 @@ def test_an_unreadable_call_is_answered_as_its_text_and_counted_malformed(tiny_t
     message, finish, _, session, _ = _turn(tiny_tokenizer, text=broken)
     assert message == {"role": "assistant", "content": broken} and finish == "stop"
     assert session.tool_calls == 1 and session.malformed_calls == 1
+
+
+def test_a_stop_cut_ends_at_the_earliest_stop_and_keeps_the_turn_trainable(tiny_tokenizer):
+    """Two stop strings that end at the same token ("Observation:" holds "vation:"): the text
+    ends before the one that starts first, as the OpenAI API cuts. The finish reason is `stop`
+    even for a turn sampled to its length, and every per-token column is cut with the ids, so
+    the recorded turn still reconciles into a training sequence."""
+    ids = tiny_tokenizer.encode("Thought: add 3\nObservation: 7", add_special_tokens=False)
+    n = len(ids)
+    turn = TurnRecord([1, 2], ids, [-0.1] * n, output_mask=[1] * n,
+                      output_sampling_mask=[[t] for t in ids],
+                      output_sampler_logprobs=[{t: -0.1} for t in ids], finish_reason="length",
+                      weight_versions=["v0"] * n)
+    cut, text = cut_at_stop(turn, tiny_tokenizer, ["vation:", "Observation:"])
+    assert text == "Thought: add 3\n" and cut.finish_reason == "stop"
+    kept = len(cut.output_ids)
+    assert "Observation:" in tiny_tokenizer.decode(ids[:kept]) and kept < n
+    for column in (cut.output_log_probs, cut.output_mask, cut.output_sampling_mask,
+                   cut.output_sampler_logprobs, cut.weight_versions):
+        assert len(column) == kept
+    (sequence,), _ = reconcile_turns([cut])
+    assert sequence.num_trained == kept
 
 
 def test_the_context_left_bounds_max_tokens_and_a_full_context_is_refused(tiny_tokenizer):
