@@ -111,6 +111,12 @@ def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
     assert rollout.metrics["tools/failure_frequency"] == [1.0, 1.0, 1.0, 0.0]
 
 
+def test_an_unknown_tool_is_counted_apart_from_a_malformed_call(scripted_loop):
+    rollout = run(scripted_loop([call("nope", x=1), "ok"]))
+    assert rollout.metrics["tools/unknown_name_count"] == [1.0]
+    assert rollout.metrics["tools/malformed_call_count"] == [0.0]
+
+
 def recording_tool(seen: list):
     """A `record(tag)` tool that appends each tag it is called with to `seen`."""
     def record(tag: str) -> str:
