@@ -7,7 +7,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.gateway import AgentSession, Gateway, HarnessLimits, cut_at_stop, template_messages
+from grpo_agent.rollout.gateway import (AgentSession, Gateway, HarnessLimits, chat_logprobs, cut_at_stop,
+                                      template_messages)
 from grpo_agent.rollout.gateway_errors import GatewayError
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.types import TurnRecord
@@ -142,6 +143,27 @@ def test_each_call_is_recorded_under_the_sessions_version_and_the_history_kept(t
 def test_an_empty_reply_is_null_content(tiny_tokenizer):
     message, finish, _, _, _ = _turn(tiny_tokenizer, text="")
     assert message == {"role": "assistant", "content": None} and finish == "stop"
+
+
+def test_an_end_of_text_token_is_not_part_of_the_reply(tiny_tokenizer):
+    """A turn the sampler ended on the pad token (`<|endoftext|>`, a stop id of Qwen models)
+    reads like one ended on `<|im_end|>`: the agent gets the text, not the token."""
+    message, finish, _, _, _ = _turn(tiny_tokenizer, text="Done.<|endoftext|>")
+    assert message == {"role": "assistant", "content": "Done."} and finish == "stop"
+
+
+def test_a_reply_of_only_the_end_of_turn_token_lists_no_logprobs(tiny_tokenizer):
+    """The end-of-turn token is not text the agent got, so an empty reply has no entries."""
+    turn = TurnRecord([1], [tiny_tokenizer.eos_token_id], [-0.1])
+    assert chat_logprobs(turn, tiny_tokenizer, 2) == {"content": [], "refusal": None}
+
+
+def test_a_developer_message_is_rendered_as_the_system_message():
+    """OpenAI's `developer` role (newer clients send it for instructions) is the template's
+    `system`: chat templates know no `developer` role."""
+    messages = template_messages([{"role": "developer", "content": "Be brief."},
+                                  {"role": "user", "content": "hi"}])
+    assert [m["role"] for m in messages] == ["system", "user"]
 
 
 def test_a_message_without_a_string_role_is_a_400(tiny_tokenizer):

@@ -298,6 +298,13 @@ def test_the_loop_ends_cleanly_when_the_next_turn_cannot_fit_the_context(scripte
     assert rollout.metrics["rollout/context_full_frac"] == [1.0]
 
 
+def test_the_first_turn_is_sent_even_when_a_full_turn_would_not_fit(scripted_loop):
+    """Only later turns are checked against the context: a first prompt that does not fit is
+    the server's error to report, not an empty rollout."""
+    rollout = run(_with_context(scripted_loop(["It is 12."], max_completion_length=64), 1))
+    assert len(rollout.turns) == 1 and rollout.metrics["rollout/context_full_frac"] == [0.0]
+
+
 def test_without_tools_a_tool_call_in_the_text_stays_one_turn(scripted_loop):
     text = "Let me try " + call("multiply", a=3, b=4)
     rollout = run(scripted_loop([text, "never sampled"]), tools=())
