@@ -216,6 +216,24 @@ def test_a_streamed_chat_reply_is_role_and_text_then_each_call_then_finish_and_d
                                   "total_tokens": prompt + completion}
 
 
+def test_parallel_calls_stream_under_their_own_indexes(tiny_tokenizer):
+    """The `openai` client assembles streamed tool calls by `index`: two calls in one turn
+    must arrive as two calls, not one whose arguments are both glued together."""
+    import openai
+
+    two = CALL + "\n" + CALL.replace('"step": 3', '"step": 4')
+
+    async def requests(http, gateway, session):
+        async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session.key) as client:
+            stream = await client.chat.completions.create(model="m", messages=USER, tools=[TOOL],
+                                                          stream=True)
+            return [delta.index for chunk in [c async for c in stream] if chunk.choices
+                    for delta in chunk.choices[0].delta.tool_calls or []]
+
+    indexes, session, _ = serve(tiny_tokenizer, [two], requests)
+    assert indexes == [0, 1] and session.parallel_calls == [2]
+
+
 def test_responses_route_samples_as_a_chat_call_and_chains_and_streams(tiny_tokenizer):
     """`/v1/responses`: max_output_tokens bounds the turn, previous_response_id continues the
     rollout's own conversation, and a streamed response is named events ending with the
