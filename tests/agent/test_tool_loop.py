@@ -99,6 +99,8 @@ def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
     rollout = run(loop)
     tool_messages = [m["content"] for m in rollout.completion if m["role"] == "tool"]
     assert len(tool_messages) == 4  # in the order emitted
+    # a string name even for the unreadable call: a template that renders it must not print None
+    assert all(isinstance(m["name"], str) for m in rollout.completion if m["role"] == "tool")
     assert "Unknown tool 'nope'" in tool_messages[0] and "multiply" in tool_messages[0]
     assert "not valid JSON" in tool_messages[1]
     assert "lookup table is on fire" in tool_messages[2]
