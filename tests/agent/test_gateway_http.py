@@ -111,6 +111,7 @@ def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tok
      "integer from 0 to 20, got 21"),
     ({"model": "m", "messages": USER, "logprobs": "yes"}, 400, "logprobs", "true or false"),
     ({"model": "m", "messages": "hi"}, 400, "messages", "non-empty list"),
+    ({"model": "m", "messages": []}, 400, "messages", "non-empty list"),
     ({"model": "m", "messages": [{"role": "user", "content": 3}]}, 400, "messages", "got int"),
     ({"model": "m", "messages": [{"role": "system", "content": None}, *USER]}, 400, "messages",
      "could not render these messages: TypeError"),
@@ -146,6 +147,7 @@ def test_a_sampler_failure_is_a_502_server_error(tiny_tokenizer):
     error = reply.json()["error"]
     assert error["type"] == "server_error" and "The sampler failed: engine died" in error["message"]
     assert session.rejected_calls == 1 and session.in_flight == 0
+    assert str(session.sampler_error) == "engine died"  # the run checks it for a lost server
 
 
 def test_a_reply_carries_the_sampling_note_usage_and_either_model_name(tiny_tokenizer):
