@@ -233,7 +233,7 @@ def test_parallel_calls_stream_under_their_own_indexes(tiny_tokenizer):
                     for delta in chunk.choices[0].delta.tool_calls or []]
 
     indexes, session, _ = serve(tiny_tokenizer, [two], requests)
-    assert indexes == [0, 1] and session.parallel_calls == [2]
+    assert indexes == [0, 1] and session.parallel_calls == [2] and session.tool_calls == 2
 
 
 def test_responses_route_samples_as_a_chat_call_and_chains_and_streams(tiny_tokenizer):
