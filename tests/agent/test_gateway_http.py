@@ -287,10 +287,14 @@ def test_the_agents_tools_and_tool_choice_decide_whether_a_reply_is_a_call(tiny_
         return [await http.post("/chat/completions", json={**chat, "tools": [TOOL]}),
                 await http.post("/chat/completions", json={**chat, "tools": []}),
                 await http.post("/chat/completions", json={**chat, "tools": [TOOL], "tool_choice": "none"}),
-                await http.post("/responses", json={"model": "m", "input": "Count.", "tools": [flat]})]
+                await http.post("/responses", json={"model": "m", "input": "Count.", "tools": [flat]}),
+                await http.post("/responses", json={"model": "m", "input": "Count.", "tools": [flat],
+                                                    "tool_choice": "none"})]
 
-    replies, session, _ = serve(tiny_tokenizer, [CALL] * 4, requests)
-    called, no_tools, told_not_to, responded = (reply.json() for reply in replies)
+    replies, session, _ = serve(tiny_tokenizer, [CALL] * 5, requests)
+    called, no_tools, told_not_to, responded, responded_text = (reply.json() for reply in replies)
+    assert [item["type"] for item in responded_text["output"]] == ["message"]
+    assert responded_text["tool_choice"] == "none"
     assert called["choices"][0]["finish_reason"] == "tool_calls"
     for body in (no_tools, told_not_to):
         assert body["choices"][0]["finish_reason"] == "stop"
