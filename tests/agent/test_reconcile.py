@@ -162,6 +162,16 @@ def test_drift_counts_rewritten_held_tokens():
     assert [s.trained_mask for s in sequences] == [[0, 0, 0, 1, 1, 1], [0] * 6 + [1]]
 
 
+def test_a_single_rewritten_token_is_a_fork():
+    """The boundary: a re-render that changes only the last generated token (a template that
+    re-renders the end-of-turn token) no longer extends the sequence."""
+    first = TurnRecord(prompt_ids=[1, 2], output_ids=[7, 8, 9], output_log_probs=[-1.0] * 3)
+    second = TurnRecord(prompt_ids=[1, 2, 7, 8, 4], output_ids=[6], output_log_probs=[-0.5])
+    sequences, stats = reconcile_turns([first, second])
+    assert stats == ReconcileStats(num_transitions=1, num_forks=1, drift_tokens=[1])
+    assert [s.token_ids for s in sequences] == [[1, 2, 7, 8, 9], [1, 2, 7, 8, 4, 6]]
+
+
 def test_fully_masked_rollout_yields_no_sequence():
     turn = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[-1, -1], output_mask=[0, 0])
     sequences, stats = reconcile_turns([turn])
