@@ -103,6 +103,8 @@ def test_only_a_live_sessions_key_is_let_in_and_models_lists_both_names(tiny_tok
      'tools[1] is "increment"'),
     ({"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"parameters": {}}}]},
      400, "tools[0].function.name", "must be a non-empty string (the function's name), got null"),
+    ({"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
+     400, "tools[0].function.name", 'must be a non-empty string (the function\'s name), got ""'),
     ({"model": "m", "messages": USER, "stop": ["Observation:", ""]}, 400, "stop",
      'stop must be a non-empty string or a list of them, got ["Observation:", ""]'),
     ({"model": "m", "messages": USER, "stop": 3}, 400, "stop", "got 3"),
@@ -144,6 +146,7 @@ def test_a_sampler_failure_is_a_502_server_error(tiny_tokenizer):
 
     reply, session, _ = serve(tiny_tokenizer, [SamplerError("engine died")], requests)
     assert reply.status_code == 502
+    assert "x-should-retry" not in reply.headers  # only a 4xx tells the SDK not to retry
     error = reply.json()["error"]
     assert error["type"] == "server_error" and "The sampler failed: engine died" in error["message"]
     assert session.rejected_calls == 1 and session.in_flight == 0
