@@ -23,6 +23,7 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
     ({"input": [{"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file"}]}]},
      "input[0].content", "'input_file' content part"),
     ({"input": "x", "tools": {"type": "function", "name": "f"}}, "tools", "'tools' must be a list"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]", "'web_search' tool; only function tools"),
     ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name",
      "must be a non-empty string (the function's name), got null"),
 ])
@@ -52,6 +53,19 @@ def test_input_items_become_chat_messages():
     assert tools == [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object"}, "description": "d"}}]
     assert list(tools[0]["function"]) == ["name", "parameters", "description"]
+
+
+def test_instructions_are_the_system_message_and_past_reasoning_is_skipped():
+    """As the OpenAI API reads them: `instructions` lead as the system message (not kept in
+    the conversation carried to a chained response) and a reasoning item is accepted and not
+    rendered; an unknown previous_response_id is a 404."""
+    messages, conversation, _ = chat_request({"instructions": "Be brief.", "input": [
+        {"type": "reasoning", "summary": []}, {"role": "user", "content": "go"}]}, {})
+    assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "go"}]
+    assert conversation == [{"role": "user", "content": "go"}]
+    with pytest.raises(GatewayError) as raised:
+        chat_request({"input": "x", "previous_response_id": "resp_nope"}, {})
+    assert raised.value.status == 404 and raised.value.param == "previous_response_id"
 
 
 def test_chaining_leaves_the_remembered_response_as_it_was():
