@@ -8,6 +8,7 @@ from grpo_agent.rollout.chat_template import (
     KNOWN_PATCHES,
     check_prefix_preserving,
     choose_training_template,
+    multiply,
     training_template_for,
 )
 
@@ -127,3 +128,60 @@ def test_the_choice_is_remembered_per_template_kwargs(tiny_tokenizer):
     plain = training_template_for(tiny_tokenizer, {"enable_thinking": False})
     assert plain is not thinking
     assert plain is training_template_for(tiny_tokenizer, {"enable_thinking": False})
+
+
+# Qwen3-style: the generation prompt pre-fills an empty <think> block when thinking is off,
+# but an assistant turn in history is rendered without it.
+PREFILLED_PROMPT = (
+    "{%- for m in messages %}<{{ m.role }}>{{ m.content }}{%- endfor %}{%- if add_generation_prompt %}"
+    "<assistant>{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def test_a_generation_prompt_the_rendered_reply_does_not_start_with_is_a_rewrite(tiny_tokenizer):
+    """The sampler continues the prompt with its generation prompt; history that renders the
+    reply without it rewrites tokens the model was conditioned on, though every history-only
+    render extends the last."""
+    tokenizer = _with_template(tiny_tokenizer, PREFILLED_PROMPT)
+    report = check_prefix_preserving(tokenizer, None, {"enable_thinking": False}, tools=False)
+    assert (report.preserving, report.step) == (False, 2)
+    assert "<assistant><think>\n\n</think>" in report.before and "<think>" not in report.after
+
+
+# Rewrites history only around tool results (the last one alone is shown), with the qwen3
+# construct the patch edits: prefix-preserving in a chat without tools, patched with them.
+TOOL_RESULTS_REWRITTEN = (
+    "{{- '<|im_start|><think>' }}{%- for m in messages %}{%- set reasoning = false %}"
+    "{%- if m.role == 'tool' %}{%- if (loop.last or reasoning) %}[{{ m.content }}]{%- endif %}"
+    "{%- else %}{{ m.role }}: {{ m.content }}|{%- endif %}{%- endfor %}"
+)
+
+
+def test_the_choice_without_tools_is_not_reused_for_conversations_with_tools(tiny_tokenizer):
+    """A gateway chat without tools keeps the model's template; a tool loop on the same model
+    afterwards must still get the patched one, or every tool result forks."""
+    tokenizer = _with_template(tiny_tokenizer, TOOL_RESULTS_REWRITTEN)
+    assert ConversationRenderer(tokenizer, None, {}, rerenders=True).template is None
+    with_tools = ConversationRenderer(tokenizer, [multiply], {})
+    assert with_tools.template is not None
+    assert check_prefix_preserving(tokenizer, with_tools.template).preserving
+
+
+SYSTEM_REQUIRED = (
+    "{%- if messages[0].role != 'system' %}{{ raise_exception('a system message must come first') }}"
+    "{%- endif %}{%- for m in messages %}<{{ m.role }}>{{ m.content }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant>{%- endif %}"
+)
+
+
+def test_a_template_that_cannot_render_the_scripted_chat_is_kept_for_chats_without_tools(tiny_tokenizer):
+    """The gateway renders an agent's own messages, which such a template may accept: the check
+    cannot run, so the model's template is kept, saying why, instead of refusing every call."""
+    tokenizer = _with_template(tiny_tokenizer, SYSTEM_REQUIRED)
+    chosen = choose_training_template(tokenizer, {}, tools=False)
+    assert chosen.template is None
+    assert chosen.note.endswith("could not render a scripted chat to check: TemplateError)")
+    renderer = ConversationRenderer(tokenizer, None, {}, rerenders=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    assert renderer.prompt_text(messages) == "<system>Be brief.<user>Hi.<assistant>"
