@@ -283,6 +283,26 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
     assert served == []  # the worker keeps labelling groups with the version the server has
 
 
+def test_a_restored_server_gets_the_current_version_again_from_its_folder(
+        tiny_path, tmp_path, monkeypatch):
+    """When the rollout worker lost the server, the restore pushes the current version again
+    under the same name (`Recovery.restore`: reopen, then push): its folder, already queued for
+    deletion by `reopen`, is written anew and must survive to be loaded."""
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    folders = lambda: sorted(p.name for p in pusher.cache_dir.iterdir())
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+    pusher.reopen()
+    control.calls = []
+    pusher.push(model, 2)  # the fake refuses a load whose folder is missing
+    assert control.calls == [("load", "run-v2")] and served == [1, 2, 2]
+    assert folders() == ["run-v2"]  # v1 went; v2 is the one just loaded
+    pusher.push(model, 3)
+    assert control.calls == [("load", "run-v2"), ("load", "run-v3")]
+    assert folders() == ["run-v2", "run-v3"]
+    pusher.close()
+
+
 @pytest.mark.parametrize(("info", "refusal"), [
     ({"vllm_config": {"lora_config": None, "device_config": {"device": "cuda"}}, "vllm_env": {}},
      (r"came back without --enable-lora, but this run pushes LoRA adapters and its rollouts "
