@@ -7,8 +7,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from grpo_agent.rollout.gateway import (AgentSession, Gateway, HarnessLimits, chat_logprobs, cut_at_stop,
-                                      template_messages)
+from grpo_agent.rollout.gateway import (
+    AgentSession,
+    Gateway,
+    HarnessLimits,
+    chat_logprobs,
+    cut_at_stop,
+    template_messages,
+)
 from grpo_agent.rollout.gateway_errors import GatewayError
 from grpo_agent.rollout.reconcile import reconcile_turns
 from grpo_agent.types import TurnRecord

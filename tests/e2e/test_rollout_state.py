@@ -70,6 +70,7 @@ class ScriptedWorker:
         self.batches = list(batches)
         self.pulls = 0
         self.recheck = lambda carry: carry  # the staleness rule's answer for a step's carry
+        self.reported, self.flushes = [], []  # finish_step's step tokens and flush timeouts
 
     def recheck_carry(self, carry):
         return self.recheck(carry)
@@ -80,14 +81,12 @@ class ScriptedWorker:
 
     # finish_step's side: the served version, the step tokens it reports, its metrics
     model_version = 0
-    reported: list[int] = []
-    flushes: list[float] = []
 
     def report_step_tokens(self, tokens):
-        self.reported = [*self.reported, tokens]
+        self.reported.append(tokens)
 
     def flush_metrics(self, timeout_s):
-        self.flushes = [*self.flushes, timeout_s]
+        self.flushes.append(timeout_s)
         return False  # the worker did not answer in time
 
     def drain_metrics(self):

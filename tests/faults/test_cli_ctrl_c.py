@@ -20,6 +20,12 @@ pytestmark = pytest.mark.e2e
 GUARD_S = 180  # the CLI's start on a loaded box; a hang guard
 LOOP = 'for run in 1 2; do "$0" -m grpo_agent.cli.main train --env words --output-dir "$1/$run"; echo "next run $?"; done'
 
+# SIGINT's default action for the loop, as a terminal's shell has it, then exec bash (same pid): a
+# runner started as a background job (`make test &`) ignores SIGINT, bash cannot take back a
+# signal ignored on entry, and the run would train on past the Ctrl-C (the CI rehearsal's failure)
+AS_IN_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execvp(sys.argv[1], sys.argv[1:])")
+
 
 @pytest.fixture(scope="module")
 def interrupted_loop(tmp_path_factory):
@@ -27,10 +33,9 @@ def interrupted_loop(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ctrl-c")
     log = tmp / "loop.log"
     with open(log, "wb") as out:
-        loop = subprocess.Popen(["bash", "-c", LOOP, sys.executable, str(tmp)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=_as_in_a_terminal)
+        loop = subprocess.Popen([sys.executable, "-c", AS_IN_A_TERMINAL, "bash", "-c", LOOP,
+                                 sys.executable, str(tmp)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + GUARD_S
         while (server := _managed_server(loop.pid)) is None:
@@ -64,13 +69,6 @@ def test_ctrl_c_before_training_says_so_and_leaves_nothing(interrupted_loop):
                       "run it again") == 1, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     assert server_gone and not left, left
-
-
-def _as_in_a_terminal() -> None:
-    """SIGINT's default action in the loop, as a terminal's shell has it: a runner started as a
-    background job (`make test &`) ignores SIGINT, bash cannot take back a signal ignored on
-    entry, and the run would train on past the Ctrl-C (the CI rehearsal's failure)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _managed_server(session: int) -> int | None:
