@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -302,3 +303,61 @@ def test_the_tool_failures_of_groups_in_flight_when_the_run_ends_are_sent(tiny_t
     assert len(failed) >= 4  # two groups at least, one of each row
     assert (logged["tools/broken/call_count"], logged["tools/broken/failure_count"]) == (
         len(failed), len(failed))
+
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_tool_call_cut_off_with_its_dropped_group_counts_as_a_call_not_a_failure(
+        tiny_tokenizer, tmp_path, kind):
+    """The real engine and tool loop; only the server is a stand-in. One rollout's `slow` call
+    is still running when its sibling's next request is rejected as too long, which drops the
+    group and cancels the call. It started, so it counts as a call of `slow`, and as cut off
+    (`cancelled_count`), not as the tool's failure. Before, it counted as nothing at all."""
+    started, release = threading.Event(), threading.Event()
+    if kind == "sync":
+        def slow(key: str) -> str:
+            """
+            Runs until the test ends.
+
+            Args:
+                key: Anything.
+            """
+            started.set()
+            release.wait(30)
+            return key
+    else:
+        async def slow(key: str) -> str:
+            """
+            Runs until it is cancelled.
+
+            Args:
+                key: Anything.
+            """
+            started.set()
+            await asyncio.Event().wait()
+
+    async def rejected():
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        raise TOO_LONG
+
+    scripts = [[call("slow", key="k")], [call("multiply", a=3, b=4), rejected]]
+    loop = _tool_loop_on(tiny_tokenizer, tmp_path, lambda text: scripts.pop(0), [slow, multiply])
+    engine, put, _ = engine_on(loop)
+    engine._groups_in_flight = engine._groups_generating = 1
+    engine.slots.promise(2)  # as the dispatcher does
+    try:
+        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {"prompt": [
+            {"role": "user", "content": "Be slow, then multiply."}]}), 0))
+    finally:
+        release.set()
+        loop.tool_executor.shutdown(wait=False)
+    assert put == [PromptConsumed(0, 0, "prompt_too_long")]
+    window = MetricWindow()
+    window.extend(engine._observations)
+    logged = window.summarize()
+    assert (logged["tools/slow/call_count"], logged["tools/slow/failure_count"],
+            logged["tools/slow/cancelled_count"]) == (1.0, 0.0, 1.0)
+    assert (logged["tools/multiply/call_count"], logged["tools/multiply/failure_count"]) == (1.0, 0.0)
+    assert logged["tools/failure_frequency"] == 0.0  # over the calls that ended: multiply's
+    assert "tools/multiply/cancelled_count" not in logged

@@ -97,7 +97,8 @@ EXPECTED_REDUCTIONS = {
     "rollout/prompt_too_long_group_count": "sum", "rollout/env_error_group_count": "sum",
     "tools/call_frequency": "mean", "tools/failure_frequency": "mean", "tools/latency_s": "mean",
     "tools/{tool}/latency_s": "mean", "tools/{tool}/call_count": "sum",
-    "tools/{tool}/failure_count": "sum", "tools/unknown_name_count": "sum",
+    "tools/{tool}/failure_count": "sum", "tools/{tool}/cancelled_count": "sum",
+    "tools/unknown_name_count": "sum",
     "tools/malformed_call_count": "sum", "tools/parallel_calls_mean": "mean",
     "tools/loop_exhausted_frac": "mean", "env/reset_s": "mean", "env/reward_s": "mean",
     "env/late_call_unscored_count": "sum",
@@ -147,7 +148,7 @@ TRAINER_KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step", "train_ru
                 "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
 # A logged name's run-specific part (a reward source, a tool, k) -> the page's placeholder.
 PLACEHOLDERS = [(re.compile(r"^(eval/)?rewards/[^/]+/"), r"\1rewards/{name}/"),
-                (re.compile(r"^tools/[^/]+/(?=latency_s$|call_count$|failure_count$)"), "tools/{tool}/"),
+                (re.compile(r"^tools/[^/]+/(?=latency_s$|call_count$|failure_count$|cancelled_count$)"), "tools/{tool}/"),
                 (re.compile(r"^eval/pass@(?!1$)\d+$"), "eval/pass@{k}")]
 
 

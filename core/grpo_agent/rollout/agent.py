@@ -74,6 +74,7 @@ class _ToolStats:
     observations: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     per_tool_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     per_tool_failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    per_tool_cancelled: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: int = 0
     failures: int = 0
     unknown: int = 0
@@ -93,6 +94,12 @@ class _ToolStats:
             self.observations["tools/latency_s"].append(outcome.latency_s)
             self.observations[f"tools/{outcome.name}/latency_s"].append(outcome.latency_s)
 
+    def cut_off(self, name: str) -> None:
+        """A call of `name` cancelled mid-flight with its rollout: it was made, so it counts as
+        a call; it has no outcome, so it is neither a failure nor in `tools/failure_frequency`."""
+        self.per_tool_calls[name] += 1
+        self.per_tool_cancelled[name] += 1
+
     def of_calls(self) -> dict[str, list[float]]:
         """The calls' own observations (per call, per turn) and counts: all that a rollout
         ending unfinished has (`tools/call_frequency`, `tools/loop_exhausted_frac` need its end)."""
@@ -102,6 +109,8 @@ class _ToolStats:
         for name, count in self.per_tool_calls.items():
             metrics[f"tools/{name}/call_count"] = [float(count)]
             metrics[f"tools/{name}/failure_count"] = [float(self.per_tool_failures[name])]
+        for name, count in self.per_tool_cancelled.items():
+            metrics[f"tools/{name}/cancelled_count"] = [float(count)]
         return metrics
 
     def as_metrics(self, exhausted: bool) -> dict[str, list[float]]:
@@ -111,10 +120,11 @@ class _ToolStats:
     def so_far(self) -> list[Observation]:
         """`of_calls` for a rollout that did not return (`rollout.unfinished`), its failure
         frequency as `completion_observations` logs a finished one's: failures over calls."""
-        if not self.calls:
+        if not self.calls and not self.per_tool_cancelled:
             return []
-        rate = (float(self.failures), float(self.calls))
-        return [("tools/failure_frequency", rate)] + [
+        ended = float(self.calls)  # a call cut off has no outcome: not in the rate
+        rate = [("tools/failure_frequency", (float(self.failures), ended))] if ended else []
+        return rate + [
             (name, value) for name, values in self.of_calls().items()
             if name != "tools/failure_frequency" for value in values]  # its 0/1s: in the rate
 
@@ -334,7 +344,11 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
         stats.observations["tools/parallel_calls_mean"].append(float(len(parsed.calls)))
         for call in parsed.calls:  # in the order the model emitted them
             with _tool_stage(loop, call):
-                outcome = await execute_tool_call(call, tools_by_name, executor, timeout_s)
+                try:
+                    outcome = await execute_tool_call(call, tools_by_name, executor, timeout_s)
+                except asyncio.CancelledError:  # only a known tool's call awaits: it ran
+                    stats.cut_off(call.name)
+                    raise
             stats.record(outcome)
             tool_message = {"role": "tool", "name": outcome.name or "invalid", "content": outcome.content}
             messages.append(tool_message)
