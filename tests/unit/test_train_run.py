@@ -247,6 +247,25 @@ def test_a_runs_output_directory_as_the_model_is_refused_before_the_run_starts(t
     assert not (out / "config.json").exists(), message
 
 
+def test_a_final_save_cut_short_is_refused_as_the_model(tmp_path, capsys):
+    """`OUTPUT_DIR/final.incomplete` (a final save that Ctrl-C or a kill cut short) may hold a
+    model's config.json without its weights: refused by name, before the run starts."""
+    from grpo_agent.cli.main import main
+
+    partial, out = tmp_path / "earlier" / "final.incomplete", tmp_path / "run"
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--env", "words", "--model", str(partial), "--set", "max_steps=1",
+              "--output-dir", str(out), "--vllm-url", "http://127.0.0.1:9"])
+    message = capsys.readouterr().err
+    assert done.value.code == 1, message[-3000:]
+    assert message.startswith(
+        f"Error: --model {partial} is a final model save that was cut short (Ctrl-C, a kill), "
+        "not a whole model: pass one of that run's checkpoint-N folders instead."), message
+    assert not (out / "config.json").exists(), message
+
+
 def _train_output(model, out, stderr_on_terminal: bool) -> str:
     """stdout and stderr of `grpo-agent train` loading `model` (then stopping: no server at
     --vllm-url), with stderr a pipe or a terminal (a pty)."""

@@ -27,6 +27,7 @@ from grpo_agent.sampler.cpu_cores import (
     split_cores,
     trainer_on,
 )
+from grpo_agent.train.final_model import INCOMPLETE_FINAL_NAME, save_final_model
 
 logger = logging.getLogger(__name__)
 # Below this rate the built-in random tiny model's reward did not move (0.24 for 100 steps at
@@ -98,9 +99,9 @@ def run_training(
                 trainer = _harness_trainer(agent, task, common)
             trainer.remove_callback(PrinterCallback)  # metrics go to metrics.jsonl, not the console
             trainer.resume_setting = CLI_RESUME  # Ctrl-C/SIGTERM advise the --set this command takes
-            interrupt_said = True  # from here on by train() itself
+            interrupt_said = True  # from here on by train() and save_final_model themselves
             trainer.train(resume_from_checkpoint=resume)
-            trainer.save_model(str(output_dir / "final"))
+            save_final_model(trainer, output_dir)  # says itself if Ctrl-C cuts it short
     except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (_exit_on_sigterm)
         if not interrupt_said:  # the server start takes minutes on CPU: a user may give up
             logger.warning("The run was interrupted (%s) before training began. To go on, %s.",
@@ -231,7 +232,7 @@ def refuse_non_model_folder(model: str) -> None:
     nothing that cannot be a hub id (`name` or `namespace/name`; the hub said "Repo id must be in
     the form"), and a run's output directory, whose config.json is the run's (transformers said
     "Unrecognized model ... Should have a `model_type` key", vLLM's tokenizer load "install
-    sentencepiece or tiktoken")."""
+    sentencepiece or tiktoken"), and a final save cut short (`final.incomplete`)."""
     folder = Path(model)
     if not folder.exists():
         if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
@@ -239,6 +240,10 @@ def refuse_non_model_folder(model: str) -> None:
                 f"--model {model}: no such folder. Pass a model folder (a run's OUTPUT_DIR/final "
                 "or OUTPUT_DIR/checkpoint-N) or a hub id (name or namespace/name).")
         return
+    if folder.name == INCOMPLETE_FINAL_NAME:  # its config.json may be there, its weights not
+        raise RunRefused(f"--model {model} is a final model save that was cut short (Ctrl-C, a "
+                         "kill), not a whole model: pass one of that run's checkpoint-N "
+                         "folders instead.")
     if folder.is_dir() and run_config_of(folder) is not None:
         raise RunRefused(f"--model {model} is a run's output directory, not a model: pass "
                          f"{folder / 'final'} (the model it saved at the end) or one of its "
