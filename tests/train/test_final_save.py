@@ -14,7 +14,7 @@ from pathlib import Path
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.testing import build_tiny_model
 from grpo_agent.testing.offline import OfflineTrainer
-from grpo_agent.train.final_model import save_final_model
+from grpo_agent.train.final_model import interrupted_save, save_final_model
 
 from .test_stopped_run_metrics import sigint_ignored
 
@@ -70,3 +70,16 @@ def test_a_finished_save_replaces_an_earlier_final_and_leaves_no_partial_folder(
     assert (final / "config.json").is_file() and list(final.glob("model*.safetensors"))
     assert not (final / "stale.bin").exists() and not (tmp_path / "final.incomplete").exists()
     assert pushed == [["final"]]
+
+
+def test_an_interrupted_save_without_checkpoints_says_so_and_names_an_earlier_final(tmp_path):
+    """No checkpoint-N to fall back on (save_strategy=no), and a `final` an earlier run into the
+    same output dir left: the line says both, so neither is taken for this run's model."""
+    (tmp_path / "final").mkdir()
+    (tmp_path / "checkpoint-3").mkdir()  # cut short too: no rollout_state.json
+    said = interrupted_save(SystemExit(128 + signal.SIGTERM), tmp_path / "final", 7)
+    assert said == (
+        f"The save of the final model to {tmp_path / 'final'} was interrupted (SIGTERM): "
+        f"{tmp_path / 'final.incomplete'} may be incomplete and is no model to use. "
+        f"{tmp_path / 'final'} is still an earlier run's model. No complete checkpoint-N was "
+        "written (see save_strategy): run it again.")

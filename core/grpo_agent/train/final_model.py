@@ -1,8 +1,8 @@
 """`OUTPUT_DIR/final`: the model a run saves once its training ends.
 
 Design decision: the model is written into a sibling, `final.incomplete`, which is renamed to
-`final` only once the save returned, so a `final` folder always holds a whole model (`grpo-agent
-eval --model OUTPUT_DIR/final` and `--model` read it as one); a save cut short by Ctrl-C,
+`final` only once the save returned, so a `final` folder always holds a whole model (what
+`grpo-agent eval --model OUTPUT_DIR/final` and `train --model` load); a save cut short by Ctrl-C,
 SIGTERM or a kill leaves `final.incomplete`, whose name says what it is. An interrupted save
 says so in one line, with the newest complete checkpoint: before, the run ended without a word
 and a half-written `final` looked like a model.
