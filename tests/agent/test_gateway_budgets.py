@@ -100,6 +100,8 @@ def test_a_bad_token_cap_is_refused_under_the_name_the_agent_sent(endpoint, body
 
 
 def test_models_answers_only_a_rollouts_own_key():
+    """Only `Bearer <key>` (RFC 6750: the scheme, a space, the key) carries the key: the key
+    alone, or glued to the scheme, is no credential."""
     gateway = _gateway()
     gateway.sessions["grpo-key"] = _session()
 
@@ -110,3 +112,5 @@ def test_models_answers_only_a_rollouts_own_key():
     assert status({"Authorization": "Bearer grpo-key"}) == 200
     assert status({"Authorization": "Bearer someone-else"}) == 401
     assert status({}) == 401
+    assert status({"Authorization": "grpo-key"}) == 401
+    assert status({"Authorization": "Bearer:grpo-key"}) == 401
