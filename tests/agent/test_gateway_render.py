@@ -66,12 +66,37 @@ def _token(content, **flags):
     ([_token("<|im_start|>"), _token("\n<|im")], None),  # could match across the cut
     ([_token("<|im_start|>"), _token("<|im_start|>user")], None),  # longer, at the cut
     ([_token("<|endoftext|>")], None),  # no turn marker: the whole text is encoded
+    ([_token("<|start_header_id|>"), _token("<|eot_id|>")], "<|start_header_id|>"),  # Llama 3
+    ([_token("<start_of_turn>"), _token("<end_of_turn>")], "<start_of_turn>"),  # Gemma
 ])
 def test_the_text_is_cut_only_where_the_tokenizer_flags_guarantee_it(tokens, expected):
     tokenizer = SimpleNamespace(added_tokens_decoder=dict(enumerate(tokens)))
     assert turn_marker(tokenizer) == expected
     tokenizer.split_special_tokens = True
     assert turn_marker(tokenizer) is None
+
+
+@pytest.mark.parametrize("added, cuttable, text", [
+    ("<|im", True, "a <|im<|im_start|>user\nhi<|im_start|>"),  # a prefix of the marker: the longest match wins
+    ("x<", False, "x<|im_start|>user"),  # would match across the cut, by its last character
+    ("a<|im_start|>b", False, "a<|im_start|>b"),  # holds the marker inside it
+])
+def test_an_added_token_that_could_match_across_a_cut_keeps_the_text_whole(tiny_model_path, added,
+                                                                            cuttable, text):
+    """With the real tokenizer: where the marker is kept, the pieces encode as the whole text;
+    where it is refused, cutting `text` before the marker would have changed its ids."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.add_tokens([AddedToken(added, special=True, normalized=False)], special_tokens=True)
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    cut = text.index("<|im_start|>", 1)
+    pieces = [*tokenizer.encode(text[:cut], add_special_tokens=False),
+              *tokenizer.encode(text[cut:], add_special_tokens=False)]
+    assert (turn_marker(tokenizer) == "<|im_start|>") == cuttable
+    assert (pieces == whole) == cuttable
+    assert PromptEncoder(tokenizer).encode(text) == whole
 
 
 def test_a_full_piece_cache_is_cleared_and_still_encodes_exactly(tiny_tokenizer, monkeypatch):
