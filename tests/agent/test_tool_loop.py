@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import threading
@@ -103,7 +104,7 @@ def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
     assert all(isinstance(m["name"], str) for m in rollout.completion if m["role"] == "tool")
     assert "Unknown tool 'nope'" in tool_messages[0] and "multiply" in tool_messages[0]
     assert "not valid JSON" in tool_messages[1]
-    assert "lookup table is on fire" in tool_messages[2]
+    assert json.loads(tool_messages[2]) == {"error": "RuntimeError: lookup table is on fire"}
     assert tool_messages[3] == "4"
     assert rollout.tool_call_count == 4 and rollout.tool_failure_count == 3
     assert rollout.metrics["tools/unknown_name_count"] == [1.0]
@@ -260,6 +261,47 @@ def test_a_turn_cut_off_by_length_ends_the_loop_without_running_its_calls(script
     assert rollout.completion[0]["tool_calls"][0]["function"]["name"] == "record"
     assert rollout.tool_call_count == 0 and rollout.metrics["tools/loop_exhausted_frac"] == [0.0]
     assert not terminated(rollout)  # counted in completions/clipped_ratio
+
+
+def _cut_by_length(turn):
+    """The turn as the sampler returns one cut off by length: without its end-of-turn token."""
+    return dataclasses.replace(turn, output_ids=turn.output_ids[:-1],
+                               output_log_probs=turn.output_log_probs[:-1], finish_reason="length")
+
+
+def test_only_the_stop_token_that_ends_a_turn_is_cut_from_its_text(scripted_loop, tiny_tokenizer):
+    """The end-of-turn token is no text the model wrote; a pad token written mid-turn is, and
+    stays (here in a turn cut off by length, which ends in no stop token)."""
+    pad = tiny_tokenizer.pad_token
+    texts = [f"First {pad} then more.", f"Cut {pad} off here."]
+    loop = scripted_loop(texts)
+    scripted = loop.generate_one_turn
+
+    async def cut_off(prompt_ids):
+        turn = await scripted(prompt_ids)  # ends in the end-of-turn token
+        return turn if len(loop.prompts) == 1 else _cut_by_length(turn)
+
+    loop.generate_one_turn = cut_off
+    rollout = run(loop, tools=())
+    assert rollout.completion == [{"role": "assistant", "content": texts[0]}]
+    rollout = run(loop, tools=())
+    assert rollout.completion == [{"role": "assistant", "content": texts[1]}]
+
+
+def test_a_tokenizer_without_a_pad_token_reads_turns_with_and_without_a_stop_token(
+        scripted_loop, tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.pad_token = None  # as Llama 3's and GPT-2's have none
+    loop = scripted_loop(["Done.", "Cut off"])
+    loop.tokenizer = tokenizer
+    scripted = loop.generate_one_turn
+
+    async def cut_off(prompt_ids):
+        return _cut_by_length(await scripted(prompt_ids))
+
+    assert run(loop, tools=()).completion == [{"role": "assistant", "content": "Done."}]
+    loop.generate_one_turn = cut_off
+    assert run(loop, tools=()).completion == [{"role": "assistant", "content": "Cut off"}]
 
 
 def _with_context(loop, max_model_len: int):
