@@ -45,6 +45,25 @@ class ScriptedLoop:
         return TurnRecord(prompt_ids, output, [-0.1] * len(output), finish_reason="stop")
 
 
+class DecodeCounter:
+    """The real tokenizer, the ids of each `decode` call recorded (the seam to count decodes)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.decoded = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids, **kwargs):
+        self.decoded.append(list(ids))
+        return self._tokenizer.decode(ids, **kwargs)
+
+
+@pytest.fixture
+def decode_counter(tiny_tokenizer):
+    return DecodeCounter(tiny_tokenizer)
+
+
 @pytest.fixture(scope="session")
 def one_token_per_character(tiny_tokenizer):
     """`text` as ids a model may sample but the tokenizer never writes (it merges characters)."""

@@ -176,6 +176,19 @@ def test_a_reply_carries_the_sampling_note_usage_and_either_model_name(tiny_toke
     assert session.rejected_calls == 0 and session.in_flight == 0 and len(session.turns) == 2
 
 
+def test_each_call_decodes_its_turn_once(decode_counter):
+    """One decode of the turn gives both the text it is recorded under (for the next call's
+    sampled ids) and the reply (without stop strings or logprobs, the only decode)."""
+    async def requests(http, gateway, session):
+        first = await http.post("/chat/completions", json={"model": "m", "messages": USER})
+        again = [*USER, first.json()["choices"][0]["message"], {"role": "user", "content": "Again."}]
+        return await http.post("/chat/completions", json={"model": "m", "messages": again})
+
+    second, session, _ = serve(decode_counter, ["Done.", "Done again."], requests)
+    assert second.json()["choices"][0]["message"]["content"] == "Done again."
+    assert decode_counter.decoded == [turn.output_ids for turn in session.turns]
+
+
 def test_chat_template_kwargs_given_as_json_text_render_as_the_dict(tiny_tokenizer):
     """The config may carry chat_template_kwargs as a JSON string (the CLI's form)."""
     async def requests(http, gateway, session):

@@ -90,10 +90,11 @@ def test_a_stop_cut_ends_at_the_earliest_stop_and_keeps_the_turn_trainable(tiny_
                       output_sampling_mask=[[t] for t in ids],
                       output_sampler_logprobs=[{t: -0.1} for t in ids], finish_reason="length",
                       weight_versions=["v0"] * n)
-    cut, text = cut_at_stop(turn, tiny_tokenizer, ["vation:", "Observation:"])
+    cut, reply, text = cut_at_stop(turn, tiny_tokenizer, ["vation:", "Observation:"])
     assert text == "Thought: add 3\n" and cut.finish_reason == "stop"
     kept = len(cut.output_ids)
-    assert "Observation:" in tiny_tokenizer.decode(ids[:kept]) and kept < n
+    assert reply == tiny_tokenizer.decode(ids[:kept], skip_special_tokens=False)  # as recorded
+    assert "Observation:" in reply and kept < n
     for column in (cut.output_log_probs, cut.output_mask, cut.output_sampling_mask,
                    cut.output_sampler_logprobs, cut.weight_versions):
         assert len(column) == kept

@@ -193,6 +193,16 @@ def test_replies_keep_the_ids_they_were_sampled_as(scripted_loop, one_token_per_
     assert trained == rollout.completion_ids == first.output_ids + second.output_ids
 
 
+def test_each_turn_is_decoded_once(scripted_loop, decode_counter):
+    """One decode per turn gives both the text the turn is recorded under (for the next
+    prompt's sampled ids) and the text parsed for calls."""
+    loop = scripted_loop([call("multiply", a=3, b=4), "It is 12."])
+    loop.tokenizer = decode_counter
+    rollout = run(loop)
+    assert decode_counter.decoded == [turn.output_ids for turn in rollout.turns]
+    assert rollout.completion[-1] == {"role": "assistant", "content": "It is 12."}
+
+
 RELEASE = threading.Event()  # set when a timeout test ends, so no sleeping tool outlives it
 
 

@@ -330,8 +330,9 @@ async def run_tool_loop(loop, prompt: list[dict], tools: list[Callable], group_i
             break
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
-        sampled.record(prompt_text, turn, loop.tokenizer)
-        text = _strip_stop_tokens(loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False), loop.tokenizer)
+        reply = loop.tokenizer.decode(turn.output_ids, skip_special_tokens=False)
+        sampled.record(prompt_text, turn, reply)
+        text = _strip_stop_tokens(reply, loop.tokenizer)
         parsed = renderer.parser.parse(text) if tools else ParsedTurn(text.rstrip())
         assistant = _assistant_message(text, parsed)
         messages.append(assistant)

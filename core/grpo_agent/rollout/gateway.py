@@ -334,9 +334,9 @@ class Gateway:
             raise GatewayError(502, f"The sampler failed: {error}", "server_error") from error
         tokenizer = self.loop.tokenizer
         generated = len(turn.output_ids)  # tokens cut off after a stop string were generated too
-        turn, text = cut_at_stop(turn, tokenizer, stops)
+        turn, reply, text = cut_at_stop(turn, tokenizer, stops)
         self._record(session, messages, turn, generated)
-        session.sampled.record(prompt_text, turn, tokenizer)
+        session.sampled.record(prompt_text, turn, reply)
         parse = tools is not None and tool_choice != "none"
         parsed = renderer.parser.parse(text) if parse else ParsedTurn(text)
         malformed = sum(isinstance(call, MalformedCall) for call in parsed.calls)
@@ -417,8 +417,9 @@ def _fewest_tokens(tokenizer, ids: list[int], holds) -> int:
     return low
 
 
-def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
-    """The turn and the text the agent gets, applying the request's stop strings as the OpenAI
+def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str, str]:
+    """The turn, its output ids decoded with their special tokens (`SampledTurns.record`'s
+    reply) and the text the agent gets, applying the request's stop strings as the OpenAI
     API does: the text ends before the first stop string, with finish reason `stop`.
 
     The sampler knows no stop strings (token in, token out), so the turn is sampled whole and
@@ -426,12 +427,14 @@ def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
     (the policy wrote it, so it is trained) and drops the rest, which the agent never saw.
     Ignoring `stop` instead would hand a ReAct-style agent the observation the model invented
     after "Observation:", and train it."""
-    text = _decoded(tokenizer, turn.output_ids)
+    reply = tokenizer.decode(turn.output_ids, skip_special_tokens=False)
+    text = _strip_stop_tokens(reply, tokenizer)
     if not any(stop in text for stop in stops):
-        return turn, text
+        return turn, reply, text
 
     low = _fewest_tokens(tokenizer, turn.output_ids, lambda prefix: any(stop in prefix for stop in stops))
-    text = _decoded(tokenizer, turn.output_ids[:low])
+    reply = tokenizer.decode(turn.output_ids[:low], skip_special_tokens=False)
+    text = _strip_stop_tokens(reply, tokenizer)
     text = text[:min(text.index(stop) for stop in stops if stop in text)]
 
     def cut(values):
@@ -440,7 +443,7 @@ def cut_at_stop(turn: TurnRecord, tokenizer, stops) -> tuple[TurnRecord, str]:
     return replace(turn, output_ids=cut(turn.output_ids), output_log_probs=cut(turn.output_log_probs),
                    output_mask=cut(turn.output_mask), output_sampling_mask=cut(turn.output_sampling_mask),
                    output_sampler_logprobs=cut(turn.output_sampler_logprobs),
-                   weight_versions=cut(turn.weight_versions), finish_reason="stop"), text
+                   weight_versions=cut(turn.weight_versions), finish_reason="stop"), reply, text
 
 
 def logprobs_asked(body: dict) -> int | None:
@@ -465,7 +468,7 @@ def chat_logprobs(turn: TurnRecord, tokenizer, top: int, stops=()) -> dict:
     as `top_logprobs`, at most `top` of the candidates the sampler recorded for it
     (`num_sampler_logprobs`, with `score_centering`; else none). The end-of-turn token and a
     stop string are not text the agent got, so they are not listed."""
-    ids, text = turn.output_ids, cut_at_stop(turn, tokenizer, stops)[1]
+    ids, text = turn.output_ids, cut_at_stop(turn, tokenizer, stops)[2]
     shown = _fewest_tokens(tokenizer, ids, lambda prefix: len(prefix) >= len(text)) if text else 0
     ranked = turn.output_sampler_logprobs or [{}] * shown
 

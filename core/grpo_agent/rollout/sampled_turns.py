@@ -28,9 +28,9 @@ class SampledTurns:
     def __init__(self) -> None:
         self._held: deque[tuple[str, TurnRecord]] = deque(maxlen=MAX_HELD)
 
-    def record(self, prompt_text: str, turn: TurnRecord, tokenizer) -> None:
-        """`turn` was sampled from the prompt rendered as `prompt_text`."""
-        reply = tokenizer.decode(turn.output_ids, skip_special_tokens=False)
+    def record(self, prompt_text: str, turn: TurnRecord, reply: str) -> None:
+        """`turn` was sampled from the prompt rendered as `prompt_text`; `reply` is its output
+        ids decoded with their special tokens (the caller's one decode of the turn)."""
         self._held.append((prompt_text + reply, turn))
 
     def prompt_ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
