@@ -54,6 +54,8 @@ def lookup(key: str) -> dict:
     """
     if key == "boom":
         raise RuntimeError("lookup table is on fire")
+    if key == "bare":
+        raise AssertionError  # as a bare `assert` raises it: no message
     return {"key": key, "thread": threading.current_thread().name, "ok": True}
 
 
@@ -112,6 +114,12 @@ def test_policy_errors_become_tool_messages_and_are_counted(scripted_loop):
     assert rollout.metrics["tools/lookup/failure_count"] == [1.0]
     assert rollout.metrics["tools/parallel_calls_mean"] == [4.0]
     assert rollout.metrics["tools/failure_frequency"] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_a_tool_error_without_a_message_is_named_without_a_dangling_colon(scripted_loop):
+    rollout = run(scripted_loop([call("lookup", key="bare"), "ok"]))
+    tool_messages = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert json.loads(tool_messages[0]) == {"error": "AssertionError"}
 
 
 def test_an_unknown_tool_is_counted_apart_from_a_malformed_call(scripted_loop):

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_agent.error_text import error_text
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout import unfinished
 from grpo_agent.rollout.chat_template import training_template_for
@@ -178,8 +179,8 @@ async def execute_tool_call(
             executor.hold(call.name, in_thread, timeout_s, cancelled=True)  # counts, never raises
         raise
     except Exception as exc:  # noqa: BLE001  (a tool bug or bad arguments: the model sees it)
-        content, failed = render_tool_error(f"{type(exc).__name__}: {exc}"), True
-        _warn_once(call.name, f"raised {type(exc).__name__}: {exc}", exc)
+        content, failed = render_tool_error(error_text(exc)), True
+        _warn_once(call.name, f"raised {error_text(exc)}", exc)
     return ToolOutcome(call.name, content, failed, latency_s=time.perf_counter() - started)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from grpo_agent.error_text import error_text
 from grpo_agent.rollout.command_sandbox import (
     ISOLATION_FAILED_EXIT,
     CommandLimits,
@@ -124,7 +125,7 @@ async def run_agent(agent: Callable | AgentCommand, base_url: str, key: str, row
         raise AgentFailure("timeout", f"The agent {name!r} ran past its {timeout_s:g} s "
                            "(agent_timeout_s).") from error
     except Exception as error:  # an agent bug costs only its rollout
-        raise AgentFailure("error", f"The agent {name!r} raised {type(error).__name__}: {error}") from error
+        raise AgentFailure("error", f"The agent {name!r} raised {error_text(error)}") from error
     finally:
         await client.close()
     return check_reward(value, f"The agent {name!r}")

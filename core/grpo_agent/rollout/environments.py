@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_agent.error_text import error_text
 from grpo_agent.plugins.schemas import public_tool_names
 from grpo_agent.rollout.concurrency import RolloutThreadPool
 from grpo_agent.rollout.scoring import checked_reward
@@ -178,7 +179,7 @@ class EnvironmentRunner:
         except Exception as error:
             self._give_back(key, env)
             raise EnvironmentResetError(
-                f"{type(env).__name__}.reset() raised {type(error).__name__}: {error}") from error
+                f"{type(env).__name__}.reset() raised {error_text(error)}") from error
         except BaseException:  # cancelled
             self._give_back(key, env)
             raise
@@ -224,8 +225,7 @@ class EnvironmentRunner:
                 reward = await self._run(get_reward)
             except Exception as error:
                 raise EnvironmentRewardError(
-                    f"{type(episode.env).__name__}.get_reward() raised {type(error).__name__}: "
-                    f"{error}") from error
+                    f"{type(episode.env).__name__}.get_reward() raised {error_text(error)}") from error
             episode.reward_s = time.perf_counter() - started
             episode.metrics["env/reward_s"] = [episode.reward_s]
             who = f"{type(episode.env).__name__}.get_reward()"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
+from grpo_agent.error_text import error_text
 from grpo_agent.rollout import responses_api
 from grpo_agent.rollout.agent import ConversationRenderer, _strip_stop_tokens
 from grpo_agent.rollout.gateway_errors import GatewayError, check_tool_name
@@ -317,8 +318,8 @@ class Gateway:
             renderer, prompt_text, prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self.loop.tool_executor, self._render, session, tools, messages)
         except Exception as error:  # the template refused these messages
-            raise GatewayError(400, f"The chat template could not render these messages: "
-                               f"{type(error).__name__}: {error}", param="messages") from error
+            raise GatewayError(400, f"The chat template could not render these messages: {error_text(error)}",
+                               param="messages") from error
         room = self.loop.server.max_model_len - len(prompt_ids)
         if room < 1:
             raise GatewayError(400, f"The prompt is {len(prompt_ids)} tokens; the model's context is "

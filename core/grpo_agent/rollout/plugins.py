@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from grpo_agent.error_text import error_text
 from grpo_agent.plugins import load_registry
 from grpo_agent.rollout.prompts import PromptFilter
 from grpo_agent.types import RolloutGroup
@@ -29,7 +30,7 @@ def call_plugin(kind: str, name: str, func: Callable, *args):
         return func(*args)
     except Exception as error:
         raise PluginCallError(
-            f"The {kind} {name!r} raised {type(error).__name__}: {error}. Fix it (the traceback "
+            f"The {kind} {name!r} raised {error_text(error)}. Fix it (the traceback "
             f"in error.log shows where), or select another with the config field "
             f"{_FIELDS[kind]}.") from error
 

@@ -25,6 +25,7 @@ from typing import Any
 from typing_extensions import Self
 
 from grpo_agent import stall
+from grpo_agent.error_text import error_text
 from grpo_agent.metrics import Observation
 from grpo_agent.rollout.allowance import TokenAllowance, initial_step_tokens
 from grpo_agent.rollout.channels import METRICS_FLUSHED, WorkerChannels
@@ -73,8 +74,7 @@ def failure_text(error: BaseException) -> str:
     the traceback. The CLI prints the first line (`cli/failure.py`); a traceback's last line
     alone lost the head of a message that carries a traceback of its own (a reward function
     that raised on 10 groups in a row was reported as the reward's `ValueError`)."""
-    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return f"{what}\n{traceback.format_exc()}"
+    return f"{error_text(error)}\n{traceback.format_exc()}"
 
 
 def _child_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels, trainer_pid: int) -> None:
