@@ -35,15 +35,19 @@ def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
     ("kwargs", "message"),
     [
         ({"num_generations": 1}, "num_generations >= 2"),
-        ({"top_p": 0.9}, "requires top_k > 0"),
+        ({"top_p": 0.9}, (r"^top_p < 1 or min_p > 0 requires top_k > 0: vLLM uses top_k to bound the "
+                          r"sampling candidate set\. Set top_k \(e\.g\. 512\)\.$")),
         ({"min_p": 0.1}, "requires top_k > 0"),
-        ({"ignore_data_skip": False}, "rollout_state.json"),
-        ({"remove_unused_columns": True}, "reward functions"),
+        ({"ignore_data_skip": False}, (r"^ignore_data_skip must be True: resume restores the rollout position "
+                                       r"from rollout_state.json")),
+        ({"remove_unused_columns": True}, (r"^remove_unused_columns must be False: every dataset column is "
+                                           r"passed to the reward functions")),
         ({"dtype": "fp8"}, "choose one of"),
         ({"vllm_importance_sampling_clip_min": 6.0}, "must be below"),
         ({"top_p": 0.0, "top_k": 50}, r"top_p=0.0 must be in \(0, 1\]"),
         ({"top_p": -0.5, "top_k": 50}, r"top_p=-0.5 must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"top_p": 1.001, "top_k": 50}, r"top_p=1.001 must be in \(0, 1\]"),
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"tool_timeout_s": 0}, r"tool_timeout_s=0 must be > 0 \(seconds per tool call\)"),
         ({"tool_timeout_s": -5.0}, r"tool_timeout_s=-5.0 must be > 0"),
@@ -101,7 +105,7 @@ def test_docs_config_md_is_current():
         ({"max_concurrent_rollouts": 0}, "max_concurrent_rollouts >= 1"),
         ({"no_progress_timeout": -1.0}, r"no_progress_timeout=-1.0 must be >= 0 \(0 = never\)"),
         ({"cuda_graphs": True, "gradient_checkpointing": False, "fp16": True},
-         "cuda_graphs=True does not run with fp16"),
+         r"^cuda_graphs=True does not run with fp16: .* Use bf16 or turn cuda_graphs off\.$"),
         ({"temperature": -1.0}, r"temperature=-1.0 is out of range: set temperature >= 0"),
         ({"eval_temperature": -0.5}, r"set eval_temperature >= 0"),
         # vLLM (0.32) refuses every request above 2: the run failed at its first request.
@@ -186,6 +190,11 @@ def test_a_fraction_of_max_steps_without_max_steps_is_refused_and_with_it_kept(t
     assert getattr(c, f"{kind}_steps") == 0.5
     c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**kwargs, f"{kind}_steps": 2})
     assert getattr(c, f"{kind}_steps") == 2
+    with pytest.raises(ValueError, match="max_steps is not set"):  # 0 is unset, as in transformers
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=0, **kwargs)
+    # under the epoch strategy the steps value is unused, so no fraction of anything
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**kwargs, f"{kind}_strategy": "epoch"})
+    assert getattr(c, f"{kind}_steps") == 0.5
 
 
 def test_the_trainer_sees_a_run_as_one_epoch_as_docs_config_md_says(tmp_path):
