@@ -249,9 +249,12 @@ class AsyncGRPOConfig(TrainingArguments):
                 "top_p < 1 or min_p > 0 requires top_k > 0: vLLM uses top_k to bound the sampling "
                 "candidate set. Set top_k (e.g. 512)."
             )
-        if self.vllm_importance_sampling_clip_min >= self.vllm_importance_sampling_clip_max:
+        # Bounds here and in _check_ranges read `not <valid>`: NaN (`--set epsilon=NaN`, a TOML
+        # `nan`) fails every comparison, so `value < low` let it into the loss and the timeouts.
+        if not self.vllm_importance_sampling_clip_min < self.vllm_importance_sampling_clip_max:
             raise ValueError(
-                "vllm_importance_sampling_clip_min must be below vllm_importance_sampling_clip_max."
+                f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be "
+                f"below vllm_importance_sampling_clip_max={self.vllm_importance_sampling_clip_max}."
             )
         if self.max_staleness < 0 or self.weight_sync_steps < 1 or self.max_concurrent_rollouts < 1:
             raise ValueError(
@@ -260,9 +263,9 @@ class AsyncGRPOConfig(TrainingArguments):
         from grpo_agent.stall import check_stall_timeouts
 
         check_stall_timeouts(self.stall_timeouts)
-        if self.no_progress_timeout < 0:
+        if not self.no_progress_timeout >= 0:
             raise ValueError(f"no_progress_timeout={self.no_progress_timeout} must be >= 0 (0 = never).")
-        if self.tool_timeout_s <= 0:
+        if not self.tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
         self._check_step_fractions()
@@ -308,7 +311,7 @@ class AsyncGRPOConfig(TrainingArguments):
         )
         for name, low, strict, meaning in minimums:
             value = getattr(self, name)
-            if value is not None and (value <= low if strict else value < low):
+            if value is not None and not (value > low if strict else value >= low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
 

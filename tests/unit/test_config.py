@@ -1,4 +1,5 @@
 """AsyncGRPOConfig carries the spec's defaults and rejects bad combinations with a fix."""
+import math
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,8 @@ def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
         ({"remove_unused_columns": True}, (r"^remove_unused_columns must be False: every dataset column is "
                                            r"passed to the reward functions")),
         ({"dtype": "fp8"}, "choose one of"),
-        ({"vllm_importance_sampling_clip_min": 6.0}, "must be below"),
+        ({"vllm_importance_sampling_clip_min": 6.0},
+         r"^vllm_importance_sampling_clip_min=6.0 must be below vllm_importance_sampling_clip_max=5.0\.$"),
         ({"top_p": 0.0, "top_k": 50}, r"top_p=0.0 must be in \(0, 1\]"),
         ({"top_p": -0.5, "top_k": 50}, r"top_p=-0.5 must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
@@ -131,6 +133,15 @@ def test_docs_config_md_is_current():
         # torch refused it only once the server and model were up ("Invalid learning rate: -1")
         ({"learning_rate": -1.0}, r"^learning_rate=-1.0 is out of range: set learning_rate >= 0 \(0 = no"),
         # failed once the server was up, naming no field ("bogus is not supported, only ...")
+        # NaN (`--set epsilon=NaN`, TOML `nan`) failed every `value < low` test: accepted into the loss,
+        # or "cannot convert float NaN to integer" naming no field for the timeouts
+        ({"epsilon": math.nan}, r"^epsilon=nan is out of range: set epsilon >= 0 \(the lower clip\)\.$"),
+        ({"learning_rate": math.nan}, r"^learning_rate=nan is out of range: set learning_rate >= 0"),
+        ({"rollout_worker_timeout": math.nan}, r"^rollout_worker_timeout=nan is out of range: set rollout_"),
+        ({"tool_timeout_s": math.nan}, r"^tool_timeout_s=nan must be > 0"),
+        ({"no_progress_timeout": math.nan}, r"^no_progress_timeout=nan must be >= 0"),
+        ({"vllm_importance_sampling_clip_max": math.nan},
+         r"^vllm_importance_sampling_clip_min=0.5 must be below vllm_importance_sampling_clip_max=nan\.$"),
         ({"report_to": "bogus"}, (r"^report_to='bogus': 'bogus' is no integration transformers "
                                   r"knows. Use none, all or some of azure_ml, ")),
         ({"report_to": "wandb,bogus"}, (r"^report_to=\['wandb', 'bogus'\]: 'bogus' is no integration"
