@@ -216,7 +216,14 @@ class AsyncGRPOConfig(TrainingArguments):
 
         # The process group (created by transformers from ddp_timeout) must outwait every
         # collective phase, so a phase's stall report and exit come first (stall.py).
-        self.ddp_timeout = max(int(self.ddp_timeout), math.ceil(process_group_timeout(self)))
+        timeout = process_group_timeout(self)
+        if math.isinf(timeout):  # else an OverflowError traceback, naming no field
+            raise ValueError(
+                f"vllm_server_timeout={self.vllm_server_timeout}, rollout_worker_timeout="
+                f"{self.rollout_worker_timeout}, stall_timeouts={self.stall_timeouts}: the process "
+                "group's timeout (ddp_timeout) is derived from these, and an infinite one leaves it "
+                "none. Set each to a finite number of seconds.")
+        self.ddp_timeout = max(int(self.ddp_timeout), math.ceil(timeout))
         super().__post_init__()
 
     def _check(self) -> None:

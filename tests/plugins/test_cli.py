@@ -87,6 +87,8 @@ def test_yaml_run_file_is_read(cli, tmp_path):
          "Error: Unknown config field 'num_generatons'. Did you mean: num_generations"),
         (["--set", "max_steps"], "Error: --set 'max_steps': write it as key=value"),
         (["--set", "num_generations=1"], "Error: num_generations=1: group-normalised advantages"),
+        (["--set", "vllm_server_timeout=Infinity"],  # was an OverflowError traceback
+         "Error: vllm_server_timeout=inf, rollout_worker_timeout=300.0, stall_timeouts={}: the process"),
         (["--config", "missing.toml"], "Error: Config file missing.toml does not exist."),
         # A value of the wrong type was kept as text, shown by `config show` and `--dry-run`,
         # and only failed (or not) somewhere inside a run.

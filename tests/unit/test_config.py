@@ -263,3 +263,16 @@ def test_report_to_given_as_text_is_comma_separated_names(tmp_path):
     assert c.report_to == ["tensorboard", "wandb"]
     assert AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                            report_to="tensorboard").report_to == ["tensorboard"]
+
+
+@pytest.mark.parametrize("kwargs", [{"vllm_server_timeout": math.inf},
+                                    {"stall_timeouts": {"collective": math.inf}}])
+def test_an_infinite_timeout_behind_the_process_group_timeout_is_refused(tmp_path, kwargs):
+    # ddp_timeout is derived from them: `--set vllm_server_timeout=Infinity` failed as an
+    # OverflowError traceback ("cannot convert float infinity to integer"), naming no field.
+    with pytest.raises(ValueError, match=r"^vllm_server_timeout=.* the process group's timeout "
+                                         r"\(ddp_timeout\) is derived from these.* Set each to a finite"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+    # a stage outside the collective phases may wait forever
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, stall_timeouts={"scoring": math.inf})
+    assert c.stall_timeouts == {"scoring": math.inf}
