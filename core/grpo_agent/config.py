@@ -287,6 +287,7 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError(
                 f"dtype={self.dtype!r}: choose one of auto, bfloat16, float16, float32."
             )
+        self.parallelism_config = _parallelism_config(self.parallelism_config)
         _refuse_unsupported_features(self)
         self._check_report_to()
         if self.cuda_graphs and self.gradient_checkpointing:
@@ -406,8 +407,7 @@ def _refuse_unsupported_features(args: AsyncGRPOConfig) -> None:
             "the model with FSDP2 itself."
         )
     parallel = args.parallelism_config
-    get = parallel.get if isinstance(parallel, dict) else lambda name: getattr(parallel, name, None)
-    cp_size, sp_size = get("cp_size") or 1, get("sp_size") or 1
+    cp_size, sp_size = getattr(parallel, "cp_size", None) or 1, getattr(parallel, "sp_size", None) or 1
     if cp_size > 1 or sp_size > 1:
         raise ValueError(
             f"parallelism_config with cp_size={cp_size}, sp_size={sp_size}: context and sequence "
@@ -415,6 +415,26 @@ def _refuse_unsupported_features(args: AsyncGRPOConfig) -> None:
             "Set cp_size and sp_size to 1 (or leave parallelism_config unset); for longer rows "
             "raise token_budget or add GPUs to FSDP2."
         )
+
+
+def _parallelism_config(value: Any) -> Any:
+    """A run file's `[parallelism_config]` table (or `--set 'parallelism_config={...}'`) as
+    accelerate's ParallelismConfig: kept a dict, it passed the checks and then broke `config
+    show` and the run's config.json ("'dict' object has no attribute 'to_json'")."""
+    if value is None:
+        return None
+    from dataclasses import fields
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    if isinstance(value, ParallelismConfig):
+        return value
+    known = [f.name for f in fields(ParallelismConfig) if f.init]
+    if not isinstance(value, dict) or not set(value) <= set(known):
+        raise ValueError(
+            f"parallelism_config={value!r}: give a table of some of {', '.join(known)} "
+            "(e.g. --set 'parallelism_config={\"dp_shard_size\": 2}').")
+    return ParallelismConfig(**value)
 
 
 def _bf16_supported(args: AsyncGRPOConfig) -> bool:

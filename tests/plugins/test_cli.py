@@ -73,6 +73,16 @@ def test_config_show_merges_run_file_then_set_overrides(cli, tmp_path):
     assert config["score_centering"] is False and config["prompt_filters"] == ["all"]
 
 
+def test_a_run_files_parallelism_config_table_is_shown(cli, tmp_path):
+    # the table reached the config as a dict: `config show` failed with a traceback
+    # (AttributeError: 'dict' object has no attribute 'to_json')
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[parallelism_config]\ndp_shard_size = 1\n")
+    code, out, err = cli("config", "show", "--config", str(run_file))
+    assert code == 0, err
+    assert json.loads(out)["parallelism_config"]["dp_shard_size"] == 1
+
+
 def test_yaml_run_file_is_read(cli, tmp_path):
     run_file = tmp_path / "run.yaml"
     run_file.write_text("max_staleness: 2\n")

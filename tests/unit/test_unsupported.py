@@ -25,6 +25,11 @@ def _reward(completions, **kwargs):
     ({"parallelism_config": ParallelismConfig(cp_size=2)},
      "cp_size=2, sp_size=1: context and sequence parallelism are not supported.*Set cp_size"),
     ({"parallelism_config": ParallelismConfig(sp_size=4)}, "cp_size=1, sp_size=4.*not supported"),
+    # a run file's [parallelism_config] table arrives as a dict
+    ({"parallelism_config": {"cp_size": 2}}, "cp_size=2, sp_size=1: context and sequence parallelism"),
+    ({"parallelism_config": {"cp_sise": 2}},
+     r"^parallelism_config=\{'cp_sise': 2\}: give a table of some of dp_replicate_size, dp_shard_size"),
+    ({"parallelism_config": 2}, r"^parallelism_config=2: give a table of some of dp_replicate_size"),
 ])
 def test_unsupported_settings_are_refused_with_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -35,6 +40,11 @@ def test_data_parallel_parallelism_config_is_accepted(tmp_path):
     config = AsyncGRPOConfig(output_dir=str(tmp_path),
                              parallelism_config=ParallelismConfig(dp_shard_size=1))
     assert config.parallelism_config.cp_size == 1
+    # as a run file's table: transformers' to_json_string (config show, the run's config.json)
+    # failed on the dict with "'dict' object has no attribute 'to_json'"
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), parallelism_config={"dp_shard_size": 1})
+    assert isinstance(config.parallelism_config, ParallelismConfig)
+    assert '"dp_shard_size": 1' in config.to_json_string()
 
 
 def _trainer(model, tmp_path, *, tokenizer_path=None, **kwargs):
