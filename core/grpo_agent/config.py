@@ -263,17 +263,9 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be "
                 f"below vllm_importance_sampling_clip_max={self.vllm_importance_sampling_clip_max}."
             )
-        if self.max_staleness < 0 or self.weight_sync_steps < 1 or self.max_concurrent_rollouts < 1:
-            raise ValueError(
-                "max_staleness must be >= 0, weight_sync_steps >= 1 and max_concurrent_rollouts >= 1."
-            )
         from grpo_agent.stall import check_stall_timeouts
 
         check_stall_timeouts(self.stall_timeouts)
-        if not self.no_progress_timeout >= 0:
-            raise ValueError(f"no_progress_timeout={self.no_progress_timeout} must be >= 0 (0 = never).")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds per tool call).")
         self._check_ranges()
         self._check_step_fractions()
         self._check_step_intervals()
@@ -316,6 +308,11 @@ class AsyncGRPOConfig(TrainingArguments):
             ("learning_rate", 0, False, "0 = no update"),
             ("repetition_penalty", 0, True, "1.0 = off"),
             ("vllm_server_timeout", 0, True, "seconds"), ("rollout_worker_timeout", 0, True, "seconds"),
+            ("tool_timeout_s", 0, True, "seconds per tool call"),
+            ("no_progress_timeout", 0, False, "0 = never"),
+            ("max_staleness", 0, False, "0 = on-policy"),
+            ("weight_sync_steps", 1, False, "optimizer steps between weight pushes"),
+            ("max_concurrent_rollouts", 1, False, "rollouts in flight"),
         )
         for name, low, strict, meaning in minimums:
             value = getattr(self, name)
