@@ -40,7 +40,7 @@ def test_deadlines_are_derived_from_the_config_or_set_explicitly(tmp_path):
         _config(tmp_path, stall_timeouts={"scoring": 0})
     # Not a number: the field is named (float's own error was "could not convert string to
     # float: 'abc'" from `grpo-agent train --set 'stall_timeouts={"scoring": "abc"}'`).
-    for value in ("abc", None, [3]):
+    for value in ("abc", None, [3], True):  # true is no number of seconds, though float() reads 1
         with pytest.raises(ValueError, match=r"stall_timeouts\['scoring'\]=.*number of seconds"):
             _config(tmp_path, stall_timeouts={"scoring": value})
 

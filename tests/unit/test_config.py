@@ -43,7 +43,7 @@ def test_bf16_default_falls_back_without_a_gpu_instead_of_failing(tmp_path):
                                        r"from rollout_state.json")),
         ({"remove_unused_columns": True}, (r"^remove_unused_columns must be False: every dataset column is "
                                            r"passed to the reward functions")),
-        ({"dtype": "fp8"}, "choose one of"),
+        ({"dtype": "fp8"}, r"^dtype='fp8': choose one of auto, bfloat16, float16, float32\.$"),
         ({"vllm_importance_sampling_clip_min": 6.0},
          r"^vllm_importance_sampling_clip_min=6.0 must be below vllm_importance_sampling_clip_max=5.0\.$"),
         ({"top_p": 0.0, "top_k": 50}, r"top_p=0.0 must be in \(0, 1\]"),
@@ -148,10 +148,11 @@ def test_docs_config_md_is_current():
                                         r".*comma-separated: --set report_to=wandb,tensorboard\)")),
         # transformers' default eval_strategy='no' ignores eval_steps: no evaluation, silently
         ({"eval_steps": 10}, (r"^eval_steps=10 is set but eval_strategy='no', so the run never "
-                              r"evaluates every eval_steps. Add eval_strategy=steps")),
+                              r"evaluates every eval_steps. Add eval_strategy=steps \(--set eval_strategy=steps\), "
+                              r"or remove eval_steps\.$")),
         # the run "finished" after one empty step, its model untrained
         ({"num_train_epochs": 0}, (r"^num_train_epochs=0 and max_steps is not set: the run would "
-                                   r"train nothing. Set num_train_epochs > 0")),
+                                   r"train nothing. Set num_train_epochs > 0 .*, or set max_steps\.$")),
     ],
 )
 def test_more_bad_settings_name_the_rule_and_the_fix(tmp_path, kwargs, message):
