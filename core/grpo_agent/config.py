@@ -366,17 +366,27 @@ class AsyncGRPOConfig(TrainingArguments):
                     f"{kind}_steps to a number of steps (>= 1), or set max_steps.")
 
     def _check_report_to(self) -> None:
-        """An unknown integration (`--set report_to=bogus`) failed only when the Trainer was
-        built, once the server was up, without naming report_to."""
+        """An unknown integration (`--set report_to=bogus`), None, or none/all among others
+        failed only when the Trainer was built, once the server was up, naming no field."""
         from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
+        if self.report_to is None:  # a run file's `report_to: null`; transformers makes it [None]
+            raise ValueError("report_to=None is no setting: transformers keeps it as [None] and its "
+                             "Trainer refuses that. Use none (no reporting), all, or integration "
+                             "names (--set report_to=wandb,tensorboard).")
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         unknown = [name for name in names if name not in ("all", "none", *INTEGRATION_TO_CALLBACK)]
         if unknown:
             raise ValueError(
                 f"report_to={self.report_to!r}: {', '.join(map(repr, unknown))} is no integration "
                 f"transformers knows. Use none, all or some of {', '.join(INTEGRATION_TO_CALLBACK)} "
                 "(several comma-separated: --set report_to=wandb,tensorboard).")
+        alone = [name for name in names if name in ("all", "none")]
+        if alone and len(names) > 1:  # transformers kept the list, and its Trainer refused 'none'
+            raise ValueError(
+                f"report_to={self.report_to!r}: {alone[0]!r} stands alone, not among other "
+                f"integrations. Use {alone[0]} by itself, or list only integrations "
+                "(--set report_to=wandb,tensorboard).")
 
     @property
     def effective_epsilon_high(self) -> float:

@@ -80,7 +80,7 @@ def test_the_boundaries_of_the_refused_ranges_are_accepted(tmp_path):
                         num_completions_to_print=0)
     assert (c.num_sampler_logprobs, c.router_aux_loss_coef, c.num_completions_to_print) == (0, 0.0, 0)
     assert AsyncGRPOConfig(output_dir=str(tmp_path), top_k=1, min_p=1.0).min_p == 1.0
-    for report_to in ("none", "all", "tensorboard", ["wandb", "tensorboard"], None):
+    for report_to in ("none", "all", "tensorboard", ["wandb", "tensorboard"]):
         assert AsyncGRPOConfig(output_dir=str(tmp_path), report_to=report_to).output_dir == str(tmp_path)
     c = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=10)
     assert c.eval_steps == 10
@@ -277,3 +277,22 @@ def test_an_infinite_timeout_behind_the_process_group_timeout_is_refused(tmp_pat
     # a stage outside the collective phases may wait forever
     c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, stall_timeouts={"scoring": math.inf})
     assert c.stall_timeouts == {"scoring": math.inf}
+
+
+@pytest.mark.parametrize(("report_to", "message"), [
+    (["none", "wandb"], (r"^report_to=\['none', 'wandb'\]: 'none' stands alone, not among other "
+                         r"integrations\. Use none by itself, or list only integrations")),
+    ("tensorboard,all", r"^report_to=\['tensorboard', 'all'\]: 'all' stands alone"),
+    (None, r"^report_to=None is no setting: .* Use none \(no reporting\), all, or integration names"),
+])
+def test_report_to_values_the_trainer_would_refuse_are_refused(tmp_path, report_to, message):
+    # transformers reads none and all only alone, and None as [None]: it kept them, and building
+    # the Trainer (server up, model loaded) failed with "none is not supported, only azure_ml, ..."
+    # (or "None is not supported"), naming no field.
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=report_to)
+    for accepted in ("none", ["none"], "all", ["tensorboard"], "tensorboard,wandb"):
+        c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=accepted)
+        get_reporting_integration_callbacks(c.report_to)  # what the Trainer calls: no error
