@@ -17,7 +17,9 @@ from transformers import TrainingArguments
 from grpo_agent.sampling_limits import check_temperature
 
 logger = logging.getLogger(__name__)
-
+# The process group's timeout becomes a timedelta, then C++ milliseconds: far below either
+# limit, and longer than any run (about 31 years).
+LONGEST_TIMEOUT_S = 1e9
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -217,12 +219,13 @@ class AsyncGRPOConfig(TrainingArguments):
         # The process group (created by transformers from ddp_timeout) must outwait every
         # collective phase, so a phase's stall report and exit come first (stall.py).
         timeout = process_group_timeout(self)
-        if math.isinf(timeout):  # else an OverflowError traceback, naming no field
+        if not timeout < LONGEST_TIMEOUT_S:  # else an OverflowError traceback, naming no field
             raise ValueError(
                 f"vllm_server_timeout={self.vllm_server_timeout}, rollout_worker_timeout="
                 f"{self.rollout_worker_timeout}, stall_timeouts={self.stall_timeouts}: the process "
-                "group's timeout (ddp_timeout) is derived from these, and an infinite one leaves it "
-                "none. Set each to a finite number of seconds.")
+                "group's timeout (ddp_timeout) is derived from these, and an infinite one (or one "
+                f"of {LONGEST_TIMEOUT_S:.0e} s or more) leaves it none. Set each to a finite number "
+                "of seconds.")
         self.ddp_timeout = max(int(self.ddp_timeout), math.ceil(timeout))
         super().__post_init__()
 
@@ -319,6 +322,10 @@ class AsyncGRPOConfig(TrainingArguments):
             if value is not None and not (value > low if strict else value >= low):
                 raise ValueError(f"{name}={value} is out of range: set {name} "
                                  f"{'>' if strict else '>='} {low} ({meaning}).")
+        if self.eval_success_threshold is not None and math.isnan(self.eval_success_threshold):
+            raise ValueError("eval_success_threshold=nan: no reward reaches it, so every evaluation "
+                             "rollout would fail. Set the summed reward a passing rollout reaches, "
+                             "or null for the env's declared success_threshold.")
 
     def _check_step_intervals(self) -> None:
         """A `*_steps` interval of a steps strategy must be > 0; transformers misread the others

@@ -267,7 +267,8 @@ def test_report_to_given_as_text_is_comma_separated_names(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [{"vllm_server_timeout": math.inf},
-                                    {"stall_timeouts": {"collective": math.inf}}])
+                                    {"stall_timeouts": {"collective": math.inf}},
+                                    {"vllm_server_timeout": 1e20}])  # OverflowError in timedelta
 def test_an_infinite_timeout_behind_the_process_group_timeout_is_refused(tmp_path, kwargs):
     # ddp_timeout is derived from them: `--set vllm_server_timeout=Infinity` failed as an
     # OverflowError traceback ("cannot convert float infinity to integer"), naming no field.
@@ -277,6 +278,15 @@ def test_an_infinite_timeout_behind_the_process_group_timeout_is_refused(tmp_pat
     # a stage outside the collective phases may wait forever
     c = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, stall_timeouts={"scoring": math.inf})
     assert c.stall_timeouts == {"scoring": math.inf}
+
+
+def test_a_nan_eval_success_threshold_is_refused(tmp_path):
+    # no reward reaches NaN: every evaluation rollout counted as failed, without a word
+    with pytest.raises(ValueError, match=r"^eval_success_threshold=nan: no reward reaches it.*"
+                                         r"or null for the env's declared success_threshold"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, eval_success_threshold=math.nan)
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                           eval_success_threshold=-1.5).eval_success_threshold == -1.5
 
 
 @pytest.mark.parametrize(("report_to", "message"), [
