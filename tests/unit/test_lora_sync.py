@@ -250,7 +250,7 @@ def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_
     assert control.calls == [("load", "run-v6")]  # the window restarts with the new server
     pusher.close()
     assert control.calls == [("load", "run-v6"), ("unload", "run-v5"), ("unload", "run-v6")]
-    assert folders() == []
+    assert not pusher.cache_dir.exists()
 
 
 def _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch):
@@ -301,6 +301,74 @@ def test_a_restored_server_gets_the_current_version_again_from_its_folder(
     assert control.calls == [("load", "run-v2"), ("load", "run-v3")]
     assert folders() == ["run-v2", "run-v3"]
     pusher.close()
+
+
+
+def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_folder(
+        tiny_path, tmp_path, monkeypatch):
+    """A load that fails is retried once after a restore (`ServerRecovery.push`); failing
+    again stops the run, and closing the pusher then deleted every folder but that one: it was
+    neither registered nor queued, so `.vllm_lora/run-v2/` stayed on disk. It must survive
+    until then (a load that timed out may still be reading it, and the retry loads it), and
+    the error must say what failed and what to do, not only vLLM's HTTP answer."""
+    from grpo_agent.sampler import recovery
+    from grpo_agent.sampler.errors import RequestRejectedError, WeightSyncError
+
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "answered again")
+    keeper = recovery.ServerRecovery(pusher.args.vllm_server_base_url, 5)
+    folders = lambda: sorted(p.name for p in pusher.cache_dir.iterdir())
+    loads = _RecordingControl.load_lora_adapter
+    refusals = []
+
+    def refuse_then_load(name, path):
+        if refusals:
+            refusals.pop()
+            raise RequestRejectedError("POST /v1/load_lora_adapter was rejected with HTTP 400: "
+                                       "No adapter found", status_code=400)
+        loads(control, name, path)
+
+    control.load_lora_adapter = refuse_then_load
+    refusals[:] = [1]  # once: the retry loads it
+    keeper.push(pusher, model, 1)
+    assert served == [1] and folders() == ["run-v1"]
+    refusals[:] = [1, 1]  # twice: the run gives up
+    with pytest.raises(WeightSyncError) as failed:
+        keeper.push(pusher, model, 2)
+    message = str(failed.value)
+    assert message.startswith("The vLLM server at http://server:8132 did not load the LoRA "
+                              "adapter 'run-v2' (weights version 2) from ")
+    assert "was rejected with HTTP 400: No adapter found" in message
+    assert "resume from the last checkpoint" in message
+    assert served == [1]
+    assert "run-v2" in folders()  # kept while the server may still read it
+    pusher.close()
+    assert not pusher.cache_dir.exists(), _left_in(pusher.cache_dir)
+
+
+def test_a_version_an_unload_failed_to_take_off_the_server_leaves_no_folder(
+        tiny_path, tmp_path, monkeypatch):
+    """An unload that fails fails the push (retried after a restore, which forgets the old
+    server's adapters): the version it took off the window was in no list, so its folder
+    outlived the run."""
+    from grpo_agent.sampler.errors import SamplerError
+
+    control, model, pusher, _ = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+
+    def refuse(name):
+        raise SamplerError(f"POST /v1/unload_lora_adapter failed after 3 attempts ({name})")
+
+    control.unload_lora_adapter = refuse
+    with pytest.raises(SamplerError, match="run-v1"):
+        pusher.push(model, 3)
+    pusher.close()  # the run gives up (a dead server's unloads fail here too: logged)
+    assert not pusher.cache_dir.exists(), _left_in(pusher.cache_dir)
+
+
+def _left_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 @pytest.mark.parametrize(("info", "refusal"), [

@@ -164,7 +164,7 @@ class AdapterPusher:
                 if self._check_restarted:
                     self._check_restarted_server(unwrapped)
                 folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
-                self._register(folder)
+                self._register(folder, version)
             except Exception as error:  # noqa: BLE001 - raised after the barrier below
                 failed = error
             transfer_s = time.perf_counter() - started
@@ -218,7 +218,9 @@ class AdapterPusher:
         self._check_restarted = False
 
     def close(self) -> None:
-        """Unload this run's adapters and delete their folders (checkpoints keep the adapter)."""
+        """Unload this run's adapters and delete the whole cache (checkpoints keep the
+        adapter): also the folder of a version the server failed to load, which no list
+        holds, and one an unload that failed had already taken off the window."""
         if not self._main:
             return
         try:
@@ -226,8 +228,7 @@ class AdapterPusher:
         except SamplerError as error:  # a dead server must not hide why training stopped
             logger.warning("Could not unload this run's LoRA adapters: %s", error)
         finally:
-            for folder in [*self._unloaded_folders, *(f for _, f in self._registered)]:
-                shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
             self._registered.clear()
             self._unloaded_folders = []
 
@@ -250,14 +251,24 @@ class AdapterPusher:
 
     # ------------------------------------------------------------------ server
 
-    def _register(self, folder: Path) -> None:
-        """Load the new version, then unload beyond the window; delete last sync's unloads."""
+    def _register(self, folder: Path, version: int) -> None:
+        """Load the new version, then unload beyond the window; delete last sync's unloads.
+        A folder the server failed to load stays (a load that timed out may still read it, a
+        retry writes it anew) until `close`."""
         for old in self._unloaded_folders:
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         self._unloaded_folders = []
         with self._control() as control:
-            control.load_lora_adapter(folder.name, str(folder))
+            try:
+                control.load_lora_adapter(folder.name, str(folder))
+            except SamplerError as error:
+                raise WeightSyncError(
+                    f"The vLLM server at {self.args.vllm_server_base_url} did not load the LoRA "
+                    f"adapter {folder.name!r} (weights version {version}) from {folder}: "
+                    f"{error.reason}. Its log says why; the server must be able to read that "
+                    "folder (the trainer's output_dir at the same path: same machine or a shared "
+                    "file system). Fix that, then resume from the last checkpoint.") from error
             self._registered.append((folder.name, folder))
             while len(self._registered) > self.keep_versions:
                 name, old_folder = self._registered.popleft()
