@@ -177,6 +177,33 @@ def test_reopen_forgets_a_failed_background_push_and_reopens_the_transport(pushe
     assert reopened == [True] and made.wait() == {}
 
 
+def test_a_restored_server_that_cannot_say_its_backend_fails_the_push_and_is_asked_again(
+        pusher, monkeypatch):
+    """After a restore the first push asks the server its weight-transfer backend
+    (`_follow_server_backend`). When asking fails, pushing by the old one may send into a
+    server configured for another: the push must fail (so the recovery retries it) and
+    announce nothing, and the next push asks again."""
+    from grpo_agent.sampler.errors import ServerUnreachableError
+
+    made, sync = pusher
+    served = []
+    made.on_served = served.append
+    sync.release.set()
+    made.reopen()
+
+    def unanswered(*args):
+        raise ServerUnreachableError("No vLLM server answered at http://127.0.0.1:1")
+
+    monkeypatch.setattr("grpo_agent.weight_sync.full.server_backend", unanswered)
+    with pytest.raises(ServerUnreachableError, match="No vLLM server answered"):
+        made.push(torch.nn.Linear(2, 2), 3)
+    assert served == [] and sync.sent == {}
+    monkeypatch.setattr("grpo_agent.weight_sync.full.server_backend", lambda *a: "gloo")
+    made.push(torch.nn.Linear(2, 2), 3)
+    made.wait()
+    assert served == [3] and list(sync.sent) == [3]
+
+
 def test_close_logs_a_last_push_that_did_not_land_and_closes_the_transport(pusher, caplog):
     made, sync = pusher
     closed = []
