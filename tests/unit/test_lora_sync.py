@@ -342,7 +342,9 @@ def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_f
     assert "resume from the last checkpoint" in message
     assert served == [1]
     assert "run-v2" in folders()  # kept while the server may still read it
+    control.calls = []
     pusher.close()
+    assert control.calls == []  # the restore forgot run-v1, and run-v2 was never loaded
     assert not pusher.cache_dir.exists(), _left_in(pusher.cache_dir)
 
 
