@@ -100,10 +100,17 @@ def test_settle_raises_nothing_when_the_push_landed_and_retries_when_it_failed(p
     keeper.push(made, model, 3)
     assert keeper.settle(made, model, 3)["perf/weight_sync_transfer_s"] == 0.01
     sync.failing = True
+    sync.ended.clear()
     keeper.push(made, model, 4)
+    assert sync.ended.wait(30)  # its send failed in the background
+    sync.failing = False
+    assert keeper.settle(made, model, 4)[recovery.RESTARTS_METRIC] == 1  # restored, sent again
+    assert keeper.restarts == 1 and list(sync.sent) == [3, 4]
+    sync.failing = True
+    keeper.push(made, model, 5)
     with pytest.raises(WeightSyncError, match="connection reset"):  # the retry fails too
-        keeper.settle(made, model, 4)
-    assert keeper.restarts == 0 and list(sync.sent) == [3]
+        keeper.settle(made, model, 5)
+    assert keeper.restarts == 1 and list(sync.sent) == [3, 4]
 
 
 @pytest.mark.parametrize(("backend", "max_staleness", "background"), [
