@@ -530,6 +530,37 @@ def test_a_server_that_came_back_with_flags_that_would_train_wrong_stops_the_run
         server.server_close()
 
 
+def test_a_push_that_restored_the_server_lets_the_worker_dispatch_again(monkeypatch, tmp_path):
+    """A failed push is retried after a restore (`ServerRecovery.push`). The worker may have
+    lost the same server meanwhile: it raised `server_down` and dispatches nothing until the
+    trainer clears it. The trainer clears it after every restore, the push's included (it
+    also counts the restore, so the worker re-reads the server's facts); a push that landed at
+    once leaves the flag alone."""
+    from grpo_agent.rollout.loop import AsyncRolloutLoop
+    from grpo_agent.rollout.worker import RolloutWorker
+
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    server, url = _serve(type("Routes", (_ControlRoutes,), {}))
+    trainer = _pipeline_at(url, tmp_path)
+    worker = RolloutWorker(AsyncRolloutLoop, config=trainer.args, model_name="tiny/Model",
+                           dataset=[], reward_funcs=[], processing_class=None,
+                           token_budget=512)  # its channels, not started
+    trainer.source = SimpleNamespace(worker=worker)
+    trainer.pusher = _Pusher(failures=1)
+    try:
+        worker.channels.server_down.set()  # the worker lost the server too
+        trainer.push_weights()
+        assert trainer.pusher.pushed == [3] and trainer.recovery.restarts == 1
+        assert not worker.channels.server_down.is_set()
+        assert worker.channels.server_restores.value == 1
+        worker.channels.server_down.set()  # lost again, after this push: the pull restores
+        trainer.push_weights()
+        assert worker.channels.server_down.is_set() and worker.channels.server_restores.value == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("configured", [None, 512], ids=["from-server", "configured"])
 def test_the_token_budget_after_a_restore_with_another_max_model_len(
         monkeypatch, tmp_path, caplog, configured):
