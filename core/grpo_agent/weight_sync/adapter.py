@@ -218,9 +218,9 @@ class AdapterPusher:
         self._check_restarted = False
 
     def close(self) -> None:
-        """Unload this run's adapters and delete the whole cache (checkpoints keep the
-        adapter): also the folder of a version the server failed to load, which no list
-        holds, and one an unload that failed had already taken off the window."""
+        """Unload this run's adapters and empty the cache (checkpoints keep the adapter):
+        every folder in it, also that of a version the server failed to load, which no list
+        holds, and one a failed unload had already taken off the window."""
         if not self._main:
             return
         try:
@@ -228,7 +228,8 @@ class AdapterPusher:
         except SamplerError as error:  # a dead server must not hide why training stopped
             logger.warning("Could not unload this run's LoRA adapters: %s", error)
         finally:
-            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            for folder in self.cache_dir.iterdir() if self.cache_dir.is_dir() else ():
+                shutil.rmtree(folder, ignore_errors=True)
             self._registered.clear()
             self._unloaded_folders = []
 
