@@ -204,8 +204,9 @@ def test_staleness_counts_from_the_version_that_trains_the_step_not_the_served_o
     trainer.version = 2  # the next push is in flight: the carry is 2 versions old now
     for prompt in (3, 4, 5):  # the third overflows, so the step is full
         queue(prompt, version=1)
+    queue(6, version=0)  # a slow group: fresh enough for the served version, not the trained
     time.sleep(0.5)
     taken, metrics = step()
     assert taken == [3, 4]  # the carry dropped (2 > max_staleness=1); it was trained
-    assert ledger.take_noticed() == {2: "stale"}
-    assert metrics["sample/staleness_max"] == 1.0 and metrics["sample/dropped_stale_count"] == 1.0
+    assert ledger.take_noticed() == {2: "stale", 6: "stale"}  # 6 at its pull
+    assert metrics["sample/staleness_max"] == 1.0 and metrics["sample/dropped_stale_count"] == 2.0

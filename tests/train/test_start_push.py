@@ -90,6 +90,8 @@ def test_the_worker_starts_on_the_version_the_start_push_landed(
     try:
         assert events == expected
         assert trainer.model_version == expected[-2][1]
+        # pulls count staleness from the version that trains the step (`StepSource`)
+        assert trainer.source.trained_version() == trainer.model_version
         assert trainer.pusher.on_served == trainer.source.worker.set_model_version
     finally:
         trainer._stop_pipeline()
