@@ -73,7 +73,8 @@ def run_training(
         plot_reward_and_length,
         quiet_library_bars_off_terminal,
     )
-    from grpo_agent.train.trainer import AsyncGRPOTrainer, interruption
+    from grpo_agent.train.step_source import ends_the_run
+    from grpo_agent.train.trainer import AsyncGRPOTrainer, interruption, prompt_limit
 
     fsdp.quiet_other_ranks()  # before check_run: its warnings too
     quiet_library_bars_off_terminal()  # weight loading and save_model: as our progress line
@@ -83,9 +84,13 @@ def run_training(
     model_path = model or _tiny_model_path()
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_config = _lora_config(lora) if lora else None
+    # A resume from the run's last step only saves `final`: no server to start for it
+    ended = resume is not None and ends_the_run(resume, config.max_steps,
+                                                prompt_limit(config, task["dataset"]))
     interrupt_said = False
     try:
-        with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config) as base_url:
+        with _exit_on_sigterm(), _server(model_path, vllm_url, lora, config,
+                                          needed=not ended) as base_url:
             config.vllm_server_base_url = base_url
             config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
             (output_dir / "config.json").write_text(config.to_json_string())
@@ -377,10 +382,13 @@ def _lora_config(lora: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def _server(
-    model_path: str, vllm_url: str | None, lora: dict[str, Any] | None, config: AsyncGRPOConfig
+    model_path: str, vllm_url: str | None, lora: dict[str, Any] | None, config: AsyncGRPOConfig,
+    *, needed: bool = True
 ) -> Iterator[str]:
-    if vllm_url:
-        yield vllm_url
+    """The server's URL: `vllm_url`, else a managed server started here; not `needed`: no
+    server is started (the URL is never contacted)."""
+    if vllm_url or not needed:
+        yield vllm_url or config.vllm_server_base_url
         return
     from grpo_agent.sampler.server import MANAGED_DTYPE, ManagedVLLMServer, managed_max_model_len
     from grpo_agent.weight_sync.lora_needs import needed_loras, server_lora_rank

@@ -9,15 +9,17 @@ here, and samples of prompts trained before a resume are discarded here.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from grpo_agent import stall
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.train.batching import StepPlanner
-from grpo_agent.train.checkpoint import PromptLedger
+from grpo_agent.train.checkpoint import PromptLedger, RolloutState
 from grpo_agent.train.no_progress import NoProgressGuard
 from grpo_agent.types import PromptConsumed, TrainingSample
 
@@ -34,6 +36,19 @@ def is_last_step(max_steps: int, global_step: int, epochs_done: bool) -> bool:
     step before `on_step_end`), or the prompt epochs are done. The last step flushes the
     worker's metrics first, so a run that ends by max_steps logs its last rewards too."""
     return epochs_done or 0 < max_steps <= global_step
+
+
+def ends_the_run(checkpoint: str | Path, max_steps: int, prompt_limit: int | None) -> bool:
+    """Whether `checkpoint` holds its run's last step: `max_steps` reached, or every prompt
+    below `prompt_limit` (the run's epochs) trained. A resume from it has nothing to train:
+    `AsyncGRPOTrainer.train` only loads it and `grpo-agent train` starts no server, so an
+    interrupted final save is redone in seconds (before, the resume started a server, pushed
+    the weights and spawned a rollout worker; an epoch-bounded run trained one more, empty step)."""
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    step = json.loads((Path(checkpoint) / TRAINER_STATE_NAME).read_text())["global_step"]
+    frontier = RolloutState.load(checkpoint).first_untrained_prompt_index
+    return is_last_step(max_steps, step, prompt_limit is not None and frontier >= prompt_limit)
 
 
 class StepSource:

@@ -18,12 +18,15 @@ import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import TrainOutput
 
 from grpo_agent import stall
 from grpo_agent.config import AsyncGRPOConfig
@@ -48,7 +51,7 @@ from grpo_agent.train.row_clock import RowClock
 from grpo_agent.train.sharded_checkpoint import ShardedCheckpointMixin
 from grpo_agent.train.step_callback import AsyncStepCallback
 from grpo_agent.train.step_rows import StepRows
-from grpo_agent.train.step_source import StepSource, is_last_step
+from grpo_agent.train.step_source import StepSource, ends_the_run, is_last_step
 from grpo_agent.train.update_guard import UpdateGuard
 from grpo_agent.train.weights import remember_loaded_weights
 from grpo_agent.types import TrainingSample
@@ -222,6 +225,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         restored = self._restored_rollout_state(resume_from_checkpoint)
         self.ledger = PromptLedger(restored)
         self.model_version = restored.model_version
+        if resume_from_checkpoint is not None and ends_the_run(
+                resume_from_checkpoint, self.args.max_steps, self.prompt_limit()):
+            return self._load_ended_run(resume_from_checkpoint)
         threads = setup.set_trainer_threads(self.args)
         if threads is not None:
             logger.info("Trainer uses %d torch thread(s) beside the vLLM server.", threads)
@@ -246,6 +252,16 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
                 if self.evaluator is not None:
                     self.evaluator.log_at_stop()  # e.g. eval_on_start's, if no step ended since
             heap.thaw()  # frozen at train begin (train/step_callback.py)
+
+    def _load_ended_run(self, checkpoint: str) -> TrainOutput:
+        """A resume from the run's last step (`ends_the_run`): its model and trainer state,
+        nothing trained, no server contacted, no rollout worker started (`grpo-agent train`
+        then saves `final`)."""
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
+        logger.warning("%s holds the run's last step (%d): nothing is left to train.",
+                       checkpoint, self.state.global_step)
+        return TrainOutput(self.state.global_step, math.nan, {})
 
     def _restored_rollout_state(self, checkpoint: str | None) -> RolloutState:
         if checkpoint is None:
@@ -344,10 +360,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
     def prompt_limit(self) -> int | None:
         """The run's prompts, `num_train_epochs` of the dataset (without `max_steps`): prompt
         indices from here on belong to no epoch the run trains."""
-        size = _dataset_size(self.train_dataset)
-        if self.args.max_steps > 0 or size is None:
-            return None
-        return math.ceil(self.args.num_train_epochs * size)
+        return prompt_limit(self.args, self.train_dataset)
 
     def prompt_epochs_done(self, in_hand: list[TrainingSample] = ()) -> bool:
         """`num_train_epochs` counted in prompts (without `max_steps`): all consumed, counting
@@ -484,6 +497,14 @@ def interruption(stop: BaseException) -> str:
         with contextlib.suppress(ValueError):
             return signal.Signals(code - 128).name
     return type(stop).__name__
+
+
+def prompt_limit(args: AsyncGRPOConfig, dataset: Any) -> int | None:
+    """`AsyncGRPOTrainer.prompt_limit` of a run with these settings and train dataset."""
+    size = _dataset_size(dataset)
+    if args.max_steps > 0 or size is None:
+        return None
+    return math.ceil(args.num_train_epochs * size)
 
 
 def _dataset_size(dataset: Any) -> int | None:
