@@ -199,7 +199,10 @@ def replay(recording: Path, out: Path, base_url: str, model_path: str) -> None:
             observations = super().drain_metrics()
             return observations + (drains.pop(0) if drains else [])
 
-        def flush_metrics(self, timeout_s: float = 0.0) -> bool:
+        def flush_metrics(self, timeout_s: float = 0.0) -> bool:  # trees before `finish`
+            return True
+
+        def finish(self, timeout_s: float = 0.0) -> bool:
             return True
 
     _install(ReplayWorker)

@@ -38,7 +38,7 @@ def engine_on(loop, cap=64):
                                token_allowance=SimpleNamespace(value=1e9),
                                model_version=VersionValue(0), server_down=None,
                                server_restores=None, heartbeat=SimpleNamespace(value=0.0),
-                               stop=threading.Event(), flush_metrics=threading.Event())
+                               stop=threading.Event())
     engine = engine_module.RolloutEngine(loop, channels)
     engine.cap = SimpleNamespace(value=cap)
     engine.slots = RolloutSlots(engine.cap)

@@ -13,6 +13,7 @@ import pytest
 from grpo_agent import AsyncGRPOConfig
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.rollout.agent import run_tool_loop
+from grpo_agent.rollout.channels import METRICS_FLUSHED
 from grpo_agent.rollout.environments import EnvironmentRewardError
 from grpo_agent.rollout.group_scoring import build_group, score_group
 from grpo_agent.rollout.loop import AsyncRolloutLoop
@@ -296,8 +297,9 @@ def test_the_tool_failures_of_groups_in_flight_when_the_run_ends_are_sent(tiny_t
         asyncio.run(main())
     finally:
         loop.tool_executor.shutdown(wait=False)
+    assert batches[-1] == METRICS_FLUSHED  # the worker's last word: what `finish` waits for
     window = MetricWindow()
-    for batch in batches:
+    for batch in batches[:-1]:
         window.extend(batch)
     logged = window.summarize()
     assert len(failed) >= 4  # two groups at least, one of each row

@@ -70,7 +70,7 @@ class ScriptedWorker:
         self.batches = list(batches)
         self.pulls = 0
         self.recheck = lambda carry: carry  # the staleness rule's answer for a step's carry
-        self.reported, self.flushes = [], []  # finish_step's step tokens and flush timeouts
+        self.reported, self.finishes = [], []  # finish_step's step tokens and finish timeouts
 
     def recheck_carry(self, carry):
         return self.recheck(carry)
@@ -85,8 +85,8 @@ class ScriptedWorker:
     def report_step_tokens(self, tokens):
         self.reported.append(tokens)
 
-    def flush_metrics(self, timeout_s):
-        self.flushes.append(timeout_s)
+    def finish(self, timeout_s):
+        self.finishes.append(timeout_s)
         return False  # the worker did not answer in time
 
     def drain_metrics(self):
@@ -166,7 +166,8 @@ def test_a_trainable_sample_resets_the_no_progress_count():
 def test_staleness_is_counted_per_step_against_the_served_version_by_default(caplog):
     """Without `trained_version`, a step's staleness counts from the worker's served version;
     each step logs its own samples' staleness, and reports its forwarded tokens (the worker's
-    staleness allowance); the last step asks the worker to flush and says if it did not."""
+    staleness allowance); the last step stops the worker for its last metrics and says if
+    they did not come."""
     import dataclasses
 
     stale = dataclasses.replace(sample(0, 1), model_version=0)
@@ -178,10 +179,10 @@ def test_staleness_is_counted_per_step_against_the_served_version_by_default(cap
         source.finish_step(taken, last=False)
         assert source.window.summarize()["sample/staleness_max"] == 2 * expected
     assert source.worker.reported == [6, 6]  # forwarded tokens: 2 samples of 3 (2 trained)
-    assert source.worker.flushes == []
+    assert source.worker.finishes == []
     with caplog.at_level("WARNING"):
         source.finish_step([], last=True)
-    assert source.worker.flushes and "did not send its last metrics" in caplog.text
+    assert source.worker.finishes and "did not send its last metrics" in caplog.text
 
 
 def test_rollout_state_round_trips_every_field_through_the_checkpoint(tmp_path):

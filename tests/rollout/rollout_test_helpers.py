@@ -163,13 +163,15 @@ class ObservesAsItStopsLoop:
 
 class ObservesOnceLoop:
     """A worker whose engine observes one value at start, then only beats and flushes, with a
-    flush interval of an hour: the value reaches the trainer only if a flush request sends it."""
+    flush interval of an hour: the value reaches the trainer only with the engine's last
+    observations, sent as it stops. Then it takes a minute to exit."""
 
     def __init__(self, *, channels, **kwargs):
         self.channels = channels
 
     def run(self):
         import asyncio
+        import time
         from types import SimpleNamespace
 
         from grpo_agent.rollout import engine as engine_module
@@ -184,8 +186,10 @@ class ObservesOnceLoop:
             await engine._wait_for_stop()
             for task in tasks:
                 task.cancel()
+            engine._send_last_observations()
 
         asyncio.run(main())
+        time.sleep(60)  # a slow exit (the interpreter's teardown): `finish` does not wait for it
 
 
 class BoxedAnswerLoop(AsyncRolloutLoop):

@@ -526,7 +526,7 @@ def test_stopping_the_pipeline_cancels_the_groups_still_running(monkeypatch):
     monkeypatch.setattr(engine, "_run_group", run_group)
     monkeypatch.setattr(engine, "_wait_for_room", wait_for_room)
     monkeypatch.setattr(engine, "_wait_for_stop", wait_for_stop)
-    monkeypatch.setattr(engine, "_send_observations", lambda: None)
+    monkeypatch.setattr(engine, "_send_last_observations", lambda: None)
 
     async def main():
         nonlocal stop

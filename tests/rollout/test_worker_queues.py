@@ -81,19 +81,22 @@ def test_a_worker_frozen_mid_message_is_called_hung_not_waited_for():
         assert _finishes_within(30, worker.stop)
 
 
-def test_the_last_metrics_arrive_when_the_trainer_asks_for_them():
-    """The run's last step asks the worker to flush (instead of sleeping through its interval):
-    the observation comes back with the flush, before the worker stops."""
+def test_the_last_metrics_arrive_when_the_trainer_finishes_the_worker_before_it_exits():
+    """The run's last step stops the worker (`finish`, instead of sleeping through its flush
+    interval): the observation comes back with the engine's last message, before the worker's
+    slow exit."""
     config = SimpleNamespace(max_staleness=1, token_budget=64, gradient_accumulation_steps=1,
                              rollout_worker_timeout=60.0, seed=0)
     worker = RolloutWorker(helpers.ObservesOnceLoop, config=config, model_name="unused",
                            dataset=[], reward_funcs=[], processing_class=None)
     worker.start()
     try:
-        assert worker.flush_metrics(timeout_s=30.0)
+        started = time.monotonic()
+        assert worker.finish(timeout_s=30.0)
+        assert time.monotonic() - started < 30
         assert ("test/observed_once", 1.0) in worker.drain_metrics()
     finally:
-        assert _finishes_within(30, worker.stop)
+        assert _finishes_within(30, lambda: worker.stop(grace_s=0.0))
 
 
 def test_the_observations_sent_as_the_worker_stops_reach_the_trainer():

@@ -145,14 +145,24 @@ def test_logging_the_unlogged_window_never_hides_the_runs_error(tmp_path, caplog
 
 
 class CountsWhenStopped(ScriptedWorker):
-    """A worker that still counts something after the run's last step (as the real one does
-    while it is stopped)."""
+    """A worker with a group still in flight at the run's end: the tool call it made reaches
+    the trainer only as the worker stops (as the real one's, `RolloutEngine._send_last_observations`),
+    once."""
+
+    stopped = drained = False
+
+    def finish(self, timeout_s):
+        self.stopped = True
+        return True
 
     def stop(self, grace_s=None):
         self.stopped = True
 
     def drain_metrics(self):
-        return [("rollout/after_the_end", 1.0)] if getattr(self, "stopped", False) else []
+        if not self.stopped or self.drained:
+            return []
+        self.drained = True
+        return [("tools/lookup/call_count", 1.0), ("tools/lookup/cancelled_count", 1.0)]
 
 
 class FinishingTrainer(OfflineTrainer):
@@ -161,9 +171,11 @@ class FinishingTrainer(OfflineTrainer):
         self.source = self._step_source(CountsWhenStopped(list(self.samples)))
 
 
-def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
-    """Only a stopped run logs what was counted since its last step: a finished run's last row
-    is its last step (what the worker counts while it is stopped trains nothing)."""
+def test_a_run_that_ends_well_logs_the_groups_in_flight_in_its_last_steps_row(tmp_path):
+    """A finished run stops the worker at its last step, so the tool call of a group still in
+    flight is logged in that step's row, and no row comes after it but HF's run summary.
+    Before, the worker was stopped after train() and what its groups in flight sent was
+    dropped: the call was in no row."""
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=1, logging_steps=1, token_budget=TOKEN_BUDGET,
         gradient_checkpointing=False, optim="adamw_torch", report_to="none",
@@ -174,8 +186,9 @@ def test_a_run_that_ends_well_logs_no_row_after_its_last_step(tmp_path):
     trainer.add_callback(JsonlMetricsCallback())
     trainer.train()
     rows = read_metrics(tmp_path / METRICS_NAME)
-    assert "loss" in rows[0] and "train_runtime" in rows[-1]  # step 1, then HF's run summary
-    assert all("rollout/after_the_end" not in row for row in rows)
+    assert len(rows) == 2 and "train_runtime" in rows[1]  # step 1, then HF's run summary
+    assert "loss" in rows[0] and rows[0]["tools/lookup/call_count"] == 1.0
+    assert rows[0]["tools/lookup/cancelled_count"] == 1.0
 
 
 SIGNAL_SCRIPT = Path(__file__).parent / "stop_by_signal_script.py"

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
 ALLOWANCE_POLL_S = 0.05
-CHANNEL_POLL_S = 0.05  # how often the stop and flush requests are checked
+CHANNEL_POLL_S = 0.05  # how often the stop request is checked
 
 
 class RolloutEngine:
@@ -157,9 +157,7 @@ class RolloutEngine:
             for task in [*tasks, *self._group_tasks]:
                 task.cancel()
             await asyncio.gather(*tasks, *self._group_tasks, return_exceptions=True)
-            for group_id in list(self._unlogged):  # generating, queued or being scored
-                self._log_unlogged(group_id)
-            self._send_observations()
+            self._send_last_observations()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -463,20 +461,19 @@ class RolloutEngine:
             await asyncio.sleep(CHANNEL_POLL_S)
 
     async def _flush_metrics(self) -> None:
-        """Send observations once a flush interval, and at once when the trainer asks
-        (`flush_metrics`: its last step waits for them)."""
-        channels = self.channels
-        next_flush = time.monotonic() + METRICS_FLUSH_INTERVAL_S
+        """Send observations once a flush interval (and all of them as the worker stops)."""
         while True:
-            await asyncio.sleep(CHANNEL_POLL_S)
-            requested = channels.flush_metrics.is_set()
-            if requested or time.monotonic() >= next_flush:
-                if requested:
-                    channels.flush_metrics.clear()
-                self._send_observations()
-                next_flush = time.monotonic() + METRICS_FLUSH_INTERVAL_S
-                if requested:
-                    channels.metrics.put(METRICS_FLUSHED)
+            await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
+            self._send_observations()
+
+    def _send_last_observations(self) -> None:
+        """As the worker stops: what the groups still in flight (generating, queued or being
+        scored) observed so far, the rest not sent yet, then `METRICS_FLUSHED`, which the run's
+        last step waits for (`RolloutWorker.finish`): it logs them in its own row."""
+        for group_id in list(self._unlogged):
+            self._log_unlogged(group_id)
+        self._send_observations()
+        self.channels.metrics.put(METRICS_FLUSHED)
 
     def _record_progress(self) -> None:
         """Throughput and retries since the last flush."""

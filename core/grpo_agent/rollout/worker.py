@@ -3,8 +3,7 @@
 Design decision: the worker is *spawned* (never forked: the trainer holds CUDA and threads)
 with `CUDA_VISIBLE_DEVICES=""`, and shares only small things with the trainer, named in
 `WorkerChannels`: the sample queue, the model version, a cumulative token allowance, a
-heartbeat timestamp, a failure channel carrying the child's traceback and the stop and
-metric-flush requests. The staleness rule (`rollout.allowance.TokenAllowance`) runs here, at
+heartbeat timestamp, a failure channel carrying the child's traceback and the stop request. The staleness rule (`rollout.allowance.TokenAllowance`) runs here, at
 pull time: samples more than `max_staleness` versions old are dropped and counted. Every wait is bounded, and each `pull`
 checks the child's health first, so a crashed, killed or hung worker surfaces in the trainer
 within `rollout_worker_timeout` with the reason. `stop` is idempotent and leaves no process.
@@ -236,10 +235,12 @@ class RolloutWorker:
         self.allowance.hold()
         self._publish_allowance()
 
-    def flush_metrics(self, timeout_s: float) -> bool:
-        """Ask the worker for its observations now and wait up to `timeout_s` until they are
-        here (for `drain_metrics`); they are otherwise sent once a second. False on timeout."""
-        self.channels.flush_metrics.set()
+    def finish(self, timeout_s: float) -> bool:
+        """Ask the worker to stop and wait up to `timeout_s` for its last observations (for
+        `drain_metrics`), the groups still in flight included, not for its exit (`stop` reaps
+        it). The run's last step calls it: what the worker observes later is never logged.
+        False on timeout."""
+        self.channels.stop.set()
         with self._kill_if_hung_while_reading():
             return self._await_flush(timeout_s)
 

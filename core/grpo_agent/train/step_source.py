@@ -25,7 +25,7 @@ from grpo_agent.types import PromptConsumed, TrainingSample
 
 PULL_POLL_S = 1.0
 STARVED_WARNING_S = 60.0
-# The run's last step waits this long at most for the worker's last metrics (usually ~0.1 s).
+# The run's last step waits this long at most for the stopping worker's last metrics.
 LAST_FLUSH_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 def is_last_step(max_steps: int, global_step: int, epochs_done: bool) -> bool:
     """Whether the step that just ended is the run's last: `max_steps` reached (HF counts the
-    step before `on_step_end`), or the prompt epochs are done. The last step flushes the
-    worker's metrics first, so a run that ends by max_steps logs its last rewards too."""
+    step before `on_step_end`), or the prompt epochs are done. The last step stops the
+    worker and takes its last metrics first, so a run that ends by max_steps logs its last
+    rewards too."""
     return epochs_done or 0 < max_steps <= global_step
 
 
@@ -181,11 +182,12 @@ class StepSource:
 
     def finish_step(self, samples: list[TrainingSample], *, last: bool) -> None:
         """Tell the worker how many tokens a step uses (its staleness allowance); take its
-        metrics. On the run's `last` step, first ask for the ones not sent yet: notices come at
-        once, observations once a second, and a run whose last groups were all dropped would
-        otherwise log no reward."""
+        metrics. On the run's `last` step, first stop it (`finish`) for the ones not sent yet:
+        notices come at once, observations once a second (a run whose last groups were all
+        dropped would log no reward), and the groups still in flight send what they observed
+        (tool calls and failures) only as it stops, which no row after the last step logs."""
         self.worker.report_step_tokens(sum(s.num_tokens for s in samples))
-        if last and not self.worker.flush_metrics(LAST_FLUSH_TIMEOUT_S):
+        if last and not self.worker.finish(LAST_FLUSH_TIMEOUT_S):
             logger.warning("The rollout worker did not send its last metrics within %.0f s; the "
                            "last step's rollout metrics may be incomplete.", LAST_FLUSH_TIMEOUT_S)
         observations, self._staleness = self._staleness, []
