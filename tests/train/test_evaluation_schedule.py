@@ -386,7 +386,7 @@ def test_evaluate_raises_an_evaluation_it_cannot_score_saying_to_call_it_again(t
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", session)
     logged = []
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None, model_version=5,
-                              synced_merged=False, served_step=7, log=logged.append,
+                              recheck_served=False, served_step=7, log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                                                    report_to="none"),
                               state=SimpleNamespace(global_step=7))
@@ -423,7 +423,7 @@ def test_evaluate_evaluates_the_split_it_is_given_and_records_the_step(tmp_path,
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session", lambda self: CountingSession())
     logged = []
     trainer = SimpleNamespace(evaluator=None, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
-                              pusher=None, synced_lora_name=None, synced_merged=False,
+                              pusher=None, synced_lora_name=None, recheck_served=False,
                               model_version=5,
                               served_step=6, state=SimpleNamespace(global_step=7),
                               log=logged.append)
@@ -501,7 +501,7 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
     logged = []
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None,
-                              synced_merged=False, model_version=0,
+                              recheck_served=False, model_version=0,
                               served_step=0, model=model, pusher_factory=pusher_factory,
                               log=logged.append,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path)),
@@ -517,6 +517,66 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
                       ("close",)]
     assert metrics["eval/model_version"] == 1.0 and metrics["eval/step"] == 0.0
     assert logged[-1] == metrics and trainer.model_version == 0  # train() pushes version 1 again
+
+
+def test_evaluate_after_a_resume_that_trained_nothing_pushes_the_restored_weights(
+        tmp_path, monkeypatch):
+    """`train(resume_from_checkpoint=<the run's last step>)` loads the checkpoint and trains
+    nothing, so nothing is pushed (`ends_the_run`; it sets `recheck_served`, see
+    tests/train/test_final_save.py). Unless the server is labelled with the restored version,
+    `evaluate()` pushes the weights as it first, by the pusher the server calls for; it must
+    not sample whatever the server holds under that version's name."""
+    from types import SimpleNamespace
+
+    from grpo_agent import AsyncGRPOConfig
+    from grpo_agent.sampler.server_facts import ServerFacts
+    from grpo_agent.train import setup
+
+    events = []
+
+    class Session:
+        def __init__(self, lora_name=None):
+            self.lora_name = lora_name
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info): ...
+
+        async def evaluate(self, rows, version):
+            events.append(("evaluate", version, self.lora_name))
+            row = EvalRow(0, ["x"], [1.0], [True])
+            return EvalResult(version, eval_metrics([row], [], 1, 0), [row], {str(version)}, 0.0)
+
+    class Pusher:
+        lora_name = None
+
+        def push(self, model, version):
+            events.append(("push", version))
+
+        def wait(self):
+            events.append(("wait",))
+
+        def close(self):
+            events.append(("close",))
+
+    served = {"label": "default"}  # a fresh server's own weights, not version 5's
+    monkeypatch.setattr(evaluation.TrainingEvaluator, "session",
+                        lambda self, lora_name=None: Session(lora_name))
+    monkeypatch.setattr(setup, "check_server", lambda args, model: ServerFacts(
+        "m", 4096, weight_version=served["label"]))
+    trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None,
+                              recheck_served=True, model_version=5, served_step=6,
+                              model=object(), pusher_factory=lambda args, model, facts: Pusher(),
+                              log=lambda metrics: None,
+                              args=AsyncGRPOConfig(output_dir=str(tmp_path)),
+                              state=SimpleNamespace(global_step=6))
+    evaluation.evaluate_now(trainer, EVAL_SPLIT)
+    assert events == [("push", 5), ("wait",), ("evaluate", 5, None), ("close",)]
+    events.clear()
+    served["label"] = "5"  # the server holds version 5 already
+    evaluation.evaluate_now(trainer, EVAL_SPLIT)
+    assert events == [("evaluate", 5, None)]
 
 
 def test_the_start_evaluation_is_logged_when_the_run_stalls_before_its_first_step(

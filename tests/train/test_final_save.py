@@ -159,3 +159,4 @@ def test_a_resume_from_the_last_step_of_an_epoch_bounded_run_trains_no_extra_ste
     saved = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
     assert all((param.detach() == saved[name]).all()
                for name, param in resumed.model.named_parameters())
+    assert resumed.recheck_served  # nothing pushed: evaluate() serves the weights first

@@ -47,7 +47,7 @@ class TrainerView(Protocol):
     pusher: Any
     pusher_factory: Callable[..., Any]
     synced_lora_name: str | None
-    synced_merged: bool
+    recheck_served: bool
     model: Any
     model_version: int
     served_step: int
@@ -358,6 +358,9 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
       (its start label) or another run pushed into it since (another version's label): then
       the weights are pushed again as `version` (a server without labels cannot tell, and
       the evaluation's label check cannot either: nothing is pushed);
+    - after a `train()` that resumed from the run's last step and trained nothing
+      (`ends_the_run`: nothing pushed) likewise: unless the server is labelled with `version`,
+      the weights are pushed as it;
     - before `train()` (version 0) the server serves the model's weights only where `train()`
       would not push them before its first rollout (the pusher's `needs_initial_push`: not
       with a trained LoRA adapter passed in, nor on a server an earlier run pushed into, where
@@ -372,7 +375,7 @@ def served_for_evaluate(trainer: TrainerView, version: int) -> Iterator[tuple[st
 
     if trainer.pusher is None and trainer.synced_lora_name is not None and version > 0:
         pusher = AdapterPusher(trainer.args, trainer.model, base_is_stale=False)
-    elif trainer.pusher is None and trainer.synced_merged and version > 0:
+    elif trainer.pusher is None and trainer.recheck_served and version > 0:
         facts = setup.check_server(trainer.args, trainer.model)
         if facts.weight_version in {None, *served_version_labels(version)}:
             yield None, version

@@ -45,7 +45,7 @@ class RolloutPipelineMixin:
         self.pusher = self.pusher_factory(self.args, self.model, facts)  # LoRA adapters or merged
         # Kept after train(): evaluate() then loads the adapter again (train/evaluation.py).
         self.synced_lora_name = self.pusher.lora_name
-        self.synced_merged = self.pusher.lora_name is None
+        self.recheck_served = self.pusher.lora_name is None
         # Push before the first rollout only when the served weights can differ from ours: a
         # resumed run, a server an earlier run pushed into, a model not known to be the
         # checkpoint a fresh server loaded (`weights.served_weights_may_differ`).

@@ -197,7 +197,9 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         self.source: StepSource | None = None
         self.pusher: Pusher | None = None
         self.synced_lora_name: str | None = None  # the adapter prefix of the last train()'s pushes
-        self.synced_merged = False  # the last train() pushed merged weights
+        # evaluate() after train() checks the server holds model_version, else pushes it: after
+        # merged pushes (the server may have restarted since) or a resume that trained nothing
+        self.recheck_served = False
         self._step_samples: list[TrainingSample] = []
         self._planned_ahead = None  # the next step's (plan, samples), from `plan_ahead`
         self._planning = None  # the step planner while rank 0 pulls its samples
@@ -259,6 +261,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         then saves `final`)."""
         self._load_from_checkpoint(checkpoint)
         self.state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
+        self.recheck_served = True  # nothing pushed: evaluate() pushes where the server lacks it
         logger.warning("%s holds the run's last step (%d): nothing is left to train.",
                        checkpoint, self.state.global_step)
         return TrainOutput(self.state.global_step, math.nan, {})
