@@ -1,11 +1,16 @@
-"""docs/plugins.md documents every hookspec with its arguments."""
+"""docs/plugins.md documents every hookspec with its arguments, and its plugin example works."""
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
+import sys
 from pathlib import Path
 
 import pytest
-from grpo_agent.plugins import hookspecs
+import tomllib
+from grpo_agent.plugins import build_registry, hookspecs
+from grpo_agent.plugins.check import check_environment
 
 DOC = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
 SPECS = [
@@ -22,3 +27,29 @@ def test_hookspecs_were_found():
 def test_every_hookspec_is_documented_with_its_arguments(name):
     arguments = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
     assert f"### `{name}({arguments})`" in DOC, f"docs/plugins.md lacks a section for {name}"
+
+
+def _block_after(marker: str, lang: str) -> str:
+    """The first ```lang block of docs/plugins.md after `marker`."""
+    rest = DOC[DOC.index(marker):]
+    return rest.split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_one_module_env_plugin_example_registers_under_its_entry_point_and_passes_env_check(
+        tmp_path, monkeypatch):
+    """The "Writing an environment plugin" package as a reader copies it: the module file the
+    text names is the one its entry point imports, and the env passes `env check`."""
+    marker = "A complete package is a `pyproject.toml`"
+    project = tomllib.loads(_block_after(marker, "toml"))["project"]
+    (name, module), = project["entry-points"]["grpo_agent"].items()
+    named = re.search(r"`(\w+)\.py`", DOC[DOC.index(marker):].split("```", 1)[0])
+    assert named and named.group(1) == module, (
+        f"docs/plugins.md must name the module file {module}.py that its entry point imports")
+    (tmp_path / f"{module}.py").write_text(_block_after(marker, "python"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    plugin = importlib.import_module(module)
+    assert Path(plugin.__file__).parent == tmp_path  # the doc's code, not the installed package
+    registry = build_registry(plugin)
+    steps = check_environment(registry.environment_spec(name), registry)
+    assert all(step.ok for step in steps), steps
