@@ -4,6 +4,7 @@ report names the stage (and the phase) before the call's own timeout ends it."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sys
 import threading
@@ -19,6 +20,7 @@ from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.train.batching import StepPlanner
 from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.step_source import StepSource
+from grpo_agent.types import TrainingSample, TrainingSequence
 from grpo_agent.weight_sync.transports import gloo
 from grpo_agent.weight_sync.transports.control import ServerControl, finish_push, start_update
 
@@ -189,3 +191,35 @@ def test_a_server_restore_past_its_deadline_is_named(tmp_path, monkeypatch, reco
     report = json.loads(report_path.read_text())
     assert report["stage"] == "server_restore" and report["elapsed_s"] >= 1
     assert "restore" in report["stacks"]["trainer"]
+
+
+class OversizeWorker(SilentWorker):
+    """Every sample it sends is longer than the step's token budget (a run whose token_budget
+    is below its rollouts' length), a new prompt each pull."""
+
+    def __init__(self) -> None:
+        self.prompts = 0
+
+    def pull(self, timeout):
+        time.sleep(0.05)
+        self.prompts += 1
+        if self.prompts > 100:  # 5 s, past no_progress_timeout=1 s
+            raise AssertionError("the queue pull went on taking oversize samples")
+        sequence = TrainingSequence(token_ids=list(range(100)), trained_mask=[1] * 100,
+                                    sampler_logprobs=[-1.0] * 100)
+        return [TrainingSample(sequence=sequence, advantage=1.0, model_version=0, group_id=self.prompts,
+                               row_index=self.prompts, prompt_index=self.prompts)]
+
+
+def test_a_run_whose_every_sample_is_longer_than_token_budget_stops_naming_it(caplog):
+    """A harness run with token_budget=256 and 406-token samples logged 'Dropping a sample of
+    406 tokens' 6,260 times in 8 min and never trained nor stopped: each oversize sample counted
+    as progress, so neither the no-progress stop nor the starvation warning came."""
+    source = StepSource(OversizeWorker(), ledger=PromptLedger(), epochs_done=lambda taken=(): False,
+                        window=SimpleNamespace(add=lambda *a: None), no_progress_timeout=1)
+    planner = StepPlanner(token_budget=64, num_processes=1, grad_accum_steps=1)
+    with caplog.at_level(logging.ERROR, logger="grpo_agent.train.batching"), \
+            pytest.raises(stall.StageStalled, match="no_progress_timeout=1 s") as raised:
+        source.next_step(planner)
+    assert "samples are longer than token_budget" in str(raised.value)
+    assert len(planner.dropped) >= 2  # each sample was dropped, none trained

@@ -19,7 +19,7 @@ NO_PROGRESS_WINDOW_GROUPS = 8
 # passed without a trainable sample: a run that trains while most groups are dropped (a demo
 # nearing saturation) otherwise logged it every few groups, each "for 0 s".
 REWARN_IDLE_S = 60.0
-DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored")
+DROPPED_REASONS = ("zero_std", "reward_error", "stalled", "agent_error", "unscored", "oversize_sample")
 GREEDY_CAUSE = ("temperature=0 samples greedily, so every rollout of a group is the same completion "
                 "and, unless the env or its reward is random, gets the same reward (set temperature "
                 "> 0, e.g. --set temperature=1.0)")
@@ -111,5 +111,10 @@ class NoProgressGuard:
             likely.append("the reward functions fail (see rollout/reward_error_count and the worker log)")
         if self.dropped.get("stalled"):
             likely.append("rollouts pass their stage deadlines (see stall_report.json)")
+        if self.dropped.get("oversize_sample"):
+            likely.append("the samples are longer than token_budget, so each is dropped (the "
+                          "'Dropping a sample' warnings): raise token_budget (and the server's "
+                          "--max-model-len) or shorten rollouts (max_completion_length, "
+                          "max_tool_calling_iterations)")
         return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and no trainable "
                 f"sample came for {idle:.0f} s. Likely cause: {'; '.join(likely)}.")

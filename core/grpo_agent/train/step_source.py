@@ -100,7 +100,8 @@ class StepSource:
         version = self.trained_version() if self.trained_version is not None else None
         at = {} if version is None else {"version": version}
         # The carry passed the staleness rule at its pull, a push ago: it passes it again.
-        pending = self._accept(self.worker.recheck_carry(self._carry, **at)) if self._carry else []
+        budget = planner.token_budget
+        pending = self._accept(self.worker.recheck_carry(self._carry, **at), budget) if self._carry else []
         self._carry = []
         waited = 0.0
         last_progress = time.perf_counter()
@@ -117,8 +118,8 @@ class StepSource:
                     waited += time.perf_counter() - started
                     if items and pull_stage is not None:
                         pull_stage.touch()  # the deadline bounds the wait for the *next* item
-                    pending = self._accept(items)
-                    if pending:
+                    pending = self._accept(items, budget)
+                    if any(sample.num_tokens <= budget for sample in pending):
                         last_progress, self._last_starved_warning = time.perf_counter(), 0.0
                     self._warn_if_starved(time.perf_counter() - last_progress, len(taken))
                     self.no_progress.check()
@@ -166,7 +167,9 @@ class StepSource:
             idle, num_taken,
         )
 
-    def _accept(self, items: list[TrainingSample | PromptConsumed]) -> list[TrainingSample]:
+    def _accept(self, items: list[TrainingSample | PromptConsumed], budget: int) -> list[TrainingSample]:
+        """The fresh samples among `items`. One longer than `budget` goes on to the planner,
+        which drops it, but is no progress: a run whose every sample is oversize never trains."""
         ledger = self.ledger
         fresh = []
         for item in items:
@@ -177,7 +180,7 @@ class StepSource:
                 self.no_progress.record(item.reason)
             elif not ledger.already_consumed(item.prompt_index):
                 fresh.append(item)
-                self.no_progress.record(None)
+                self.no_progress.record("oversize_sample" if item.num_tokens > budget else None)
         return fresh
 
     def finish_step(self, samples: list[TrainingSample], *, last: bool) -> None:
