@@ -91,13 +91,15 @@ class StepPlanner:
     def add(self, sample: TrainingSample) -> bool:
         """Place a sample; True when it was consumed (placed, or dropped as oversize)."""
         if sample.num_tokens > self.token_budget:
-            logger.warning(
-                "Dropping a sample of %d tokens: longer than token_budget=%d. Raise token_budget "
-                "(and the server's --max-model-len) or shorten rollouts (max_completion_length, "
-                "max_tool_calling_iterations).",
-                sample.num_tokens,
-                self.token_budget,
-            )
+            if not self.dropped:  # once per step: the rest are counted in batch/dropped_oversize_count
+                logger.warning(
+                    "Dropping a sample of %d tokens: longer than token_budget=%d (this step's "
+                    "others are counted in batch/dropped_oversize_count). Raise token_budget (and "
+                    "the server's --max-model-len) or shorten rollouts (max_completion_length, "
+                    "max_tool_calling_iterations).",
+                    sample.num_tokens,
+                    self.token_budget,
+                )
             self.dropped.append(sample)
             return True
         if self.full:
