@@ -183,11 +183,16 @@ def test_each_rollout_samples_the_adapter_of_its_groups_version():
 
 
 class _RecordingControl:
-    """Seam fake for `ServerControl`: records adapter calls; `served` is what the server lists."""
+    """Seam fake for `ServerControl`: records adapter calls; `served` is what the server lists
+    (the base model, then the adapters it holds), kept as vLLM keeps it: a load adds, an unload
+    removes, and a name it holds is loaded again only in place. `peak`: the most adapters it
+    held at once; `paths`: where each held adapter was loaded from (vLLM reads it again when
+    its CPU cache evicts the adapter)."""
 
     def __init__(self, served=()):
         self.calls, self.served = [], list(served)
         self.info = LORA_SERVER_INFO  # what /server_info answers
+        self.paths, self.peak = {}, 0
 
     def server_info(self):
         return self.info
@@ -201,12 +206,43 @@ class _RecordingControl:
     def served_models(self):
         return list(self.served)
 
-    def load_lora_adapter(self, name, path):
+    def load_lora_adapter(self, name, path, *, in_place=False):
+        from grpo_agent.sampler.errors import RequestRejectedError
+
         assert (Path(path) / "adapter_model.safetensors").is_file(), "loaded before written"
-        self.calls.append(("load", name))
+        if name in self.served and not in_place:
+            raise RequestRejectedError(
+                f"POST /v1/load_lora_adapter was rejected with HTTP 400: The lora adapter "
+                f"'{name}' has already been loaded.", status_code=400)
+        self.calls.append(("reload" if in_place else "load", name))
+        if name not in self.served:
+            self.served.append(name)
+        self.paths[name] = Path(path)
+        self.peak = max(self.peak, len(self.adapters()))
 
     def unload_lora_adapter(self, name):
+        from grpo_agent.sampler.errors import RequestRejectedError
+
         self.calls.append(("unload", name))
+        if name not in self.served:
+            raise RequestRejectedError(
+                f"POST /v1/unload_lora_adapter was rejected with HTTP 404: The lora adapter "
+                f"'{name}' cannot be found.", status_code=404)
+        self.served.remove(name)
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def adapters(self):
+        return [name for name in self.served if name != "base"]
+
+    def restart(self):
+        """A new server: the base model alone."""
+        self.served, self.paths = ["base"], {}
+
+    def unreadable(self):
+        """The held adapters whose folder is gone."""
+        return [name for name in self.adapters() if not self.paths[name].is_dir()]
 
 
 def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_sync_late(
@@ -240,7 +276,8 @@ def test_the_pusher_keeps_max_staleness_plus_one_versions_and_deletes_folders_a_
     assert control.calls == [("load", "run-v4"), ("unload", "run-v2")]
     assert folders() == ["run-v2", "run-v3", "run-v4"]  # v1 went one sync after its unload
 
-    pusher.reopen()  # a restarted server holds none of them: nothing to unload there
+    control.restart()
+    pusher.reopen()  # the restarted server holds none of them: nothing to unload there
     control.calls = []
     pusher.push(model, 5)
     assert control.calls == [("load", "run-v5")]
@@ -274,7 +311,7 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
 
     control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
 
-    def refuse(name, path):
+    def refuse(name, path, **how):
         raise SamplerError(f"could not load {name}")
 
     control.load_lora_adapter = refuse
@@ -286,15 +323,19 @@ def test_a_version_the_server_could_not_load_is_not_announced(tiny_path, tmp_pat
 def test_a_restored_server_gets_the_current_version_again_from_its_folder(
         tiny_path, tmp_path, monkeypatch):
     """When the rollout worker lost the server, the restore pushes the current version again
-    under the same name (`Recovery.restore`: reopen, then push): its folder, already queued for
-    deletion by `reopen`, is written anew and must survive to be loaded."""
+    under the same name (`ServerRecovery.restore`: reopen, then push): its folder, already
+    queued for deletion by `reopen`, is written anew and must survive to be loaded."""
+    from grpo_agent.sampler import recovery
+
     control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "was restarted")
+    keeper = recovery.ServerRecovery(pusher.args.vllm_server_base_url, 5)
     folders = lambda: sorted(p.name for p in pusher.cache_dir.iterdir())
     pusher.push(model, 1)
     pusher.push(model, 2)
-    pusher.reopen()
+    control.restart()
     control.calls = []
-    pusher.push(model, 2)  # the fake refuses a load whose folder is missing
+    keeper.restore(pusher, model, 2, cause="the rollout worker lost it")
     assert control.calls == [("load", "run-v2")] and served == [1, 2, 2]
     assert folders() == ["run-v2"]  # v1 went; v2 is the one just loaded
     pusher.push(model, 3)
@@ -302,6 +343,70 @@ def test_a_restored_server_gets_the_current_version_again_from_its_folder(
     assert folders() == ["run-v2", "run-v3"]
     pusher.close()
 
+
+def test_a_restore_that_finds_the_server_still_up_reloads_the_current_version_in_place(
+        tiny_path, tmp_path, monkeypatch):
+    """The worker lost a server that answers again without a restart (`restore_server`:
+    "answered again"): it still holds the current version's adapter, and vLLM refuses to load
+    a name it holds (HTTP 400 "has already been loaded"), so the restore's push stopped the
+    run. It is reloaded in place (the restore pushes the weights of now, which differ from the
+    version's first push under weight_sync_steps > 1) and the prefix cache, keyed by the
+    adapter's name and folder, dropped; the window goes on with the versions it holds."""
+    from grpo_agent.sampler import recovery
+
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "answered again")
+    keeper = recovery.ServerRecovery(pusher.args.vllm_server_base_url, 5)
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+    control.calls = []
+    keeper.restore(pusher, model, 2, cause="the rollout worker lost it")
+    assert control.calls == [("reload", "run-v2"), ("reset_prefix_cache",)]
+    assert served == [1, 2, 2] and control.adapters() == ["run-v1", "run-v2"]
+    control.calls = []
+    pusher.push(model, 3)
+    assert control.calls == [("load", "run-v3"), ("unload", "run-v1")]
+    assert _left_in(pusher.cache_dir) == ["run-v1", "run-v2", "run-v3"] and not control.unreadable()
+    pusher.close()
+    assert control.adapters() == [] and _left_in(pusher.cache_dir) == []
+
+
+def test_a_restore_that_finds_the_server_still_up_keeps_its_adapters_in_the_window(
+        tiny_path, tmp_path, monkeypatch):
+    """A failed load is retried after a restore; one that found the server still up (it
+    answered again, no restart) left it holding the run's adapters, but the pusher forgot
+    them: their folders were deleted at the next sync while still loaded (vLLM reads a folder
+    again when its cache evicts the adapter), the server came to hold more than
+    `--max-loras` = max_staleness + 2 adapters, and `close` never unloaded them. The pusher
+    now takes the window from the adapters the server lists (`GET /v1/models`)."""
+    from grpo_agent.sampler import recovery
+    from grpo_agent.sampler.errors import RequestRejectedError
+
+    control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    monkeypatch.setattr(recovery, "restore_server", lambda url, timeout: "answered again")
+    keeper = recovery.ServerRecovery(pusher.args.vllm_server_base_url, 5)
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+    loads, refusals = control.load_lora_adapter, [1]
+
+    def refuse_once(name, path, **how):
+        if refusals:
+            refusals.pop()
+            raise RequestRejectedError("POST /v1/load_lora_adapter was rejected with HTTP 400: "
+                                       "No adapter found", status_code=400)
+        loads(name, path, **how)
+
+    control.load_lora_adapter = refuse_once
+    control.calls = []
+    keeper.push(pusher, model, 3)
+    assert control.calls == [("load", "run-v3"), ("unload", "run-v1")] and served == [1, 2, 3]
+    for version in (4, 5):
+        keeper.push(pusher, model, version)
+        assert not control.unreadable(), "a folder deleted while the server holds its adapter"
+    assert control.adapters() == ["run-v4", "run-v5"]
+    assert control.peak == pusher.args.max_staleness + 2  # the --max-loras the run asks for
+    pusher.close()
+    assert control.adapters() == []
 
 
 def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_folder(
@@ -321,12 +426,12 @@ def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_f
     loads = _RecordingControl.load_lora_adapter
     refusals = []
 
-    def refuse_then_load(name, path):
+    def refuse_then_load(name, path, **how):
         if refusals:
             refusals.pop()
             raise RequestRejectedError("POST /v1/load_lora_adapter was rejected with HTTP 400: "
                                        "No adapter found", status_code=400)
-        loads(control, name, path)
+        loads(control, name, path, **how)
 
     control.load_lora_adapter = refuse_then_load
     refusals[:] = [1]  # once: the retry loads it
@@ -344,7 +449,7 @@ def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_f
     assert "run-v2" in folders()  # kept while the server may still read it
     control.calls = []
     pusher.close()
-    assert control.calls == []  # the restore forgot run-v1, and run-v2 was never loaded
+    assert control.calls == [("unload", "run-v1")]  # run-v2 was never loaded
     assert _left_in(pusher.cache_dir) == []
 
 
@@ -395,6 +500,7 @@ def test_a_server_restarted_without_the_runs_lora_flags_stops_the_push_saying_ho
 
     control, model, pusher, served = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
     pusher.push(model, 1)
+    control.restart()
     pusher.reopen()  # the server was restarted by hand
     control.info, control.calls = info, []
     url = "http://server:8132"

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
-from grpo_agent.sampler.client import adapter_name
+from grpo_agent.sampler.client import adapter_name, version_adapters
 from grpo_agent.sampler.errors import SamplerError, WeightSyncError
 from grpo_agent.sampler.server_facts import (
     RUNTIME_UPDATING_ENV,
@@ -134,7 +134,7 @@ class AdapterPusher:
         self._registered: deque[tuple[str, Path]] = deque()
         self._unloaded_folders: list[Path] = []  # deleted at the next sync
         self._main = fsdp.is_main_process()
-        self._check_restarted = False  # set by `reopen`: the server may have other LoRA flags
+        self._restored = False  # set by `reopen`: the server may have other flags, adapters
         if base_is_stale:
             self._restore_base_weights(model)
         unwrapped = getattr(model, "module", model)
@@ -161,8 +161,10 @@ class AdapterPusher:
         transfer_s, failed = 0.0, None
         if self._main:
             try:
-                if self._check_restarted:
+                if self._restored:
                     self._check_restarted_server(unwrapped)
+                    self._take_window_from_server()
+                    self._restored = False
                 folder = self._write_version(unwrapped, state, adapter_name(self.lora_name, version))
                 self._register(folder, version)
             except Exception as error:  # noqa: BLE001 - raised after the barrier below
@@ -186,12 +188,21 @@ class AdapterPusher:
         return {}  # every push has landed when it returns
 
     def reopen(self) -> None:
-        """After a server restart (`sampler/recovery.py`): the new server holds none of our
-        adapters, so none may be unloaded from it; their folders go at the next sync, except
-        the one that sync writes anew."""
-        self._unloaded_folders += [folder for _, folder in self._registered]
-        self._registered.clear()
-        self._check_restarted = self._main
+        """After a restore (`sampler/recovery.py`), which restarts the server only when it does
+        not answer: a restarted one holds none of our adapters, one that answered again holds
+        them all. The next push checks its flags and asks it which it holds."""
+        self._restored = self._main
+
+    def _take_window_from_server(self) -> None:
+        """The window becomes the run's versions the server lists (`GET /v1/models`), oldest
+        first; the folders of the others go at this sync, except the one it writes anew."""
+        with self._control() as control:
+            held = version_adapters(control.served_models(), self.lora_name)
+        held.sort(key=lambda name: int(name.rsplit("-v", 1)[1]))
+        gone = [folder for name, folder in self._registered if name not in held]
+        self._unloaded_folders = [folder for folder in self._unloaded_folders + gone
+                                  if folder.name not in held]
+        self._registered = deque((name, self.cache_dir / name) for name in held)
 
     def _check_restarted_server(self, model: nn.Module) -> None:
         """The first push after a restart checks that the server still serves this run's
@@ -215,7 +226,6 @@ class AdapterPusher:
         except ValueError as error:  # a WeightSyncError, so every rank hears of it (recovery)
             raise WeightSyncError(f"The vLLM server at {url} came back with other LoRA flags. "
                                   f"{error} Then resume from the last checkpoint.") from error
-        self._check_restarted = False
 
     def close(self) -> None:
         """Unload this run's adapters and empty the cache (checkpoints keep the adapter):
@@ -255,14 +265,19 @@ class AdapterPusher:
     def _register(self, folder: Path, version: int) -> None:
         """Load the new version, then unload beyond the window; delete last sync's unloads.
         A folder the server failed to load stays (a load that timed out may still read it, a
-        retry writes it anew) until `close`."""
+        retry writes it anew) until `close`. A version the server holds (a restore's push to a
+        server that was not restarted) is loaded in place, with the weights of now, and the
+        prefix cache dropped: vLLM keys it by adapter name and folder, both unchanged."""
         for old in self._unloaded_folders:
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         self._unloaded_folders = []
+        held = (folder.name, folder) in self._registered
         with self._control() as control:
             try:
-                control.load_lora_adapter(folder.name, str(folder))
+                control.load_lora_adapter(folder.name, str(folder), in_place=held)
+                if held:
+                    control.reset_prefix_cache()
             except SamplerError as error:
                 raise WeightSyncError(
                     f"The vLLM server at {self.args.vllm_server_base_url} did not load the LoRA "
@@ -270,6 +285,8 @@ class AdapterPusher:
                     f"{error.reason}. Its log says why; the server must be able to read that "
                     "folder (the trainer's output_dir at the same path: same machine or a shared "
                     "file system). Fix that, then resume from the last checkpoint.") from error
+            if held:
+                self._registered.remove((folder.name, folder))
             self._registered.append((folder.name, folder))
             while len(self._registered) > self.keep_versions:
                 name, old_folder = self._registered.popleft()

@@ -130,11 +130,15 @@ class ServerControl:
                                      timeout=CONTROL_TIMEOUT_S)
         return [entry["id"] for entry in response.json()["data"]]
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def load_lora_adapter(self, name: str, path: str, *, in_place: bool = False) -> None:
         """Serve the PEFT adapter saved in `path` as model `name` (needs `--enable-lora` and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server)."""
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the folder must be readable by the server).
+        `in_place`: replace the weights of a `name` it holds (vLLM refuses that name else)."""
+        body = {"lora_name": name, "lora_path": str(path)}
+        if in_place:
+            body["load_inplace"] = True
         self.call_retried("POST", "/v1/load_lora_adapter", retries=self.LORA_RETRIES,
-                          json_body={"lora_name": name, "lora_path": str(path)})
+                          json_body=body)
 
     def unload_lora_adapter(self, name: str) -> None:
         self.call_retried("POST", "/v1/unload_lora_adapter", retries=self.LORA_RETRIES,
