@@ -474,6 +474,65 @@ def test_a_version_an_unload_failed_to_take_off_the_server_leaves_no_folder(
     assert _left_in(pusher.cache_dir) == []
 
 
+@pytest.mark.parametrize("retried_by", ["the next sync", "close"])
+def test_an_adapter_whose_unload_failed_is_unloaded_by_the_next_sync_or_close(
+        tiny_path, tmp_path, monkeypatch, retried_by):
+    """A failed unload took the version off the window first, so nothing tried it again:
+    the server held it for good, beside a full window."""
+    from grpo_agent.sampler.errors import SamplerError
+
+    control, model, pusher, _ = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+    unloads, failures = control.unload_lora_adapter, [1]
+
+    def fail_once(name):
+        if failures:
+            failures.pop()
+            raise SamplerError("POST /v1/unload_lora_adapter failed after 3 attempts: ReadTimeout")
+        unloads(name)
+
+    control.unload_lora_adapter = fail_once
+    with pytest.raises(SamplerError, match="ReadTimeout"):
+        pusher.push(model, 3)
+    assert control.adapters() == ["run-v1", "run-v2", "run-v3"]
+    if retried_by == "the next sync":
+        control.calls = []
+        pusher.push(model, 4)
+        assert control.calls == [("load", "run-v4"), ("unload", "run-v1"), ("unload", "run-v2")]
+        assert control.adapters() == ["run-v3", "run-v4"]
+    pusher.close()
+    assert control.adapters() == []
+
+
+def test_close_unloads_the_rest_past_an_adapter_the_server_refuses_to_unload(
+        tiny_path, tmp_path, monkeypatch, caplog):
+    """One refusal (a 4xx) stopped `close`, leaving every later version loaded; it goes on and
+    names the one left. (A server that does not answer is not asked again: each unload may
+    wait vllm_server_timeout three times.)"""
+    import logging
+
+    from grpo_agent.sampler.errors import RequestRejectedError
+
+    control, model, pusher, _ = _recorded_adapter_pusher(tiny_path, tmp_path, monkeypatch)
+    pusher.push(model, 1)
+    pusher.push(model, 2)
+    unloads = control.unload_lora_adapter
+
+    def refuse_v1(name):
+        if name == "run-v1":
+            raise RequestRejectedError("POST /v1/unload_lora_adapter was rejected with HTTP 400: "
+                                       "busy", status_code=400)
+        unloads(name)
+
+    control.unload_lora_adapter = refuse_v1
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.weight_sync.adapter"):
+        pusher.close()
+    assert control.adapters() == ["run-v1"]
+    assert "refused to unload this run's LoRA adapter(s) run-v1 (POST " in caplog.text
+    assert _left_in(pusher.cache_dir) == []
+
+
 def _left_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 

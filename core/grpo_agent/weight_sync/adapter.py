@@ -27,7 +27,7 @@ from torch import nn
 
 from grpo_agent.config import AsyncGRPOConfig
 from grpo_agent.sampler.client import adapter_name, version_adapters
-from grpo_agent.sampler.errors import SamplerError, WeightSyncError
+from grpo_agent.sampler.errors import RequestRejectedError, SamplerError, WeightSyncError
 from grpo_agent.sampler.server_facts import (
     RUNTIME_UPDATING_ENV,
     LoraServerLimits,
@@ -230,7 +230,7 @@ class AdapterPusher:
     def close(self) -> None:
         """Unload this run's adapters and empty the cache (checkpoints keep the adapter):
         every folder in it, also that of a version the server failed to load, which no list
-        holds, and one a failed unload had already taken off the window."""
+        holds."""
         if not self._main:
             return
         try:
@@ -289,8 +289,9 @@ class AdapterPusher:
                 self._registered.remove((folder.name, folder))
             self._registered.append((folder.name, folder))
             while len(self._registered) > self.keep_versions:
-                name, old_folder = self._registered.popleft()
-                control.unload_lora_adapter(name)
+                name, old_folder = self._registered[0]
+                control.unload_lora_adapter(name)  # failed: stays, for the next sync or `close`
+                self._registered.popleft()
                 self._unloaded_folders.append(old_folder)
 
     def _forget_earlier_runs(self) -> None:
@@ -320,9 +321,21 @@ class AdapterPusher:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _unload_all(self) -> None:
+        """Unload the window, also a version whose unload failed at a sync. Past a refusal (a
+        4xx) it goes on and names the adapters left; a server that does not answer raises (each
+        unload may wait vllm_server_timeout three times)."""
+        refused = []
         with self._control() as control:
             for name, _ in self._registered:
-                control.unload_lora_adapter(name)
+                try:
+                    control.unload_lora_adapter(name)
+                except RequestRejectedError as error:
+                    refused.append(f"{name} ({error.reason})")
+        if refused:
+            logger.warning("The vLLM server at %s refused to unload this run's LoRA adapter(s) "
+                           "%s: they stay loaded until it restarts or a run with this "
+                           "output_dir starts on it.", self.args.vllm_server_base_url,
+                           "; ".join(refused))
 
     @property
     def _probe_name(self) -> str:
