@@ -410,12 +410,14 @@ def test_a_restore_that_finds_the_server_still_up_keeps_its_adapters_in_the_wind
 
 
 def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_folder(
-        tiny_path, tmp_path, monkeypatch):
+        tiny_path, tmp_path, monkeypatch, caplog):
     """A load that fails is retried once after a restore (`ServerRecovery.push`); failing
     again stops the run, and closing the pusher then deleted every folder but that one: it was
     neither registered nor queued, so `.vllm_lora/run-v2/` stayed on disk. It must survive
     until then (a load that timed out may still be reading it, and the retry loads it), and
     the error must say what failed and what to do, not only vLLM's HTTP answer."""
+    import logging
+
     from grpo_agent.sampler import recovery
     from grpo_agent.sampler.errors import RequestRejectedError, WeightSyncError
 
@@ -435,8 +437,17 @@ def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_f
 
     control.load_lora_adapter = refuse_then_load
     refusals[:] = [1]  # once: the retry loads it
-    keeper.push(pusher, model, 1)
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.sampler.recovery"):
+        keeper.push(pusher, model, 1)
     assert served == [1] and folders() == ["run-v1"]
+    # The retry's warning says what failed and that it retries; the advice to fix it and
+    # resume belongs to the error that stops the run (below), not to a push that goes on.
+    retry = caplog.records[0].getMessage()
+    assert retry.startswith("Pushing weights version 1 failed (WeightSyncError: The vLLM server "
+                            "at http://server:8132 did not load the LoRA adapter 'run-v1' "
+                            "(weights version 1) from ")
+    assert retry.endswith("was rejected with HTTP 400: No adapter found); retrying once after "
+                          "re-opening the transfer group.")
     refusals[:] = [1, 1]  # twice: the run gives up
     with pytest.raises(WeightSyncError) as failed:
         keeper.push(pusher, model, 2)

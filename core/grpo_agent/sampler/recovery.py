@@ -302,4 +302,9 @@ class ServerRecovery:
 
 
 def _describe(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
+    """What failed, for the retry's warning and the other ranks: a `SamplerError`'s `reason`,
+    without the advice its message may end with ("resume from the last checkpoint"), which
+    holds only once the run stops; the rank that failed raises the whole error then."""
+    if error is None:
+        return None
+    return f"{type(error).__name__}: {error.reason if isinstance(error, SamplerError) else error}"

@@ -279,12 +279,14 @@ class AdapterPusher:
                 if held:
                     control.reset_prefix_cache()
             except SamplerError as error:
+                failed = (f"The vLLM server at {self.args.vllm_server_base_url} did not load the "
+                          f"LoRA adapter {folder.name!r} (weights version {version}) from "
+                          f"{folder}: {error.reason}")
                 raise WeightSyncError(
-                    f"The vLLM server at {self.args.vllm_server_base_url} did not load the LoRA "
-                    f"adapter {folder.name!r} (weights version {version}) from {folder}: "
-                    f"{error.reason}. Its log says why; the server must be able to read that "
-                    "folder (the trainer's output_dir at the same path: same machine or a shared "
-                    "file system). Fix that, then resume from the last checkpoint.") from error
+                    f"{failed}. Its log says why; the server must be able to read that folder "
+                    "(the trainer's output_dir at the same path: same machine or a shared file "
+                    "system). Fix that, then resume from the last checkpoint.",
+                    reason=failed) from error
             if held:
                 self._registered.remove((folder.name, folder))
             self._registered.append((folder.name, folder))
