@@ -82,6 +82,50 @@ def test_vllm_cpu_serves_a_peft_adapter_with_the_trainers_logprobs(lora_server, 
     assert "probe-adapter" not in _served(lora_server.base_url)
 
 
+def test_an_adapter_loaded_again_in_place_serves_its_new_weights(lora_server, tmp_path):
+    """What a restore that finds the server still up does with the current version's adapter
+    (`AdapterPusher._register`): vLLM refuses the held name, takes it in place, and after the
+    prefix-cache reset samples with the new weights (float32: log-probs agree to ~1e-5)."""
+    from grpo_agent.sampler.errors import RequestRejectedError
+
+    base = AutoModelForCausalLM.from_pretrained(lora_server.model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(**LORA)).eval()
+    folder, prompt = tmp_path / "adapter", [5, 17, 33, 99, 250]
+
+    def save(seed: int) -> None:
+        torch.manual_seed(seed)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.2)
+        model.save_pretrained(folder)
+
+    async def sample():
+        async with SamplerClient(lora_server.base_url, timeout=120) as client:
+            params = SamplingParams(max_tokens=16, num_logprobs=0, ignore_eos=True)
+            return await client.generate(prompt, params, model="reloaded-adapter")
+
+    def gap(turn) -> float:
+        ids = prompt + turn.output_ids
+        return max(abs(a - b) for a, b in zip(_logprobs(model, ids, len(prompt)),
+                                              turn.output_log_probs))
+
+    with ServerControl(lora_server.base_url, timeout=120) as control:
+        save(0)
+        control.load_lora_adapter("reloaded-adapter", str(folder))
+        try:
+            first = asyncio.run(sample())
+            save(1)
+            with pytest.raises(RequestRejectedError, match="has already been loaded"):
+                control.load_lora_adapter("reloaded-adapter", str(folder))
+            control.load_lora_adapter("reloaded-adapter", str(folder), in_place=True)
+            control.reset_prefix_cache()
+            second = asyncio.run(sample())
+        finally:
+            control.unload_lora_adapter("reloaded-adapter")
+    assert gap(second) < 1e-3  # the new weights
+    assert gap(first) > 0.1  # the check can fail: the first sample came from other weights
+
+
 class AdapterRecorder(TrainerCallback):
     """Before each step (after the previous step's sync): what the server and disk hold, and a
     copy of the adapter of the current version. After each step: the trained samples."""

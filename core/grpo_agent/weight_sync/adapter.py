@@ -276,8 +276,6 @@ class AdapterPusher:
         with self._control() as control:
             try:
                 control.load_lora_adapter(folder.name, str(folder), in_place=held)
-                if held:
-                    control.reset_prefix_cache()
             except SamplerError as error:
                 failed = (f"The vLLM server at {self.args.vllm_server_base_url} did not load the "
                           f"LoRA adapter {folder.name!r} (weights version {version}) from "
@@ -288,6 +286,7 @@ class AdapterPusher:
                     "system). Fix that, then resume from the last checkpoint.",
                     reason=failed) from error
             if held:
+                control.reset_prefix_cache()
                 self._registered.remove((folder.name, folder))
             self._registered.append((folder.name, folder))
             while len(self._registered) > self.keep_versions:
