@@ -315,6 +315,25 @@ def test_a_run_that_trains_between_dropped_windows_warns_once(caplog):
     assert caplog.text.count("No progress") == 1
 
 
+def test_the_first_warning_of_a_run_that_never_trained_says_so_instead_of_for_0_s(caplog):
+    """The README's words run warned at once, as its first 8 groups were zero_std: "... and no
+    trainable sample came for 0 s", then trained. Before a first trainable sample the warning
+    says none has been trainable yet; after one, how long ago it came."""
+    guard = no_progress.NoProgressGuard(timeout_s=1800, watch=None)
+    with caplog.at_level(logging.WARNING, logger="grpo_agent.train.no_progress"):
+        for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+            guard.record("zero_std")
+        guard.check()
+    assert ("the last 8 groups were all dropped (8 zero_std) and none of the run's groups has "
+            "been trainable yet. Likely cause") in caplog.text, caplog.text
+    assert "came for" not in caplog.text
+    guard.record(None)
+    for _ in range(no_progress.NO_PROGRESS_WINDOW_GROUPS):
+        guard.record("zero_std")
+    guard.last_progress -= 90
+    assert "and no trainable sample came for 90 s. Likely cause" in guard.cause(90.0)
+
+
 def _watch_with_a_peer(tmp_path, role, peer_role):
     """This process's watch (not started) and a real peer process whose watch dumps its stacks."""
     peer_dir = tmp_path / "run"

@@ -59,6 +59,7 @@ class NoProgressGuard:
         self.dropped: dict[str, int] = {}
         self._warned = False
         self._warned_before = False  # any warning this run: later ones wait REWARN_IDLE_S
+        self._trained_any = False  # before a first trainable sample, "for 0 s" misleads
 
     @property
     def dropped_in_a_row(self) -> int:
@@ -68,6 +69,7 @@ class NoProgressGuard:
         """`reason` of a `PromptConsumed` notice, or None for a trainable sample."""
         if reason is None:
             self.last_progress, self.dropped, self._warned = time.monotonic(), {}, False
+            self._trained_any = True
         elif reason in DROPPED_REASONS:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
@@ -116,5 +118,7 @@ class NoProgressGuard:
                           "'Dropping a sample' warnings): raise token_budget (and the server's "
                           "--max-model-len) or shorten rollouts (max_completion_length, "
                           "max_tool_calling_iterations)")
-        return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and no trainable "
-                f"sample came for {idle:.0f} s. Likely cause: {'; '.join(likely)}.")
+        waited = (f"no trainable sample came for {idle:.0f} s" if self._trained_any
+                  else "none of the run's groups has been trainable yet")
+        return (f"the last {self.dropped_in_a_row} groups were all dropped ({counts}) and {waited}. "
+                f"Likely cause: {'; '.join(likely)}.")
