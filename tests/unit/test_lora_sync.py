@@ -447,7 +447,8 @@ def test_an_adapter_the_server_fails_to_load_twice_stops_the_run_and_leaves_no_f
                             "at http://server:8132 did not load the LoRA adapter 'run-v1' "
                             "(weights version 1) from ")
     assert retry.endswith("was rejected with HTTP 400: No adapter found); retrying once after "
-                          "re-opening the transfer group.")
+                          "restoring the server if it is down (and re-opening a transfer group, "
+                          "where the push has one).")  # LoRA sync has none
     refusals[:] = [1, 1]  # twice: the run gives up
     with pytest.raises(WeightSyncError) as failed:
         keeper.push(pusher, model, 2)

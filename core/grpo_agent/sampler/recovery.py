@@ -240,7 +240,8 @@ class ServerRecovery:
             return metrics
         if self.ranks.rank == 0:
             logger.warning("Pushing weights version %d failed (%s); retrying once after "
-                           "re-opening the transfer group.", version, failures[0])
+                           "restoring the server if it is down (and re-opening a transfer group, "
+                           "where the push has one).", version, failures[0])
         return self.restore(pusher, model, version, cause="a weight push failed")
 
     def restore(self, pusher: Any, model: Any, version: int, *, cause: str) -> dict[str, float]:
