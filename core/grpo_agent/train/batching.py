@@ -69,6 +69,13 @@ class StepPlan:
         return sum(row.num_samples for mb in self.microbatches for row in mb)
 
 
+def trained_only(samples: list[TrainingSample], dropped: list[TrainingSample]) -> list[TrainingSample]:
+    """A step's `samples` (in order) but the planner's `dropped` ones (the same objects): their
+    prompts are consumed, so the ledger records them, but their tokens are not trained."""
+    gone = {id(sample) for sample in dropped}
+    return [sample for sample in samples if id(sample) not in gone]
+
+
 class StepPlanner:
     """Fill one step incrementally; `add` returns False once the step is full."""
 

@@ -20,7 +20,7 @@ from grpo_agent.rollout.allowance import holds_before_push
 from grpo_agent.rollout.worker import RolloutWorker
 from grpo_agent.sampler.recovery import ServerRecovery
 from grpo_agent.train import collectives, flash_impl, fsdp, heap, setup
-from grpo_agent.train.batching import StepPlan, StepPlanner
+from grpo_agent.train.batching import StepPlan, StepPlanner, trained_only
 from grpo_agent.train.step_source import StepSource
 from grpo_agent.types import TrainingSample
 
@@ -120,11 +120,14 @@ class RolloutPipelineMixin:
 
     def take_step_plan(self) -> StepPlan:
         """This step's plan (planned ahead at the last step's end, else now); its samples
-        become the step's (`_step_samples`, `step_trained_tokens`)."""
+        become the step's: all of them consumed (`_step_samples`, which the ledger records),
+        those but the plan's oversize drops trained (`_step_trained`, `step_trained_tokens`;
+        counted with the drops, a step's trained tokens per second overstated it)."""
         plan, samples = self._planned_ahead or self._next_step_plan()
         self._planned_ahead = None
         self._step_samples = samples
-        self.step_trained_tokens = sum(s.sequence.num_trained for s in samples)
+        self._step_trained = trained_only(samples, plan.dropped)
+        self.step_trained_tokens = sum(s.sequence.num_trained for s in self._step_trained)
         return plan
 
     def _step_ends_with_push(self) -> bool:

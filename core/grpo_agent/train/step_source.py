@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_agent import stall
 from grpo_agent.metrics import MetricWindow
-from grpo_agent.train.batching import StepPlanner
+from grpo_agent.train.batching import StepPlanner, trained_only
 from grpo_agent.train.checkpoint import PromptLedger, RolloutState
 from grpo_agent.train.no_progress import NoProgressGuard
 from grpo_agent.types import PromptConsumed, TrainingSample
@@ -131,11 +131,12 @@ class StepSource:
                     break
                 taken.append(sample)
         # Time in queue and queue size are recorded by the worker's pull; staleness here, against
-        # the version that trains the step (a carried sample is trained a push after its pull).
+        # the version that trains the step (a carried sample is trained a push after its pull),
+        # of the samples it trains (an oversize one is dropped).
         if version is None:
             version = getattr(self.worker, "model_version", None)
         if version is not None:
-            for sample in taken:
+            for sample in trained_only(taken, planner.dropped):
                 staleness = float(version - sample.model_version)
                 self._staleness += [("sample/staleness_mean", staleness),
                                     ("sample/staleness_max", staleness)]
@@ -184,7 +185,8 @@ class StepSource:
         return fresh
 
     def finish_step(self, samples: list[TrainingSample], *, last: bool) -> None:
-        """Tell the worker how many tokens a step uses (its staleness allowance); take its
+        """Tell the worker how many tokens a step uses (its staleness allowance: the step's
+        oversize drops count, the worker generated them for this step); take its
         metrics. On the run's `last` step, first stop it (`finish`) for the ones not sent yet:
         notices come at once, observations once a second (a run whose last groups were all
         dropped would log no reward), and the groups still in flight send what they observed

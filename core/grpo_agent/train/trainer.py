@@ -200,7 +200,8 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
         # evaluate() after train() checks the server holds model_version, else pushes it: after
         # merged pushes (the server may have restarted since) or a resume that trained nothing
         self.recheck_served = False
-        self._step_samples: list[TrainingSample] = []
+        self._step_samples: list[TrainingSample] = []  # consumed: the oversize dropped too
+        self._step_trained: list[TrainingSample] = []  # trained (`take_step_plan`)
         self._planned_ahead = None  # the next step's (plan, samples), from `plan_ahead`
         self._planning = None  # the step planner while rank 0 pulls its samples
         self.step_trained_tokens = 0  # this step's trained (completion) tokens, all processes
@@ -451,7 +452,7 @@ class AsyncGRPOTrainer(RolloutPipelineMixin, ShardedCheckpointMixin, Trainer):
             if self.args.log_completions and fsdp.is_main_process():
                 from grpo_agent.train.reporting import print_completions
 
-                print_completions(self._step_samples, self.processing_class,
+                print_completions(self._step_trained, self.processing_class,
                                   self.args.num_completions_to_print, self.state.global_step)
         super().log(logs, start_time)
 

@@ -1,0 +1,68 @@
+"""Samples longer than token_budget: the step planner drops them, but their prompts are
+consumed. What a step trains (its trained tokens, staleness, printed completions) leaves them
+out; what it consumes (`_step_samples`, which the ledger records) keeps them."""
+from __future__ import annotations
+
+import dataclasses
+
+from grpo_agent.metrics import MetricWindow
+from grpo_agent.train.batching import StepPlanner, plan_step
+from grpo_agent.train.checkpoint import PromptLedger
+from grpo_agent.train.pipeline import RolloutPipelineMixin
+from grpo_agent.train.step_source import StepSource
+
+from .conftest import make_sample
+
+BUDGET = 8
+
+
+def _sample(tokens: int, prompt: int, *, version: int = 0):
+    """A sample of `tokens` tokens, its last half trained, the only one of prompt `prompt`."""
+    trained = [0] * (tokens - tokens // 2) + [1] * (tokens // 2)
+    sample = make_sample(range(1, tokens + 1), trained, group_id=prompt, seed=prompt)
+    return dataclasses.replace(sample, prompt_index=prompt, model_version=version)
+
+
+class QueuedWorker:
+    """The rollout worker's trainer-side seam: each pull takes the next queued list."""
+
+    pid = None
+    queue_size = 0
+
+    def __init__(self, pulls: list[list], *, model_version: int = 0) -> None:
+        self.pulls = pulls
+        self.model_version = model_version
+
+    def pull(self, timeout, version=None):
+        return self.pulls.pop(0) if self.pulls else []
+
+    def report_step_tokens(self, tokens):
+        pass
+
+    def drain_metrics(self):
+        return []
+
+
+def test_a_steps_trained_tokens_and_printed_completions_leave_out_its_oversize_samples():
+    fits, oversize = _sample(6, 0), _sample(BUDGET + 10, 1)
+    plan = plan_step([fits, oversize], token_budget=BUDGET, num_processes=1, grad_accum_steps=1)
+    host = type("Host", (), {})()
+    host._planned_ahead = (plan, [fits, oversize])
+    assert RolloutPipelineMixin.take_step_plan(host) is plan
+    assert host.step_trained_tokens == fits.sequence.num_trained == 3
+    assert host._step_samples == [fits, oversize]  # both prompts consumed
+    assert host._step_trained == [fits]  # log_completions prints these
+
+
+def test_a_steps_staleness_leaves_out_its_oversize_samples():
+    """An oversize sample of an old version is dropped, not trained: it says nothing about the
+    log-prob gap of the step's update."""
+    worker = QueuedWorker([[_sample(6, 0, version=2), _sample(BUDGET + 10, 1, version=0)]])
+    window = MetricWindow()
+    source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): not worker.pulls,
+                        window=window, no_progress_timeout=0, trained_version=lambda: 2)
+    taken, _ = source.next_step(StepPlanner(token_budget=BUDGET, num_processes=1, grad_accum_steps=1))
+    assert [s.prompt_index for s in taken] == [0, 1]
+    source.finish_step(taken, last=False)
+    metrics = window.summarize()
+    assert metrics["sample/staleness_max"] == metrics["sample/staleness_mean"] == 0.0
