@@ -4,6 +4,7 @@ out; what it consumes (`_step_samples`, which the ledger records) keeps them."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from grpo_agent.metrics import MetricWindow
 from grpo_agent.train.batching import StepPlanner, plan_step
@@ -66,3 +67,28 @@ def test_a_steps_staleness_leaves_out_its_oversize_samples():
     source.finish_step(taken, last=False)
     metrics = window.summarize()
     assert metrics["sample/staleness_max"] == metrics["sample/staleness_mean"] == 0.0
+
+
+def test_the_starvation_warning_counts_the_samples_the_step_will_train(monkeypatch, caplog):
+    """A run that trained nothing warned "this step holds 712": the count took the step's
+    oversize samples, which the planner drops."""
+    from grpo_agent.train import step_source
+
+    monkeypatch.setattr(step_source, "STARVED_WARNING_S", 0.1)
+    worker = SlowWorker([[_sample(6, 0)], *([_sample(BUDGET + 10, p)] for p in range(1, 4))])
+    source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): not worker.pulls,
+                        window=MetricWindow(), no_progress_timeout=0)
+    with caplog.at_level("WARNING", logger=step_source.__name__):
+        taken, _ = source.next_step(StepPlanner(token_budget=BUDGET, num_processes=1, grad_accum_steps=1))
+    assert len(taken) == 4
+    held = [r.getMessage().split("(")[1].split(")")[0] for r in caplog.records
+            if r.name == step_source.__name__]
+    assert len(held) >= 2 and set(held) == {"this step holds 1"}, held
+
+
+class SlowWorker(QueuedWorker):
+    """Each pull takes 0.15 s: the starvation clock runs."""
+
+    def pull(self, timeout, version=None):
+        time.sleep(0.15)
+        return super().pull(timeout, version)

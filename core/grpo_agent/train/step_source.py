@@ -121,7 +121,8 @@ class StepSource:
                     pending = self._accept(items, budget)
                     if any(sample.num_tokens <= budget for sample in pending):
                         last_progress, self._last_starved_warning = time.perf_counter(), 0.0
-                    self._warn_if_starved(time.perf_counter() - last_progress, len(taken))
+                    trains = len(taken) - len(planner.dropped)  # the oversize are taken too
+                    self._warn_if_starved(time.perf_counter() - last_progress, trains)
                     self.no_progress.check()
                     stall.raise_if_stalled(pull_stage)
                     continue
@@ -149,8 +150,9 @@ class StepSource:
         with waiting, stall.stage("server_restore"):
             self.restore_server()  # bounded: a restart or vllm_server_timeout
 
-    def _warn_if_starved(self, idle: float, num_taken: int) -> None:
-        """Say why training stalls when groups keep being dropped (nothing else would)."""
+    def _warn_if_starved(self, idle: float, num_trained: int) -> None:
+        """Say why training stalls when groups keep being dropped (nothing else would);
+        `num_trained`: the samples this step holds that it will train."""
         if idle - self._last_starved_warning < STARVED_WARNING_S:
             return
         self._last_starved_warning = idle
@@ -158,14 +160,14 @@ class StepSource:
         # Failing agents, nothing scoring, failing rewards, stalls, greedy sampling: the cause
         # says which, where the advice below would send the user to the rewards and prompts.
         if other or self.no_progress.temperature == 0:
-            logger.warning("No trainable sample for %.0f s (this step holds %d): %s", idle, num_taken,
+            logger.warning("No trainable sample for %.0f s (this step holds %d): %s", idle, num_trained,
                            self.no_progress.cause(idle))
             return
         logger.warning(
             "No trainable sample for %.0f s (this step holds %d). If frac_reward_zero_std is "
             "near 1, every group gets equal rewards (all solved or all failed): check the reward "
             "functions, or use easier or harder prompts (see 'Saturation' in docs/quickstart.md).",
-            idle, num_taken,
+            idle, num_trained,
         )
 
     def _accept(self, items: list[TrainingSample | PromptConsumed], budget: int) -> list[TrainingSample]:
