@@ -11,6 +11,7 @@ from grpo_agent.train.batching import StepPlanner, plan_step
 from grpo_agent.train.checkpoint import PromptLedger
 from grpo_agent.train.pipeline import RolloutPipelineMixin
 from grpo_agent.train.step_source import StepSource
+from grpo_agent.types import PromptConsumed
 
 from .conftest import make_sample
 
@@ -92,3 +93,21 @@ class SlowWorker(QueuedWorker):
     def pull(self, timeout, version=None):
         time.sleep(0.15)
         return super().pull(timeout, version)
+
+
+def test_the_no_progress_guard_counts_oversize_samples_per_group(caplog):
+    """The no-progress cause read "the last 839 groups were all dropped (712 oversize_sample,
+    127 zero_std)": oversize counted per sample, the rest per group. A group counts once, and
+    not at all if one of its samples trained; the window of 8 is groups too."""
+    def group(prompt: int, tokens: int = BUDGET + 10, n: int = 4) -> list:
+        return [dataclasses.replace(_sample(tokens, prompt), group_num_samples=n) for _ in range(n)]
+
+    worker = QueuedWorker([[_sample(6, 0), _sample(BUDGET + 10, 0)],  # group 0 trains
+                           group(1), [PromptConsumed(2, 2, "zero_std")], group(3)])
+    source = StepSource(worker, ledger=PromptLedger(), epochs_done=lambda taken=(): not worker.pulls,
+                        window=MetricWindow(), no_progress_timeout=0)
+    with caplog.at_level("WARNING", logger="grpo_agent.train.no_progress"):
+        source.next_step(StepPlanner(token_budget=BUDGET, num_processes=1, grad_accum_steps=1))
+    cause = source.no_progress.cause(0.0)
+    assert cause.startswith("the last 3 groups were all dropped (2 oversize_sample, 1 zero_std)"), cause
+    assert "No progress" not in caplog.text  # 3 groups (9 samples) are no window of 8 groups

@@ -56,7 +56,8 @@ class NoProgressGuard:
         self.temperature = temperature
         self.watch = watch
         self.last_progress = time.monotonic()
-        self.dropped: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}  # groups, by reason
+        self._groups_seen: set[int] = set()  # with a sample since the last trainable one
         self._warned = False
         self._warned_before = False  # any warning this run: later ones wait REWARN_IDLE_S
         self._trained_any = False  # before a first trainable sample, "for 0 s" misleads
@@ -65,12 +66,22 @@ class NoProgressGuard:
     def dropped_in_a_row(self) -> int:
         return sum(self.dropped.values())
 
-    def record(self, reason: str | None) -> None:
-        """`reason` of a `PromptConsumed` notice, or None for a trainable sample."""
+    def record(self, reason: str | None, group: int | None = None) -> None:
+        """`reason` of a `PromptConsumed` notice, or of a sample of `group`: None when it is
+        trainable, "oversize_sample" when it is not. A group counts once however many of its
+        samples are oversize, and not at all if one of them trained: the window and the cause
+        count groups (per sample, a run said "the last 839 groups were all dropped" of 127
+        groups and 712 samples)."""
         if reason is None:
             self.last_progress, self.dropped, self._warned = time.monotonic(), {}, False
             self._trained_any = True
-        elif reason in DROPPED_REASONS:
+            self._groups_seen = {group}
+            return
+        if group is not None:
+            if group in self._groups_seen:
+                return
+            self._groups_seen.add(group)
+        if reason in DROPPED_REASONS:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def check(self) -> None:

@@ -183,7 +183,8 @@ class StepSource:
                 self.no_progress.record(item.reason)
             elif not ledger.already_consumed(item.prompt_index):
                 fresh.append(item)
-                self.no_progress.record("oversize_sample" if item.num_tokens > budget else None)
+                self.no_progress.record("oversize_sample" if item.num_tokens > budget else None,
+                                        group=item.group_id)
         return fresh
 
     def finish_step(self, samples: list[TrainingSample], *, last: bool) -> None:
