@@ -70,8 +70,10 @@ class StepPlan:
 
 
 def trained_only(samples: list[TrainingSample], dropped: list[TrainingSample]) -> list[TrainingSample]:
-    """A step's `samples` (in order) but the planner's `dropped` ones (the same objects): their
-    prompts are consumed, so the ledger records them, but their tokens are not trained."""
+    """A step's `samples` (in order) but the planner's `dropped` ones: their prompts are
+    consumed, so the ledger records them, but their tokens are not trained. Matched by identity:
+    FSDP ranks receive the plan and the samples in one broadcast (`_share_step_plan`), whose
+    pickle keeps them the same objects."""
     gone = {id(sample) for sample in dropped}
     return [sample for sample in samples if id(sample) not in gone]
 
