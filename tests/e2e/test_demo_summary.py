@@ -30,20 +30,22 @@ def test_summary_reads_first_and_last_evaluation(tmp_path):
 def test_summary_of_a_run_without_evaluation_gives_the_training_reward(tmp_path):
     """A run trained without eval_strategy: its reward's first and last windows (5 rows each),
     with the steps they cover, and how to measure held-out success."""
-    from grpo_agent.train.reporting import run_summary
+    from grpo_agent.train.reporting import run_summary, write_run_record
 
     rows = [{"step": s, "loss": 0.1, "reward": 0.1 * (s <= 6) + 0.8 * (s > 7)} for s in range(1, 13)]
     rows[0]["reward"] = None  # a window that scored no rollout (NaN, written as null): left out
     rows.append({"step": 12, "train_runtime": 3.0})  # the summary row has no reward
     write_rows(tmp_path, rows)
-    text = run_summary(tmp_path, env_flags="--env counter")
+    write_run_record(tmp_path, "counter", {}, eval_split=True)
+    text = run_summary(tmp_path)
     first, held_out = text.splitlines()
     assert first == ("training reward (mean `reward` of the logged windows): 0.100 over steps "
                      "2-6 -> 0.800 over steps 8-12 (+0.700)")
     assert held_out.startswith("held-out success: not measured")
     assert "--set eval_strategy=steps" in held_out
     assert f"grpo-agent eval --env counter --model {tmp_path / 'final'}" in held_out
-    no_split = run_summary(tmp_path, env_flags="--env words", eval_split=False).splitlines()[1]
+    write_run_record(tmp_path, "words", {}, eval_split=False)
+    no_split = run_summary(tmp_path).splitlines()[1]
     assert "declares no eval split" in no_split and "eval_strategy" not in no_split
 
 

@@ -313,18 +313,26 @@ def test_under_torchrun_only_rank_0_says_the_run_finished(cli, tmp_path, monkeyp
     assert code == 0 and out == expected.format(tmp_path), err
 
 
-@pytest.mark.parametrize(("env", "advice"), [
-    ("counter", "grpo-agent eval --env counter --model {}/final"),
-    ("words", "the env declares no eval split")])
-def test_train_ends_with_the_runs_summary(cli, tmp_path, monkeypatch, env, advice):
+@pytest.mark.parametrize(("flags", "split", "advice"), [
+    (["--env", "counter"], True, "grpo-agent eval --env counter --model {}/final"),
+    (["--env", "reasoning-gym", "--env-arg", "size=200"], True,
+     "grpo-agent eval --env reasoning-gym --env-arg size=200 --model {}/final"),
+    (["--env", "words"], False, "the env declares no eval split")])
+def test_train_ends_with_the_runs_summary(cli, tmp_path, monkeypatch, flags, split, advice):
     """A run without evaluation still says whether its training reward rose, and how to measure
-    held-out success: by `grpo-agent eval` with its env options, or not at all without a split."""
+    held-out success: by `grpo-agent eval` with the env options it was given, or not at all
+    without a split."""
     import grpo_agent.train.run as run_module
+    from grpo_agent.train.reporting import write_run_record
+
+    def recording_run(**kw):  # run_training records the env and options it gets
+        write_run_record(tmp_path, kw["env"], kw["env_args"], eval_split=split)
+        return tmp_path
 
     rows = [{"step": 1, "loss": 0.1, "reward": 0.25}, {"step": 2, "loss": 0.1, "reward": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(run_module, "run_training", lambda **kw: tmp_path)
-    code, out, err = cli("train", "--env", env, "--model", "/models/m", "--vllm-url",
+    monkeypatch.setattr(run_module, "run_training", recording_run)
+    code, out, err = cli("train", *flags, "--model", "/models/m", "--vllm-url",
                          "http://127.0.0.1:9", "--output-dir", str(tmp_path))
     assert code == 0, err
     lines = out.splitlines()
@@ -337,26 +345,27 @@ def test_the_summary_of_a_lora_run_does_not_advise_evaluating_its_adapter_folder
     """A `--lora-rank` run's final/ holds the adapter alone: the summary said to run
     `grpo-agent eval --model RUN/final`, which refuses an adapter-only folder; it says to merge."""
     from grpo_agent.train.eval_run import check_model_folder
-    from grpo_agent.train.reporting import run_summary
+    from grpo_agent.train.reporting import run_summary, write_run_record
 
     rows = [{"step": 1, "loss": 0.1, "reward": 0.25}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_run_record(tmp_path, "counter", {}, eval_split=True)
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "adapter_config.json").write_text("{}")
     with pytest.raises(ValueError, match="LoRA adapter only"):
         check_model_folder(str(tmp_path / "final"))  # what the old advice led to
-    held_out = run_summary(tmp_path, "--env counter", eval_split=True).splitlines()[1]
+    held_out = run_summary(tmp_path).splitlines()[1]
     assert f"--model {tmp_path / 'final'}" not in held_out
     assert (f"merge the LoRA adapter in {tmp_path / 'final'} into its base model" in held_out
             and "`grpo-agent eval --env counter --model MERGED`" in held_out)
 
 
 def test_the_summarys_eval_advice_repeats_the_runs_env_options():
-    from grpo_agent.cli.train import _env_flags
+    from grpo_agent.train.reporting import env_flags
 
-    assert _env_flags("reasoning-gym", {"task": "leg_counting", "size": 200}) == (
+    assert env_flags("reasoning-gym", {"task": "leg_counting", "size": 200}) == (
         "--env reasoning-gym --env-arg task=leg_counting --env-arg size=200")
-    assert _env_flags("x", {"phrase": "two words"}) == "--env x --env-arg 'phrase=two words'"
+    assert env_flags("x", {"phrase": "two words"}) == "--env x --env-arg 'phrase=two words'"
 
 
 def test_tiny_model_command_builds_the_model(cli, tmp_path):

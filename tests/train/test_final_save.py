@@ -145,6 +145,32 @@ def test_a_cli_resume_from_the_runs_last_step_only_saves_final_without_a_server(
     assert not (out / "final.incomplete").exists()
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy, harmless
+def test_a_finished_runs_summary_reprinted_gives_the_runs_own_eval_advice(tmp_path, monkeypatch,
+                                                                          capsys):
+    """`run_training` records its env in run.json, so `python -m grpo_agent.train.reporting RUN`
+    gives the advice the run's end gave. Before, the reprint knew no env: for `words`, which
+    declares no eval split, it said to run `grpo-agent eval --env ENV --model RUN/final`, which
+    `grpo-agent eval --env words` refuses. (A run finished without a server: the resume from its
+    last step.)"""
+    import json
+    import runpy
+
+    from grpo_agent.train.run import run_training
+
+    out = tmp_path / "out"
+    _offline_run(out, max_steps=2, save_strategy="steps", save_steps=2).train()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 0.1, "reward": 0.5}) + "\n")
+    run_training("words", AsyncGRPOConfig(output_dir=str(out), max_steps=2, use_cpu=True,
+                                          resume_from_checkpoint="last", report_to="none",
+                                          learning_rate=3e-4))
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["reporting", str(out)])
+    runpy.run_module("grpo_agent.train.reporting", run_name="__main__")
+    held_out = capsys.readouterr().out.splitlines()[1]
+    assert "the env declares no eval split" in held_out and "grpo-agent eval" not in held_out
+
+
 def test_a_resume_from_the_last_step_of_an_epoch_bounded_run_trains_no_extra_step(tmp_path):
     """num_train_epochs ends the run at step 2 (save_strategy=epoch checkpoints it): resumed
     from there, train() loads it and returns without the pipeline. Before, the Trainer (which

@@ -134,7 +134,7 @@ def train(
         program = AgentCommand(agent_cmd)
     try:
         out = run_training(env=env, config=config, model=model, vllm_url=vllm_url, lora=lora,
-                           env_args=spec.option_values, agent=program)
+                           env_args=options, agent=program)
     except (RunRefused, ResumeError) as err:  # refused before anything started
         raise CliError(str(err)) from None
     except Exception as err:
@@ -152,8 +152,7 @@ def train(
 
         typer.echo(f"Run finished: {out}")
         if (Path(out) / METRICS_NAME).is_file():
-            typer.echo(run_summary(out, env_flags=_env_flags(env, options),
-                                    eval_split=spec.eval_dataset is not None))
+            typer.echo(run_summary(out))
 
 
 def _warn_as_the_trainer_would(config) -> None:
@@ -165,17 +164,6 @@ def _warn_as_the_trainer_would(config) -> None:
 
     if warning := greedy_sampling_warning(config.temperature):
         logging.getLogger(__name__).warning(warning)
-
-
-def _env_flags(env: str, options: dict) -> str:
-    """The run's env and the options it was given (flags or run file), as `grpo-agent eval`
-    takes them: the end-of-run summary names them in its advice for a run that did not evaluate."""
-    import shlex
-
-    flags = ["--env", env]
-    for key, value in options.items():
-        flags += ["--env-arg", f"{key}={value}"]
-    return shlex.join(flags)
 
 
 def _target_modules(text: str) -> str | list[str]:

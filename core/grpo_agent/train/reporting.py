@@ -12,11 +12,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from transformers import TrainerCallback
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "reward.png"
+RUN_RECORD_NAME = "run.json"
 # Off a terminal, a step's progress line goes out at most this often (evaluations always).
 PLAIN_LINE_INTERVAL_S = 30.0
 
@@ -330,23 +332,47 @@ def held_out_summary(rows: list[dict]) -> str | None:
             f"{last['eval/pass@1']:.2f} at step {int(last['eval/step'])}\n  ({trail})")
 
 
-def run_summary(output_dir: str | Path, env_flags: str | None = None,
-                eval_split: bool | None = None) -> str:
+def write_run_record(output_dir: str | Path, env: str, env_args: dict[str, Any],
+                     eval_split: bool) -> None:
+    """`run.json`: the env a run trained, the options it was given and whether the env declares
+    an eval split, so its summary reprinted later gives the run's own advice on evaluating."""
+    record = {"env": env, "env_args": env_args, "eval_split": eval_split}
+    (Path(output_dir) / RUN_RECORD_NAME).write_text(json.dumps(record) + "\n")
+
+
+def env_flags(env: str, options: dict[str, Any]) -> str:
+    """The run's env and the options it was given, as `grpo-agent eval` takes them."""
+    import shlex
+
+    flags = ["--env", env]
+    for key, value in options.items():
+        flags += ["--env-arg", f"{key}={value}"]
+    return shlex.join(flags)
+
+
+def run_summary(output_dir: str | Path) -> str:
     """What a run did, from its metrics.jsonl: the training reward first -> last and, when it
-    evaluated, held-out success (what judges it: docs/evaluation.md), else how to measure that.
-    `grpo-agent train` prints it at the end, passing its env (`env_flags`, as `grpo-agent eval`
-    takes it) and whether the env declares an eval split; `python -m grpo_agent.train.reporting
-    RUN` knows neither."""
+    evaluated, held-out success (what judges it: docs/evaluation.md), else how to measure that,
+    for the env and options in its run.json (`--env ENV` for a run without one: a Python
+    `AsyncGRPOTrainer` run, which `grpo-agent train` did not start)."""
     out = Path(output_dir)
     metrics = out / METRICS_NAME
     if not metrics.is_file():
         raise SystemExit(f"{metrics} does not exist: pass the --output-dir of a run.")
     rows = read_metrics(metrics)
+    record = _read_run_record(out)
+    flags, eval_split = ((env_flags(record["env"], record["env_args"]), record["eval_split"])
+                         if record else (None, None))
     lines = [training_reward_summary(rows),
-             held_out_summary(rows) or _not_evaluated(out, env_flags, eval_split)]
+             held_out_summary(rows) or _not_evaluated(out, flags, eval_split)]
     if (out / PLOT_NAME).is_file():
         lines.append(f"plot: {out / PLOT_NAME}")
     return "\n".join(lines)
+
+
+def _read_run_record(out: Path) -> dict[str, Any] | None:
+    path = out / RUN_RECORD_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _not_evaluated(out: Path, env_flags: str | None, eval_split: bool | None) -> str:

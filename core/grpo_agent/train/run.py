@@ -3,8 +3,8 @@
 Embedded by default: with no server URL it starts a managed vLLM server on this machine for the
 run's model (and stops it, by PID, when the run ends), and with no model it trains the built-in
 tiny model, so the command works on a laptop with nothing else running. The output directory
-receives the resolved config, `metrics.jsonl`, `prompt_ledger.jsonl`, checkpoints and, at the
-end, `reward.png`.
+receives the resolved config, `run.json` (the env and its options), `metrics.jsonl`,
+`prompt_ledger.jsonl`, checkpoints and, at the end, `reward.png`.
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def run_training(
 
     `lora` holds peft `LoraConfig` fields (r, lora_alpha, target_modules): the run trains an
     adapter, and a managed server is started with LoRA enabled so the adapter is what syncs.
-    `env_args` are the env's options (`--env-arg key=value`), checked against its declaration.
+    `env_args` are the env's options (`--env-arg key=value`), checked against its declaration
+    and recorded as given in `run.json` (the summary's advice repeats them).
     `agent` (a registered agent name, `pkg.mod:attr` or an `AgentCommand`) replaces the env's
     tool loop: `HarnessAsyncGRPOTrainer` runs it on the env's dataset and rewards."""
     from transformers.trainer_callback import PrinterCallback
@@ -72,6 +73,7 @@ def run_training(
         ProgressCallback,
         plot_reward_and_length,
         quiet_library_bars_off_terminal,
+        write_run_record,
     )
     from grpo_agent.train.step_source import ends_the_run
     from grpo_agent.train.trainer import AsyncGRPOTrainer, interruption, prompt_limit
@@ -94,6 +96,7 @@ def run_training(
             config.vllm_server_base_url = base_url
             config.disable_tqdm = True  # the run shows its own progress bar (reward, queue)
             (output_dir / "config.json").write_text(config.to_json_string())
+            write_run_record(output_dir, env, env_args or {}, task["declares_eval_split"])
             common = {"model": model_path, "reward_funcs": task["reward_funcs"], "args": config,
                       "train_dataset": task["dataset"], "eval_dataset": eval_dataset,
                       "callbacks": [JsonlMetricsCallback(), ProgressCallback()],
@@ -349,6 +352,7 @@ def resolve_env_task(name: str, options: dict[str, Any] | None = None,
         "reward_funcs": spec.reward_funcs(registry, plugin_args),
         "environment_factory": spec.environment_factory,
         "eval_dataset": spec.load_eval_dataset,  # called only when the run evaluates
+        "declares_eval_split": spec.eval_dataset is not None,
         "success_threshold": spec.success_threshold,
     }
 
