@@ -532,19 +532,22 @@ def test_eval_set_reaches_the_eval_fields_its_flags_were_not_given_for(cli, tmp_
     assert [(c.eval_num_generations, c.eval_temperature) for c in calls] == [(4, 0.7), (2, 0.0), (1, 0.0)]
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("3", ("eval_temperature=3.0 is out of range: set eval_temperature <= 2 (vLLM refuses every "
-           "request above it).")),
-    ("-1", "eval_temperature=-1.0 is out of range: set eval_temperature >= 0 (0 = greedy)."),
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--temperature", "3"], ("--temperature=3.0 is out of range: set --temperature <= 2 (vLLM "
+                              "refuses every request above it).")),
+    (["--temperature", "-1"], "--temperature=-1.0 is out of range: set --temperature >= 0 (0 = greedy)."),
+    (["--set", "eval_temperature=3"], ("eval_temperature=3 is out of range: set eval_temperature "
+                                       "<= 2 (vLLM refuses every request above it).")),
 ])
-def test_eval_refuses_a_temperature_vllm_refuses_before_a_server_starts(cli, monkeypatch, value,
+def test_eval_refuses_a_temperature_vllm_refuses_before_a_server_starts(cli, monkeypatch, flags,
                                                                         expected):
     """`eval --temperature 3` started a server and then failed every request with vLLM's
-    "temperature must be in [0, 2]". Both bounds speak with the config's one rule."""
+    "temperature must be in [0, 2]". Both bounds speak with the config's one rule, naming what
+    the user wrote: the flag, or the field for --set (the flag's refusal named the field)."""
     from grpo_agent.train import eval_run
 
     monkeypatch.setattr(eval_run, "run_eval", lambda *a, **kw: pytest.fail("a server was started"))
-    code, out, err = cli("eval", "--env", "math", "--temperature", value)
+    code, out, err = cli("eval", "--env", "math", *flags)
     assert code == 1 and out == ""
     assert err.startswith(f"Error: {expected}"), err
 

@@ -56,6 +56,8 @@ def evaluate(
     from grpo_agent.cli.config_files import build_config
     from grpo_agent.plugins.options import parse_pairs
 
+    if temperature is not None:
+        _check_temperature_flag(temperature)
     try:
         from grpo_agent.train.eval_run import print_report, run_eval, run_rollout_settings
     except ImportError as err:
@@ -73,6 +75,17 @@ def evaluate(
     except Exception as err:  # an unreachable --vllm-url or a server that failed to start: one line
         raise CliError(f"The evaluation failed: {type(err).__name__}: {err}") from err
     print_report(report, path)
+
+
+def _check_temperature_flag(temperature: float) -> None:
+    """The config's rule, naming the flag typed: its refusal names `eval_temperature`, the field
+    the flag sets, which a user of `--temperature` never wrote."""
+    from grpo_agent.sampling_limits import check_temperature
+
+    try:
+        check_temperature("--temperature", temperature)
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _run_settings_note(path: Path, settings: dict) -> str:
