@@ -8,7 +8,7 @@ purpose the right increment only half the time, so GRPO groups see reward varian
 tokens only, fixed seed, 100 tiny steps (about a minute on a busy 2-core CPU). The result is
 cached next to the base model, built behind a file lock like `build_tiny_model`; bump
 `WARMUP_VERSION` when the recipe changes. `python -m grpo_agent.testing.warmup` builds it with a
-progress bar and prints its folder (`... warmup counter`: the counter-warmed model `make demo`
+progress bar (plain lines off a terminal) and prints its folder (`... warmup counter`: the counter-warmed model `make demo`
 trains, see `build_counter_warmed_model`).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from grpo_agent.testing.tiny_model import (
@@ -27,6 +28,7 @@ from grpo_agent.testing.tiny_model import (
 )
 
 WARMUP_VERSION = 5
+TOOL_WARMUP = "tool-call warm-up of the tiny model"  # its progress lines' name
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
@@ -174,7 +176,8 @@ def _assistant_masked_example(tokenizer, template: str, messages: list[dict], to
 
 
 def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: bool = False,
-           transcripts=None, lr: float = 5e-3) -> None:
+           transcripts=None, lr: float = 5e-3,
+           description: str = TOOL_WARMUP) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -193,7 +196,7 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     model.train()
-    for _ in _steps(steps, show_progress):
+    for _ in _steps(steps, show_progress, description):
         batch = rng.sample(examples, batch_size)
         width = max(len(ids) for ids, _ in batch)
         pad = tokenizer.pad_token_id
@@ -207,15 +210,38 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: 
     model.save_pretrained(folder)
 
 
-def _steps(steps: int, show_progress: bool):
-    """range(steps), shown as a progress bar on stderr when asked."""
+def _steps(steps: int, show_progress: bool, description: str = TOOL_WARMUP):
+    """range(steps), shown on stderr when asked: a progress bar on a terminal; off one (a log, `make demo` under nohup) plain lines as `grpo-agent train`
+    prints them, the phase's start, a step at most every `PLAIN_LINE_INTERVAL_S` and its end,
+    where a bar showed nothing for the whole build (40 minutes on a busy 2-core box)."""
     if not show_progress:
         return range(steps)
     from rich.console import Console
     from rich.progress import track
 
-    return track(range(steps), description="tool-call warm-up of the tiny model",
-                 console=Console(stderr=True))
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return _plain_steps(steps, description, console)
+    return track(range(steps), description=description, console=console)
+
+
+def _plain_steps(steps: int, description: str, console):
+    from grpo_agent.train.reporting import PLAIN_LINE_INTERVAL_S
+
+    started = said = time.perf_counter()
+
+    def say(step: int) -> None:
+        elapsed = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - started))
+        console.print(f"{description}: step {step}/{steps}  [{elapsed}]", highlight=False,
+                      markup=False, soft_wrap=True)
+
+    say(0)
+    for step in range(steps):
+        if step and time.perf_counter() - said >= PLAIN_LINE_INTERVAL_S:
+            say(step)
+            said = time.perf_counter()
+        yield step
+    say(steps)
 
 
 def build_tool_warmed_model(
@@ -275,7 +301,8 @@ def build_counter_warmed_model(
     name = f"{base.name}-counter-v{COUNTER_WARMUP_VERSION}-s{steps}"
     transcripts = counter_transcripts(2000, seed)
     return _cached_build(name, base, str(COUNTER_WARMUP_VERSION), lambda folder: _train(
-        folder, steps, batch_size, seed, show_progress, transcripts=transcripts, lr=3e-3))
+        folder, steps, batch_size, seed, show_progress, transcripts=transcripts, lr=3e-3,
+        description="counter warm-up of the tool-warmed model"))
 
 
 if __name__ == "__main__":
@@ -283,4 +310,4 @@ if __name__ == "__main__":
 
     hf_logging.disable_progress_bar()  # its per-file load/save bars would bury ours
     build = build_counter_warmed_model if sys.argv[1:] == ["counter"] else build_tool_warmed_model
-    print(build(show_progress=sys.stderr.isatty()))
+    print(build(show_progress=True))
