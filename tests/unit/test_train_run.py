@@ -358,6 +358,25 @@ def test_eval_turns_library_progress_bars_off_when_stderr_is_no_terminal(tmp_pat
         (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
 
 
+def test_datasets_map_bar_is_off_when_stderr_is_no_terminal(capsys, monkeypatch):
+    """An `--agent` run writes each row's prompt with `Dataset.map`, whose "Map: 100%|..." bar
+    went into a piped run's log beside its plain progress lines (stderr is captured here, no
+    terminal); HF_DATASETS_DISABLE_PROGRESS_BARS, when set, stays the user's choice."""
+    import datasets.utils as ds_utils
+    from datasets import Dataset
+    from grpo_agent.train.reporting import quiet_library_bars_off_terminal
+
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
+    was_disabled = ds_utils.are_progress_bars_disabled()
+    ds_utils.enable_progress_bars()
+    try:
+        quiet_library_bars_off_terminal()
+        Dataset.from_list([{"prompt": "a"}]).map(lambda row: {"prompt": row["prompt"] * 2})
+    finally:
+        (ds_utils.disable_progress_bars if was_disabled else ds_utils.enable_progress_bars)()
+    assert "Map" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("setting", "message"), [
     ("eval_num_generations=0", "eval_num_generations=0: set it to 1 or more."),
     ("per_device_eval_batch_size=0", "per_device_eval_batch_size=0: evaluation needs at least one"),

@@ -143,16 +143,22 @@ class ProgressCallback(TrainerCallback):
 
 
 def quiet_library_bars_off_terminal() -> None:
-    """transformers' and huggingface_hub's tqdm bars ("Loading weights", "Writing model
-    shards", downloads) follow `ProgressCallback`'s rule: off a terminal (a CI log, a file) each
-    bar's redraws land in the log as one long line, so they are turned off when stderr, where
-    tqdm writes, is no terminal; on a terminal they stay. HF_HUB_DISABLE_PROGRESS_BARS, when
-    set, is the user's choice and wins."""
-    if sys.stderr.isatty() or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+    """transformers', huggingface_hub's and datasets' tqdm bars ("Loading weights", "Writing
+    model shards", downloads, "Map") follow `ProgressCallback`'s rule: off a terminal (a CI log,
+    a file) each bar's redraws land in the log as one long line, so they are turned off when
+    stderr, where tqdm writes, is no terminal; on a terminal they stay.
+    HF_HUB_DISABLE_PROGRESS_BARS and HF_DATASETS_DISABLE_PROGRESS_BARS, when set, are the
+    user's choice and win."""
+    if sys.stderr.isatty():
         return
-    from transformers.utils import logging as hf_logging
+    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
+        from datasets.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def bar_extent(args, state) -> tuple[float | None, float]:
