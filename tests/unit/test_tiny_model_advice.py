@@ -38,7 +38,7 @@ def test_under_torchrun_only_rank_0_gives_the_advice(tmp_path, monkeypatch, capl
     class Stop(Exception):
         pass
 
-    def no_server(*args):
+    def no_server(*args, **kwargs):
         raise Stop
 
     monkeypatch.setenv("RANK", rank)
