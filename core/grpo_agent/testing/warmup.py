@@ -8,8 +8,8 @@ purpose the right increment only half the time, so GRPO groups see reward varian
 tokens only, fixed seed, 100 tiny steps (about a minute on a busy 2-core CPU). The result is
 cached next to the base model, built behind a file lock like `build_tiny_model`; bump
 `WARMUP_VERSION` when the recipe changes. `python -m grpo_agent.testing.warmup` builds it with a
-progress bar (plain lines off a terminal) and prints its folder (`... warmup counter`: the counter-warmed model `make demo`
-trains, see `build_counter_warmed_model`).
+progress bar (plain lines off a terminal) and prints its folder (`... warmup counter`: the
+counter-warmed model `make demo` trains, see `build_counter_warmed_model`).
 """
 from __future__ import annotations
 
@@ -211,9 +211,10 @@ def _train(folder: Path, steps: int, batch_size: int, seed: int, show_progress: 
 
 
 def _steps(steps: int, show_progress: bool, description: str = TOOL_WARMUP):
-    """range(steps), shown on stderr when asked: a progress bar on a terminal; off one (a log, `make demo` under nohup) plain lines as `grpo-agent train`
-    prints them, the phase's start, a step at most every `PLAIN_LINE_INTERVAL_S` and its end,
-    where a bar showed nothing for the whole build (40 minutes on a busy 2-core box)."""
+    """range(steps), shown on stderr when asked: a progress bar on a terminal; off one (a log,
+    `make demo` under nohup) plain lines as `grpo-agent train` prints them: the phase's start,
+    a step at most every `PLAIN_LINE_INTERVAL_S` and its end, where a bar showed nothing for
+    the whole build (40 minutes on a busy 2-core box)."""
     if not show_progress:
         return range(steps)
     from rich.console import Console

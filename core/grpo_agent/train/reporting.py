@@ -381,13 +381,13 @@ def _read_run_record(out: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _not_evaluated(out: Path, env_flags: str | None, eval_split: bool | None) -> str:
+def _not_evaluated(out: Path, flags: str | None, eval_split: bool | None) -> str:
     text = "held-out success: not measured (a rising training reward is not held-out success)"
     if eval_split is False:
         return (f"{text}; the env declares no eval split: pass eval_dataset= to "
                 "AsyncGRPOTrainer, or declare one with @environment(..., eval_dataset=...) "
                 "(docs/evaluation.md).")
-    final, env = out / "final", env_flags or "--env ENV"
+    final, env = out / "final", flags or "--env ENV"
     if (final / "adapter_config.json").is_file() and not (final / "config.json").is_file():
         # a LoRA run saves the adapter alone, which `grpo-agent eval` cannot serve (it said
         # to run it on this folder, and eval refused it)
