@@ -14,6 +14,45 @@ from grpo_agent.train import evaluation
 EVAL_S = 0.6  # each scripted evaluation takes this long
 
 
+class RecordingEvalSession:
+    """An evaluation session stand-in: records ("evaluate", version, adapter) in `events`."""
+
+    def __init__(self, events: list, lora_name=None):
+        self.events, self.lora_name = events, lora_name
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info): ...
+
+    async def evaluate(self, rows, version):
+        self.events.append(("evaluate", version, self.lora_name))
+        row = EvalRow(0, ["x"], [1.0], [True])
+        metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
+        return EvalResult(version, metrics, [row], {str(version)}, 0.0)
+
+
+class EvalPusher:
+    """A pusher stand-in for `served_for_evaluate`: records push, wait and close in `events`."""
+
+    def __init__(self, events: list, lora_name=None, trained=lambda model: False):
+        self.events, self.lora_name, self.trained = events, lora_name, trained
+
+    def needs_initial_push(self, model, holds_pushed_weights):
+        return self.trained(model)
+
+    def push(self, model, version):
+        self.events.append(("push", version))
+        return {}
+
+    def wait(self):
+        self.events.append(("wait",))
+        return {}
+
+    def close(self):
+        self.events.append(("close",))
+
+
 class Timeline:
     """What happened, in order: evaluations (start/end with version) and pushes."""
 
@@ -457,44 +496,12 @@ def test_evaluate_before_train_pushes_a_trained_adapter_passed_in_and_evaluates_
 
     events = []
 
-    class Session:
-        def __init__(self, lora_name=None):
-            self.lora_name = lora_name
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc_info): ...
-
-        async def evaluate(self, rows, version):
-            events.append(("evaluate", version, self.lora_name))
-            row = EvalRow(0, ["x"], [1.0], [True])
-            metrics = {**eval_metrics([row], [], 1, 0), "eval/model_version": float(version)}
-            return EvalResult(version, metrics, [row], {str(version)}, 0.0)
-
-    class Pusher:
-        lora_name = "run"
-
-        def needs_initial_push(self, model, holds_pushed_weights):
-            return has_trained_adapter(model)
-
-        def push(self, model, version):
-            events.append(("push", version))
-            return {}
-
-        def wait(self):
-            events.append(("wait",))
-            return {}
-
-        def close(self):
-            events.append(("close",))
-
     def pusher_factory(args, model, facts):
         events.append(("pusher for", facts))
-        return Pusher()
+        return EvalPusher(events, "run", trained=has_trained_adapter)
 
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session",
-                        lambda self, lora_name=None: Session(lora_name))
+                        lambda self, lora_name=None: RecordingEvalSession(events, lora_name))
     facts = SimpleNamespace(holds_pushed_weights=False)
     monkeypatch.setattr(setup, "check_server", lambda args, model: facts)
     base = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32)
@@ -533,41 +540,15 @@ def test_evaluate_after_a_resume_that_trained_nothing_pushes_the_restored_weight
     from grpo_agent.train import setup
 
     events = []
-
-    class Session:
-        def __init__(self, lora_name=None):
-            self.lora_name = lora_name
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc_info): ...
-
-        async def evaluate(self, rows, version):
-            events.append(("evaluate", version, self.lora_name))
-            row = EvalRow(0, ["x"], [1.0], [True])
-            return EvalResult(version, eval_metrics([row], [], 1, 0), [row], {str(version)}, 0.0)
-
-    class Pusher:
-        lora_name = None
-
-        def push(self, model, version):
-            events.append(("push", version))
-
-        def wait(self):
-            events.append(("wait",))
-
-        def close(self):
-            events.append(("close",))
-
     served = {"label": "default"}  # a fresh server's own weights, not version 5's
     monkeypatch.setattr(evaluation.TrainingEvaluator, "session",
-                        lambda self, lora_name=None: Session(lora_name))
+                        lambda self, lora_name=None: RecordingEvalSession(events, lora_name))
     monkeypatch.setattr(setup, "check_server", lambda args, model: ServerFacts(
         "m", 4096, weight_version=served["label"]))
     trainer = SimpleNamespace(evaluator=None, pusher=None, synced_lora_name=None,
                               recheck_served=True, model_version=5, served_step=6,
-                              model=object(), pusher_factory=lambda args, model, facts: Pusher(),
+                              model=object(),
+                              pusher_factory=lambda args, model, facts: EvalPusher(events),
                               log=lambda metrics: None,
                               args=AsyncGRPOConfig(output_dir=str(tmp_path)),
                               state=SimpleNamespace(global_step=6))
