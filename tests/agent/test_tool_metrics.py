@@ -218,18 +218,8 @@ def test_a_dropped_groups_unfinished_rollouts_keep_their_tool_failures(tiny_toke
 
     scripts = [[call("lookup", key="boom"), wait_forever], [call("multiply", x=1), rejected]]
     loop = _tool_loop_on(tiny_tokenizer, tmp_path, lambda text: scripts.pop(0), [lookup, multiply])
-    engine, put, _ = engine_on(loop)
-    engine._groups_in_flight = engine._groups_generating = 1
-    engine.slots.promise(2)  # as the dispatcher does
-    try:
-        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {"prompt": [
-            {"role": "user", "content": "Look up boom, then multiply."}]}), 0))
-    finally:
-        loop.tool_executor.shutdown(wait=False)
+    put, logged = _run_one_group(loop, "Look up boom, then multiply.")
     assert put == [PromptConsumed(0, 0, "prompt_too_long")]
-    window = MetricWindow()
-    window.extend(engine._observations)
-    logged = window.summarize()
     assert logged["rollout/prompt_too_long_group_count"] == 1.0
     assert (logged["tools/lookup/call_count"], logged["tools/lookup/failure_count"]) == (1.0, 1.0)
     assert (logged["tools/multiply/call_count"], logged["tools/multiply/failure_count"]) == (1.0, 1.0)
@@ -345,21 +335,29 @@ def test_a_tool_call_cut_off_with_its_dropped_group_counts_as_a_call_not_a_failu
 
     scripts = [[call("slow", key="k")], [call("multiply", a=3, b=4), rejected]]
     loop = _tool_loop_on(tiny_tokenizer, tmp_path, lambda text: scripts.pop(0), [slow, multiply])
-    engine, put, _ = engine_on(loop)
-    engine._groups_in_flight = engine._groups_generating = 1
-    engine.slots.promise(2)  # as the dispatcher does
     try:
-        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {"prompt": [
-            {"role": "user", "content": "Be slow, then multiply."}]}), 0))
+        put, logged = _run_one_group(loop, "Be slow, then multiply.")
     finally:
-        release.set()
-        loop.tool_executor.shutdown(wait=False)
+        release.set()  # the cut-off call's thread
     assert put == [PromptConsumed(0, 0, "prompt_too_long")]
-    window = MetricWindow()
-    window.extend(engine._observations)
-    logged = window.summarize()
     assert (logged["tools/slow/call_count"], logged["tools/slow/failure_count"],
             logged["tools/slow/cancelled_count"]) == (1.0, 0.0, 1.0)
     assert (logged["tools/multiply/call_count"], logged["tools/multiply/failure_count"]) == (1.0, 0.0)
     assert logged["tools/failure_frequency"] == 0.0  # over the calls that ended: multiply's
     assert "tools/multiply/cancelled_count" not in logged
+
+
+def _run_one_group(loop, content: str):
+    """One group through the real engine, started as the dispatcher starts it: what it put on
+    the sample queue, and its observations as one logging window summarizes them."""
+    engine, put, _ = engine_on(loop)
+    engine._groups_in_flight = engine._groups_generating = 1
+    engine.slots.promise(2)  # as the dispatcher does
+    try:
+        asyncio.run(engine._run_group(PromptSlot(0, 0, 0, {"prompt": [
+            {"role": "user", "content": content}]}), 0))
+    finally:
+        loop.tool_executor.shutdown(wait=False)
+    window = MetricWindow()
+    window.extend(engine._observations)
+    return put, window.summarize()
